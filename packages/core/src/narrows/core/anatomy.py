@@ -1,0 +1,218 @@
+"""Model anatomy: where a Hugging Face causal LM keeps its decoder layers, embedding,
+final norm and LM head.
+
+Everything is found by structure (``get_decoder()``, ``get_input_embeddings()``, the
+``ModuleList`` holding ``config.num_hidden_layers`` blocks); the architecture table only
+records which ``model_type`` values are tested and any path that structure cannot find.
+A model type outside the table is refused rather than silently half-supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .errors import UnsupportedArchitectureError
+
+__all__ = [
+    "Anatomy",
+    "ArchitectureSpec",
+    "anatomy_of",
+    "register_architecture",
+    "supported_architectures",
+    "unwrap_model",
+]
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    """What narrows knows about one ``config.model_type``.
+
+    Paths are dotted attribute paths from the causal-LM module (PEFT wrappers removed);
+    ``None`` means "find it by structure", which is right for every HF decoder-only LM
+    that follows the ``model.model.layers`` convention.
+    """
+
+    model_type: str
+    layers: str | None = None
+    embed: str | None = None
+    norm: str | None = None
+    head: str | None = None
+    # config attributes that change the head (Gemma's logit softcapping, for instance)
+    head_config_keys: tuple[str, ...] = ()
+
+
+_ARCHITECTURES: dict[str, ArchitectureSpec] = {}
+
+
+def register_architecture(spec: ArchitectureSpec, *, replace: bool = False) -> None:
+    """Declare a ``model_type`` supported. Third parties call this for a new architecture."""
+    if spec.model_type in _ARCHITECTURES and not replace:
+        raise ValueError(
+            f"architecture {spec.model_type!r} is already registered; pass replace=True to override it"
+        )
+    _ARCHITECTURES[spec.model_type] = spec
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(_ARCHITECTURES))
+
+
+for _spec in (
+    ArchitectureSpec("llama"),
+    ArchitectureSpec("mistral"),
+    ArchitectureSpec("qwen2"),
+    ArchitectureSpec("qwen3"),
+    ArchitectureSpec("gemma2", head_config_keys=("final_logit_softcapping",)),
+    ArchitectureSpec("gemma3_text", head_config_keys=("final_logit_softcapping",)),
+):
+    register_architecture(_spec)
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """The parts of a causal LM that narrows moves, replaces or trains around."""
+
+    model_type: str
+    model: nn.Module  # the causal LM itself, PEFT wrappers removed
+    decoder: nn.Module  # the backbone holding layers, embedding and final norm
+    layers: nn.ModuleList
+    embed: nn.Module
+    norm: nn.Module
+    head: nn.Module
+    tied: bool  # head and embedding share one weight tensor
+    layer_paths: tuple[str, ...]  # qualified names of the layers inside `model`
+    head_config: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip PEFT's ``PeftModel`` / tuner wrappers and return the transformers model."""
+    seen = 0
+    while seen < 4:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            model = model.get_base_model()
+        elif type(model).__module__.startswith("peft.") and isinstance(getattr(model, "model", None), nn.Module):
+            model = model.model
+        else:
+            break
+    return model
+
+
+def _get(root: nn.Module, path: str) -> nn.Module:
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _base_weight(module: nn.Module):
+    base = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+    return getattr(base, "weight", None)
+
+
+def _find_layers(decoder: nn.Module, n_layers: int | None) -> tuple[str, nn.ModuleList] | None:
+    """The child ModuleList of `decoder` holding `n_layers` blocks of one class."""
+    candidates = []
+    for name, child in decoder.named_children():
+        if not isinstance(child, nn.ModuleList) or len(child) == 0:
+            continue
+        if len({type(m) for m in child}) != 1:
+            continue
+        if n_layers is not None and len(child) != n_layers:
+            continue
+        candidates.append((name, child))
+    if len(candidates) == 1:
+        return candidates[0]
+    named = [c for c in candidates if c[0] == "layers"]
+    return named[0] if named else None
+
+
+def _find_norm(decoder: nn.Module) -> nn.Module | None:
+    if isinstance(getattr(decoder, "norm", None), nn.Module):
+        return decoder.norm
+    norms = [m for n, m in decoder.named_children() if "norm" in n.lower() and not isinstance(m, nn.ModuleList)]
+    return norms[-1] if len(norms) == 1 else None
+
+
+def anatomy_of(model: nn.Module, *, strict: bool = True) -> Anatomy:
+    """Find the decoder layers, embedding, final norm and head of a causal LM.
+
+    Accepts a transformers model or one wrapped by PEFT. With ``strict`` (the default) the
+    model's ``config.model_type`` must be registered; ``strict=False`` accepts any model
+    whose structure is found, for experiments with untested architectures.
+    """
+    lm = unwrap_model(model)
+    config = getattr(lm, "config", None)
+    model_type = getattr(config, "model_type", None)
+    spec = _ARCHITECTURES.get(model_type) if model_type else None
+    how_to_register = (
+        "If its layout is the usual `model.model.layers` one, register it with "
+        f"`narrows.core.register_architecture(narrows.core.ArchitectureSpec({model_type!r}))` "
+        "(give dotted paths for parts structure cannot find), or pass strict=False."
+    )
+    if spec is None and strict:
+        raise UnsupportedArchitectureError(
+            f"narrows does not support model_type={model_type!r} ({type(lm).__name__}). "
+            f"Supported: {', '.join(supported_architectures())}. {how_to_register}"
+        )
+    spec = spec or ArchitectureSpec(str(model_type))
+
+    missing: list[str] = []
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
+    if not isinstance(decoder, nn.Module):
+        decoder = getattr(lm, "model", None)
+    if not isinstance(decoder, nn.Module):
+        raise UnsupportedArchitectureError(
+            f"{type(lm).__name__} has no decoder backbone: looked for `get_decoder()` and a `.model` "
+            f"attribute. {how_to_register}"
+        )
+
+    n_layers = getattr(config, "num_hidden_layers", None)
+    if spec.layers:
+        layers = _get(lm, spec.layers)
+    else:
+        found = _find_layers(decoder, n_layers)
+        layers = found[1] if found else None
+        if layers is None:
+            missing.append(f"a ModuleList of config.num_hidden_layers={n_layers} identical blocks in the decoder")
+
+    embed = _get(lm, spec.embed) if spec.embed else lm.get_input_embeddings()
+    if embed is None:
+        missing.append("input embeddings (`get_input_embeddings()`)")
+    head = _get(lm, spec.head) if spec.head else lm.get_output_embeddings()
+    if head is None:
+        missing.append("an LM head (`get_output_embeddings()`)")
+    norm = _get(lm, spec.norm) if spec.norm else _find_norm(decoder)
+    if norm is None:
+        missing.append("a final norm (`decoder.norm`)")
+    if missing:
+        raise UnsupportedArchitectureError(
+            f"could not find the parts of {type(lm).__name__} (model_type={model_type!r}): missing "
+            + "; ".join(missing)
+            + ". Register an ArchitectureSpec with explicit dotted paths via "
+            "`narrows.core.register_architecture(...)`."
+        )
+
+    prefix = {id(m): n for n, m in lm.named_modules()}
+    layer_paths = tuple(prefix[id(layer)] for layer in layers)
+    head_w, embed_w = _base_weight(head), _base_weight(embed)
+    tied = head_w is not None and head_w is embed_w
+    head_config = {k: getattr(config, k, None) for k in spec.head_config_keys}
+    return Anatomy(
+        model_type=str(model_type),
+        model=lm,
+        decoder=decoder,
+        layers=layers,
+        embed=embed,
+        norm=norm,
+        head=head,
+        tied=tied,
+        layer_paths=layer_paths,
+        head_config=head_config,
+    )

@@ -1,0 +1,32 @@
+"""Test helpers that ship with narrows-core: tiny random models of every supported
+architecture and the adapter-layer protocol's contract suite. Imported only by tests."""
+
+from .adapters import ADAPTER_KINDS, with_adapter
+from .contract import (
+    check_adapter_views,
+    check_gradients_flow,
+    check_layer_swap_roundtrip,
+    check_partition,
+    check_slots_cover_forward,
+    forward_backward,
+    reachable_tensors,
+    run_contract,
+)
+from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
+
+__all__ = [
+    "ADAPTER_KINDS",
+    "TINY_ARCHITECTURES",
+    "check_adapter_views",
+    "check_gradients_flow",
+    "check_layer_swap_roundtrip",
+    "check_partition",
+    "check_slots_cover_forward",
+    "forward_backward",
+    "reachable_tensors",
+    "run_contract",
+    "tiny_batch",
+    "tiny_config",
+    "tiny_model",
+    "with_adapter",
+]

@@ -1,0 +1,36 @@
+"""Attach adapters to tiny models the way users do, for the contract suite."""
+
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["ADAPTER_KINDS", "with_adapter"]
+
+ADAPTER_KINDS = ("none", "lora", "dora")
+
+_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_adapter(model: nn.Module, kind: str, *, rank: int = 4, seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    """`model` wrapped by PEFT with LoRA or PEFT's DoRA on all seven projections.
+
+    lora_B is randomised (PEFT initialises it to zero) so the adapter path changes the
+    output and any mistake in it shows.
+    """
+    if kind == "none":
+        return model
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    if kind not in ADAPTER_KINDS:
+        raise ValueError(f"unknown adapter kind {kind!r}; choose one of {ADAPTER_KINDS}")
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=_TARGETS,
+                     use_dora=kind == "dora", task_type="CAUSAL_LM")  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, cfg)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                with torch.no_grad():
+                    p.normal_(0, 0.05)
+    return peft_model
