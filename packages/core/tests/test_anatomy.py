@@ -50,7 +50,9 @@ def test_structure_missing_is_reported_part_by_part():
     model = transformers.GPT2LMHeadModel(cfg)
     with pytest.raises(UnsupportedArchitectureError, match="final norm"):
         anatomy_of(model, strict=False)  # GPT-2 calls it ln_f, and keeps layers in `h`
-    register_architecture(ArchitectureSpec("gpt2", layers="transformer.h", norm="transformer.ln_f"), replace=True)
+    register_architecture(
+        ArchitectureSpec("gpt2", layers="transformer.h", norm="transformer.ln_f"), replace=True
+    )
     try:
         a = anatomy_of(model)
         assert a.layers is model.transformer.h and a.norm is model.transformer.ln_f

@@ -3,7 +3,14 @@
 import pytest
 
 from narrows.core import quantize_nf4
-from narrows.core.testing import ADAPTER_KINDS, TINY_ARCHITECTURES, run_contract, tiny_batch, tiny_model, with_adapter
+from narrows.core.testing import (
+    ADAPTER_KINDS,
+    TINY_ARCHITECTURES,
+    run_contract,
+    tiny_batch,
+    tiny_model,
+    with_adapter,
+)
 
 BASES = ["float", pytest.param("nf4", marks=pytest.mark.bnb)]
 

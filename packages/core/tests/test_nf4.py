@@ -2,7 +2,13 @@ import pytest
 import torch
 
 import narrows.core._env as env
-from narrows.core import MissingDependencyError, NarrowsError, disable_cpu_repacking, frozen_slots, quantize_nf4
+from narrows.core import (
+    MissingDependencyError,
+    NarrowsError,
+    disable_cpu_repacking,
+    frozen_slots,
+    quantize_nf4,
+)
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 
@@ -87,5 +93,5 @@ def test_missing_bitsandbytes_says_how_to_install(monkeypatch):
 
 @pytest.mark.bnb
 def test_no_linear_to_quantise_is_an_error():
-    with pytest.raises(ValueError, match="no nn.Linear"):
+    with pytest.raises(ValueError, match=r"no nn\.Linear"):
         quantize_nf4(tiny_model("llama"), filter_fn=lambda name, _: False)

@@ -36,7 +36,7 @@ def test_slots_cover_frozen_parameters_and_buffers_only():
 def test_set_refuses_another_layout_and_names_the_slot():
     lin = _frozen_linear()
     weight = next(s for s in frozen_slots(lin) if s.name == "weight")
-    with pytest.raises(SlotMismatchError, match="'weight'.*stride"):
+    with pytest.raises(SlotMismatchError, match=r"'weight'.*stride"):
         weight.set(torch.zeros(8, 4).t())  # same shape, transposed strides
     with pytest.raises(SlotMismatchError, match="float64"):
         weight.set(torch.zeros(4, 8, dtype=torch.float64))

@@ -10,9 +10,6 @@
 
 from importlib.metadata import version as _version
 
-# anatomy
-from .anatomy import Anatomy, ArchitectureSpec, anatomy_of, register_architecture, supported_architectures, unwrap_model
-
 # adapter protocol
 from .adapters import (
     AdapterType,
@@ -23,6 +20,16 @@ from .adapters import (
     adapter_views,
     register_adapter_type,
     registered_adapter_types,
+)
+
+# anatomy
+from .anatomy import (
+    Anatomy,
+    ArchitectureSpec,
+    anatomy_of,
+    register_architecture,
+    supported_architectures,
+    unwrap_model,
 )
 
 # errors

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from torch import nn
 
@@ -65,7 +65,7 @@ def register_adapter_type(adapter_type: AdapterType, *, first: bool = False) -> 
         raise TypeError(f"{adapter_type!r} does not implement narrows.core.AdapterType")
     if any(t.name == adapter_type.name for t in _REGISTRY):
         raise ValueError(f"an adapter type named {adapter_type.name!r} is already registered")
-    _REGISTRY.insert(0, adapter_type) if first else _REGISTRY.append(adapter_type)
+    _REGISTRY.insert(0 if first else len(_REGISTRY), adapter_type)
 
 
 def registered_adapter_types() -> tuple[AdapterType, ...]:
@@ -125,7 +125,7 @@ class PeftLoraAdapter:
 
     name = "peft-lora"
 
-    _ROLES = {
+    _ROLES: ClassVar[dict[str, str]] = {
         "lora_A": "lora_A",
         "lora_B": "lora_B",
         "lora_embedding_A": "lora_A",

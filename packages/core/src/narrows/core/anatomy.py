@@ -97,7 +97,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         seen += 1
         if hasattr(model, "get_base_model") and callable(model.get_base_model):
             model = model.get_base_model()
-        elif type(model).__module__.startswith("peft.") and isinstance(getattr(model, "model", None), nn.Module):
+        elif type(model).__module__.startswith("peft.") and isinstance(
+            getattr(model, "model", None), nn.Module
+        ):
             model = model.model
         else:
             break
@@ -136,7 +138,9 @@ def _find_layers(decoder: nn.Module, n_layers: int | None) -> tuple[str, nn.Modu
 def _find_norm(decoder: nn.Module) -> nn.Module | None:
     if isinstance(getattr(decoder, "norm", None), nn.Module):
         return decoder.norm
-    norms = [m for n, m in decoder.named_children() if "norm" in n.lower() and not isinstance(m, nn.ModuleList)]
+    norms = [
+        m for n, m in decoder.named_children() if "norm" in n.lower() and not isinstance(m, nn.ModuleList)
+    ]
     return norms[-1] if len(norms) == 1 else None
 
 
@@ -180,7 +184,9 @@ def anatomy_of(model: nn.Module, *, strict: bool = True) -> Anatomy:
         found = _find_layers(decoder, n_layers)
         layers = found[1] if found else None
         if layers is None:
-            missing.append(f"a ModuleList of config.num_hidden_layers={n_layers} identical blocks in the decoder")
+            missing.append(
+                f"a ModuleList of config.num_hidden_layers={n_layers} identical blocks in the decoder"
+            )
 
     embed = _get(lm, spec.embed) if spec.embed else lm.get_input_embeddings()
     if embed is None:

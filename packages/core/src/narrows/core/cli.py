@@ -28,7 +28,9 @@ def _doctor(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="narrows", description="Fine-tune large language models through a narrow GPU.")
+    parser = argparse.ArgumentParser(
+        prog="narrows", description="Fine-tune large language models through a narrow GPU."
+    )
     parser.add_argument("--version", action="version", version=f"narrows-core {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     doctor = sub.add_parser("doctor", help="versions, devices and usable backends (attach to bug reports)")

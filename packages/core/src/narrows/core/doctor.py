@@ -31,8 +31,8 @@ class DoctorReport:
 
 def _probe_bitsandbytes() -> tuple[bool, str]:
     try:
-        import torch
         import bitsandbytes.functional as F
+        import torch
 
         w = torch.randn(64, 64)
         q, qs = F.quantize_4bit(w, quant_type="nf4")

@@ -115,7 +115,9 @@ def quantize_nf4(
             if child.bias is not None:
                 # same dtype as the compute: Linear4bit otherwise re-casts the bias storage
                 # inside forward, which would move it out from under a frozen slot
-                q.bias = nn.Parameter(child.bias.data.to(device=dev, dtype=compute_dtype), requires_grad=False)
+                q.bias = nn.Parameter(
+                    child.bias.data.to(device=dev, dtype=compute_dtype), requires_grad=False
+                )
             q.support_avx512bf16_for_cpu = False
             q.train(child.training)
             parent_name, _, attr = name.rpartition(".")

@@ -48,7 +48,9 @@ class SlabLayout:
     alignment: int = SLAB_ALIGNMENT
 
     @classmethod
-    def of(cls, slots: Sequence[FrozenSlot] | Sequence[Tensor], *, alignment: int = SLAB_ALIGNMENT) -> SlabLayout:
+    def of(
+        cls, slots: Sequence[FrozenSlot] | Sequence[Tensor], *, alignment: int = SLAB_ALIGNMENT
+    ) -> SlabLayout:
         """Lay out the slots' current tensors (or plain tensors) back to back, aligned."""
         entries, offset = [], 0
         for i, item in enumerate(slots):
@@ -66,7 +68,9 @@ class SlabLayout:
     def views(self, slab: Tensor) -> list[Tensor]:
         """Tensors viewing `slab`, one per entry, with the entries' shapes, dtypes and strides."""
         if slab.dtype != torch.uint8 or slab.dim() != 1 or slab.numel() < self.nbytes:
-            raise ValueError(f"need a 1-D uint8 slab of at least {self.nbytes} bytes, got {slab.dtype} {tuple(slab.shape)}")
+            raise ValueError(
+                f"need a 1-D uint8 slab of at least {self.nbytes} bytes, got {slab.dtype} {tuple(slab.shape)}"
+            )
         out = []
         for e in self.entries:
             if e.nbytes == 0:  # an empty tensor owns no bytes

@@ -55,7 +55,11 @@ class FrozenSlot:
         same op pick another kernel and break bit-exactness.
         """
         current = self.tensor
-        if tensor.shape != current.shape or tensor.dtype != current.dtype or tensor.stride() != current.stride():
+        if (
+            tensor.shape != current.shape
+            or tensor.dtype != current.dtype
+            or tensor.stride() != current.stride()
+        ):
             raise SlotMismatchError(
                 f"slot {self.name!r} holds {tuple(current.shape)} {current.dtype} stride {current.stride()}; "
                 f"got {tuple(tensor.shape)} {tensor.dtype} stride {tensor.stride()}. A slot can only be pointed "

@@ -11,7 +11,9 @@ ADAPTER_KINDS = ("none", "lora", "dora")
 _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def with_adapter(model: nn.Module, kind: str, *, rank: int = 4, seed: int = 0, dropout: float = 0.0) -> nn.Module:
+def with_adapter(
+    model: nn.Module, kind: str, *, rank: int = 4, seed: int = 0, dropout: float = 0.0
+) -> nn.Module:
     """`model` wrapped by PEFT with LoRA or PEFT's DoRA on all seven projections.
 
     lora_B is randomised (PEFT initialises it to zero) so the adapter path changes the

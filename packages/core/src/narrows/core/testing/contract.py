@@ -43,7 +43,9 @@ def forward_backward(model: nn.Module, batch: dict[str, Tensor]) -> list[Tensor]
 def _equal(a: Sequence[Tensor], b: Sequence[Tensor], what: str) -> None:
     assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} tensors"
     for i, (x, y) in enumerate(zip(a, b)):
-        assert torch.equal(x, y), f"{what}: tensor {i} differs (max abs diff {(x.float() - y.float()).abs().max()})"
+        assert torch.equal(x, y), (
+            f"{what}: tensor {i} differs (max abs diff {(x.float() - y.float()).abs().max()})"
+        )
 
 
 def _storage(t: Tensor) -> int:
@@ -88,11 +90,15 @@ def check_partition(module: nn.Module) -> list[FrozenSlot]:
     every tensor reachable from the module is a slot or a trainable parameter; every
     trainable parameter belongs to an adapter view; slot names are unique."""
     slots = frozen_slots(module)
-    covered = {_storage(s.tensor) for s in slots} | {_storage(p) for p in trainable_parameters(module).values()}
+    covered = {_storage(s.tensor) for s in slots} | {
+        _storage(p) for p in trainable_parameters(module).values()
+    }
     missed = [path for key, (path, _) in reachable_tensors(module).items() if key not in covered]
     assert not missed, f"tensors the module holds that are neither frozen slots nor trainable: {missed[:6]}"
     names = [s.name for s in slots]
-    assert len(names) == len(set(names)), f"duplicate slot names: {sorted(n for n in names if names.count(n) > 1)}"
+    assert len(names) == len(set(names)), (
+        f"duplicate slot names: {sorted(n for n in names if names.count(n) > 1)}"
+    )
     trainable = trainable_parameters(module)
     slot_params = {id(s.owner) for s in slots if s.kind == "parameter"}
     for name, p in module.named_parameters():
@@ -206,6 +212,7 @@ def run_contract(model: nn.Module, batch: dict[str, Tensor], *, variant: str | N
         n_linear = sum(1 for layer in anat.layers for v in adapter_views(layer))
         assert n_linear > 0, "no adapter layers inside the decoder layers"
         check_adapter_views(model, variant, n_linear)
+
     def run() -> list[Tensor]:
         return forward_backward(model, batch)
 

@@ -59,7 +59,9 @@ def tiny_config(arch: str, **overrides):
     return cfg_cls(**kw)
 
 
-def tiny_model(arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
+def tiny_model(
+    arch: str = "llama", *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> nn.Module:
     """A seeded random causal LM of `arch` in eval mode, with eager attention (the
     reference kernel on every device, so results do not depend on SDPA backends)."""
     import transformers as tf
