@@ -1,6 +1,27 @@
-"""narrows.stream — blockwise residency — train adapters on a frozen base that lives in host RAM and is streamed to the GPU, bit-identical to resident training."""
+"""narrows.stream — train adapters on a frozen base that lives in host memory.
+
+``narrows.stream.stream(model, gpu_budget="12GiB")`` parks every decoder layer's frozen
+storage (NF4 quantisation state included) in one host slab per layer and streams it to the
+GPU with prefetch; backward recomputes each layer under its saved RNG state. Training is
+bit-identical (`torch.equal`) to the same model trained fully resident.
+"""
 
 from importlib.metadata import version as _version
 
+from .api import StreamHandle, plan, stream
+from .engine import TransferStats
+from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
+from .plan import Plan
+
 __version__ = _version("narrows-stream")
-__all__ = ["__version__"]
+__all__ = [
+    "BudgetTooSmallError",
+    "Plan",
+    "SelfCheckError",
+    "StreamHandle",
+    "StreamSetupError",
+    "TransferStats",
+    "__version__",
+    "plan",
+    "stream",
+]

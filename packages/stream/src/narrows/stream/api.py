@@ -1,0 +1,278 @@
+"""`stream(model, gpu_budget=...)`: one call that makes a PEFT model train with its frozen
+decoder layers streamed from host memory, and the handle it leaves on the model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import (
+    Anatomy,
+    anatomy_of,
+    assign,
+    copies,
+    frozen_slots,
+    measure_peaks,
+    parse_bytes,
+    trainable_parameters,
+    unwrap_model,
+)
+
+from .engine import LayerStore, TransferEngine, park_layer
+from .errors import StreamSetupError
+from .plan import Plan, Shapes, make_plan
+from .remat import LayerCall, streamed_call
+from .selfcheck import self_check
+
+log = logging.getLogger("narrows.stream")
+
+__all__ = ["StreamHandle", "plan", "stream"]
+
+
+@dataclass
+class StreamHandle:
+    """What `stream` leaves on the model as ``model.narrows_stream``."""
+
+    plan: Plan
+    engine: TransferEngine
+    stores: list[LayerStore]
+    device: torch.device
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def measure(self) -> Any:
+        """``with model.narrows_stream.measure() as peaks: train_step()`` — measured peak."""
+        return measure_peaks(self.device)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _shapes(anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
+    cfg = anat.model.config
+    act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
+    return Shapes(
+        layers=anat.num_layers,
+        hidden=cfg.hidden_size,
+        intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+        heads=cfg.num_attention_heads,
+        vocab=cfg.vocab_size,
+        act_bytes=act,
+        batch=batch_size,
+        seq=seq_len,
+        eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
+    )
+
+
+def _budget(gpu_budget: str | int | None, device: torch.device) -> int | None:
+    if gpu_budget is None or gpu_budget == "min":
+        return None
+    if gpu_budget == "fit":
+        if device.type != "cuda":
+            return 2**62  # the CPU is the device: everything fits
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9) + torch.cuda.memory_allocated(device)
+    return parse_bytes(gpu_budget)
+
+
+def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool):
+    """Slots and trainables outside the decoder layers, and per-layer trainables."""
+    layer_prefixes = tuple(p + "." for p in anat.layer_paths)
+    root = unwrap_model(model)
+    embed_ids = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
+    outside = [
+        s
+        for s in frozen_slots(root)
+        if not s.name.startswith(layer_prefixes) and id(s.owner) not in embed_ids
+    ]
+    return outside
+
+
+def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
+         batch_size: int = 1, seq_len: int = 512, prefetch: int = 1) -> Plan:  # fmt: skip
+    """What `stream` would do with this budget, without moving anything."""
+    anat = anatomy_of(model)
+    dev = _resolve_device(device)
+    host_embedding = _host_embedding(anat)
+    outside = _parts(model, anat, host_embedding)
+    trainable = list(trainable_parameters(model).values())
+    fixed = (
+        _nbytes(s.tensor for s in outside) + 2 * _nbytes(trainable) + 8 * sum(p.numel() for p in trainable)
+    )
+    layer_bytes = [
+        sum(e.nbytes for e in _layout(layer, path).entries)
+        for path, layer in zip(anat.layer_paths, anat.layers)
+    ]
+    return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, batch_size, seq_len),
+                     budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch)  # fmt: skip
+
+
+def _layout(layer: nn.Module, path: str):
+    from narrows.core import SlabLayout
+
+    return SlabLayout.of(frozen_slots(layer, prefix=path))
+
+
+def _host_embedding(anat: Anatomy) -> bool:
+    """The embedding can stay on the host when it is frozen and not tied to the head."""
+    return not anat.tied and not any(p.requires_grad for p in anat.embed.parameters())
+
+
+def _refuse_move(owner: nn.Module, device: torch.device) -> Callable[..., nn.Module]:
+    original = owner.to
+
+    def to(*args: Any, **kwargs: Any) -> nn.Module:
+        dev, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None or (dev is not None and torch.device(dev).type != device.type):
+            raise StreamSetupError(
+                "a streamed model cannot be moved or cast: its frozen layers live in host slabs. "
+                "Move or cast the model before calling narrows.stream.stream()."
+            )
+        return owner  # already where it belongs (what Trainer's .to(device) expects)
+
+    to.__wrapped__ = original  # type: ignore[attr-defined]
+    return to
+
+
+def _no_checkpointing(model: nn.Module) -> None:
+    lm = unwrap_model(model)
+    if getattr(lm, "is_gradient_checkpointing", False):
+        log.warning("narrows.stream: HF gradient checkpointing is redundant with streaming "
+                    "(every layer is already recomputed in backward); turning it off.")  # fmt: skip
+        lm.gradient_checkpointing_disable()
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        log.warning("narrows.stream: gradient_checkpointing_enable() ignored — streaming already "
+                    "recomputes every layer in backward, so checkpointing would only add a second recompute.")  # fmt: skip
+
+    for m in {id(model): model, id(lm): lm}.values():
+        m.gradient_checkpointing_enable = refuse
+
+
+def _check_args(index: int, args: tuple, kwargs: dict) -> None:
+    def walk(x: Any) -> None:
+        if isinstance(x, Tensor) and x.requires_grad:
+            raise StreamSetupError(
+                f"layer {index} received a tensor argument that requires grad besides its hidden states; "
+                "narrows.stream differentiates only the hidden states and the adapters."
+            )
+        if isinstance(x, tuple | list):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(args)
+    walk(kwargs)
+
+
+def _layer_forward(index: int, original: Callable[..., Any], engine: TransferEngine,
+                   params: tuple[nn.Parameter, ...]) -> Callable[..., Any]:  # fmt: skip
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        if torch.is_grad_enabled() and kwargs.get("past_key_values") is not None:
+            kwargs["past_key_values"] = None  # a cache would be written twice by the recompute
+        _check_args(index, args, kwargs)
+        return streamed_call(LayerCall(index, original, args, kwargs, engine, params), hidden)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    return forward
+
+
+def stream(
+    model: nn.Module,
+    gpu_budget: str | int | None = None,
+    *,
+    device: torch.device | str | None = None,
+    batch_size: int = 1,
+    seq_len: int = 512,
+    prefetch: int = 1,
+    check: bool = True,
+) -> nn.Module:
+    """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
+
+    `gpu_budget`: bytes or a size like ``"12GiB"`` the run may use on the device; ``"fit"``
+    keeps as many layers resident as the free memory allows; None streams every layer
+    with the smallest footprint. `batch_size`/`seq_len` size the activation estimate.
+    Training afterwards is bit-identical to training the same model fully resident.
+    `check` runs a one-layer streamed-vs-resident self-check first (``check=False`` skips
+    it, e.g. for a model whose layers are known to be nondeterministic).
+    Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
+    """
+    if getattr(model, "narrows_stream", None) is not None:
+        raise StreamSetupError("this model is already streamed")
+    anat = anatomy_of(model)
+    dev = _resolve_device(device)
+    trainables = trainable_parameters(model)
+    if not trainables:
+        raise StreamSetupError(
+            "nothing in this model trains: add adapters first, e.g. "
+            "model = peft.get_peft_model(model, LoraConfig(...)), then call narrows.stream.stream(model)"
+        )
+    on_device = [s.name for layer, p in zip(anat.layers, anat.layer_paths) for s in frozen_slots(layer, prefix=p)
+                 if s.tensor.device.type == "cuda"]  # fmt: skip
+    if dev.type == "cuda" and on_device:
+        raise StreamSetupError(
+            f"the model's decoder layers are already on the GPU ({on_device[0]!r}, …): streaming needs them in host "
+            "memory. Load the model on the CPU (no device_map, or device_map='cpu') and let "
+            "narrows.stream.stream() place what belongs on the GPU."
+        )
+    the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch)
+
+    _no_checkpointing(model)
+    anat.model.config.use_cache = False  # the recompute would write a KV cache twice
+
+    host_embedding = _host_embedding(anat)
+    outside = _parts(model, anat, host_embedding)
+    assign(outside, copies(outside, dev))
+    for p in trainables.values():
+        p.data = p.data.to(dev)
+
+    pin = dev.type == "cuda"
+    stores = [
+        park_layer(i, layer, path, pin=pin)
+        for i, (path, layer) in enumerate(zip(anat.layer_paths, anat.layers))
+    ]
+    engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident))
+
+    for i, layer in enumerate(anat.layers):
+        params = tuple(p for p in layer.parameters() if p.requires_grad)
+        layer.forward = _layer_forward(i, layer.forward, engine, params)
+
+    if host_embedding:
+        embed_forward = anat.embed.forward
+
+        def embed(input_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            # gather rows on the host: the full embedding matrix never goes to the device
+            return embed_forward(input_ids.to("cpu"), *args, **kwargs).to(dev, non_blocking=True)
+
+        anat.embed.forward = embed
+
+    for m in {id(model): model, id(anat.model): anat.model}.values():
+        m.to = _refuse_move(m, dev)
+        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev)
+    if check:
+        self_check(model, anat, engine)
+    log.info("narrows.stream plan:\n%s", the_plan)
+    return model

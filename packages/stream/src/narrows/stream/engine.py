@@ -1,0 +1,173 @@
+"""The transfer engine: where each decoder layer's frozen storage lives and how it gets
+to the compute device.
+
+Every streamed layer owns one host slab (pinned on CUDA machines) holding all its frozen
+slots — the authoritative copy; nothing is ever copied back. A small pool of device slabs,
+allocated once and reused, receives layers one host→device copy at a time on a dedicated
+copy stream; events order the copy after the slab's previous user and the compute after
+the copy. Resident layers are copied to the device once and never move.
+
+On a CPU-only machine the device is the CPU: "copies" are memcpy between two host
+buffers and there are no streams, but every slot re-pointing and every ordering decision
+is the same code, so CPU tests exercise the mechanism itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import FrozenSlot, SlabLayout, assign, frozen_slots, snapshot
+
+
+@dataclass
+class LayerStore:
+    """One decoder layer's frozen storage."""
+
+    index: int
+    slots: list[FrozenSlot]
+    layout: SlabLayout
+    host: Tensor  # uint8 slab, authoritative
+    host_views: list[Tensor]
+    resident_views: list[Tensor] | None = None  # set when the layer stays on the device
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+
+@dataclass
+class DeviceSlab:
+    buffer: Tensor
+    owner: int | None = None  # layer whose bytes the slab holds (valid once `ready` fires)
+    in_use: bool = False
+    last_used: int = 0
+    ready: object | None = None  # torch.cuda.Event: copy finished
+    free: object | None = None  # torch.cuda.Event: compute finished reading
+
+
+@dataclass
+class TransferStats:
+    loads: int = 0  # host→device copies issued
+    hits: int = 0  # acquires served by a slab that already held the layer
+    waits: int = 0  # acquires that had to issue the copy themselves (prefetch missed)
+    bytes_h2d: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"loads": self.loads, "hits": self.hits, "waits": self.waits, "bytes_h2d": self.bytes_h2d}
+
+
+def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool) -> LayerStore:
+    """Move every frozen tensor of `layer` into one host slab and point the slots at it."""
+    slots = frozen_slots(layer, prefix=prefix)
+    originals = snapshot(slots)
+    layout = SlabLayout.of(slots)
+    host = layout.empty("cpu", pin_memory=pin)
+    views = layout.pack(originals, host)
+    assign(slots, views)
+    return LayerStore(index, slots, layout, host, views)
+
+
+class TransferEngine:
+    """Brings layers to the device on demand, prefetches ahead, and hands slabs back."""
+
+    def __init__(self, stores: list[LayerStore], device: torch.device, *, pool_size: int, resident: set[int]):
+        self.stores = stores
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stats = TransferStats()
+        self._clock = 0
+        for i in sorted(resident):
+            s = stores[i]
+            buf = s.layout.empty(device)
+            buf.copy_(s.host)
+            s.resident_views = s.layout.views(buf)
+            assign(s.slots, s.resident_views)
+            self.stats.bytes_h2d += s.nbytes
+        streamed = [s for s in stores if s.resident_views is None]
+        slab_bytes = max((s.nbytes for s in streamed), default=0)
+        self.pool = [DeviceSlab(torch.empty(slab_bytes, dtype=torch.uint8, device=device))
+                     for _ in range(pool_size if streamed else 0)]  # fmt: skip
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    # ---- slab bookkeeping -------------------------------------------------------------
+    def _holding(self, index: int) -> DeviceSlab | None:
+        return next((s for s in self.pool if s.owner == index), None)
+
+    def _victim(self) -> DeviceSlab | None:
+        free = [s for s in self.pool if not s.in_use]
+        return min(free, key=lambda s: s.last_used) if free else None
+
+    def _load(self, index: int, slab: DeviceSlab) -> None:
+        store = self.stores[index]
+        n = store.nbytes
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                if slab.free is not None:
+                    self.copy_stream.wait_event(slab.free)  # the previous user is done reading
+                slab.buffer[:n].copy_(store.host, non_blocking=True)
+                slab.ready = torch.cuda.Event()
+                slab.ready.record(self.copy_stream)
+        else:
+            slab.buffer[:n].copy_(store.host)
+        slab.owner = index
+        self._clock += 1
+        slab.last_used = self._clock  # a fresh prefetch is not the next victim
+        self.stats.loads += 1
+        self.stats.bytes_h2d += n
+
+    # ---- what the layers call ---------------------------------------------------------
+    def is_resident(self, index: int) -> bool:
+        return self.stores[index].resident_views is not None
+
+    def prefetch(self, index: int) -> None:
+        """Start copying layer `index` into a free slab, if it is streamed and not there yet."""
+        if not 0 <= index < len(self.stores) or self.is_resident(index) or self._holding(index):
+            return
+        slab = self._victim()
+        if slab is not None:
+            self._load(index, slab)
+
+    def acquire(self, index: int) -> None:
+        """Point layer `index`'s slots at device memory (waiting for its copy if needed)."""
+        store = self.stores[index]
+        if store.resident_views is not None:
+            return
+        slab = self._holding(index)
+        if slab is None:
+            slab = self._victim()
+            if slab is None:
+                raise RuntimeError(
+                    "narrows.stream: every device slab is in use; this is a bug, please report it"
+                )
+            self._load(index, slab)
+            self.stats.waits += 1
+        else:
+            self.stats.hits += 1
+        if self.cuda and slab.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(slab.ready)
+        slab.in_use = True
+        self._clock += 1
+        slab.last_used = self._clock
+        assign(store.slots, store.layout.views(slab.buffer))
+
+    def release(self, index: int) -> None:
+        """Point layer `index` back at its host slab; its device slab becomes reusable once
+        the work queued on the compute stream has read it."""
+        store = self.stores[index]
+        if store.resident_views is not None:
+            return
+        assign(store.slots, store.host_views)
+        slab = self._holding(index)
+        if slab is None:
+            return
+        if self.cuda:
+            slab.free = torch.cuda.Event()
+            slab.free.record(torch.cuda.current_stream(self.device))
+        slab.in_use = False
+
+    def device_bytes(self) -> int:
+        pool = sum(s.buffer.numel() for s in self.pool)
+        return pool + sum(s.nbytes for s in self.stores if s.resident_views is not None)

@@ -1,0 +1,99 @@
+"""Streamed execution of one decoder layer, with rematerialised backward.
+
+Forward: bring the layer's frozen storage to the device, run the layer exactly as resident
+training would (same grad mode, so the same kernels), keep only its input and the RNG
+state captured just before, hand the storage back. Backward: bring it again, replay the
+RNG inside `fork_rng`, recompute the layer, and differentiate it with respect to its input
+and its adapter parameters only. Frozen weights never see a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import rng
+from .engine import TransferEngine
+
+
+@dataclass
+class LayerCall:
+    """Everything a layer call needs that is not differentiated: replayed verbatim."""
+
+    index: int
+    fn: Callable[..., Any]  # the layer's own forward
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    engine: TransferEngine
+    params: tuple[nn.Parameter, ...]
+    state: rng.RngState | None = None
+
+
+def _run(call: LayerCall, hidden: Tensor) -> Tensor:
+    out = call.fn(hidden, *call.args, **call.kwargs)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            f"narrows.stream expects a decoder layer to return its hidden states as one tensor "
+            f"(transformers 5.x layers do); layer {call.index} returned {type(out).__name__}"
+        )
+    return out
+
+
+class StreamedLayer(torch.autograd.Function):
+    """autograd node for one streamed layer: inputs are the hidden states and the layer's
+    trainable parameters, so autograd routes their gradients as it would for the layer."""
+
+    @staticmethod
+    def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> Tensor:
+        call.state = rng.capture(hidden.device)
+        engine = call.engine
+        engine.acquire(call.index)
+        engine.prefetch(call.index + 1)
+        try:
+            with torch.enable_grad():  # resident training runs the layer with grad on
+                h = hidden.detach().requires_grad_(hidden.requires_grad)
+                out = _run(call, h).detach()
+        finally:
+            engine.release(call.index)
+        ctx.call = call
+        ctx.save_for_backward(hidden)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        call: LayerCall = ctx.call
+        (hidden,) = ctx.saved_tensors
+        need_h = ctx.needs_input_grad[1]
+        need_p = ctx.needs_input_grad[2:]
+        engine = call.engine
+        engine.acquire(call.index)
+        engine.prefetch(call.index - 1)
+        try:
+            with rng.replay(call.state), torch.enable_grad():
+                h = hidden.detach().requires_grad_(need_h)
+                out = _run(call, h)
+                wrt = ([h] if need_h else []) + [p for p, n in zip(call.params, need_p) if n]
+                grads = list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True)) if wrt else []
+        finally:
+            engine.release(call.index)
+        grad_h = grads.pop(0) if need_h else None
+        grad_params = [grads.pop(0) if n else None for n in need_p]
+        return (None, grad_h, *grad_params)
+
+
+def streamed_call(call: LayerCall, hidden: Tensor) -> Tensor:
+    """Run one layer streamed: through the autograd node when something upstream or inside
+    needs a gradient, else (evaluation, no_grad) as a plain prefetched forward."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in call.params)):
+        return StreamedLayer.apply(call, hidden, *call.params)
+    engine = call.engine
+    engine.acquire(call.index)
+    engine.prefetch(call.index + 1)
+    try:
+        return _run(call, hidden)
+    finally:
+        engine.release(call.index)

@@ -1,0 +1,52 @@
+"""Resident-vs-streamed training runs on tiny models, recording everything that must match."""
+
+from __future__ import annotations
+
+import torch
+
+import narrows.stream as ns
+from narrows.core import quantize_nf4
+from narrows.core.testing import tiny_batch, tiny_model, with_adapter
+
+
+def build(arch="llama", *, base="float", kind="lora", dropout=0.0, dtype=torch.float32, **config_overrides):
+    model = tiny_model(arch, dtype=dtype, **config_overrides)
+    if base == "nf4":
+        quantize_nf4(model)
+    model = with_adapter(model, kind, dropout=dropout)
+    return model.train()
+
+
+def train(
+    model, *, steps: int = 3, grad_accum: int = 1, stream_kwargs: dict | None = None, device: str = "cpu"
+):
+    """Seeded AdamW loop. Returns per-micro-step losses, gradients before each step, final
+    adapter weights and optimizer state — the tensors a parity gate compares."""
+    torch.manual_seed(0)
+    if stream_kwargs is not None:
+        ns.stream(model, device=device, **stream_kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    record: dict[str, list[torch.Tensor]] = {"loss": [], "grad": [], "weight": [], "adam": []}
+    for step in range(steps):
+        for micro in range(grad_accum):
+            batch = {k: v.to(device) for k, v in tiny_batch(seed=100 * step + micro).items()}
+            loss = model(**batch).loss / grad_accum
+            loss.backward()
+            record["loss"].append(loss.detach().clone())
+        record["grad"] += [p.grad.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+    record["weight"] = [p.detach().clone() for p in params]
+    record["adam"] = [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    return record
+
+
+def assert_identical(resident: dict, streamed: dict) -> None:
+    for key in resident:
+        a, b = resident[key], streamed[key]
+        assert len(a) == len(b) and len(a) > 0, key
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x.cpu(), y.cpu()), (
+                f"{key}[{i}] differs: max {(x.float() - y.float()).abs().max().item()}"
+            )
