@@ -42,6 +42,7 @@ class StreamHandle:
     engine: TransferEngine
     stores: list[LayerStore]
     device: torch.device
+    host_embedding: bool  # embedding rows are gathered on the host
 
     @property
     def stats(self):
@@ -271,7 +272,7 @@ def stream(
 
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
-        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev)
+        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding)
     if check:
         self_check(model, anat, engine)
     log.info("narrows.stream plan:\n%s", the_plan)
