@@ -88,7 +88,7 @@ def quantize_nf4(
     bnb = require("bitsandbytes", "NF4 quantisation")
     anat = anatomy_of(model)
     if compute_dtype is None:
-        compute_dtype = next(anat.layers.parameters()).dtype
+        compute_dtype = next(p.dtype for p in anat.layers.parameters() if p.is_floating_point())
     n = 0
     for lpath, layer in zip(anat.layer_paths, anat.layers):
         for name, child in list(layer.named_modules()):

@@ -1,0 +1,70 @@
+"""Real architectures' shapes with seeded random weights, quantised to NF4 one layer at a
+time so the full-precision model never exists (a 72B bf16 model would not fit host RAM)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def load_config(name: str):
+    from transformers import AutoConfig
+
+    path = Path(name) if name.endswith(".json") else CONFIGS / f"{name}.json"
+    spec = json.loads(path.read_text())
+    return AutoConfig.for_model(**spec)
+
+
+@torch.no_grad()
+def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa"):
+    """A causal LM of `config`'s shape on the CPU: decoder linears in NF4 (double quant),
+    everything else bf16. Each layer is materialised and quantised on `work_device`, then
+    parked on the CPU before the next one exists."""
+    from transformers import AutoModelForCausalLM
+
+    from narrows.core import anatomy_of, quantize_nf4
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=attn)
+    gen = torch.Generator(device=work_device).manual_seed(seed)
+
+    def init_(module: torch.nn.Module) -> None:
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(
+                    torch.randn(p.shape, generator=gen, device=work_device, dtype=torch.float32).mul_(0.02)
+                )
+
+    anat = anatomy_of(model)
+    for part in {id(m): m for m in (anat.embed, anat.norm, anat.head)}.values():
+        part.to_empty(device=work_device)
+        init_(part)
+        part.to("cpu")
+    rotary = getattr(anat.decoder, "rotary_emb", None)
+    if rotary is not None:
+        with torch.device("cpu"):  # its inverse frequencies are computed, not loaded
+            anat.decoder.rotary_emb = type(rotary)(config=anat.model.config)
+    for i, (path, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
+        layer.to_empty(device=work_device)
+        init_(layer)
+        quantize_nf4(model, compute_dtype=torch.bfloat16, device=work_device,
+                     filter_fn=lambda name, _, p=path + ".": name.startswith(p))  # fmt: skip
+        layer.to("cpu")
+        del i
+    return model.eval()
+
+
+def add_lora(model, *, rank: int = 16, dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, cfg)

@@ -1,0 +1,174 @@
+"""Poros protocol for narrows.stream: QLoRA r16 on all seven projections of a real
+architecture's shape (random NF4 weights), batch 1, one seq length; for each mode the peak
+allocated VRAM, s/step, tokens/s, and the transfer floor (host→device bytes per step over
+the pinned bandwidth measured in the same run). Modes run in fresh subprocesses.
+
+    python benchmarks/stream_qlora.py --model qwen2.5-7b --seq 512 --steps 20 \
+        --modes stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident --out results/stream_7b.json
+
+Modes: stream-min (every layer streamed, smallest footprint), stream-<size> (planner with
+that budget), resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing: the
+resident reference), resident (no checkpointing). Ratios are against resident-ckpt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pinned_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    """Measured host(pinned)→device bandwidth in bytes/s."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    return nbytes * reps / (start.elapsed_time(end) / 1e3)
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    from _models import add_lora, load_config, random_nf4_model
+
+    import narrows.stream as ns
+    from narrows.core import read_peaks, reset_peaks
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    mode = args.run_one
+    t0 = time.perf_counter()
+    model = random_nf4_model(load_config(args.model), work_device=str(device))
+    model = add_lora(model).train()
+    model.config.use_cache = False
+    build_s = time.perf_counter() - t0
+    plan = None
+    if mode.startswith("stream"):
+        budget = None if mode == "stream-min" else mode.removeprefix("stream-")
+        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1)
+        plan = model.narrows_stream.plan
+    else:
+        if mode == "resident-ckpt":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+        model.to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size if hasattr(model, "config") else 1000
+
+    def step() -> float:
+        ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    for _ in range(args.warmup):
+        step()
+    loads0 = model.narrows_stream.stats.bytes_h2d if plan else 0
+    reset_peaks(device)
+    if cuda:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    losses = [step() for _ in range(args.steps)]
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t) / args.steps
+    peaks = read_peaks(device)
+    out = {
+        "mode": mode,
+        "build_s": round(build_s, 1),
+        "s_per_step": dt,
+        "tokens_per_s": args.seq / dt,
+        "peak_allocated": peaks.cuda_allocated,
+        "peak_reserved": peaks.cuda_reserved,
+        "host_rss_peak": peaks.host_rss,
+        "final_loss": losses[-1],
+    }
+    if plan is not None:
+        moved = (model.narrows_stream.stats.bytes_h2d - loads0) / args.steps
+        out.update(
+            predicted_peak=plan.predicted_peak,
+            resident_layers=len(plan.resident),
+            layers=len(plan.layer_bytes),
+            prefetch=plan.prefetch,
+            h2d_bytes_per_step_planned=plan.h2d_bytes_per_step,
+            h2d_bytes_per_step=moved,
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--modes", default="stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident")
+    ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
+    ap.add_argument("--run-one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run_one:
+        try:
+            print("RESULT " + json.dumps(run_one(args)), flush=True)
+        except torch.OutOfMemoryError as e:
+            print("RESULT " + json.dumps({"mode": args.run_one, "error": f"OOM: {str(e)[:120]}"}), flush=True)
+        return
+
+    bw = pinned_bandwidth()
+    rows = []
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        row = json.loads(line[7:]) if line else {"mode": mode, "error": tail[0][-300:]}
+        if "h2d_bytes_per_step" in row and bw == bw:
+            row["transfer_floor_s"] = row["h2d_bytes_per_step"] / bw
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    ref = next((r for r in rows if r["mode"] == "resident-ckpt" and "error" not in r), None)
+    gib = 2**30
+    print(f"\n{args.model}, seq {args.seq}, batch 1, LoRA r16 x7, NF4; pinned H2D {bw / 1e9:.1f} GB/s")
+    print(
+        f"{'mode':<16}{'peak GiB':>10}{'s/step':>9}{'tok/s':>9}{'floor s':>9}{'vs ref time':>12}{'vs ref mem':>11}  resident"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:<16}  {r['error'][:90]}")
+            continue
+        floor = r.get("transfer_floor_s")
+        t_ratio = r["s_per_step"] / ref["s_per_step"] if ref else float("nan")
+        m_ratio = (
+            r["peak_allocated"] / ref["peak_allocated"] if ref and ref["peak_allocated"] else float("nan")
+        )
+        res = f"{r['resident_layers']}/{r['layers']}" if "layers" in r else "all"
+        print(f"{r['mode']:<16}{r['peak_allocated'] / gib:>10.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
+              f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}  {res}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,
+                                          "pinned_bw": bw, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                          "rows": rows}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

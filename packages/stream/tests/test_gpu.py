@@ -1,0 +1,43 @@
+"""On CUDA: pinned host slabs, the copy stream and events, bf16 and NF4 — still bit-identical."""
+
+import pytest
+import torch
+from helpers import assert_identical, build, train
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize("base", ["bf16", pytest.param("nf4", marks=pytest.mark.bnb)])
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_cuda_parity(arch, base, kind):
+    cfg = dict(arch=arch, base=base if base == "nf4" else "float", kind=kind, dropout=0.05, dtype=torch.bfloat16,
+               num_hidden_layers=6)  # fmt: skip
+    resident_model = build(**cfg).cuda()
+    resident = train(resident_model, grad_accum=2, device="cuda")
+    streamed_model = build(**cfg)
+    streamed = train(streamed_model, grad_accum=2, device="cuda", stream_kwargs={"prefetch": 2})
+    assert_identical(resident, streamed)
+    handle = streamed_model.narrows_stream
+    assert handle.engine.copy_stream is not None
+    assert all(s.host.is_pinned() for s in handle.stores)
+    assert handle.stats.loads > 0
+
+
+def test_cuda_partial_residency_parity():
+    import narrows.stream as ns
+
+    cfg = dict(arch="mistral", dtype=torch.bfloat16, num_hidden_layers=8, dropout=0.05)
+    p = ns.plan(build(**cfg), None, device="cuda")
+    budget = p.predicted_peak + 3 * max(p.layer_bytes)
+    streamed_model = build(**cfg)
+    streamed = train(streamed_model, device="cuda", stream_kwargs={"gpu_budget": budget})
+    assert len(streamed_model.narrows_stream.plan.resident) == 3
+    assert_identical(train(build(**cfg).cuda(), device="cuda"), streamed)
+
+
+def test_model_already_on_gpu_is_refused():
+    import narrows.stream as ns
+
+    with pytest.raises(ns.StreamSetupError, match="already on the GPU"):
+        ns.stream(build().cuda(), device="cuda")
