@@ -52,6 +52,7 @@ def run_one(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     mode = args.run_one
+    torch.manual_seed(0)  # adapter init draws from the global RNG: same start in every mode
     t0 = time.perf_counter()
     model = random_nf4_model(load_config(args.model), work_device=str(device))
     model = add_lora(model).train()
