@@ -52,10 +52,11 @@ def tiny_config(arch: str, **overrides):
     elif arch == "gemma3_text":
         cfg_cls = tf.Gemma3TextConfig
         kw.update(head_dim=16, sliding_window=8, final_logit_softcapping=30.0)
-        kw.setdefault("layer_types", ["sliding_attention", "sliding_attention", "full_attention"])
     else:
         raise ValueError(f"no tiny config for {arch!r}; choose one of {', '.join(TINY_ARCHITECTURES)}")
     kw.update(overrides)
+    if arch == "gemma3_text" and "layer_types" not in overrides:  # two sliding layers, then a global one
+        kw["layer_types"] = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(kw["num_hidden_layers"])]
     return cfg_cls(**kw)
 
 
