@@ -56,7 +56,9 @@ def tiny_config(arch: str, **overrides):
         raise ValueError(f"no tiny config for {arch!r}; choose one of {', '.join(TINY_ARCHITECTURES)}")
     kw.update(overrides)
     if arch == "gemma3_text" and "layer_types" not in overrides:  # two sliding layers, then a global one
-        kw["layer_types"] = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(kw["num_hidden_layers"])]
+        kw["layer_types"] = [
+            "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(kw["num_hidden_layers"])
+        ]
     return cfg_cls(**kw)
 
 
