@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from narrows.core import (
     Anatomy,
+    SlabLayout,
     anatomy_of,
     assign,
     copies,
@@ -94,7 +95,7 @@ def _budget(gpu_budget: str | int | None, device: torch.device) -> int | None:
 
 
 def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool):
-    """Slots and trainables outside the decoder layers, and per-layer trainables."""
+    """Frozen slots outside the decoder layers that go to the device (all but a host embedding)."""
     layer_prefixes = tuple(p + "." for p in anat.layer_paths)
     root = unwrap_model(model)
     embed_ids = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
@@ -118,17 +119,11 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
         _nbytes(s.tensor for s in outside) + 2 * _nbytes(trainable) + 8 * sum(p.numel() for p in trainable)
     )
     layer_bytes = [
-        sum(e.nbytes for e in _layout(layer, path).entries)
+        SlabLayout.of(frozen_slots(layer, prefix=path)).nbytes
         for path, layer in zip(anat.layer_paths, anat.layers)
     ]
     return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, batch_size, seq_len),
                      budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch)  # fmt: skip
-
-
-def _layout(layer: nn.Module, path: str):
-    from narrows.core import SlabLayout
-
-    return SlabLayout.of(frozen_slots(layer, prefix=path))
 
 
 def _host_embedding(anat: Anatomy) -> bool:
