@@ -50,13 +50,12 @@ def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: s
     if rotary is not None:
         with torch.device("cpu"):  # its inverse frequencies are computed, not loaded
             anat.decoder.rotary_emb = type(rotary)(config=anat.model.config)
-    for i, (path, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
+    for path, layer in zip(anat.layer_paths, anat.layers):
         layer.to_empty(device=work_device)
         init_(layer)
         quantize_nf4(model, compute_dtype=torch.bfloat16, device=work_device,
                      filter_fn=lambda name, _, p=path + ".": name.startswith(p))  # fmt: skip
         layer.to("cpu")
-        del i
     return model.eval()
 
 

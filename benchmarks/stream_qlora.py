@@ -71,7 +71,7 @@ def run_one(args: argparse.Namespace) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size if hasattr(model, "config") else 1000
+    vocab = model.config.vocab_size
 
     def step() -> float:
         ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)

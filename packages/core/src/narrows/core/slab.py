@@ -80,6 +80,15 @@ class SlabLayout:
             out.append(raw.as_strided(e.shape, e.stride))
         return out
 
+    @classmethod
+    def packed(
+        cls, tensors: Sequence[Tensor], device: torch.device | str = "cpu", *, pin_memory: bool = False
+    ) -> tuple[SlabLayout, Tensor, list[Tensor]]:
+        """Lay out `tensors`, allocate a slab on `device` and copy them in: (layout, slab, views)."""
+        layout = cls.of(tensors)
+        slab = layout.empty(device, pin_memory=pin_memory)
+        return layout, slab, layout.pack(tensors, slab)
+
     def pack(self, tensors: Sequence[Tensor], slab: Tensor) -> list[Tensor]:
         """Copy `tensors` into `slab`; returns the views (ready to assign to the slots)."""
         views = self.views(slab)

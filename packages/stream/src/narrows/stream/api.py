@@ -99,12 +99,11 @@ def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool):
     layer_prefixes = tuple(p + "." for p in anat.layer_paths)
     root = unwrap_model(model)
     embed_ids = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
-    outside = [
+    return [
         s
         for s in frozen_slots(root)
         if not s.name.startswith(layer_prefixes) and id(s.owner) not in embed_ids
     ]
-    return outside
 
 
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,

@@ -14,6 +14,8 @@ is the same code, so CPU tests exercise the mechanism itself.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +64,7 @@ class TransferStats:
 def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool) -> LayerStore:
     """Move every frozen tensor of `layer` into one host slab and point the slots at it."""
     slots = frozen_slots(layer, prefix=prefix)
-    originals = snapshot(slots)
-    layout = SlabLayout.of(slots)
-    host = layout.empty("cpu", pin_memory=pin)
-    views = layout.pack(originals, host)
+    layout, host, views = SlabLayout.packed(snapshot(slots), "cpu", pin_memory=pin)
     assign(slots, views)
     return LayerStore(index, slots, layout, host, views)
 
@@ -153,6 +152,17 @@ class TransferEngine:
         slab.last_used = self._clock
         assign(store.slots, store.layout.views(slab.buffer))
 
+    @contextmanager
+    def using(self, index: int, *, then: int | None = None) -> Iterator[None]:
+        """Layer `index` on the device for the block (prefetching layer `then` meanwhile)."""
+        self.acquire(index)
+        if then is not None:
+            self.prefetch(then)
+        try:
+            yield
+        finally:
+            self.release(index)
+
     def release(self, index: int) -> None:
         """Point layer `index` back at its host slab; its device slab becomes reusable once
         the work queued on the compute stream has read it."""
@@ -167,7 +177,3 @@ class TransferEngine:
             slab.free = torch.cuda.Event()
             slab.free.record(torch.cuda.current_stream(self.device))
         slab.in_use = False
-
-    def device_bytes(self) -> int:
-        pool = sum(s.buffer.numel() for s in self.pool)
-        return pool + sum(s.nbytes for s in self.stores if s.resident_views is not None)

@@ -50,15 +50,10 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> Tensor:
         call.state = rng.capture(hidden.device)
-        engine = call.engine
-        engine.acquire(call.index)
-        engine.prefetch(call.index + 1)
-        try:
-            with torch.enable_grad():  # resident training runs the layer with grad on
-                h = hidden.detach().requires_grad_(hidden.requires_grad)
-                out = _run(call, h).detach()
-        finally:
-            engine.release(call.index)
+        # resident training runs the layer with grad on: same mode, same kernels
+        with call.engine.using(call.index, then=call.index + 1), torch.enable_grad():
+            h = hidden.detach().requires_grad_(hidden.requires_grad)
+            out = _run(call, h).detach()
         ctx.call = call
         ctx.save_for_backward(hidden)
         return out
@@ -69,17 +64,11 @@ class StreamedLayer(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         need_h = ctx.needs_input_grad[1]
         need_p = ctx.needs_input_grad[2:]
-        engine = call.engine
-        engine.acquire(call.index)
-        engine.prefetch(call.index - 1)
-        try:
-            with rng.replay(call.state), torch.enable_grad():
-                h = hidden.detach().requires_grad_(need_h)
-                out = _run(call, h)
-                wrt = ([h] if need_h else []) + [p for p, n in zip(call.params, need_p) if n]
-                grads = list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True)) if wrt else []
-        finally:
-            engine.release(call.index)
+        with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad():
+            h = hidden.detach().requires_grad_(need_h)
+            out = _run(call, h)
+            wrt = ([h] if need_h else []) + [p for p, n in zip(call.params, need_p) if n]
+            grads = list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True)) if wrt else []
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)
@@ -90,10 +79,5 @@ def streamed_call(call: LayerCall, hidden: Tensor) -> Tensor:
     needs a gradient, else (evaluation, no_grad) as a plain prefetched forward."""
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in call.params)):
         return StreamedLayer.apply(call, hidden, *call.params)
-    engine = call.engine
-    engine.acquire(call.index)
-    engine.prefetch(call.index + 1)
-    try:
+    with call.engine.using(call.index, then=call.index + 1):
         return _run(call, hidden)
-    finally:
-        engine.release(call.index)

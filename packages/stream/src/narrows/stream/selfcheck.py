@@ -60,14 +60,10 @@ def self_check(model: nn.Module, anat: Anatomy, engine: TransferEngine) -> None:
         grad_out = torch.randn(hidden.shape, dtype=hidden.dtype, device=device, generator=g)
 
         torch.manual_seed(1234)
-        engine.acquire(0)
-        try:
-            with torch.enable_grad():
-                h = x.clone().requires_grad_(True)
-                out = original(h, *args, **kwargs)
-                ref = [out.detach(), *torch.autograd.grad(out, [h, *params], grad_out, allow_unused=True)]
-        finally:
-            engine.release(0)
+        with engine.using(0), torch.enable_grad():
+            h = x.clone().requires_grad_(True)
+            out = original(h, *args, **kwargs)
+            ref = [out.detach(), *torch.autograd.grad(out, [h, *params], grad_out, allow_unused=True)]
 
         torch.manual_seed(1234)
         with torch.enable_grad():

@@ -144,8 +144,7 @@ def check_slots_cover_forward(model: nn.Module, run: Callable[[], list[Tensor]])
     reference = run()
     slots = frozen_slots(model)
     originals = snapshot(slots)
-    layout = SlabLayout.of(slots)
-    views = layout.pack(originals, layout.empty(originals[0].device))
+    _, _, views = SlabLayout.packed(originals, originals[0].device)
     trainable = {_storage(p) for p in trainable_parameters(model).values()}
     # poison every frozen tensor the crawler finds, whether or not it is a slot
     victims = [t for key, (_, t) in reachable_tensors(model).items() if key not in trainable]
@@ -171,8 +170,7 @@ def check_layer_swap_roundtrip(model: nn.Module, run: Callable[[], list[Tensor]]
     for path, layer in zip(anat.layer_paths, anat.layers):
         slots = frozen_slots(layer, prefix=path)
         originals = snapshot(slots)
-        layout = SlabLayout.of(slots)
-        views = layout.pack(originals, layout.empty(originals[0].device))
+        _, _, views = SlabLayout.packed(originals, originals[0].device)
         assign(slots, views)
         try:
             assert all(s.tensor.data_ptr() == v.data_ptr() for s, v in zip(slots, views)), (
