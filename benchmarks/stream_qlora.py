@@ -7,7 +7,8 @@ the pinned bandwidth measured in the same run). Modes run in fresh subprocesses.
         --modes stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident --out results/stream_7b.json
 
 Modes: stream-min (every layer streamed, smallest footprint), stream-<size> (planner with
-that budget), resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing: the
+that budget), either with a "-head" suffix (LM head streamed in vocabulary chunks too, e.g.
+stream-min-head), resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing: the
 resident reference), resident (no checkpointing). Ratios are against resident-ckpt.
 """
 
@@ -60,8 +61,11 @@ def run_one(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     plan = None
     if mode.startswith("stream"):
-        budget = None if mode == "stream-min" else mode.removeprefix("stream-")
-        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1)
+        spec = mode.removeprefix("stream-")
+        head = "stream" if spec.endswith("-head") else "resident"
+        spec = spec.removesuffix("-head")
+        budget = None if spec == "min" else spec
+        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head)
         plan = model.narrows_stream.plan
     else:
         if mode == "resident-ckpt":

@@ -21,6 +21,19 @@ def test_plan_moves_nothing_and_reports():
     assert p.as_dict()["streamed"] == [0, 1, 2]
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_predicted_transfer_is_the_measured_steady_state(prefetch):
+    model = build(num_hidden_layers=7)
+    ns.stream(model, device="cpu", prefetch=prefetch)
+    handle = model.narrows_stream
+    moved = []
+    for seed in range(3):
+        before = handle.stats.bytes_h2d
+        model(**tiny_batch(seed=seed)).loss.backward()
+        moved.append(handle.stats.bytes_h2d - before)
+    assert moved[1] == moved[2] == handle.plan.h2d_bytes_per_step
+
+
 def test_budget_too_small_names_the_minimum():
     model = build()
     minimum = ns.plan(model, None, device="cpu", prefetch=0).predicted_peak

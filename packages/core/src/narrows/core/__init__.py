@@ -5,6 +5,7 @@
 - frozen slots and slabs: every frozen tensor (NF4 quantisation state included) as a
   re-pointable reference, and the packed layout that moves a layer in one copy
 - NF4 quantisation through bitsandbytes (optional extra ``narrows-core[nf4]``)
+- the LM-head hook: the head's weight served in vocabulary chunks, resident or streamed
 - memory measurement and byte sizes
 """
 
@@ -35,6 +36,9 @@ from .anatomy import (
 # errors
 from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
 
+# LM-head hook
+from .head import DEFAULT_HEAD_ROWS, HeadSource, ResidentHead, attach_head_source, chunked_logits, head_source
+
 # memory
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
 
@@ -48,16 +52,19 @@ from .slots import FrozenSlot, assign, copies, frozen_slots, pointed_at, snapsho
 __version__ = _version("narrows-core")
 
 __all__ = [
+    "DEFAULT_HEAD_ROWS",
     "SLAB_ALIGNMENT",
     "AdapterType",
     "AdapterView",
     "Anatomy",
     "ArchitectureSpec",
     "FrozenSlot",
+    "HeadSource",
     "MemoryPeaks",
     "MissingDependencyError",
     "NarrowsError",
     "PeftLoraAdapter",
+    "ResidentHead",
     "SlabEntry",
     "SlabLayout",
     "SlotMismatchError",
@@ -68,10 +75,13 @@ __all__ = [
     "adapter_views",
     "anatomy_of",
     "assign",
+    "attach_head_source",
+    "chunked_logits",
     "copies",
     "disable_cpu_repacking",
     "format_bytes",
     "frozen_slots",
+    "head_source",
     "is_nf4_linear",
     "measure_peaks",
     "parse_bytes",

@@ -12,13 +12,17 @@ import torch
 from torch import Tensor, nn
 
 from narrows.core import (
+    DEFAULT_HEAD_ROWS,
     Anatomy,
     SlabLayout,
     anatomy_of,
     assign,
+    attach_head_source,
+    chunked_logits,
     copies,
     frozen_slots,
     measure_peaks,
+    read_peaks,
     parse_bytes,
     trainable_parameters,
     unwrap_model,
@@ -26,6 +30,7 @@ from narrows.core import (
 
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
+from .head import StreamedHead
 from .plan import Plan, Shapes, make_plan
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
@@ -44,6 +49,7 @@ class StreamHandle:
     stores: list[LayerStore]
     device: torch.device
     host_embedding: bool  # embedding rows are gathered on the host
+    head: StreamedHead | None = None  # set when the LM head is streamed in vocabulary chunks
 
     @property
     def stats(self):
@@ -52,6 +58,20 @@ class StreamHandle:
     def measure(self) -> Any:
         """``with model.narrows_stream.measure() as peaks: train_step()`` — measured peak."""
         return measure_peaks(self.device)
+
+    def report(self) -> dict[str, object]:
+        """Predicted against measured: the plan's peak and per-step transfer beside the
+        device's peak allocation since the last `narrows.core.reset_peaks` (or process
+        start) and the bytes the engine actually moved."""
+        measured = read_peaks(self.device).cuda_allocated if self.device.type == "cuda" else None
+        return {
+            "predicted_peak": self.plan.predicted_peak,
+            "measured_peak": measured,
+            "peak_ratio": measured / self.plan.predicted_peak if measured else None,
+            "predicted_h2d_per_step": self.plan.h2d_bytes_per_step,
+            "head_streamed": self.head is not None,
+            **self.stats.as_dict(),
+        }
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -94,40 +114,64 @@ def _budget(gpu_budget: str | int | None, device: torch.device) -> int | None:
     return parse_bytes(gpu_budget)
 
 
-def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool):
-    """Frozen slots outside the decoder layers that go to the device (all but a host embedding)."""
+def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool, stream_head: bool):
+    """Frozen slots outside the decoder layers that go to the device (all but a host
+    embedding and a streamed head)."""
     layer_prefixes = tuple(p + "." for p in anat.layer_paths)
     root = unwrap_model(model)
-    embed_ids = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
-    return [
-        s
-        for s in frozen_slots(root)
-        if not s.name.startswith(layer_prefixes) and id(s.owner) not in embed_ids
-    ]
+    kept = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
+    if stream_head:
+        kept |= {id(s.owner) for s in frozen_slots(anat.head)}
+    return [s for s in frozen_slots(root) if not s.name.startswith(layer_prefixes) and id(s.owner) not in kept]
+
+
+def _head_rows(anat: Anatomy, rows: int | None) -> int:
+    return min(rows or DEFAULT_HEAD_ROWS, anat.model.config.vocab_size)
+
+
+def _check_head(anat: Anatomy, head: str) -> bool:
+    """Whether the head is streamed; refuses what cannot be."""
+    if head not in ("resident", "stream"):
+        raise StreamSetupError(f"head={head!r}: use 'resident' (default, bit-exact) or 'stream' (vocabulary chunks)")
+    if head == "resident":
+        return False
+    if any(p.requires_grad for p in anat.head.parameters()):
+        raise StreamSetupError("head='stream' needs a frozen LM head; this one trains, so use head='resident'")
+    if not isinstance(anat.head, nn.Linear):
+        raise StreamSetupError(f"head='stream' needs lm_head to be nn.Linear, not {type(anat.head).__name__}")
+    return True
 
 
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
-         batch_size: int = 1, seq_len: int = 512, prefetch: int = 1) -> Plan:  # fmt: skip
+         batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
+         head_rows: int | None = None) -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything."""
     anat = anatomy_of(model)
     dev = _resolve_device(device)
-    host_embedding = _host_embedding(anat)
-    outside = _parts(model, anat, host_embedding)
+    stream_head = _check_head(anat, head)
+    host_embedding = _host_embedding(anat, stream_head)
+    outside = _parts(model, anat, host_embedding, stream_head)
     trainable = list(trainable_parameters(model).values())
     fixed = (
         _nbytes(s.tensor for s in outside) + 2 * _nbytes(trainable) + 8 * sum(p.numel() for p in trainable)
     )
+    head_h2d = 0
+    if stream_head:
+        w = anat.head.weight
+        fixed += 2 * _head_rows(anat, head_rows) * w.shape[1] * w.element_size()  # two chunk buffers
+        head_h2d = 2 * _nbytes([w])  # one pass in forward, one in backward
     layer_bytes = [
         SlabLayout.of(frozen_slots(layer, prefix=path)).nbytes
         for path, layer in zip(anat.layer_paths, anat.layers)
     ]
     return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, batch_size, seq_len),
-                     budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch)  # fmt: skip
+                     budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch,
+                     head_h2d_bytes=head_h2d)  # fmt: skip
 
 
-def _host_embedding(anat: Anatomy) -> bool:
-    """The embedding can stay on the host when it is frozen and not tied to the head."""
-    return not anat.tied and not any(p.requires_grad for p in anat.embed.parameters())
+def _host_embedding(anat: Anatomy, stream_head: bool) -> bool:
+    """The embedding can stay on the host when it is frozen and not tied to a device head."""
+    return (stream_head or not anat.tied) and not any(p.requires_grad for p in anat.embed.parameters())
 
 
 def _refuse_move(owner: nn.Module, device: torch.device) -> Callable[..., nn.Module]:
@@ -148,7 +192,10 @@ def _refuse_move(owner: nn.Module, device: torch.device) -> Callable[..., nn.Mod
 
 def _no_checkpointing(model: nn.Module) -> None:
     lm = unwrap_model(model)
-    if getattr(lm, "is_gradient_checkpointing", False):
+    on = getattr(lm, "is_activation_checkpointing", None)  # transformers >= 5.x name
+    if on is None:
+        on = getattr(lm, "is_gradient_checkpointing", False)
+    if on:
         log.warning("narrows.stream: HF gradient checkpointing is redundant with streaming "
                     "(every layer is already recomputed in backward); turning it off.")  # fmt: skip
         lm.gradient_checkpointing_disable()
@@ -203,6 +250,8 @@ def stream(
     batch_size: int = 1,
     seq_len: int = 512,
     prefetch: int = 1,
+    head: str = "resident",
+    head_rows: int | None = None,
     check: bool = True,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
@@ -211,6 +260,11 @@ def stream(
     keeps as many layers resident as the free memory allows; None streams every layer
     with the smallest footprint. `batch_size`/`seq_len` size the activation estimate.
     Training afterwards is bit-identical to training the same model fully resident.
+    `head="stream"` also keeps a frozen LM head in host memory and serves it in vocabulary
+    chunks through core's head hook (with a tied embedding, both read the one host copy);
+    the head's input gradient is then summed over chunks, so it equals the resident head
+    up to summation order — bit-exact against the same chunked head kept resident.
+    `head_rows` sets the vocabulary rows per chunk (default 8192).
     `check` runs a one-layer streamed-vs-resident self-check first (``check=False`` skips
     it, e.g. for a model whose layers are known to be nondeterministic).
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
@@ -233,13 +287,15 @@ def stream(
             "memory. Load the model on the CPU (no device_map, or device_map='cpu') and let "
             "narrows.stream.stream() place what belongs on the GPU."
         )
-    the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch)
+    the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
+                    head=head, head_rows=head_rows)  # fmt: skip
+    stream_head = _check_head(anat, head)
 
     _no_checkpointing(model)
     anat.model.config.use_cache = False  # the recompute would write a KV cache twice
 
-    host_embedding = _host_embedding(anat)
-    outside = _parts(model, anat, host_embedding)
+    host_embedding = _host_embedding(anat, stream_head)
+    outside = _parts(model, anat, host_embedding, stream_head)
     assign(outside, copies(outside, dev))
     for p in trainables.values():
         p.data = p.data.to(dev)
@@ -255,6 +311,16 @@ def stream(
         params = tuple(p for p in layer.parameters() if p.requires_grad)
         layer.forward = _layer_forward(i, layer.forward, engine, params)
 
+    streamed_head = None
+    if stream_head:
+        softcap = anat.head_config.get("final_logit_softcapping")
+        streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
+                                     copy_stream=engine.copy_stream, rows=_head_rows(anat, head_rows),
+                                     softcap=float(softcap) if softcap else None)  # fmt: skip
+        anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
+        attach_head_source(model, streamed_head)
+        anat.head.forward = lambda hidden: chunked_logits(hidden, streamed_head)
+
     if host_embedding:
         embed_forward = anat.embed.forward
 
@@ -266,7 +332,7 @@ def stream(
 
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
-        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding)
+        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head)
     if check:
         self_check(model, anat, engine)
     log.info("narrows.stream plan:\n%s", the_plan)

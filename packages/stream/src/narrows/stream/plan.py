@@ -114,8 +114,11 @@ def make_plan(
     budget: int | None,
     device: str,
     prefetch: int = 1,
+    head_h2d_bytes: int = 0,
 ) -> Plan:
-    """Decide residency for `budget` bytes of device memory (None: the smallest footprint)."""
+    """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
+
+    `head_h2d_bytes`: what a streamed LM head adds to the transfer per step."""
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
     slab = max(layer_bytes)
@@ -149,9 +152,11 @@ def make_plan(
     streamed = [i for i in range(n) if i not in set(resident)]
     slabs = prefetch + 1 if streamed else 0
     # each streamed layer is loaded for forward and again for backward, except the ones the
-    # pool still holds at the forward→backward turn
-    kept = streamed[-slabs:] if slabs else []
-    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept)
+    # pool still holds at the turns: the last layers at forward→backward, the first layers
+    # at backward→next forward (steady state of a training loop)
+    held = min(slabs, len(streamed))
+    kept = streamed[-held:] + streamed[:held] if held else []
+    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept) + head_h2d_bytes
     return Plan(
         device=device,
         budget=budget,

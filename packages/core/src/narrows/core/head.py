@@ -1,0 +1,140 @@
+"""The LM-head hook: where the head's weight rows come from, one vocabulary chunk at a time.
+
+Two siblings care about the head and must not know each other: narrows-stream can keep
+the head weight in host memory and bring it to the device a chunk of vocabulary rows at a
+time, and narrows-lmhead computes the loss chunk by chunk without ever building the full
+logits. They meet here. A `HeadSource` yields ``(rows, weight_chunk, bias_chunk)`` on the
+compute device; `head_source(model)` returns the source attached to the model's head (by
+narrows-stream, say) or a `ResidentHead` over the head's own weight. Whoever consumes the
+chunks gets the same numbers from either source for the same chunk size.
+
+`chunked_logits` is the consumer for code that still wants full logits (HF's own loss):
+it computes them chunk by chunk, so the weight need not be on the device all at once.
+Its input gradient is summed over vocabulary chunks (in fp32), so it equals the
+one-matmul head up to floating-point summation order, not bitwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+from .anatomy import anatomy_of
+from .errors import NarrowsError
+
+__all__ = [
+    "DEFAULT_HEAD_ROWS",
+    "HeadSource",
+    "ResidentHead",
+    "attach_head_source",
+    "chunked_logits",
+    "head_source",
+]
+
+DEFAULT_HEAD_ROWS = 8192  # vocabulary rows per chunk: 8192 x 4096 bf16 is 64 MiB
+
+
+@runtime_checkable
+class HeadSource(Protocol):
+    """The LM head's weight, served in vocabulary chunks on the compute device."""
+
+    vocab_size: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    softcap: float | None  # Gemma's final_logit_softcapping, applied after the head
+
+    def chunks(self, rows: int | None = None) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
+        """Yield ``(vocab_slice, weight[vocab_slice], bias[vocab_slice] or None)``.
+
+        `rows` is the consumer's preferred chunk size; a source may use fewer rows. A
+        chunk is only valid until the next one is requested.
+        """
+        ...
+
+    @property
+    def trainable_weight(self) -> nn.Parameter | None:
+        """The weight as a parameter when the head trains (then it is resident), else None."""
+        ...
+
+
+def _linear_parts(head: nn.Module) -> tuple[Tensor, Tensor | None]:
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Linear | nn.Embedding) or weight is None:
+        raise NarrowsError(
+            f"the LM head is a {type(head).__name__}, not a plain linear layer; narrows' chunked head needs "
+            "nn.Linear (adapters on lm_head are not supported — leave lm_head out of target_modules)"
+        )
+    return weight, getattr(head, "bias", None)
+
+
+class ResidentHead:
+    """The head's own weight, already on the device, served as views (no copies)."""
+
+    def __init__(self, head: nn.Module, softcap: float | None = None):
+        self.weight, self.bias = _linear_parts(head)
+        self.vocab_size, self.hidden_size = self.weight.shape
+        self.dtype = self.weight.dtype
+        self.device = self.weight.device
+        self.softcap = softcap
+
+    @property
+    def trainable_weight(self) -> nn.Parameter | None:
+        return self.weight if self.weight.requires_grad else None
+
+    def chunks(self, rows: int | None = None) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
+        rows = rows or DEFAULT_HEAD_ROWS
+        w = self.weight.detach()
+        b = None if self.bias is None else self.bias.detach()
+        for start in range(0, self.vocab_size, rows):
+            sl = slice(start, min(start + rows, self.vocab_size))
+            yield sl, w[sl], None if b is None else b[sl]
+
+
+def attach_head_source(model: nn.Module, source: HeadSource) -> None:
+    """Make `source` the place the model's head weight is served from."""
+    anatomy_of(model).head.narrows_head_source = source
+
+
+def head_source(model: nn.Module) -> HeadSource:
+    """The attached source of the model's head, else its resident weight."""
+    anat = anatomy_of(model)
+    source = getattr(anat.head, "narrows_head_source", None)
+    if source is not None:
+        return source
+    softcap = anat.head_config.get("final_logit_softcapping")
+    return ResidentHead(anat.head, softcap=float(softcap) if softcap else None)
+
+
+class _ChunkedLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, source: HeadSource, rows: int | None) -> Tensor:  # type: ignore[override]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        out = flat.new_empty(flat.shape[0], source.vocab_size)
+        for sl, w, b in source.chunks(rows):
+            out[:, sl] = nn.functional.linear(flat, w, b)
+        ctx.source, ctx.rows, ctx.shape = source, rows, hidden.shape
+        return out.view(*hidden.shape[:-1], source.vocab_size)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        g = grad.reshape(-1, grad.shape[-1])
+        acc = torch.zeros(g.shape[0], ctx.shape[-1], dtype=torch.float32, device=g.device)
+        for sl, w, _ in ctx.source.chunks(ctx.rows):
+            acc += g[:, sl] @ w  # each chunk's product in the head dtype, the sum over chunks in fp32
+        return acc.to(grad.dtype).view(ctx.shape), None, None
+
+
+def chunked_logits(hidden: Tensor, source: HeadSource, rows: int | None = None) -> Tensor:
+    """``hidden @ weight.T + bias`` built one vocabulary chunk at a time (frozen head only).
+
+    Softcapping is not applied here: the model's own forward applies it after the head.
+    """
+    if source.trainable_weight is not None:
+        raise NarrowsError(
+            "chunked_logits serves a frozen head only; this head trains, so keep it as a plain resident layer"
+        )
+    return _ChunkedLogits.apply(hidden, source, rows)
