@@ -17,7 +17,7 @@ from narrows.core.testing import tiny_model
 
 def test_resident_chunks_cover_the_vocabulary_as_views():
     head = torch.nn.Linear(16, 50, bias=True)
-    src = ResidentHead(head)
+    src = ResidentHead.of(head)
     assert isinstance(src, HeadSource) and src.trainable_weight is head.weight
     seen = []
     for sl, w, b in src.chunks(12):
@@ -35,7 +35,7 @@ def test_chunked_logits_match_the_one_matmul_head(dtype, rows):
     ref = head(hidden)
     (ref.float().square().sum()).backward()
     g_ref, hidden.grad = hidden.grad, None
-    out = chunked_logits(hidden, ResidentHead(head), rows)
+    out = chunked_logits(hidden, ResidentHead.of(head), rows)
     assert out.shape == ref.shape and out.dtype == dtype
     # a GEMM of another width may pick another kernel, and the input gradient is summed
     # over vocabulary chunks (in fp32): equal up to floating-point summation order
@@ -48,7 +48,7 @@ def test_chunked_logits_match_the_one_matmul_head(dtype, rows):
 def test_chunked_logits_refuse_a_training_head():
     head = torch.nn.Linear(8, 10)
     with pytest.raises(NarrowsError, match="frozen head only"):
-        chunked_logits(torch.randn(3, 8), ResidentHead(head))
+        chunked_logits(torch.randn(3, 8), ResidentHead.of(head))
 
 
 def test_head_source_is_resident_unless_one_is_attached():
@@ -63,4 +63,4 @@ def test_head_source_is_resident_unless_one_is_attached():
 
 def test_a_head_that_is_not_linear_is_refused_clearly():
     with pytest.raises(NarrowsError, match="not a plain linear layer"):
-        ResidentHead(torch.nn.Sequential())
+        ResidentHead.of(torch.nn.Sequential())

@@ -14,7 +14,7 @@ ROWS = 48  # tiny vocab is 256: six chunks, the last one short
 def chunked_resident(model, rows=ROWS):
     """The resident reference with the same chunked head: what streaming must equal bitwise."""
     head = anatomy_of(model).head
-    source = ResidentHead(head)
+    source = ResidentHead.of(head)
     head.forward = lambda hidden: chunked_logits(hidden, source, rows)
     return model
 

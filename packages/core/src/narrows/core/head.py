@@ -55,6 +55,10 @@ class HeadSource(Protocol):
         """
         ...
 
+    def gather(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Rows `index` (int64, any device) of the weight and bias, on the compute device."""
+        ...
+
     @property
     def trainable_weight(self) -> nn.Parameter | None:
         """The weight as a parameter when the head trains (then it is resident), else None."""
@@ -72,18 +76,28 @@ def _linear_parts(head: nn.Module) -> tuple[Tensor, Tensor | None]:
 
 
 class ResidentHead:
-    """The head's own weight, already on the device, served as views (no copies)."""
+    """A head weight already on the device, served as views (no copies)."""
 
-    def __init__(self, head: nn.Module, softcap: float | None = None):
-        self.weight, self.bias = _linear_parts(head)
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, softcap: float | None = None):
+        self.weight, self.bias = weight, bias
         self.vocab_size, self.hidden_size = self.weight.shape
         self.dtype = self.weight.dtype
         self.device = self.weight.device
         self.softcap = softcap
 
+    @classmethod
+    def of(cls, head: nn.Module, softcap: float | None = None) -> ResidentHead:
+        """The source over a model's own head module (nn.Linear, or a tied embedding)."""
+        return cls(*_linear_parts(head), softcap=softcap)
+
     @property
     def trainable_weight(self) -> nn.Parameter | None:
         return self.weight if self.weight.requires_grad else None
+
+    def gather(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
+        index = index.to(self.device)
+        b = None if self.bias is None else self.bias.detach().index_select(0, index)
+        return self.weight.detach().index_select(0, index), b
 
     def chunks(self, rows: int | None = None) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
         rows = rows or DEFAULT_HEAD_ROWS
@@ -106,7 +120,7 @@ def head_source(model: nn.Module) -> HeadSource:
     if source is not None:
         return source
     softcap = anat.head_config.get("final_logit_softcapping")
-    return ResidentHead(anat.head, softcap=float(softcap) if softcap else None)
+    return ResidentHead.of(anat.head, softcap=float(softcap) if softcap else None)
 
 
 class _ChunkedLogits(torch.autograd.Function):

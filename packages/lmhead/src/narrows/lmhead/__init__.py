@@ -1,6 +1,35 @@
-"""narrows.lmhead — LM-head memory savings — logits masking, chunked exact cross-entropy and a top-k softmax approximation."""
+"""narrows.lmhead — stop the LM head from being the memory peak.
+
+``narrows.lmhead.apply(model, mask=True, chunked=True, topk=None)`` replaces a causal LM's
+loss: the head runs only at trainable positions (labels != -100), the cross-entropy is
+computed in tiles without the [tokens, vocab] logits, and optionally over the union of
+the targets' top-k neighbour tokens (an approximation; evaluation keeps the full softmax).
+The head weight comes through narrows.core's head hook, so it composes with narrows-stream
+without importing it. The pieces are usable alone: `causal_lm_loss`,
+`linear_cross_entropy`, `neighbour_table`.
+"""
 
 from importlib.metadata import version as _version
 
+from .api import LMHeadHandle, apply, remove
+from .chunked import cross_entropy_from_logits, linear_cross_entropy, reference_cross_entropy
+from .loss import LossOptions, NoTrainableTokensError, causal_lm_loss, shift_targets
+from .topk import neighbour_table, subset_head, vocabulary_subset
+
 __version__ = _version("narrows-lmhead")
-__all__ = ["__version__"]
+__all__ = [
+    "LMHeadHandle",
+    "LossOptions",
+    "NoTrainableTokensError",
+    "__version__",
+    "apply",
+    "causal_lm_loss",
+    "cross_entropy_from_logits",
+    "linear_cross_entropy",
+    "neighbour_table",
+    "reference_cross_entropy",
+    "remove",
+    "shift_targets",
+    "subset_head",
+    "vocabulary_subset",
+]

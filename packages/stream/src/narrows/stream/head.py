@@ -64,6 +64,14 @@ class StreamedHead:
             ready.record(self.copy_stream)
         return ready
 
+    def gather(self, index: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Rows `index` gathered on the host and copied over (a vocabulary subset)."""
+        rows = self.host.index_select(0, index.to("cpu"))
+        self.stats.loads += 1
+        self.stats.bytes_h2d += rows.numel() * rows.element_size()
+        w = rows.pin_memory().to(self.device, non_blocking=True) if self.cuda else rows
+        return w, None if self.bias is None else self.bias.index_select(0, index.to(self.device))
+
     def chunks(self, rows: int | None = None) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
         rows = min(rows or self.rows, self.rows)
         slices = [slice(s, min(s + rows, self.vocab_size)) for s in range(0, self.vocab_size, rows)]

@@ -1,0 +1,116 @@
+"""`apply(model, ...)`: one call that replaces a causal LM's loss computation.
+
+The model's forward is wrapped: when labels are given and the model is training, the
+decoder runs as usual and the loss is computed from its last hidden states by
+`causal_lm_loss` — the head only at trainable positions, exact CE in tiles, or top-k —
+and the output carries ``loss`` with ``logits=None``. In eval mode (and without labels)
+the original forward runs: full logits, full softmax. The head weight is read through
+core's head hook, so a head that narrows-stream keeps in host memory is served from
+there, whichever of the two calls came first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from narrows.core import anatomy_of, head_source
+
+from .loss import LossOptions, causal_lm_loss
+from .topk import neighbour_table
+
+__all__ = ["LMHeadHandle", "apply", "remove"]
+
+log = logging.getLogger("narrows.lmhead")
+
+_LOSS_ONLY = ("labels", "num_items_in_batch", "shift_labels", "logits_to_keep", "return_dict")
+
+
+@dataclass
+class LMHeadHandle:
+    """What `apply` leaves on the model as ``model.narrows_lmhead``."""
+
+    options: LossOptions
+    neighbours: Tensor | None
+    eval_logits: bool
+    original_forward: Any
+
+
+def apply(
+    model: nn.Module,
+    *,
+    mask: bool = True,
+    chunked: bool = True,
+    topk: int | None = None,
+    neighbour_cache: str | Path | None = None,
+    eval_logits: bool = True,
+    head_rows: int | None = None,
+) -> nn.Module:
+    """Replace the loss of `model` (a causal LM, PEFT-wrapped or not).
+
+    `mask` computes the head only where labels are not -100; `chunked` never builds the
+    [tokens, vocab] logits (exact up to floating-point summation order); `topk=K` trains
+    on the union of the targets' K nearest tokens — an approximation of the loss (the
+    neighbour table is computed once and cached in `neighbour_cache`). `eval_logits=False`
+    also evaluates through the exact chunked loss (no logits returned); by default eval
+    mode runs the model's own forward. Returns the same model.
+    """
+    anat = anatomy_of(model)
+    lm = anat.model
+    if getattr(lm, "narrows_lmhead", None) is not None:
+        raise ValueError("narrows.lmhead is already applied to this model; narrows.lmhead.remove(model) first")
+    options = LossOptions(mask=mask, chunked=chunked, topk=topk, head_rows=head_rows)
+    neighbours = None
+    if topk is not None:
+        weight = anat.head.weight  # resident, or the host copy a streamed head reads from
+        if weight.requires_grad:
+            raise ValueError("topk needs a frozen LM head: the neighbour table is built from its weight once")
+        neighbours = neighbour_table(weight, topk, cache_dir=neighbour_cache)
+        log.warning("narrows.lmhead: top-%d softmax is an APPROXIMATION of the training loss "
+                    "(evaluation uses the full softmax)", topk)  # fmt: skip
+    original = lm.forward
+    exact = replace(options, topk=None)
+
+    def forward(input_ids: Tensor | None = None, **kwargs: Any) -> Any:
+        labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")
+        training = lm.training
+        if (labels is None and shift_labels is None) or (not training and eval_logits):
+            return original(input_ids=input_ids, **kwargs)
+        num_items = kwargs.get("num_items_in_batch")
+        decoder_kwargs = {k: v for k, v in kwargs.items() if k not in _LOSS_ONLY}
+        out = anat.decoder(input_ids=input_ids, **decoder_kwargs)
+        loss = causal_lm_loss(out.last_hidden_state, labels, head_source(model), options if training else exact,
+                              num_items_in_batch=num_items, shift_labels=shift_labels,
+                              neighbours=neighbours if training else None)  # fmt: skip
+        return _output(loss, out)
+
+    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    lm.forward = forward
+    lm.narrows_lmhead = LMHeadHandle(options, neighbours, eval_logits, original)
+    return model
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo `apply`: the model computes its own loss again."""
+    lm = anatomy_of(model).model
+    handle = getattr(lm, "narrows_lmhead", None)
+    if handle is not None:
+        lm.forward = handle.original_forward
+        lm.narrows_lmhead = None
+    return model
+
+
+def _output(loss: Tensor, out: Any) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=getattr(out, "past_key_values", None),
+        hidden_states=getattr(out, "hidden_states", None),
+        attentions=getattr(out, "attentions", None),
+    )

@@ -1,0 +1,144 @@
+"""Exact cross-entropy through the LM head without the [tokens, vocab] logits.
+
+`linear_cross_entropy` computes ``sum_i w_i * CE(h_i @ W.T + b, y_i)`` in tiles of
+(vocabulary chunk x token chunk). The weight comes from a core `HeadSource`, one
+vocabulary chunk at a time, so a head kept in host memory by narrows-stream is read in
+two sequential passes and never needs to be on the device whole:
+
+1. an online log-sum-exp over vocabulary chunks (running max and rescaled sum per token)
+   and the target logit;
+2. only when a gradient is needed: the softmax gradient of each tile, multiplied into
+   the hidden-state gradient (fp32 accumulator) and, for a head that trains, the weight
+   gradient.
+
+Because the loss is linear in the per-token weights, the gradient is complete at the end
+of the forward; backward only scales it by the incoming scalar. Nothing is recomputed and
+the head is not read again in backward. Logits are computed in the head's dtype and
+upcast to fp32 (as HF's loss does), softcapping (Gemma) and every reduction in fp32.
+
+`reference_cross_entropy` is the plain full-logits computation the tests hold it to.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import HeadSource
+
+__all__ = ["DEFAULT_TILE_BYTES", "cross_entropy_from_logits", "linear_cross_entropy", "reference_cross_entropy"]
+
+DEFAULT_TILE_BYTES = 32 * 2**20  # one fp32 [token chunk x vocabulary chunk] tile
+
+
+def _tile_logits(h: Tensor, w: Tensor, b: Tensor | None, softcap: float | None) -> Tensor:
+    z = nn.functional.linear(h, w, b).float()
+    return z if softcap is None else torch.tanh(z / softcap) * softcap
+
+
+def _token_rows(rows: int, tile_bytes: int) -> int:
+    return max(1, tile_bytes // (4 * rows))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor | None, targets: Tensor, token_weights: Tensor,  # type: ignore[override]
+                source: HeadSource, softcap: float | None, head_rows: int | None, tile_bytes: int,
+                need_grad: bool) -> Tensor:  # fmt: skip
+        ctx.hidden_dtype = hidden.dtype
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        n = hidden.shape[0]
+        dev = hidden.device
+        m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
+        s = torch.zeros(n, dtype=torch.float32, device=dev)
+        tgt = torch.zeros(n, dtype=torch.float32, device=dev)
+        step = None
+
+        def tiles():
+            nonlocal step
+            for sl, w, b in source.chunks(head_rows):
+                step = step or _token_rows(sl.stop - sl.start, tile_bytes)
+                for t in range(0, n, step):
+                    yield sl, w, b, slice(t, min(t + step, n))
+
+        for sl, w, b, ts in tiles():  # pass 1: log-sum-exp and target logits
+            z = _tile_logits(hidden[ts], w, b, softcap)
+            m_new = torch.maximum(m[ts], z.amax(dim=1))
+            s[ts] = s[ts] * torch.exp(m[ts] - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
+            m[ts] = m_new
+            y = targets[ts] - sl.start
+            hit = (y >= 0) & (y < z.shape[1])
+            tgt[ts] += torch.where(hit, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+        lse = m + torch.log(s)
+        loss = ((lse - tgt) * token_weights).sum()
+
+        ctx.grads = None
+        if need_grad:  # pass 2: the gradient, now
+            gh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
+            gw = None if weight is None else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
+            for sl, w, b, ts in tiles():
+                h = hidden[ts]
+                z = _tile_logits(h, w, b, softcap)
+                dz = torch.exp(z - lse[ts, None])
+                y = targets[ts] - sl.start
+                hit = (y >= 0) & (y < z.shape[1])
+                rows = torch.nonzero(hit)[:, 0]
+                dz[rows, y[rows]] -= 1.0
+                dz *= token_weights[ts, None]
+                if softcap is not None:
+                    dz *= 1.0 - (z / softcap) ** 2
+                dz = dz.to(w.dtype)
+                gh[ts] += dz @ w
+                if gw is not None:
+                    gw[sl] += dz.t() @ h
+            ctx.grads = (gh, gw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        gh, gw = ctx.grads
+        ctx.grads = None
+        gh = (gh * grad).to(ctx.hidden_dtype)
+        gw = None if gw is None else (gw * grad).to(ctx.weight_dtype)
+        return gh, gw, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    targets: Tensor,
+    source: HeadSource,
+    token_weights: Tensor,
+    *,
+    head_rows: int | None = None,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+) -> Tensor:
+    """``sum_i token_weights[i] * CE(head(hidden[i]), targets[i])`` without full logits.
+
+    `hidden` [N, H] and `targets` [N] (every target a valid vocabulary index — select
+    trainable positions first); `token_weights` [N] fp32 carries the reduction (1/count for
+    a mean). The head's weight gradient flows when ``source.trainable_weight`` is set.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or token_weights.shape != targets.shape:
+        raise ValueError(
+            f"hidden must be [N, H] with targets and token_weights [N]; got {tuple(hidden.shape)}, "
+            f"{tuple(targets.shape)}, {tuple(token_weights.shape)}"
+        )
+    weight = source.trainable_weight
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight is not None)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, token_weights.float(), source, source.softcap,
+                                     head_rows, tile_bytes, need_grad)  # fmt: skip
+
+
+def cross_entropy_from_logits(logits: Tensor, targets: Tensor, token_weights: Tensor,
+                              softcap: float | None = None) -> Tensor:  # fmt: skip
+    """``sum_i w_i * CE(logits_i, y_i)`` from materialised logits, upcast to fp32 first."""
+    z = logits.float()
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return (nn.functional.cross_entropy(z, targets, reduction="none") * token_weights.float()).sum()
+
+
+def reference_cross_entropy(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None,
+                            token_weights: Tensor, softcap: float | None = None) -> Tensor:  # fmt: skip
+    """The full-logits computation (what HF's loss does): what the chunked one is held to."""
+    return cross_entropy_from_logits(nn.functional.linear(hidden, weight, bias), targets, token_weights, softcap)

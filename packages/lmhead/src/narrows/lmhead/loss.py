@@ -1,0 +1,99 @@
+"""The causal-LM loss from hidden states: HF's shifted, masked cross-entropy, computed
+only where it is needed.
+
+Same reduction as transformers' ``ForCausalLMLoss``: labels shifted left by one (or
+``shift_labels`` as given), ``-100`` ignored, a sum divided by ``num_items_in_batch`` when
+the Trainer passes it (gradient accumulation), else the mean over trainable tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import HeadSource, NarrowsError, chunked_logits
+
+from .chunked import DEFAULT_TILE_BYTES, cross_entropy_from_logits, linear_cross_entropy
+from .topk import subset_head, vocabulary_subset
+
+__all__ = ["LossOptions", "NoTrainableTokensError", "causal_lm_loss", "shift_targets"]
+
+
+class NoTrainableTokensError(NarrowsError, ValueError):
+    """Every label of the batch is ignored: there is nothing to train on."""
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """`mask`: head only at trainable positions. `chunked`: exact CE without full logits.
+    `topk`: train on the union of the targets' k nearest tokens (an approximation)."""
+
+    mask: bool = True
+    chunked: bool = True
+    topk: int | None = None
+    head_rows: int | None = None
+    tile_bytes: int = DEFAULT_TILE_BYTES
+    ignore_index: int = -100
+
+
+def shift_targets(labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int = -100) -> Tensor:
+    """What each position predicts: the next label (the last position predicts nothing)."""
+    if shift_labels is not None:
+        return shift_labels
+    if labels is None:
+        raise ValueError("causal_lm_loss needs labels or shift_labels")
+    return nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
+
+def causal_lm_loss(
+    hidden: Tensor,
+    labels: Tensor | None,
+    source: HeadSource,
+    options: LossOptions = LossOptions(),
+    *,
+    num_items_in_batch: Tensor | int | None = None,
+    shift_labels: Tensor | None = None,
+    neighbours: Tensor | None = None,
+) -> Tensor:
+    """Loss of a causal LM from its last hidden states [B, S, H] and labels [B, S].
+
+    `neighbours` is the top-k table (`neighbour_table`) when ``options.topk`` is set.
+    """
+    targets = shift_targets(labels, shift_labels, options.ignore_index).reshape(-1).to(hidden.device)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    valid = targets != options.ignore_index
+    count = int(valid.sum())
+    if count == 0:
+        raise NoTrainableTokensError(
+            "this batch has no trainable token: every label is -100 after the causal shift (labels[t+1] is "
+            "what position t predicts). Check the prompt masking and truncation — a response cut off by "
+            "--seq-len / max_length leaves nothing to learn — or drop such rows from the data."
+        )
+    denominator = torch.as_tensor(num_items_in_batch if num_items_in_batch is not None else count,
+                                  dtype=torch.float32, device=hidden.device)  # fmt: skip
+    if options.mask:
+        keep = torch.nonzero(valid)[:, 0]
+        flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
+        weights = torch.ones(targets.shape, dtype=torch.float32, device=hidden.device) / denominator
+    else:
+        weights = valid.float() / denominator
+        targets = torch.where(valid, targets, 0)
+    if options.topk is not None:
+        if neighbours is None:
+            raise ValueError("LossOptions.topk is set: pass the neighbour table (narrows.lmhead.neighbour_table)")
+        if source.trainable_weight is not None:
+            raise NarrowsError("top-k softmax needs a frozen LM head (the neighbour table is built from it)")
+        ids = vocabulary_subset(targets[weights > 0], neighbours)
+        targets = torch.searchsorted(ids, targets).clamp_max(ids.numel() - 1)  # ignored rows: any index
+        source = subset_head(source, ids)
+    if options.chunked:
+        return linear_cross_entropy(flat, targets, source, weights, head_rows=options.head_rows,
+                                    tile_bytes=options.tile_bytes)  # fmt: skip
+    weight = source.trainable_weight
+    if weight is None:  # frozen (maybe streamed) head: logits for the kept positions, chunk by chunk
+        logits = chunked_logits(flat, source, options.head_rows)
+    else:
+        logits = nn.functional.linear(flat, weight, getattr(source, "bias", None))
+    return cross_entropy_from_logits(logits, targets, weights, source.softcap)
