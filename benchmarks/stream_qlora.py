@@ -7,8 +7,9 @@ the pinned bandwidth measured in the same run). Modes run in fresh subprocesses.
         --modes stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident --out results/stream_7b.json
 
 Modes: stream-min (every layer streamed, smallest footprint), stream-<size> (planner with
-that budget), either with a "-head" suffix (LM head streamed in vocabulary chunks too, e.g.
-stream-min-head), resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing: the
+that budget), either with "-head" (LM head streamed in vocabulary chunks too) and/or
+"-lmhead" (narrows.lmhead's masked, chunked exact loss: no full logits), e.g.
+stream-min-head-lmhead; resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing: the
 resident reference), resident (no checkpointing). Ratios are against resident-ckpt.
 """
 
@@ -55,20 +56,23 @@ def run_one(args: argparse.Namespace) -> dict:
     mode = args.run_one
     torch.manual_seed(0)  # adapter init draws from the global RNG: same start in every mode
     t0 = time.perf_counter()
-    model = random_nf4_model(load_config(args.model), work_device=str(device))
+    model = random_nf4_model(load_config(args.model), work_device=str(device), attn=args.attn)
     model = add_lora(model).train()
     model.config.use_cache = False
     build_s = time.perf_counter() - t0
     plan = None
+    parts = mode.split("-")
+    if "lmhead" in parts:  # masked + chunked exact CE through core's head hook
+        import narrows.lmhead as lmh
+
+        lmh.apply(model)
     if mode.startswith("stream"):
-        spec = mode.removeprefix("stream-")
-        head = "stream" if spec.endswith("-head") else "resident"
-        spec = spec.removesuffix("-head")
-        budget = None if spec == "min" else spec
+        budget = None if parts[1] == "min" else parts[1]
+        head = "stream" if "head" in parts else "resident"
         ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head)
         plan = model.narrows_stream.plan
     else:
-        if mode == "resident-ckpt":
+        if mode.startswith("resident-ckpt"):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
         model.to(device)
@@ -128,6 +132,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--modes", default="stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident")
     ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
+    ap.add_argument("--attn", default="sdpa", help="attention implementation (eager: deterministic backward)")
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run_one:
@@ -141,7 +146,7 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

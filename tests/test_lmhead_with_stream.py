@@ -88,3 +88,24 @@ def test_trainer_with_lmhead_and_stream(tmp_path):
     ours = train(True, False)
     assert len(ours) == 3 and ours == train(True, True)  # streamed: the same floats
     assert ours == pytest.approx(hf, rel=1e-5)  # against HF's own loss: summation order only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", ["resident", "stream"])
+def test_cuda_streamed_with_lmhead_equals_resident_with_lmhead(head):
+    def cuda_run(model):
+        record = []
+        torch.manual_seed(0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        for step in range(3):
+            loss = model(**{k: v.cuda() for k, v in tiny_batch(seed=step).items()}).loss
+            loss.backward()
+            record += [loss.detach().cpu()] + [p.grad.cpu() for p in params]
+            opt.step()
+            opt.zero_grad()
+        return record
+
+    resident = cuda_run(lmh.apply(build("qwen2").to(torch.bfloat16).cuda(), head_rows=ROWS))
+    m = ns.stream(build("qwen2").to(torch.bfloat16), device="cuda", head=head, head_rows=ROWS)
+    assert_equal(resident, cuda_run(lmh.apply(m, head_rows=ROWS)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import narrows.stream as ns
-from narrows.core import quantize_nf4
+from narrows.core import ResidentHead, anatomy_of, chunked_logits, quantize_nf4
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 
@@ -50,3 +50,11 @@ def assert_identical(resident: dict, streamed: dict) -> None:
             assert torch.equal(x.cpu(), y.cpu()), (
                 f"{key}[{i}] differs: max {(x.float() - y.float()).abs().max().item()}"
             )
+
+
+def chunked_resident(model, rows: int):
+    """The resident reference with the same chunked head: what a streamed head must equal bitwise."""
+    head = anatomy_of(model).head
+    source = ResidentHead.of(head)
+    head.forward = lambda hidden: chunked_logits(hidden, source, rows)
+    return model

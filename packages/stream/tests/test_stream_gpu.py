@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_identical, build, train
+from helpers import assert_identical, build, chunked_resident, train
 
 pytestmark = pytest.mark.gpu
 
@@ -41,3 +41,15 @@ def test_model_already_on_gpu_is_refused():
 
     with pytest.raises(ns.StreamSetupError, match="already on the GPU"):
         ns.stream(build().cuda(), device="cuda")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2"])
+def test_cuda_streamed_head_parity(arch):
+    """The head in pinned memory, chunks double-buffered on the copy stream: the same bits
+    as the same chunked head resident on the device."""
+    cfg = dict(arch=arch, dtype=torch.bfloat16, dropout=0.05)
+    resident = train(chunked_resident(build(**cfg).cuda(), 40), grad_accum=2, device="cuda")
+    streamed_model = build(**cfg)
+    streamed = train(streamed_model, grad_accum=2, device="cuda", stream_kwargs={"head": "stream", "head_rows": 40})
+    assert_identical(resident, streamed)
+    assert streamed_model.narrows_stream.head.host.is_pinned()

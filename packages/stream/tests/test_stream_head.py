@@ -2,21 +2,13 @@
 
 import pytest
 import torch
-from helpers import assert_identical, build, train
+from helpers import assert_identical, build, chunked_resident, train
 
 import narrows.stream as ns
-from narrows.core import ResidentHead, anatomy_of, chunked_logits, head_source
+from narrows.core import anatomy_of, head_source
 from narrows.core.testing import tiny_batch
 
 ROWS = 48  # tiny vocab is 256: six chunks, the last one short
-
-
-def chunked_resident(model, rows=ROWS):
-    """The resident reference with the same chunked head: what streaming must equal bitwise."""
-    head = anatomy_of(model).head
-    source = ResidentHead.of(head)
-    head.forward = lambda hidden: chunked_logits(hidden, source, rows)
-    return model
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])  # untied; tied (embedding gathered from the same host copy)
@@ -26,7 +18,7 @@ def test_streamed_head_equals_the_same_chunked_head_resident(arch, dropout):
     kwargs = {"head": "stream", "head_rows": ROWS}
     streamed_model = build(**cfg)
     streamed = train(streamed_model, grad_accum=2, stream_kwargs=kwargs)
-    assert_identical(train(chunked_resident(build(**cfg)), grad_accum=2), streamed)
+    assert_identical(train(chunked_resident(build(**cfg), ROWS), grad_accum=2), streamed)
     handle = streamed_model.narrows_stream
     assert handle.head is not None and handle.host_embedding
     assert head_source(streamed_model) is handle.head

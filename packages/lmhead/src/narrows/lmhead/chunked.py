@@ -98,8 +98,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         gh, gw = ctx.grads
         ctx.grads = None
-        gh = (gh * grad).to(ctx.hidden_dtype)
-        gw = None if gw is None else (gw * grad).to(ctx.weight_dtype)
+        gh = gh.mul_(grad).to(ctx.hidden_dtype)  # in place: no second fp32 copy at the peak
+        gw = None if gw is None else gw.mul_(grad).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None, None, None, None
 
 
