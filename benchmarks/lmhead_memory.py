@@ -52,7 +52,9 @@ class Meter:
 
         gc.collect()
         reset_peaks(self.device)
-        self.base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else host_rss_high_water()
+        self.base = (
+            torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else host_rss_high_water()
+        )
 
     def peak(self) -> int:
         from narrows.core.memory import host_rss_high_water
@@ -118,11 +120,19 @@ def run(args: argparse.Namespace) -> list[dict]:
                 targets = zipf_targets(ctx, vocab, gen)
                 for frac in [float(x) for x in args.fractions.split(",")]:
                     labels = targets.clone()[None].to(device)
-                    labels[0, : int(round(ctx * (1 - frac)))] = -100
+                    labels[0, : round(ctx * (1 - frac))] = -100
                     ref = None
-                    h0 = torch.randn(1, ctx, hidden, generator=gen).to(device, dtype)  # the same for every method
+                    h0 = torch.randn(1, ctx, hidden, generator=gen).to(
+                        device, dtype
+                    )  # the same for every method
                     for method in methods:
-                        row = {"model": model, "dtype": dname, "context": ctx, "trainable": frac, "method": method}
+                        row = {
+                            "model": model,
+                            "dtype": dname,
+                            "context": ctx,
+                            "trainable": frac,
+                            "method": method,
+                        }
                         h = h0.clone().requires_grad_(True)
                         try:
                             fn = make_loss(method, weight, neighbours)
@@ -153,10 +163,14 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     gib = 2**30
-    out = [f"{'model':<13}{'dtype':<6}{'ctx':>6}{'train':>7}  {'method':<15}{'peak GiB':>9}{'vs HF':>8}{'loss rel diff':>14}"]
+    out = [
+        f"{'model':<13}{'dtype':<6}{'ctx':>6}{'train':>7}  {'method':<15}{'peak GiB':>9}{'vs HF':>8}{'loss rel diff':>14}"
+    ]
     for r in rows:
         if "error" in r:
-            out.append(f"{r['model']:<13}{r['dtype']:<6}{r['context']:>6}{r['trainable']:>7.0%}  {r['method']:<15}  {r['error']}")
+            out.append(
+                f"{r['model']:<13}{r['dtype']:<6}{r['context']:>6}{r['trainable']:>7.0%}  {r['method']:<15}  {r['error']}"
+            )
             continue
         vs = r.get("peak_vs_hf")
         diff = r.get("loss_rel_diff")

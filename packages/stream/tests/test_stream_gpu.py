@@ -50,6 +50,8 @@ def test_cuda_streamed_head_parity(arch):
     cfg = dict(arch=arch, dtype=torch.bfloat16, dropout=0.05)
     resident = train(chunked_resident(build(**cfg).cuda(), 40), grad_accum=2, device="cuda")
     streamed_model = build(**cfg)
-    streamed = train(streamed_model, grad_accum=2, device="cuda", stream_kwargs={"head": "stream", "head_rows": 40})
+    streamed = train(
+        streamed_model, grad_accum=2, device="cuda", stream_kwargs={"head": "stream", "head_rows": 40}
+    )
     assert_identical(resident, streamed)
     assert streamed_model.narrows_stream.head.host.is_pinned()

@@ -11,7 +11,9 @@ from narrows.core.testing import tiny_batch
 ROWS = 48  # tiny vocab is 256: six chunks, the last one short
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])  # untied; tied (embedding gathered from the same host copy)
+@pytest.mark.parametrize(
+    "arch", ["llama", "gemma2"]
+)  # untied; tied (embedding gathered from the same host copy)
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
 def test_streamed_head_equals_the_same_chunked_head_resident(arch, dropout):
     cfg = dict(arch=arch, dropout=dropout)

@@ -62,7 +62,9 @@ def apply(
     anat = anatomy_of(model)
     lm = anat.model
     if getattr(lm, "narrows_lmhead", None) is not None:
-        raise ValueError("narrows.lmhead is already applied to this model; narrows.lmhead.remove(model) first")
+        raise ValueError(
+            "narrows.lmhead is already applied to this model; narrows.lmhead.remove(model) first"
+        )
     options = LossOptions(mask=mask, chunked=chunked, topk=topk, head_rows=head_rows)
     neighbours = None
     if topk is not None:

@@ -26,7 +26,12 @@ from torch import Tensor, nn
 
 from narrows.core import HeadSource
 
-__all__ = ["DEFAULT_TILE_BYTES", "cross_entropy_from_logits", "linear_cross_entropy", "reference_cross_entropy"]
+__all__ = [
+    "DEFAULT_TILE_BYTES",
+    "cross_entropy_from_logits",
+    "linear_cross_entropy",
+    "reference_cross_entropy",
+]
 
 DEFAULT_TILE_BYTES = 32 * 2**20  # one fp32 [token chunk x vocabulary chunk] tile
 
@@ -141,4 +146,6 @@ def cross_entropy_from_logits(logits: Tensor, targets: Tensor, token_weights: Te
 def reference_cross_entropy(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None,
                             token_weights: Tensor, softcap: float | None = None) -> Tensor:  # fmt: skip
     """The full-logits computation (what HF's loss does): what the chunked one is held to."""
-    return cross_entropy_from_logits(nn.functional.linear(hidden, weight, bias), targets, token_weights, softcap)
+    return cross_entropy_from_logits(
+        nn.functional.linear(hidden, weight, bias), targets, token_weights, softcap
+    )

@@ -82,7 +82,9 @@ def causal_lm_loss(
         targets = torch.where(valid, targets, 0)
     if options.topk is not None:
         if neighbours is None:
-            raise ValueError("LossOptions.topk is set: pass the neighbour table (narrows.lmhead.neighbour_table)")
+            raise ValueError(
+                "LossOptions.topk is set: pass the neighbour table (narrows.lmhead.neighbour_table)"
+            )
         if source.trainable_weight is not None:
             raise NarrowsError("top-k softmax needs a frozen LM head (the neighbour table is built from it)")
         ids = vocabulary_subset(targets[weights > 0], neighbours)

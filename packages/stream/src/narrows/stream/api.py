@@ -22,8 +22,8 @@ from narrows.core import (
     copies,
     frozen_slots,
     measure_peaks,
-    read_peaks,
     parse_bytes,
+    read_peaks,
     trainable_parameters,
     unwrap_model,
 )
@@ -122,7 +122,9 @@ def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool, stream_head: b
     kept = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
     if stream_head:
         kept |= {id(s.owner) for s in frozen_slots(anat.head)}
-    return [s for s in frozen_slots(root) if not s.name.startswith(layer_prefixes) and id(s.owner) not in kept]
+    return [
+        s for s in frozen_slots(root) if not s.name.startswith(layer_prefixes) and id(s.owner) not in kept
+    ]
 
 
 def _head_rows(anat: Anatomy, rows: int | None) -> int:
@@ -132,11 +134,15 @@ def _head_rows(anat: Anatomy, rows: int | None) -> int:
 def _check_head(anat: Anatomy, head: str) -> bool:
     """Whether the head is streamed; refuses what cannot be."""
     if head not in ("resident", "stream"):
-        raise StreamSetupError(f"head={head!r}: use 'resident' (default, bit-exact) or 'stream' (vocabulary chunks)")
+        raise StreamSetupError(
+            f"head={head!r}: use 'resident' (default, bit-exact) or 'stream' (vocabulary chunks)"
+        )
     if head == "resident":
         return False
     if any(p.requires_grad for p in anat.head.parameters()):
-        raise StreamSetupError("head='stream' needs a frozen LM head; this one trains, so use head='resident'")
+        raise StreamSetupError(
+            "head='stream' needs a frozen LM head; this one trains, so use head='resident'"
+        )
     if not isinstance(anat.head, nn.Linear):
         raise StreamSetupError(f"head='stream' needs lm_head to be nn.Linear, not {type(anat.head).__name__}")
     return True

@@ -36,7 +36,9 @@ class StreamedHead:
         if cuda:
             self.host = self.host.pin_memory()
         self.bias = None if bias is None else bias.detach().to(device)
-        self.buffers = [torch.empty(self.rows, self.hidden_size, dtype=self.dtype, device=device) for _ in range(2)]
+        self.buffers = [
+            torch.empty(self.rows, self.hidden_size, dtype=self.dtype, device=device) for _ in range(2)
+        ]
         self.stats, self.copy_stream, self.cuda = stats, copy_stream, cuda
         self._free: list[object | None] = [None, None]  # compute finished reading buffer i
 
