@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from narrows.core import HeadSource
+from narrows.core import HeadSource, ResidentHead
 
 __all__ = [
     "DEFAULT_TILE_BYTES",
@@ -45,65 +45,100 @@ def _token_rows(rows: int, tile_bytes: int) -> int:
     return max(1, tile_bytes // (4 * rows))
 
 
+def _lse_update(z: Tensor, sl: slice, y: Tensor, m: Tensor, s: Tensor, tgt: Tensor) -> None:
+    """Fold one tile into the running max `m`, rescaled sum `s` and target logit `tgt`."""
+    m_new = torch.maximum(m, z.amax(dim=1))
+    s.copy_(s * torch.exp(m - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1))
+    m.copy_(m_new)
+    local = y - sl.start
+    hit = (local >= 0) & (local < z.shape[1])
+    tgt += torch.where(hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
+
+
+def _tile_grad(
+    z: Tensor, sl: slice, y: Tensor, lse: Tensor, tw: Tensor, softcap: float | None, dtype
+) -> Tensor:
+    """d(loss)/d(logits) of one tile, in the head dtype (as HF's backward casts it)."""
+    dz = torch.exp(z - lse[:, None])
+    local = y - sl.start
+    rows = torch.nonzero((local >= 0) & (local < z.shape[1]))[:, 0]
+    dz[rows, local[rows]] -= 1.0
+    dz *= tw[:, None]
+    if softcap is not None:
+        dz *= 1.0 - (z / softcap) ** 2
+    return dz.to(dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor | None, targets: Tensor, token_weights: Tensor,  # type: ignore[override]
                 source: HeadSource, softcap: float | None, head_rows: int | None, tile_bytes: int,
                 need_grad: bool) -> Tensor:  # fmt: skip
-        ctx.hidden_dtype = hidden.dtype
-        ctx.weight_dtype = None if weight is None else weight.dtype
-        n = hidden.shape[0]
-        dev = hidden.device
+        n, dev = hidden.shape[0], hidden.device
+        first = next(iter(source.chunks(head_rows)))[0] if isinstance(source, ResidentHead) else None
         m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
         s = torch.zeros(n, dtype=torch.float32, device=dev)
         tgt = torch.zeros(n, dtype=torch.float32, device=dev)
-        step = None
+        gh = torch.empty_like(hidden) if need_grad else None  # the hidden gradient, in the hidden dtype
+        gw = (
+            None
+            if weight is None or not need_grad
+            else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
+        )
 
-        def tiles():
-            nonlocal step
-            for sl, w, b in source.chunks(head_rows):
-                step = step or _token_rows(sl.stop - sl.start, tile_bytes)
-                for t in range(0, n, step):
-                    yield sl, w, b, slice(t, min(t + step, n))
-
-        for sl, w, b, ts in tiles():  # pass 1: log-sum-exp and target logits
-            z = _tile_logits(hidden[ts], w, b, softcap)
-            m_new = torch.maximum(m[ts], z.amax(dim=1))
-            s[ts] = s[ts] * torch.exp(m[ts] - m_new) + torch.exp(z - m_new[:, None]).sum(dim=1)
-            m[ts] = m_new
-            y = targets[ts] - sl.start
-            hit = (y >= 0) & (y < z.shape[1])
-            tgt[ts] += torch.where(hit, z.gather(1, y.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-        lse = m + torch.log(s)
-        loss = ((lse - tgt) * token_weights).sum()
-
-        ctx.grads = None
-        if need_grad:  # pass 2: the gradient, now
-            gh = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
-            gw = None if weight is None else torch.zeros(weight.shape, dtype=torch.float32, device=dev)
-            for sl, w, b, ts in tiles():
+        def pass2(ts: slice, lse: Tensor, acc: Tensor, chunks) -> None:
+            for sl, w, b in chunks:
                 h = hidden[ts]
-                z = _tile_logits(h, w, b, softcap)
-                dz = torch.exp(z - lse[ts, None])
-                y = targets[ts] - sl.start
-                hit = (y >= 0) & (y < z.shape[1])
-                rows = torch.nonzero(hit)[:, 0]
-                dz[rows, y[rows]] -= 1.0
-                dz *= token_weights[ts, None]
-                if softcap is not None:
-                    dz *= 1.0 - (z / softcap) ** 2
-                dz = dz.to(w.dtype)
-                gh[ts] += dz @ w
+                dz = _tile_grad(_tile_logits(h, w, b, softcap), sl, targets[ts], lse, token_weights[ts], softcap,
+                                w.dtype)  # fmt: skip
+                acc += dz @ w
                 if gw is not None:
                     gw[sl] += dz.t() @ h
-            ctx.grads = (gh, gw)
-        return loss
+
+        if first is not None:
+            # the head is on the device: token chunks outside, so each token's gradient is
+            # finished (fp32) before the next chunk starts and only [T, H] is ever fp32
+            step = _token_rows(first.stop - first.start, tile_bytes)
+            for t in range(0, n, step):
+                ts = slice(t, min(t + step, n))
+                for sl, w, b in source.chunks(head_rows):
+                    _lse_update(
+                        _tile_logits(hidden[ts], w, b, softcap), sl, targets[ts], m[ts], s[ts], tgt[ts]
+                    )
+                if gh is not None:
+                    acc = torch.zeros(ts.stop - ts.start, hidden.shape[1], dtype=torch.float32, device=dev)
+                    pass2(ts, m[ts] + torch.log(s[ts]), acc, source.chunks(head_rows))
+                    gh[ts] = acc.to(hidden.dtype)
+        else:
+            # a streamed head: vocabulary chunks outside, so the head is read in two passes
+            step = None
+
+            def tiles():
+                nonlocal step
+                for sl, w, b in source.chunks(head_rows):
+                    step = step or _token_rows(sl.stop - sl.start, tile_bytes)
+                    for t in range(0, n, step):
+                        yield sl, w, b, slice(t, min(t + step, n))
+
+            for sl, w, b, ts in tiles():
+                _lse_update(_tile_logits(hidden[ts], w, b, softcap), sl, targets[ts], m[ts], s[ts], tgt[ts])
+            if gh is not None:
+                acc = torch.zeros(hidden.shape, dtype=torch.float32, device=dev)
+                lse = m + torch.log(s)
+                for sl, w, b, ts in tiles():
+                    pass2(ts, lse[ts], acc[ts], [(sl, w, b)])
+                gh.copy_(acc)
+        lse = m + torch.log(s)
+        ctx.grads = (gh, gw)
+        ctx.weight_dtype = None if weight is None else weight.dtype
+        return ((lse - tgt) * token_weights).sum()
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         gh, gw = ctx.grads
         ctx.grads = None
-        gh = gh.mul_(grad).to(ctx.hidden_dtype)  # in place: no second fp32 copy at the peak
+        if not bool(grad == 1):
+            gh = (gh.float() * grad).to(gh.dtype)
         gw = None if gw is None else gw.mul_(grad).to(ctx.weight_dtype)
         return gh, gw, None, None, None, None, None, None, None
 
