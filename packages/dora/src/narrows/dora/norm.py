@@ -1,0 +1,83 @@
+"""DoRA's row norm ||W + s·B·A||_row without the dense B·A (seed 002 §2, Algorithm 1).
+
+    ||W + sBA||²_row = ||W||²_row + 2s·<W, BA>_row + s²·||BA||²_row
+                     = base_sq     + 2s·rowsum(B ⊙ (W Aᵀ)) + s²·rowsum((B G) ⊙ B),  G = A Aᵀ
+
+W is read in column chunks of at most `chunk_budget` bytes (fp32), so the largest
+intermediates are one [d_out, chunk] slice of W, U_c = W_c A_cᵀ [d_out, r] and G [r, r].
+Everything accumulates in fp32 with autocast off, under no_grad: DoRA treats the norm as
+a constant. `dense_row_norm` is the fp64 reference the factored one is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["DEFAULT_CHUNK_BUDGET", "base_row_norm_sq", "dense_row_norm", "factored_row_norm"]
+
+DEFAULT_CHUNK_BUDGET = 256 * 2**20
+
+
+def _chunk(d_out: int, d_in: int, budget: int) -> int:
+    cs = max(1, budget // (d_out * 4))
+    if cs >= 64:
+        cs -= cs % 64  # whole tensor-core tiles
+    return min(d_in, cs)
+
+
+@torch.no_grad()
+def base_row_norm_sq(weight: Tensor, *, chunk_budget: int = DEFAULT_CHUNK_BUDGET) -> Tensor:
+    """||W||²_row in fp32: the frozen part, worth computing once per module."""
+    d_out, d_in = weight.shape
+    out = torch.zeros(d_out, dtype=torch.float32, device=weight.device)
+    cs = _chunk(d_out, d_in, chunk_budget)
+    with torch.autocast(weight.device.type, enabled=False):
+        for c in range(0, d_in, cs):
+            out += weight[:, c : c + cs].float().square().sum(dim=1)
+    return out
+
+
+@torch.no_grad()
+def factored_row_norm(
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    scale: float,
+    *,
+    base_sq: Tensor | None = None,
+    chunk_budget: int = DEFAULT_CHUNK_BUDGET,
+) -> Tensor:
+    """||W + scale·B·A||_row as fp32 [d_out], never forming B·A.
+
+    `weight` [d_out, d_in] (the dequantised base), `lora_a` [r, d_in], `lora_b` [d_out, r].
+    `base_sq` is a cached ||W||²_row (see `base_row_norm_sq`); with scale 0 only it is used.
+    """
+    d_out, d_in = weight.shape
+    with torch.autocast(weight.device.type, enabled=False):
+        if scale == 0:
+            return (
+                base_sq if base_sq is not None else base_row_norm_sq(weight, chunk_budget=chunk_budget)
+            ).sqrt()
+        r = lora_a.shape[0]
+        b = lora_b.float()
+        need_base = base_sq is None
+        acc_base = torch.zeros(d_out, dtype=torch.float32, device=weight.device) if need_base else base_sq
+        cross = torch.zeros(d_out, dtype=torch.float32, device=weight.device)
+        gram = torch.zeros(r, r, dtype=torch.float32, device=weight.device)
+        cs = _chunk(d_out, d_in, chunk_budget)
+        for c in range(0, d_in, cs):
+            w_c = weight[:, c : c + cs].float()
+            a_c = lora_a[:, c : c + cs].float()
+            if need_base:
+                acc_base += w_c.square().sum(dim=1)
+            gram += a_c @ a_c.t()
+            cross += (b * (w_c @ a_c.t())).sum(dim=1)
+        ba_sq = ((b @ gram) * b).sum(dim=1)
+        return (acc_base + 2 * scale * cross + scale * scale * ba_sq).clamp_min(0).sqrt()
+
+
+def dense_row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, scale: float) -> Tensor:
+    """The reference: the dense composed weight in fp64."""
+    w = weight.double() + scale * (lora_b.double() @ lora_a.double())
+    return w.norm(dim=1)

@@ -1,0 +1,49 @@
+"""The factored row norm against the dense fp64 reference and PEFT's own DoRA norm."""
+
+import pytest
+import torch
+
+from narrows.dora.norm import base_row_norm_sq, dense_row_norm, factored_row_norm
+
+
+def mats(d_out, d_in, r, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(d_out, d_in, generator=g).to(dtype)
+    a = (torch.randn(r, d_in, generator=g) / d_in**0.5).to(dtype)
+    b = (torch.randn(d_out, r, generator=g) * 0.1).to(dtype)
+    return w, a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(48, 80, 4), (130, 300, 16), (64, 256, 96)])
+@pytest.mark.parametrize("budget", [64 * 4 * 130, 1 << 20])  # several chunks, one chunk
+def test_matches_the_dense_fp64_norm(dtype, shape, budget):
+    w, a, b = mats(*shape, dtype)
+    ours = factored_row_norm(w, a, b, 0.7, chunk_budget=budget)
+    ref = dense_row_norm(w, a, b, 0.7)
+    assert ours.dtype == torch.float32 and ours.shape == (shape[0],)
+    torch.testing.assert_close(ours.double(), ref, rtol=2e-6, atol=1e-6)
+
+
+def test_rank_768_and_cached_base_and_zero_scale():
+    w, a, b = mats(96, 1024, 768, torch.float32)
+    base = base_row_norm_sq(w, chunk_budget=96 * 4 * 128)
+    torch.testing.assert_close(factored_row_norm(w, a, b, 2.0, base_sq=base).double(),
+                               dense_row_norm(w, a, b, 2.0), rtol=2e-6, atol=1e-6)  # fmt: skip
+    assert torch.equal(factored_row_norm(w, a, b, 0.0, base_sq=base), base.sqrt())
+    torch.testing.assert_close(factored_row_norm(w, a, b, 0.0).double(), w.double().norm(dim=1))
+
+
+def test_no_gradient_flows_through_the_norm():
+    w, a, b = mats(16, 32, 4, torch.float32)
+    a.requires_grad_(True)
+    assert not factored_row_norm(w, a, b, 1.0).requires_grad
+
+
+def test_agrees_with_peft_dora_norm():
+    peft_dora = pytest.importorskip("peft.tuners.lora.dora")
+    w, a, b = mats(40, 72, 8, torch.float32)
+    layer = peft_dora.DoraLinearLayer(fan_in_fan_out=False)
+    lora_weight = b @ a
+    peft_norm = layer.get_weight_norm(w, lora_weight, scaling=0.5)
+    torch.testing.assert_close(factored_row_norm(w, a, b, 0.5), peft_norm, rtol=1e-5, atol=1e-5)
