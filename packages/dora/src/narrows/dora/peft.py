@@ -1,0 +1,54 @@
+"""Make PEFT's DoRA layers compute with narrows' factored norm: `use_narrows_dora(model)`.
+
+PEFT (0.21 included) builds the dense B·A through an identity matrix for every DoRA
+layer's row norm. After this call each ``DoraLinearLayer`` keeps its parameters (the
+magnitude vector stays ``lora_magnitude_vector[adapter].weight``, so a saved adapter is a
+plain PEFT adapter) but its forward uses `factored_row_norm` and the stable `compose`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .compose import compose, magnitude_scale
+from .norm import factored_row_norm
+
+__all__ = ["use_narrows_dora"]
+
+
+def _forward(layer: nn.Module):
+    from peft.utils.integrations import dequantize_module_weight
+    from peft.utils.other import transpose
+
+    def forward(x: torch.Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float, base_layer: nn.Module,
+                base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:  # fmt: skip
+        weight = transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out)
+        norm = factored_row_norm(weight, lora_A.weight, lora_B.weight, scaling)
+        g = magnitude_scale(layer.weight, norm, x.dtype)
+        lora_result = lora_B(lora_A(x))
+        if base_result is not None:
+            if base_layer.bias is not None:
+                base_result = base_result - base_layer.bias
+        else:
+            base_result = nn.functional.linear(x, weight.to(x.dtype))
+        return compose(base_result, lora_result, g, scaling)
+
+    return forward
+
+
+def use_narrows_dora(model: nn.Module) -> int:
+    """Switch every PEFT ``DoraLinearLayer`` in `model` to narrows' DoRA; returns how many."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    count = 0
+    for module in model.modules():
+        if type(module) is DoraLinearLayer and not getattr(module, "narrows_dora", False):
+            module.forward = _forward(module)
+            module.narrows_dora = True
+            count += 1
+    if count == 0:
+        raise ValueError(
+            "no PEFT DoRA linear layer found: create the adapter with LoraConfig(use_dora=True, ...) first"
+        )
+    return count
