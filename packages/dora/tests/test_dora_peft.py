@@ -55,3 +55,21 @@ def test_compose_keeps_the_small_correction_in_bf16():
 def test_a_model_without_dora_is_refused_clearly():
     with pytest.raises(ValueError, match="use_dora=True"):
         nd.use_narrows_dora(with_adapter(tiny_model("llama"), "lora"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compose_backward_matches_autograd_of_the_formula(dtype):
+    from narrows.dora.compose import _formula
+
+    g0 = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 7, 16, generator=g0).to(dtype).requires_grad_(True)
+    lora = torch.randn(2, 7, 16, generator=g0).to(dtype).requires_grad_(True)
+    g = (1 + 0.01 * torch.randn(16, generator=g0)).requires_grad_(True)
+    go = torch.randn(2, 7, 16, generator=g0).to(dtype)
+    ours = nd.compose(base, lora, g, 0.5)
+    ref = _formula(base, lora, g, 0.5)
+    assert torch.equal(ours, ref)
+    a = torch.autograd.grad(ours, (base, lora, g), go)
+    b = torch.autograd.grad(ref, (base, lora, g), go)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    torch.testing.assert_close(a[2], b[2], rtol=1e-6, atol=1e-6)  # the magnitude sum: order may differ
