@@ -3,6 +3,7 @@ and under transformers.Trainer: streamed + lmhead is bit-identical to resident +
 
 import pytest
 import torch
+from parity import assert_equal, run
 
 import narrows.lmhead as lmh
 import narrows.stream as ns
@@ -13,26 +14,6 @@ ROWS = 48  # head rows per chunk: the same tiling for the resident and the strea
 
 def build(arch="llama", dropout=0.05):
     return with_adapter(tiny_model(arch), "lora", dropout=dropout).train()
-
-
-def run(model, steps=3):
-    torch.manual_seed(0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-2)
-    record = []
-    for step in range(steps):
-        loss = model(**tiny_batch(seed=step)).loss
-        loss.backward()
-        record += [loss.detach().clone()] + [p.grad.clone() for p in params]
-        opt.step()
-        opt.zero_grad()
-    return record + [p.detach().clone() for p in params]
-
-
-def assert_equal(a, b):
-    assert len(a) == len(b)
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert torch.equal(x, y), f"tensor {i} differs by {(x - y).abs().max().item()}"
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gemma2"])  # untied; tied + softcapping
@@ -93,19 +74,6 @@ def test_trainer_with_lmhead_and_stream(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("head", ["resident", "stream"])
 def test_cuda_streamed_with_lmhead_equals_resident_with_lmhead(head):
-    def cuda_run(model):
-        record = []
-        torch.manual_seed(0)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-2)
-        for step in range(3):
-            loss = model(**{k: v.cuda() for k, v in tiny_batch(seed=step).items()}).loss
-            loss.backward()
-            record += [loss.detach().cpu()] + [p.grad.cpu() for p in params]
-            opt.step()
-            opt.zero_grad()
-        return record
-
-    resident = cuda_run(lmh.apply(build("qwen2").to(torch.bfloat16).cuda(), head_rows=ROWS))
+    resident = run(lmh.apply(build("qwen2").to(torch.bfloat16).cuda(), head_rows=ROWS), device="cuda")
     m = ns.stream(build("qwen2").to(torch.bfloat16), device="cuda", head=head, head_rows=ROWS)
-    assert_equal(resident, cuda_run(lmh.apply(m, head_rows=ROWS)))
+    assert_equal(resident, run(lmh.apply(m, head_rows=ROWS), device="cuda"))

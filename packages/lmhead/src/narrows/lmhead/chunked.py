@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from narrows.core import HeadSource, ResidentHead
+from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, ResidentHead
 
 __all__ = [
     "DEFAULT_TILE_BYTES",
@@ -75,7 +75,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 source: HeadSource, softcap: float | None, head_rows: int | None, tile_bytes: int,
                 need_grad: bool) -> Tensor:  # fmt: skip
         n, dev = hidden.shape[0], hidden.device
-        first = next(iter(source.chunks(head_rows)))[0] if isinstance(source, ResidentHead) else None
         m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
         s = torch.zeros(n, dtype=torch.float32, device=dev)
         tgt = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -95,10 +94,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if gw is not None:
                     gw[sl] += dz.t() @ h
 
-        if first is not None:
+        if isinstance(source, ResidentHead):
             # the head is on the device: token chunks outside, so each token's gradient is
             # finished (fp32) before the next chunk starts and only [T, H] is ever fp32
-            step = _token_rows(first.stop - first.start, tile_bytes)
+            step = _token_rows(min(head_rows or DEFAULT_HEAD_ROWS, source.vocab_size), tile_bytes)
             for t in range(0, n, step):
                 ts = slice(t, min(t + step, n))
                 for sl, w, b in source.chunks(head_rows):

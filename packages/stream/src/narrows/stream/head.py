@@ -42,14 +42,6 @@ class StreamedHead:
         self.stats, self.copy_stream, self.cuda = stats, copy_stream, cuda
         self._free: list[object | None] = [None, None]  # compute finished reading buffer i
 
-    @property
-    def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
     def _load(self, sl: slice, slot: int) -> object | None:
         n = sl.stop - sl.start
         dst, src = self.buffers[slot][:n], self.host[sl]

@@ -1,0 +1,32 @@
+"""The seeded training loop the cross-package parity tests compare runs with."""
+
+from __future__ import annotations
+
+import torch
+
+from narrows.core.testing import tiny_batch
+
+
+def run(model, *, steps: int = 3, grad_accum: int = 1, device: str = "cpu") -> list[torch.Tensor]:
+    """AdamW steps on tiny batches: per-micro-step losses, gradients before every step,
+    then the final trainable weights — every tensor a parity gate compares."""
+    torch.manual_seed(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    record = []
+    for step in range(steps):
+        for micro in range(grad_accum):
+            batch = {k: v.to(device) for k, v in tiny_batch(seed=grad_accum * step + micro).items()}
+            loss = model(**batch).loss / grad_accum
+            loss.backward()
+            record.append(loss.detach().clone())
+        record += [p.grad.clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+    return record + [p.detach().clone() for p in params]
+
+
+def assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b) and a
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"tensor {i} differs by {(x.float() - y.float()).abs().max().item()}"
