@@ -16,6 +16,7 @@ OPTIONAL: dict[str, tuple[str, str | None]] = {
     "bitsandbytes": ("bitsandbytes", "narrows-core[nf4]"),
     "triton": ("triton", "narrows-dora[kernels]"),
     "lm_eval": ("lm-eval", "narrows-eval"),
+    "gguf": ("gguf", "narrows-core[gguf]"),
 }
 
 # narrows packages by import name -> distribution name

@@ -12,10 +12,12 @@ from .contract import (
     reachable_tensors,
     run_contract,
 )
+from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
 __all__ = [
     "ADAPTER_KINDS",
+    "CHATML",
     "TINY_ARCHITECTURES",
     "check_adapter_views",
     "check_gradients_flow",
@@ -28,5 +30,8 @@ __all__ = [
     "tiny_batch",
     "tiny_config",
     "tiny_model",
+    "tiny_model_folder",
+    "tiny_tokenizer",
+    "write_jsonl",
     "with_adapter",
 ]

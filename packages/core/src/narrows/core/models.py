@@ -1,0 +1,80 @@
+"""Loading a causal LM and its tokenizer from a local HF folder or a GGUF file.
+
+Nothing here reaches a hub: a path that does not exist is an error, not a repo id. A GGUF
+file (llama.cpp) is dequantised to float by transformers once, which takes tens of
+seconds; the float model is then cached as an HF folder under ``$NARROWS_CACHE/gguf/``
+keyed by the file's sha256, so later runs load it in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._env import require
+from .anatomy import anatomy_of
+from .errors import NarrowsError
+from .files import atomic_dir, cache_dir
+
+__all__ = ["file_sha256", "gguf_as_folder", "load_causal_lm"]
+
+
+def file_sha256(path: str | os.PathLike, block: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_as_folder(path: str | os.PathLike) -> Path:
+    """An HF folder (config, fp32 safetensors, tokenizer) holding the GGUF file's model."""
+    path = Path(path)
+    folder = cache_dir("gguf") / file_sha256(path)[:24]
+    if (folder / "config.json").is_file():
+        return folder
+    require("gguf", "loading a GGUF model file")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with atomic_dir(folder) as tmp:
+        kw = {"gguf_file": path.name}
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+        # transformers refuses to save a GGUF-loaded model while it is marked quantised;
+        # the weights are plain float tensors by now
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder
+
+
+def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a local HF folder or a ``.gguf`` file, checked for support.
+
+    The model is on the CPU in `dtype`, in train mode off (``eval()``); callers move it.
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise NarrowsError(
+            f"model path {str(path)!r} does not exist. Give a local folder with config.json and "
+            "*.safetensors, or a .gguf file (narrows never downloads from a model hub)."
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise NarrowsError(f"{str(path)!r} is a file but not a .gguf; give a model folder or a GGUF file.")
+        path = gguf_as_folder(path)
+    elif not (path / "config.json").is_file():
+        raise NarrowsError(f"{str(path)!r} has no config.json; it is not a Hugging Face model folder.")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    anatomy_of(model)  # refuses an unsupported architecture before anything else happens
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model.eval()
+    return model, tokenizer

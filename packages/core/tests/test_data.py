@@ -1,0 +1,88 @@
+"""Training data: rendering, prompt masking, truncation and the errors that name the line."""
+
+from __future__ import annotations
+
+import pytest
+
+from narrows.core.data import IGNORE, DataError, collate, encode_row, micro_batches, read_jsonl, tokenize_rows
+from narrows.core.testing import tiny_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def decode_trained(tok, ex):
+    return tok.decode([i for i, y in zip(ex.input_ids, ex.labels) if y != IGNORE])
+
+
+def test_chat_rows_train_every_assistant_turn_and_nothing_else(tok):
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
+    ex = encode_row({"messages": messages}, tok, 512)
+    assert tok.decode(ex.input_ids) == tok.apply_chat_template(messages, tokenize=False)
+    assert decode_trained(tok, ex) == "4<|im_end|>\n6<|im_end|>\n"
+
+
+def test_prompt_response_and_text_rows(tok):
+    ex = encode_row({"prompt": "Q: hi\nA:", "response": " hello"}, tok, 512)
+    assert decode_trained(tok, ex) == " hello<|im_end|>"
+    assert ex.labels[: len("Q: hi\nA:")] == (IGNORE,) * len("Q: hi\nA:")
+    ex = encode_row({"text": "plain words"}, tok, 512)
+    assert ex.labels == ex.input_ids and ex.trainable == len("plain words") - 1
+
+
+def test_truncation_that_removes_every_trainable_token_is_refused_with_the_line(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "fine"}, {"prompt": "x" * 50, "response": "y"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: no trainable token: truncation to --seq-len 20"):
+        tokenize_rows(read_jsonl(path), tok, 20)
+
+
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"text": "ok"', r"d\.jsonl:2: not valid JSON"),
+        ("[1, 2]", r"d\.jsonl:2: each line must be a JSON object"),
+        ('{"question": "q"}', r"d\.jsonl:2: the row has none of the fields"),
+        ('{"prompt": "q"}', r"d\.jsonl:2: a prompt/response row needs both"),
+        ('{"messages": [{"role": "user", "content": "q"}]}', r"d\.jsonl:2: 'messages' has no assistant turn"),
+        ('{"messages": [{"role": "user"}]}', r"d\.jsonl:2: messages\[0\] must be an object"),
+    ],
+)
+def test_malformed_rows_name_file_and_line(tok, tmp_path, line, message):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "good row"}, line])
+    with pytest.raises(DataError, match=message):
+        tokenize_rows(read_jsonl(path), tok, 64)
+
+
+def test_missing_and_empty_files(tmp_path, tok):
+    with pytest.raises(DataError, match="does not exist"):
+        read_jsonl(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="has no rows"):
+        read_jsonl(tmp_path / "empty.jsonl")
+
+
+def test_collate_pads_right_and_masks_padding(tok):
+    a, b = encode_row({"text": "abcdef"}, tok, 64), encode_row({"text": "ab"}, tok, 64)
+    batch = collate([a, b], tok.pad_token_id)
+    assert batch["input_ids"].shape == (2, 6)
+    assert batch["attention_mask"][1].tolist() == [1, 1, 0, 0, 0, 0]
+    assert batch["labels"][1, 2:].tolist() == [IGNORE] * 4
+    assert batch["input_ids"][1, 2:].tolist() == [tok.pad_token_id] * 4
+
+
+def test_the_data_stream_depends_only_on_seed_and_position(tok):
+    examples = tokenize_rows(((f"r{i}", {"text": f"row {i}"}) for i in range(7)), tok, 64)
+    whole = micro_batches(examples, 3, seed=5)
+    first = [[e.where for e in next(whole)] for _ in range(6)]  # 18 positions: crosses two epoch ends
+    resumed = micro_batches(examples, 3, seed=5, start=4)
+    assert [[e.where for e in next(resumed)] for _ in range(2)] == first[4:]
+    assert sorted(first[0] + first[1] + [first[2][0]]) == [f"r{i}" for i in range(7)]  # epoch 0: a permutation
+    assert first[2][1:] + first[3] + first[4][:2] != first[0] + first[1] + first[2][:1]  # epoch 1: another one

@@ -1,0 +1,153 @@
+"""`narrows finetune` end to end on a tiny model folder: the real CLI in a subprocess.
+
+Determinism (the same command twice gives the same metrics), exact resume after a kill or
+Ctrl-C (adapter weights `torch.equal` to an uninterrupted run), PEFT-loadable output, and
+bad input refused before training with a message that names what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from narrows.core._env import is_available
+from narrows.core.cli import main
+from narrows.core.testing import tiny_model_folder, write_jsonl
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+    for a in range(6)
+    for b in range(4)
+]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    model = tiny_model_folder(root / "model")
+    data = write_jsonl(root / "train.jsonl", ROWS[:20])
+    evals = write_jsonl(root / "eval.jsonl", ROWS[20:])
+    args = ["--model", str(model), "--data", str(data), "--eval-data", str(evals), "--rank", "4", "--dropout", "0.1",
+            "--batch", "2", "--grad-accum", "2", "--seq-len", "64", "--lr", "1e-2", "--save-every", "2",
+            "--no-progress"]  # fmt: skip
+    return root, args
+
+
+def cli(*args, wait=True):
+    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *args]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def losses(out):
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in rows]
+
+
+def adapter(out):
+    return load_file(out / "adapter_model.safetensors")
+
+
+def assert_same_adapter(a, b):
+    wa, wb = adapter(a), adapter(b)
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
+    root, args = job
+    runs = []
+    for name in ("a", "b"):
+        r = cli(*args, "--steps", "6", "--out", str(root / name))
+        assert r.returncode == 0, r.stderr
+        runs.append(root / name)
+    assert "eval loss before → after" in r.stdout
+    assert losses(runs[0]) == losses(runs[1])
+    steps = [s for s, loss, _ in losses(runs[0]) if loss is not None]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert_same_adapter(*runs)
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+
+    # plain PEFT loads the adapter and computes what the run's own eval computed
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(root / "model")
+    tuned = PeftModel.from_pretrained(base, runs[0])
+    assert all(torch.equal(p, adapter(runs[0])[k.replace(".default", "")]) for k, p in tuned.named_parameters()
+               if "lora_" in k)  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
+def test_an_interrupted_run_resumes_to_the_same_adapter(job, how):
+    root, args = job
+    steps = ["--steps", "120"]
+    whole = root / f"whole-{how}"
+    assert cli(*args, *steps, "--out", str(whole)).returncode == 0
+    cut = root / f"cut-{how}"
+    proc = cli(*args, *steps, "--out", str(cut), wait=False)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # interrupt once a checkpoint exists and training went past it
+        if (cut / "checkpoints" / "latest").exists() and len(losses(cut)) >= 5:
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    if how == "ctrl-c":
+        assert proc.returncode == 2 and "interrupted at step" in err and f"--resume {cut}" in err
+    assert not (cut / "adapter_model.safetensors").exists()
+    r = cli("--resume", str(cut), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert_same_adapter(whole, cut)
+    assert losses(whole) == losses(cut)
+
+
+def refused(capsys, *args):
+    code = main(["finetune", *args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err
+
+
+def test_bad_input_is_refused_before_training(job, capsys, tmp_path):
+    root, args = job
+    base = dict(zip(args[::2], args[1::2]))
+    out = ["--out", str(tmp_path / "run")]
+    assert "does not exist" in refused(capsys, "--model", str(tmp_path / "nope"), "--data", base["--data"], *out)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], '{"messages": [}'])
+    assert "bad.jsonl:2: not valid JSON" in refused(capsys, "--model", base["--model"], "--data", str(bad), *out)
+    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--targets", "q_proj,wq", *out)
+    assert "no linear module named ['wq']" in err and "'q_proj'" in err
+    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--seq-len", "8", *out)
+    assert "no trainable token: truncation to --seq-len 8" in err
+    assert "--model needs --data" in refused(capsys, "--model", base["--model"], *out)
+    assert "unknown part 'fast'" in refused(capsys, "--model", base["--model"], "--data", base["--data"],
+                                            "--lmhead", "mask,fast", *out) or not is_available("narrows.lmhead")  # fmt: skip
+    assert not (tmp_path / "run").exists()  # nothing was written for a refused run
+    assert "no run there" in refused(capsys, "--resume", str(tmp_path / "nothing"))
+    done = root / "a"
+    if done.exists():
+        assert "already holds a run" in refused(capsys, "--model", base["--model"], "--data", base["--data"],
+                                                "--out", str(done))  # fmt: skip
+
+
+@pytest.mark.skipif(is_available("narrows.dora"), reason="narrows-dora is installed here")
+def test_a_missing_sibling_package_is_named(job, capsys, tmp_path):
+    root, args = job
+    base = dict(zip(args[::2], args[1::2]))
+    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--adapter", "dora",
+                  "--out", str(tmp_path / "run"))  # fmt: skip
+    assert "narrows-dora" in err and "pip install" in err
