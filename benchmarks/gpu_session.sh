@@ -6,14 +6,17 @@
 #   SKIP_TESTS=1            skip the tests
 #   BENCH="model:seq:mode,mode ..."   stream_qlora.py runs (STEPS, BENCH_TIMEOUT)
 #   LMHEAD="--contexts ..."           lmhead_memory.py arguments
+#   QUALITY="--model GGUF ..."        lmhead_quality.py arguments (SmolLM2 staged by stage_smollm2.sh)
+#   SHAPES="--tokenizer DIR ..."      finetune_shapes.py arguments
+#   TESTS="paths"                     which GPU tests (default: core, stream, lmhead, stream+lmhead)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NARROWS_CACHE=/tmp/narrows-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
-  timeout 300 python3 -m pytest packages/core/tests/test_core_gpu.py packages/stream/tests \
-    packages/lmhead/tests tests/test_lmhead_with_stream.py -q -p no:cacheprovider -m gpu 2>&1 \
+  timeout 300 python3 -m pytest ${TESTS:-packages/core/tests/test_core_gpu.py packages/stream/tests \
+    packages/lmhead/tests tests/test_lmhead_with_stream.py} -q -p no:cacheprovider -m gpu 2>&1 \
     | tee "$OUT/gpu_tests.log" | tail -15
 fi
 for spec in ${BENCH:-}; do
@@ -25,4 +28,12 @@ if [[ -n ${LMHEAD:-} ]]; then
   timeout ${LMHEAD_TIMEOUT:-400} python3 benchmarks/lmhead_memory.py $LMHEAD --out "$OUT/lmhead_memory.json" \
     > "$OUT/lmhead_memory.log" 2>&1
   grep -v '^{' "$OUT/lmhead_memory.log" | tail -150
+fi
+if [[ -n ${QUALITY:-} ]]; then
+  timeout ${QUALITY_TIMEOUT:-420} python3 benchmarks/lmhead_quality.py $QUALITY --out "$OUT/lmhead_quality.json" 2>&1 \
+    | grep -v -i "warn" | tee "$OUT/lmhead_quality.log" | tail -14
+fi
+if [[ -n ${SHAPES:-} ]]; then
+  timeout ${SHAPES_TIMEOUT:-420} python3 benchmarks/finetune_shapes.py $SHAPES --out "$OUT/finetune_shapes.json" 2>&1 \
+    | grep -v -i "warn" | tee "$OUT/finetune_shapes.log" | tail -14
 fi

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .errors import MissingDependencyError
 
-__all__ = ["GSM8K_HELD_OUT", "GSM8K_SEED", "gsm8k_answer", "gsm8k_split", "smollm2_gguf"]
+__all__ = ["GSM8K_HELD_OUT", "GSM8K_SEED", "gsm8k_answer", "gsm8k_jsonl", "gsm8k_split", "smollm2_gguf"]
 
 GSM8K_SEED = 20241122
 GSM8K_HELD_OUT = 200  # problems kept out of training (eval loss, exact match)
@@ -69,3 +69,15 @@ def gsm8k_split() -> tuple[list[dict], list[dict]]:
         for r in (rows[i] for i in order)
     ]
     return chats[GSM8K_HELD_OUT:], chats[:GSM8K_HELD_OUT]
+
+
+def gsm8k_jsonl(folder: str | Path) -> tuple[Path, Path]:
+    """Write the split as ``train.jsonl`` / ``held_out.jsonl`` chat rows (for ``--data``)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, rows in zip(("train", "held_out"), gsm8k_split()):
+        path = folder / f"gsm8k_{name}.jsonl"
+        path.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+        paths.append(path)
+    return paths[0], paths[1]

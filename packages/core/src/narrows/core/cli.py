@@ -64,7 +64,8 @@ def _add_finetune(sub) -> None:
     a("--targets", help="all-linear (default) or module names, e.g. q_proj,v_proj")
     a("--quant", choices=["none", "nf4"], help="nf4: QLoRA/QDoRA base (needs narrows-core[nf4])")
     a("--gpu-budget", help="off (default), fit, or a size like 12GiB: stream the base (needs narrows-stream)")
-    a("--lmhead", help="e.g. mask,chunked or mask,chunked,topk=1000 (needs narrows-lmhead)")
+    a("--lmhead", help="auto (default: mask,chunked when narrows-lmhead is installed), off, or e.g. "
+      "mask,chunked,topk=1000 (needs narrows-lmhead)")
     a("--steps", type=int, help="optimizer steps (default 40)")
     a("--batch", type=int, help="sequences per micro-batch (default 4)")
     a("--grad-accum", type=int, help="micro-batches per step (default 1)")

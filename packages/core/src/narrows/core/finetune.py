@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._env import require
+from ._env import is_available, require
 from .data import DataError, Example, collate, micro_batches, read_jsonl, tokenize_rows
+from .anatomy import anatomy_of
 from .errors import NarrowsError
 from .files import atomic_dir, atomic_write
 from .memory import format_bytes, parse_bytes, read_peaks, reset_peaks
@@ -55,7 +56,7 @@ class FinetuneConfig:
     targets: str = "all-linear"
     quant: str = "none"
     gpu_budget: str = "off"  # off | fit | a size such as 12GiB
-    lmhead: str | None = None  # e.g. "mask,chunked" or "mask,chunked,topk=1000"
+    lmhead: str = "auto"  # auto: mask,chunked when narrows-lmhead is installed; off; or e.g. mask,chunked,topk=1000
     steps: int = 40
     batch: int = 4
     grad_accum: int = 1
@@ -92,7 +93,7 @@ class FinetuneConfig:
             require("narrows.stream", "--gpu-budget")
             if self.gpu_budget != "fit":
                 parse_bytes(self.gpu_budget)
-        if self.lmhead:
+        if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)
 
@@ -162,14 +163,24 @@ def _check_targets(model: nn.Module, targets: str) -> str | list[str]:
     return wanted
 
 
+def _quantize(model: nn.Module, dtype: torch.dtype, device: torch.device, park: bool) -> None:
+    """NF4 one decoder layer at a time on `device` (fast on a GPU); a streamed base parks
+    each quantised layer back on the CPU, so the device never holds the whole model."""
+    from .nf4 import quantize_nf4
+
+    anat = anatomy_of(model)
+    for path, layer in zip(anat.layer_paths, anat.layers):
+        quantize_nf4(model, compute_dtype=dtype, device=device,
+                     filter_fn=lambda name, _, p=path + ".": name.startswith(p))  # fmt: skip
+        layer.to("cpu" if park else device)
+
+
 def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     target_modules = _check_targets(model, cfg.targets)
     if cfg.quant == "nf4":
-        from .nf4 import quantize_nf4
-
-        quantize_nf4(model, compute_dtype=dtype)
+        _quantize(model, dtype, device, park=cfg.gpu_budget != "off")
     _seed_all(cfg.seed)  # the adapter's initialisation
     lora = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, lora_dropout=cfg.dropout,
@@ -187,10 +198,13 @@ def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: t
 
         budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
         model = narrows.stream.stream(model, budget, device=device, batch_size=cfg.batch, seq_len=cfg.seq_len)
-    if cfg.lmhead:
+    lmhead = cfg.lmhead
+    if lmhead == "auto":
+        lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
+    if lmhead != "off":
         import narrows.lmhead
 
-        spec = parse_lmhead(cfg.lmhead)
+        spec = parse_lmhead(lmhead)
         narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk)
     return model
 
@@ -292,23 +306,28 @@ def eval_loss(model: nn.Module, examples: list[Example], batch: int, pad_id: int
 
 @torch.no_grad()
 def exact_match(model: nn.Module, tokenizer, rows: list[dict], device: torch.device, max_new_tokens: int = 200) -> float:
-    """Share of GSM8K problems whose generated final answer (after ####) is right (greedy)."""
+    """Share of GSM8K problems whose generated final answer (after ####) is right.
+
+    Greedy, all problems in one left-padded batch (one generate call, not one per problem).
+    """
     from .bundled import gsm8k_answer
 
     if not rows:
         return float("nan")
-    was_training = model.training
+    was_training, side = model.training, tokenizer.padding_side
     model.eval()
-    right = 0
-    for row in rows:
-        prompt = tokenizer.apply_chat_template(row["messages"][:1], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
-        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        right += gsm8k_answer(text) == row["answer"]
-    model.train(was_training)
-    return right / len(rows)
+    tokenizer.padding_side = "left"
+    try:
+        prompts = [tokenizer.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True)
+                   for r in rows]  # fmt: skip
+        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return sum(gsm8k_answer(t) == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
 
 def _plot(rows: list[dict], path: Path) -> bool:
@@ -460,6 +479,9 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
         "tokens_per_s": tokens_seen / train_s if tokens_seen else None,
         "setup_s": setup_s, "train_s": train_s,
     }  # fmt: skip
+    lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
+    if getattr(lm_handle, "subset_sizes", None):
+        summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
     if em_rows:
         summary["exact_match_after"] = exact_match(model, tokenizer, em_rows, device)
         with model.disable_adapter():

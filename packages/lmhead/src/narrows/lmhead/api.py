@@ -12,7 +12,7 @@ there, whichever of the two calls came first.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class LMHeadHandle:
     neighbours: Tensor | None
     eval_logits: bool
     original_forward: Any
+    subset_sizes: list[int] = field(default_factory=list)  # top-k: vocabulary rows per training batch
 
 
 def apply(
@@ -87,12 +88,13 @@ def apply(
         out = anat.decoder(input_ids=input_ids, **decoder_kwargs)
         loss = causal_lm_loss(out.last_hidden_state, labels, head_source(model), options if training else exact,
                               num_items_in_batch=num_items, shift_labels=shift_labels,
-                              neighbours=neighbours if training else None)  # fmt: skip
+                              neighbours=neighbours if training else None,
+                              stats=handle.subset_sizes if training else None)  # fmt: skip
         return _output(loss, out)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     lm.forward = forward
-    lm.narrows_lmhead = LMHeadHandle(options, neighbours, eval_logits, original)
+    lm.narrows_lmhead = handle = LMHeadHandle(options, neighbours, eval_logits, original)
     return model
 
 

@@ -56,10 +56,12 @@ def causal_lm_loss(
     num_items_in_batch: Tensor | int | None = None,
     shift_labels: Tensor | None = None,
     neighbours: Tensor | None = None,
+    stats: list[int] | None = None,
 ) -> Tensor:
     """Loss of a causal LM from its last hidden states [B, S, H] and labels [B, S].
 
-    `neighbours` is the top-k table (`neighbour_table`) when ``options.topk`` is set.
+    `neighbours` is the top-k table (`neighbour_table`) when ``options.topk`` is set;
+    `stats`, when given, receives the size of each batch's vocabulary subset.
     """
     targets = shift_targets(labels, shift_labels, options.ignore_index).reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -90,6 +92,8 @@ def causal_lm_loss(
         ids = vocabulary_subset(targets[weights > 0], neighbours)
         targets = torch.searchsorted(ids, targets).clamp_max(ids.numel() - 1)  # ignored rows: any index
         source = subset_head(source, ids)
+        if stats is not None:
+            stats.append(ids.numel())
     if options.chunked:
         return linear_cross_entropy(flat, targets, source, weights, head_rows=options.head_rows,
                                     tile_bytes=options.tile_bytes)  # fmt: skip

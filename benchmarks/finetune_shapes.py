@@ -1,0 +1,109 @@
+"""`narrows finetune` on a real architecture's shape: streamed budgets vs the resident run.
+
+Builds a random-weight model folder of a config's shape (bf16 safetensors + a real
+tokenizer with a chat template, e.g. SmolLM2's), then runs the real CLI once per
+`--gpu-budget` mode in its own process (`off` is the resident baseline: the whole NF4
+model on the GPU) on GSM8K chat rows, and reports peak device memory, tokens/s and step
+time side by side with ratios to the resident run. Needs CUDA.
+
+    python benchmarks/finetune_shapes.py --config qwen2.5-7b --tokenizer DIR --modes off,fit,6GiB --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _models import load_config  # noqa: E402
+
+
+def build_folder(config_name: str, tokenizer_dir: str, folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    config = load_config(config_name)
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="qwen2.5-7b")
+    ap.add_argument("--tokenizer", required=True, help="a folder with a tokenizer that has a chat template")
+    ap.add_argument("--modes", default="off,fit,6GiB")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--work", default="/tmp/finetune_shapes")
+    ap.add_argument("--out", default="benchmarks/results/finetune_shapes.json")
+    args = ap.parse_args()
+
+    from narrows.core.bundled import gsm8k_jsonl
+
+    work = Path(args.work)
+    t = time.perf_counter()
+    folder = build_folder(args.config, args.tokenizer, work / args.config)
+    print(f"model folder {folder} ({time.perf_counter() - t:.0f} s)", flush=True)
+    train, held_out = gsm8k_jsonl(work)
+    rows = []
+    for mode in args.modes.split(","):
+        out = work / f"run-{mode}"
+        cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
+               "--eval-data", str(held_out), "--eval-rows", "8", "--quant", "nf4", "--gpu-budget", mode,
+               "--steps", str(args.steps), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+               "--save-every", str(args.steps), "--no-progress", "--out", str(out)]  # fmt: skip
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        wall = time.perf_counter() - t
+        if r.returncode != 0:
+            print(f"--gpu-budget {mode} failed:\n{r.stderr[-3000:]}", flush=True)
+            rows.append({"mode": mode, "error": r.stderr[-2000:]})
+            continue
+        summary = json.loads((out / "summary.json").read_text())
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        step_s = sorted(s["step_s"] for s in steps if "step_s" in s)
+        rows.append({
+            "mode": mode, "peak_bytes": summary["peak_bytes"], "tokens_per_s": summary["tokens_per_s"],
+            "median_step_s": step_s[len(step_s) // 2], "first_loss": summary["first_loss"],
+            "last_loss": summary["last_loss"], "eval_loss_before": summary["eval_loss_before"],
+            "eval_loss_after": summary["eval_loss_after"], "setup_s": summary["setup_s"], "wall_s": wall,
+        })  # fmt: skip
+        print(f"--gpu-budget {mode}: {rows[-1]}", flush=True)
+
+    base = next((r for r in rows if r["mode"] == "off" and "error" not in r), None)
+    print(f"\n{args.config} (random NF4 weights), LoRA r16 all-linear, batch {args.batch} x seq {args.seq_len}, "
+          f"{args.steps} steps, {torch.cuda.get_device_name()}")  # fmt: skip
+    print(f"{'--gpu-budget':<14} {'peak GiB':>9} {'vs off':>7} {'step s':>8} {'vs off':>7} {'tok/s':>7} "
+          f"{'loss first→last':>18} {'setup s':>8}")  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            print(f"{r['mode']:<14} failed")
+            continue
+        mem = r["peak_bytes"] / 2**30
+        rm = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "–"
+        rt = f"{r['median_step_s'] / base['median_step_s']:.2f}" if base else "–"
+        print(f"{r['mode']:<14} {mem:>9.2f} {rm:>7} {r['median_step_s']:>8.3f} {rt:>7} {r['tokens_per_s']:>7.0f} "
+              f"{r['first_loss']:>8.4f}→{r['last_loss']:<8.4f} {r['setup_s']:>8.0f}")  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
