@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _models import load_config  # noqa: E402
+from _models import load_config
 
 
 def build_folder(config_name: str, tokenizer_dir: str, folder: Path) -> Path:
@@ -101,7 +101,9 @@ def main() -> None:
               f"{r['first_loss']:>8.4f}→{r['last_loss']:<8.4f} {r['setup_s']:>8.0f}")  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    out.write_text(
+        json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": rows}, indent=2)
+    )
     print(f"wrote {out}")
 
 

@@ -10,7 +10,7 @@
 #   SHAPES="--tokenizer DIR ..."      finetune_shapes.py arguments
 #   TESTS="paths"                     which GPU tests (default: core, stream, lmhead, stream+lmhead)
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NARROWS_CACHE=/tmp/narrows-cache
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -42,7 +42,9 @@ def main() -> None:
     data, evals = gsm8k_jsonl(work)
     model = args.model or str(smollm2_gguf())
 
-    variants = [("CE (exact)", "mask,chunked")] + [(f"top-{k}", f"mask,chunked,topk={k}") for k in args.ks.split(",")]
+    variants = [("CE (exact)", "mask,chunked")] + [
+        (f"top-{k}", f"mask,chunked,topk={k}") for k in args.ks.split(",")
+    ]
     rows = []
     for name, lmhead in variants:
         cfg = FinetuneConfig(

@@ -84,5 +84,9 @@ def test_the_data_stream_depends_only_on_seed_and_position(tok):
     first = [[e.where for e in next(whole)] for _ in range(6)]  # 18 positions: crosses two epoch ends
     resumed = micro_batches(examples, 3, seed=5, start=4)
     assert [[e.where for e in next(resumed)] for _ in range(2)] == first[4:]
-    assert sorted(first[0] + first[1] + [first[2][0]]) == [f"r{i}" for i in range(7)]  # epoch 0: a permutation
-    assert first[2][1:] + first[3] + first[4][:2] != first[0] + first[1] + first[2][:1]  # epoch 1: another one
+    assert sorted(first[0] + first[1] + [first[2][0]]) == [
+        f"r{i}" for i in range(7)
+    ]  # epoch 0: a permutation
+    assert (
+        first[2][1:] + first[3] + first[4][:2] != first[0] + first[1] + first[2][:1]
+    )  # epoch 1: another one

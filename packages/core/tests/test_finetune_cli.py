@@ -126,10 +126,16 @@ def test_bad_input_is_refused_before_training(job, capsys, tmp_path):
     root, args = job
     base = dict(zip(args[::2], args[1::2]))
     out = ["--out", str(tmp_path / "run")]
-    assert "does not exist" in refused(capsys, "--model", str(tmp_path / "nope"), "--data", base["--data"], *out)
+    assert "does not exist" in refused(
+        capsys, "--model", str(tmp_path / "nope"), "--data", base["--data"], *out
+    )
     bad = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], '{"messages": [}'])
-    assert "bad.jsonl:2: not valid JSON" in refused(capsys, "--model", base["--model"], "--data", str(bad), *out)
-    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--targets", "q_proj,wq", *out)
+    assert "bad.jsonl:2: not valid JSON" in refused(
+        capsys, "--model", base["--model"], "--data", str(bad), *out
+    )
+    err = refused(
+        capsys, "--model", base["--model"], "--data", base["--data"], "--targets", "q_proj,wq", *out
+    )
     assert "no linear module named ['wq']" in err and "'q_proj'" in err
     err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--seq-len", "8", *out)
     assert "no trainable token: truncation to --seq-len 8" in err

@@ -63,7 +63,10 @@ def gsm8k_split() -> tuple[list[dict], list[dict]]:
     order = random.Random(GSM8K_SEED).sample(range(len(rows)), len(rows))
     chats = [
         {
-            "messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}],
+            "messages": [
+                {"role": "user", "content": r["question"]},
+                {"role": "assistant", "content": r["answer"]},
+            ],
             "answer": gsm8k_answer(r["answer"]),
         }
         for r in (rows[i] for i in order)

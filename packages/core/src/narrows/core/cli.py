@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from .errors import NarrowsError
 
@@ -64,8 +64,11 @@ def _add_finetune(sub) -> None:
     a("--targets", help="all-linear (default) or module names, e.g. q_proj,v_proj")
     a("--quant", choices=["none", "nf4"], help="nf4: QLoRA/QDoRA base (needs narrows-core[nf4])")
     a("--gpu-budget", help="off (default), fit, or a size like 12GiB: stream the base (needs narrows-stream)")
-    a("--lmhead", help="auto (default: mask,chunked when narrows-lmhead is installed), off, or e.g. "
-      "mask,chunked,topk=1000 (needs narrows-lmhead)")
+    a(
+        "--lmhead",
+        help="auto (default: mask,chunked when narrows-lmhead is installed), off, or e.g. "
+        "mask,chunked,topk=1000 (needs narrows-lmhead)",
+    )
     a("--steps", type=int, help="optimizer steps (default 40)")
     a("--batch", type=int, help="sequences per micro-batch (default 4)")
     a("--grad-accum", type=int, help="micro-batches per step (default 1)")
@@ -78,7 +81,11 @@ def _add_finetune(sub) -> None:
     a("--exact-match", type=int, help="held-out GSM8K problems generated and scored (default 8; 0: off)")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
     a("--out", help="run folder (default runs/default)")
-    a("--resume", metavar="RUN", help="continue the run in this folder exactly where its last checkpoint left it")
+    a(
+        "--resume",
+        metavar="RUN",
+        help="continue the run in this folder exactly where its last checkpoint left it",
+    )
     a("--no-progress", action="store_true", help="one line per step instead of a progress bar")
     p.set_defaults(func=_finetune)
 

@@ -150,7 +150,9 @@ def collate(examples: Sequence[Example], pad_id: int) -> dict[str, Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def micro_batches(examples: Sequence[Example], batch_size: int, seed: int, start: int = 0) -> Iterator[list[Example]]:
+def micro_batches(
+    examples: Sequence[Example], batch_size: int, seed: int, start: int = 0
+) -> Iterator[list[Example]]:
     """Micro-batch `start`, `start`+1, ... of an endless, seeded stream of epochs.
 
     Epoch e is a permutation drawn from ``random.Random(seed + e)``; micro-batch k holds

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from ._env import is_available, require
-from .data import DataError, Example, collate, micro_batches, read_jsonl, tokenize_rows
 from .anatomy import anatomy_of
+from .data import DataError, Example, collate, micro_batches, read_jsonl, tokenize_rows
 from .errors import NarrowsError
 from .files import atomic_dir, atomic_write
 from .memory import format_bytes, parse_bytes, read_peaks, reset_peaks
@@ -56,7 +56,9 @@ class FinetuneConfig:
     targets: str = "all-linear"
     quant: str = "none"
     gpu_budget: str = "off"  # off | fit | a size such as 12GiB
-    lmhead: str = "auto"  # auto: mask,chunked when narrows-lmhead is installed; off; or e.g. mask,chunked,topk=1000
+    lmhead: str = (
+        "auto"  # auto: mask,chunked when narrows-lmhead is installed; off; or e.g. mask,chunked,topk=1000
+    )
     steps: int = 40
     batch: int = 4
     grad_accum: int = 1
@@ -78,11 +80,17 @@ class FinetuneConfig:
             raise NarrowsError(f"--quant must be one of {QUANTS}, got {self.quant!r}")
         for name in ("rank", "steps", "batch", "grad_accum", "seq_len", "save_every"):
             if getattr(self, name) < 1:
-                raise NarrowsError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+                raise NarrowsError(
+                    f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}"
+                )
         if self.model is None and self.data is not None:
-            raise NarrowsError("--data needs --model too (the embedded default model comes with its own data)")
+            raise NarrowsError(
+                "--data needs --model too (the embedded default model comes with its own data)"
+            )
         if self.model is not None and self.data is None:
-            raise NarrowsError("--model needs --data (a JSONL file of messages, prompt/response or text rows)")
+            raise NarrowsError(
+                "--model needs --data (a JSONL file of messages, prompt/response or text rows)"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise NarrowsError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.adapter == "dora":
@@ -141,13 +149,21 @@ def _load_data(cfg: FinetuneConfig, tokenizer) -> tuple[list[Example], list[Exam
         from .bundled import gsm8k_split
 
         train_rows, held_out = gsm8k_split()
-        train = tokenize_rows(((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, cfg.seq_len)
+        train = tokenize_rows(
+            ((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, cfg.seq_len
+        )
         evals = tokenize_rows(
-            ((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])), tokenizer, cfg.seq_len
+            ((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])),
+            tokenizer,
+            cfg.seq_len,
         )
         return train, evals, held_out[cfg.eval_rows : cfg.eval_rows + cfg.exact_match]
     train = tokenize_rows(read_jsonl(cfg.data), tokenizer, cfg.seq_len)  # type: ignore[arg-type]
-    evals = tokenize_rows(read_jsonl(cfg.eval_data), tokenizer, cfg.seq_len)[: cfg.eval_rows] if cfg.eval_data else []
+    evals = (
+        tokenize_rows(read_jsonl(cfg.eval_data), tokenizer, cfg.seq_len)[: cfg.eval_rows]
+        if cfg.eval_data
+        else []
+    )
     return train, evals, []
 
 
@@ -255,7 +271,11 @@ class RunFolder:
 
     def trim_metrics(self, step: int) -> list[dict]:
         """Drop metrics logged after `step` (a resumed run logs them again)."""
-        rows = [json.loads(line) for line in self.metrics.read_text().splitlines()] if self.metrics.exists() else []
+        rows = (
+            [json.loads(line) for line in self.metrics.read_text().splitlines()]
+            if self.metrics.exists()
+            else []
+        )
         rows = [r for r in rows if r.get("step", 0) <= step]
         atomic_write(self.metrics, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in rows)))
         return rows
@@ -287,7 +307,9 @@ def _to(batch: dict, device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, examples: list[Example], batch: int, pad_id: int, device: torch.device) -> float:
+def eval_loss(
+    model: nn.Module, examples: list[Example], batch: int, pad_id: int, device: torch.device
+) -> float:
     """Mean cross-entropy per trainable token over `examples`, full softmax, eval mode."""
     if not examples:
         return float("nan")
@@ -305,7 +327,9 @@ def eval_loss(model: nn.Module, examples: list[Example], batch: int, pad_id: int
 
 
 @torch.no_grad()
-def exact_match(model: nn.Module, tokenizer, rows: list[dict], device: torch.device, max_new_tokens: int = 200) -> float:
+def exact_match(
+    model: nn.Module, tokenizer, rows: list[dict], device: torch.device, max_new_tokens: int = 200
+) -> float:
     """Share of GSM8K problems whose generated final answer (after ####) is right.
 
     Greedy, all problems in one left-padded batch (one generate call, not one per problem).
@@ -479,6 +503,11 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
         "tokens_per_s": tokens_seen / train_s if tokens_seen else None,
         "setup_s": setup_s, "train_s": train_s,
     }  # fmt: skip
+    stream = getattr(model, "narrows_stream", None)
+    if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
+        plan = stream.plan
+        summary["stream"] = {"resident_layers": len(plan.resident), "layers": len(plan.layer_bytes),
+                             "predicted_peak": plan.predicted_peak, "h2d_bytes_per_step": plan.h2d_bytes_per_step}  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
@@ -506,11 +535,21 @@ def format_summary(summary: dict) -> str:
     ]  # fmt: skip
     if "exact_match_after" in summary:
         n = summary["exact_match_problems"]
-        rows.append((f"exact match ({n} held-out)", f"{fmt(summary['exact_match_before'])} → {fmt(summary['exact_match_after'])}"))
+        rows.append(
+            (
+                f"exact match ({n} held-out)",
+                f"{fmt(summary['exact_match_before'])} → {fmt(summary['exact_match_after'])}",
+            )
+        )
     rows += [
         ("tokens/s", f"{summary['tokens_per_s']:.0f}" if summary["tokens_per_s"] else "–"),
         ("peak memory", format_bytes(summary["peak_bytes"])), ("device", f"{summary['device']} ({summary['dtype']})"),
     ]  # fmt: skip
+    if "stream" in summary:
+        st = summary["stream"]
+        rows.append(("streamed base", f"{st['resident_layers']}/{st['layers']} layers resident, "
+                     f"{format_bytes(st['h2d_bytes_per_step'])} host→device per step, "
+                     f"predicted peak {format_bytes(st['predicted_peak'])}"))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 

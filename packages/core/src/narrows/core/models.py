@@ -54,7 +54,9 @@ def gguf_as_folder(path: str | os.PathLike) -> Path:
     return folder
 
 
-def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object]:
+def load_causal_lm(
+    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, object]:
     """(model, tokenizer) from a local HF folder or a ``.gguf`` file, checked for support.
 
     The model is on the CPU in `dtype`, in train mode off (``eval()``); callers move it.
@@ -67,7 +69,9 @@ def load_causal_lm(path: str | os.PathLike, *, dtype: torch.dtype = torch.float3
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
-            raise NarrowsError(f"{str(path)!r} is a file but not a .gguf; give a model folder or a GGUF file.")
+            raise NarrowsError(
+                f"{str(path)!r} is a file but not a .gguf; give a model folder or a GGUF file."
+            )
         path = gguf_as_folder(path)
     elif not (path / "config.json").is_file():
         raise NarrowsError(f"{str(path)!r} has no config.json; it is not a Hugging Face model folder.")

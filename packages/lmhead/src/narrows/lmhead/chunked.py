@@ -100,7 +100,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tw = token_weights * grad.float()
         gh = torch.empty_like(hidden) if want_h else None  # in the hidden dtype, as autograd hands it on
-        gw = torch.zeros(source.vocab_size, hidden.shape[1], dtype=torch.float32, device=hidden.device) if want_w else None
+        gw = (
+            torch.zeros(source.vocab_size, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            if want_w
+            else None
+        )
         acc, acc_rows = None, None
         for sl, w, b, ts in _tiles(source, hidden.shape[0], ctx.head_rows, ctx.tile_bytes):
             h = hidden[ts]
@@ -119,7 +123,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if acc_rows != ts:
                         if acc is not None:
                             gh[acc_rows] = acc.to(gh.dtype)
-                        acc = torch.zeros(ts.stop - ts.start, hidden.shape[1], dtype=torch.float32, device=h.device)
+                        acc = torch.zeros(
+                            ts.stop - ts.start, hidden.shape[1], dtype=torch.float32, device=h.device
+                        )
                         acc_rows = ts
                     acc += dz @ w
                 else:  # vocabulary-outer: one fp32 accumulator for all tokens

@@ -32,6 +32,6 @@ __all__ = [
     "tiny_model",
     "tiny_model_folder",
     "tiny_tokenizer",
-    "write_jsonl",
     "with_adapter",
+    "write_jsonl",
 ]
