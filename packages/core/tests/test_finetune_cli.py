@@ -152,7 +152,7 @@ def test_bad_input_is_refused_before_training(job, capsys, tmp_path):
 
 @pytest.mark.skipif(is_available("narrows.dora"), reason="narrows-dora is installed here")
 def test_a_missing_sibling_package_is_named(job, capsys, tmp_path):
-    root, args = job
+    _, args = job
     base = dict(zip(args[::2], args[1::2]))
     err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--adapter", "dora",
                   "--out", str(tmp_path / "run"))  # fmt: skip
