@@ -75,7 +75,7 @@ def causal_lm_loss(
         )
     denominator = torch.as_tensor(num_items_in_batch if num_items_in_batch is not None else count,
                                   dtype=torch.float32, device=hidden.device)  # fmt: skip
-    if options.mask:
+    if options.mask and count < valid.numel():  # every position trains: a gathered copy would only cost memory
         keep = torch.nonzero(valid)[:, 0]
         flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
         weights = torch.ones(targets.shape, dtype=torch.float32, device=hidden.device) / denominator
