@@ -1,7 +1,7 @@
 """`narrows finetune` on a real architecture's shape: streamed budgets vs the resident run.
 
 Builds a random-weight model folder of a config's shape (bf16 safetensors + a real
-tokenizer with a chat template, e.g. SmolLM2's), then runs the real CLI once per
+tokenizer with a chat template, SmolLM2's say, or a byte-level one), then runs the real CLI once per
 `--gpu-budget` mode in its own process (`off` is the resident baseline: the whole NF4
 model on the GPU) on GSM8K chat rows, and reports peak device memory, tokens/s and step
 time side by side with ratios to the resident run. Needs CUDA.
@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _models import load_config
 
 
-def build_folder(config_name: str, tokenizer_dir: str, folder: Path) -> Path:
+def build_folder(config_name: str, tokenizer_dir: str | None, folder: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from narrows.core.testing import tiny_tokenizer
 
     if (folder / "config.json").is_file():
         return folder
@@ -35,7 +37,8 @@ def build_folder(config_name: str, tokenizer_dir: str, folder: Path) -> Path:
     with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else tiny_tokenizer()
+    tokenizer.save_pretrained(folder)
     del model
     torch.cuda.empty_cache()
     return folder
@@ -44,7 +47,8 @@ def build_folder(config_name: str, tokenizer_dir: str, folder: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="qwen2.5-7b")
-    ap.add_argument("--tokenizer", required=True, help="a folder with a tokenizer that has a chat template")
+    ap.add_argument("--tokenizer", help="a folder with a tokenizer that has a chat template (default: a byte-level "
+                    "ChatML tokenizer: the weights are random anyway)")  # fmt: skip
     ap.add_argument("--modes", default="off,fit,6GiB")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)

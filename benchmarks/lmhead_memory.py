@@ -22,6 +22,7 @@ import argparse
 import gc
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -87,6 +88,8 @@ def make_loss(method: str, weight: torch.Tensor, neighbours: dict[int, torch.Ten
         "masked": dict(mask=True, chunked=False),
         "chunked": dict(mask=False, chunked=True),
         "masked+chunked": dict(mask=True, chunked=True),
+        "chunked+cce": dict(mask=False, chunked=True, fused="cce"),
+        "masked+chunked+cce": dict(mask=True, chunked=True, fused="cce"),
     }.get(method)
     if opts is not None:
         options = lmh.LossOptions(**opts)
@@ -94,6 +97,23 @@ def make_loss(method: str, weight: torch.Tensor, neighbours: dict[int, torch.Ten
     k = int(method.removeprefix("topk-"))
     options = lmh.LossOptions(mask=True, chunked=True, topk=k)
     return lambda h, y: lmh.causal_lm_loss(h, y, source, options, neighbours=neighbours[k])
+
+
+def timed(fn, h: torch.Tensor, labels: torch.Tensor, reps: int) -> float | None:
+    """Median seconds of `reps` forward+backward passes (after the measured one: warm)."""
+    if reps < 1:
+        return None
+    times = []
+    for _ in range(reps):
+        h.grad = None
+        if h.is_cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(h, labels).backward()
+        if h.is_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -116,6 +136,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     methods.append(f"topk-{k}")
             if device.type == "cuda":
                 methods += ["liger", "cce"]
+                if dtype != torch.float32:  # narrows dispatching to Cut Cross-Entropy (bf16/fp16 only)
+                    methods += ["chunked+cce", "masked+chunked+cce"]
             for ctx in [int(x) for x in args.contexts.split(",")]:
                 targets = zipf_targets(ctx, vocab, gen)
                 for frac in [float(x) for x in args.fractions.split(",")]:
@@ -141,6 +163,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                             loss.backward()
                             row["peak_bytes"] = meter.peak()
                             row["loss"] = loss.item()
+                            row["seconds"] = timed(fn, h, labels, args.time_reps)
                         except ImportError as e:
                             row["error"] = f"not installed: {e.name}"
                         except torch.OutOfMemoryError:
@@ -152,6 +175,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                         if ref is not None and "loss" in row:
                             row["loss_rel_diff"] = abs(row["loss"] - ref["loss"]) / abs(ref["loss"])
                             row["peak_vs_hf"] = row["peak_bytes"] / ref["peak_bytes"]
+                            if row.get("seconds") and ref.get("seconds"):
+                                row["time_vs_hf"] = row["seconds"] / ref["seconds"]
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         del h
@@ -164,19 +189,22 @@ def run(args: argparse.Namespace) -> list[dict]:
 def table(rows: list[dict]) -> str:
     gib = 2**30
     out = [
-        f"{'model':<13}{'dtype':<6}{'ctx':>6}{'train':>7}  {'method':<15}{'peak GiB':>9}{'vs HF':>8}{'loss rel diff':>14}"
+        f"{'model':<13}{'dtype':<6}{'ctx':>6}{'train':>7}  {'method':<19}{'peak GiB':>9}{'vs HF':>8}"
+        f"{'ms':>9}{'vs HF':>7}{'loss rel diff':>14}"
     ]
     for r in rows:
         if "error" in r:
             out.append(
-                f"{r['model']:<13}{r['dtype']:<6}{r['context']:>6}{r['trainable']:>7.0%}  {r['method']:<15}  {r['error']}"
+                f"{r['model']:<13}{r['dtype']:<6}{r['context']:>6}{r['trainable']:>7.0%}  {r['method']:<19}  {r['error']}"
             )
             continue
         vs = r.get("peak_vs_hf")
         diff = r.get("loss_rel_diff")
+        ms = f"{1e3 * r['seconds']:.1f}" if r.get("seconds") else "-"
+        tvs = f"{r['time_vs_hf']:.2f}" if r.get("time_vs_hf") else "-"
         out.append(
-            f"{r['model']:<13}{r['dtype']:<6}{r['context']:>6}{r['trainable']:>7.0%}  {r['method']:<15}"
-            f"{r['peak_bytes'] / gib:>9.3f}{(f'{vs:.3f}' if vs is not None else '-'):>8}"
+            f"{r['model']:<13}{r['dtype']:<6}{r['context']:>6}{r['trainable']:>7.0%}  {r['method']:<19}"
+            f"{r['peak_bytes'] / gib:>9.3f}{(f'{vs:.3f}' if vs is not None else '-'):>8}{ms:>9}{tvs:>7}"
             f"{(f'{diff:.1e}' if diff is not None else '-'):>14}"
         )
     return "\n".join(out)
@@ -191,6 +219,8 @@ def main() -> None:
     ap.add_argument("--topk", default="100,500,1000")
     ap.add_argument("--topk-on-cpu", action="store_true", help="build neighbour tables on the CPU (slow)")
     ap.add_argument("--cache", default=None, help="neighbour table cache (default ~/.cache/narrows)")
+    ap.add_argument("--time-reps", type=int, default=3 if torch.cuda.is_available() else 0,
+                    help="timed forward+backward repetitions per row (default 3 on CUDA, 0 on CPU)")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/lmhead_memory.json")
     args = ap.parse_args()
     rows = run(args)

@@ -24,11 +24,15 @@ def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--steps", "2", "--batch", "2", "--seq-len", "256",
            "--eval-rows", "4", "--exact-match", "2", "--save-every", "1", "--out", str(out), "--no-progress"]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1")
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SmolLM2-135M-Instruct" in r.stdout and "exact match (2 held-out)" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert all(math.isfinite(summary[k]) for k in ("first_loss", "last_loss", "eval_loss_before", "eval_loss_after"))
+    assert all(
+        math.isfinite(summary[k]) for k in ("first_loss", "last_loss", "eval_loss_before", "eval_loss_after")
+    )
     assert summary["eval_loss_after"] < summary["eval_loss_before"]  # 2 steps at 5e-4 already move it
     assert summary["loss_png"] and (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

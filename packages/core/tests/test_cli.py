@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from narrows.core._env import OPTIONAL
 from narrows.core.cli import main
 
 
@@ -14,7 +15,8 @@ def test_doctor_reports_versions_devices_and_backends():
     assert report["packages"]["narrows-core"] == "0.1.0"
     assert report["dependencies"]["torch"] and report["dependencies"]["transformers"]
     assert report["devices"][0]["name"] == "cpu"
-    assert set(report["optional"]) == {"bitsandbytes", "triton", "lm-eval"}
+    assert set(report["optional"]) == {dist for dist, _ in OPTIONAL.values()}
+    assert {"bitsandbytes", "triton", "lm-eval", "gguf"} <= set(report["optional"])
     for info in report["optional"].values():
         assert isinstance(info["usable"], bool) and info["note"]
 

@@ -117,3 +117,20 @@ def test_both_tile_orders_give_the_same_bits(dtype):
     b = linear_cross_entropy(hidden, targets, HostLikeSource(head.weight.detach()), weights, **kw)
     assert torch.equal(a, b)
     assert torch.equal(*(torch.autograd.grad(0.3 * x, hidden)[0] for x in (a, b)))
+
+
+def test_fused_dispatch_falls_back_or_says_why_not():
+    from narrows.core import NarrowsError
+    from narrows.lmhead import LossOptions, causal_lm_loss
+
+    hidden, head, targets, _ = case()
+    labels = torch.cat([torch.tensor([-100]), targets])[None]
+    h = torch.cat([hidden, hidden[:1]])[None]
+    source = ResidentHead.of(head)
+    off = causal_lm_loss(h, labels, source, LossOptions(fused="off"))
+    auto = causal_lm_loss(h, labels, source, LossOptions(fused="auto"))  # CPU: the pure-PyTorch tiles
+    assert torch.equal(off, auto)
+    with pytest.raises(NarrowsError, match="fused='cce' cannot run here"):
+        causal_lm_loss(h, labels, source, LossOptions(fused="cce"))
+    with pytest.raises(ValueError, match="fused must be one of"):
+        LossOptions(fused="liger")

@@ -25,3 +25,22 @@ def test_cuda_chunked_matches_reference(dtype, softcap):
     (a,) = torch.autograd.grad(ours, hidden)
     (b,) = torch.autograd.grad(ref, hidden)
     torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("mask", [True, False])
+def test_cuda_fused_dispatch_matches_the_chunked_loss(softcap, mask):
+    pytest.importorskip("cut_cross_entropy")
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 300, 256, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+    head = torch.nn.Linear(256, 5000, bias=False).to("cuda", torch.bfloat16)
+    labels = torch.randint(0, 5000, (2, 300), generator=g).cuda()
+    labels[0, :100] = -100
+    source = ResidentHead.of(head, softcap)
+    out = {}
+    for fused in ("off", "cce"):
+        loss = lmh.causal_lm_loss(hidden, labels, source, lmh.LossOptions(mask=mask, fused=fused))
+        out[fused] = (loss, *torch.autograd.grad(loss, hidden))
+    tol = dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(out["cce"][0], out["off"][0], **tol)
+    torch.testing.assert_close(out["cce"][1], out["off"][1], **tol)

@@ -18,6 +18,7 @@ OPTIONAL: dict[str, tuple[str, str | None]] = {
     "lm_eval": ("lm-eval", "narrows-eval"),
     "gguf": ("gguf", "narrows-core[gguf]"),
     "matplotlib": ("matplotlib", "narrows-core[plot]"),
+    "cut_cross_entropy": ("cut-cross-entropy", None),
 }
 
 # narrows packages by import name -> distribution name

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from narrows.core import HeadSource, NarrowsError, chunked_logits
 
 from .chunked import DEFAULT_TILE_BYTES, cross_entropy_from_logits, linear_cross_entropy
+from .fused import FUSED_CHOICES, fused_applies, fused_cross_entropy
 from .topk import subset_head, vocabulary_subset
 
 __all__ = ["LossOptions", "NoTrainableTokensError", "causal_lm_loss", "shift_targets"]
@@ -36,6 +37,13 @@ class LossOptions:
     head_rows: int | None = None
     tile_bytes: int = DEFAULT_TILE_BYTES
     ignore_index: int = -100
+    fused: str = (
+        "auto"  # Cut Cross-Entropy where installed and applicable (fused.py); "off"; "cce": it or an error
+    )
+
+    def __post_init__(self) -> None:
+        if self.fused not in FUSED_CHOICES:
+            raise ValueError(f"fused must be one of {FUSED_CHOICES}, got {self.fused!r}")
 
 
 def shift_targets(labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int = -100) -> Tensor:
@@ -75,7 +83,9 @@ def causal_lm_loss(
         )
     denominator = torch.as_tensor(num_items_in_batch if num_items_in_batch is not None else count,
                                   dtype=torch.float32, device=hidden.device)  # fmt: skip
-    if options.mask and count < valid.numel():  # every position trains: a gathered copy would only cost memory
+    if (
+        options.mask and count < valid.numel()
+    ):  # every position trains: a gathered copy would only cost memory
         keep = torch.nonzero(valid)[:, 0]
         flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
         weights = torch.ones(targets.shape, dtype=torch.float32, device=hidden.device) / denominator
@@ -94,6 +104,12 @@ def causal_lm_loss(
         source = subset_head(source, ids)
         if stats is not None:
             stats.append(ids.numel())
+    if options.chunked and options.fused != "off":
+        why_not = fused_applies(flat, source)
+        if why_not is None:
+            return fused_cross_entropy(flat, targets, source, weights)  # type: ignore[arg-type]
+        if options.fused == "cce":
+            raise NarrowsError(f"fused='cce' cannot run here: {why_not}; use fused='auto' to fall back")
     if options.chunked:
         return linear_cross_entropy(flat, targets, source, weights, head_rows=options.head_rows,
                                     tile_bytes=options.tile_bytes)  # fmt: skip

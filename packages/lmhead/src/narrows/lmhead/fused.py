@@ -1,0 +1,46 @@
+"""Optional dispatch of the chunked loss to an installed fused kernel library.
+
+Cut Cross-Entropy (`cut-cross-entropy`, Apple) fuses the head matmul, the log-sum-exp and
+the gradient into Triton kernels that keep the logits tiles in on-chip memory, so its
+working set is the hidden-state gradient alone. narrows calls it with its gradient filter
+off (``filter_eps=None``: every gradient entry is computed, the loss stays exact up to
+summation order) and per-token losses, which it weights itself. It applies only where the
+library can: CUDA, a resident head without bias, bf16/fp16. Everywhere else — and when the
+library is not installed — the pure-PyTorch tiles in `chunked` run. Whether it is faster is
+measured by `benchmarks/lmhead_memory.py` (time and memory side by side), not assumed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from narrows.core import HeadSource, ResidentHead
+from narrows.core._env import is_available, require
+
+__all__ = ["FUSED_CHOICES", "fused_applies", "fused_cross_entropy"]
+
+FUSED_CHOICES = ("off", "auto", "cce")
+
+
+def fused_applies(hidden: Tensor, source: HeadSource) -> str | None:
+    """Why the fused library cannot run here, or None when it can."""
+    if not is_available("cut_cross_entropy"):
+        return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
+    if hidden.device.type != "cuda":
+        return "it runs on CUDA only"
+    if not isinstance(source, ResidentHead) or source.bias is not None:
+        return "it needs the head resident on the device and without bias"
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or source.dtype != hidden.dtype:
+        return "it needs bf16/fp16 hidden states and head"
+    return None
+
+
+def fused_cross_entropy(
+    hidden: Tensor, targets: Tensor, source: ResidentHead, token_weights: Tensor
+) -> Tensor:
+    """``sum_i w_i * CE(head(hidden_i), targets_i)`` through Cut Cross-Entropy's kernels."""
+    cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")
+    nll = cce.linear_cross_entropy(hidden, source.weight, targets, softcap=source.softcap, reduction="none",
+                                   filter_eps=None)  # fmt: skip
+    return (nll.float() * token_weights).sum()
