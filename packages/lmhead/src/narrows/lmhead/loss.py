@@ -83,9 +83,9 @@ def causal_lm_loss(
         )
     denominator = torch.as_tensor(num_items_in_batch if num_items_in_batch is not None else count,
                                   dtype=torch.float32, device=hidden.device)  # fmt: skip
-    if (
-        options.mask and count < valid.numel()
-    ):  # every position trains: a gathered copy would only cost memory
+    # gather the trainable rows unless nearly all train: then the gathered copy (and its
+    # gradient) would cost more memory than the few wasted rows cost compute
+    if options.mask and count < 0.9 * valid.numel():
         keep = torch.nonzero(valid)[:, 0]
         flat, targets = flat.index_select(0, keep), targets.index_select(0, keep)
         weights = torch.ones(targets.shape, dtype=torch.float32, device=hidden.device) / denominator
