@@ -111,10 +111,11 @@ class LMHeadSpec:
     mask: bool = False
     chunked: bool = False
     topk: int | None = None
+    fused: str = "auto"  # narrows-lmhead's dispatch to a fused kernel library (auto | off | cce)
 
 
 def parse_lmhead(text: str) -> LMHeadSpec:
-    """``"mask,chunked,topk=1000"`` -> LMHeadSpec; unknown parts are an error."""
+    """``"mask,chunked,topk=1000,fused=off"`` -> LMHeadSpec; unknown parts are an error."""
     spec: dict[str, object] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         if part in ("mask", "chunked"):
@@ -124,8 +125,11 @@ def parse_lmhead(text: str) -> LMHeadSpec:
                 spec["topk"] = int(part[5:])
             except ValueError:
                 raise NarrowsError(f"--lmhead {text!r}: topk needs an integer, e.g. topk=1000") from None
+        elif part.startswith("fused=") and part[6:] in ("auto", "off", "cce"):
+            spec["fused"] = part[6:]
         else:
-            raise NarrowsError(f"--lmhead {text!r}: unknown part {part!r}; use mask, chunked and/or topk=K")
+            raise NarrowsError(f"--lmhead {text!r}: unknown part {part!r}; use mask, chunked, topk=K and/or "
+                               "fused=auto|off|cce")  # fmt: skip
     return LMHeadSpec(**spec)  # type: ignore[arg-type]
 
 
@@ -221,7 +225,7 @@ def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: t
         import narrows.lmhead
 
         spec = parse_lmhead(lmhead)
-        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk)
+        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused)
     return model
 
 

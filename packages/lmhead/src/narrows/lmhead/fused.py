@@ -7,7 +7,10 @@ off (``filter_eps=None``: every gradient entry is computed, the loss stays exact
 summation order) and per-token losses, which it weights itself. It applies only where the
 library can: CUDA, a resident head without bias, bf16/fp16. Everywhere else — and when the
 library is not installed — the pure-PyTorch tiles in `chunked` run. Whether it is faster is
-measured by `benchmarks/lmhead_memory.py` (time and memory side by side), not assumed.
+measured by `benchmarks/lmhead_memory.py` (time and memory side by side), not assumed:
+on the H100 at 16K tokens it took 123 ms against the tiles' 360 ms, at the same memory as
+Cut Cross-Entropy alone. Its backward is not promised to be run-to-run deterministic;
+``fused="off"`` keeps the pure-PyTorch tiles, which are.
 """
 
 from __future__ import annotations
