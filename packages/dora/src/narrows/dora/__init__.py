@@ -1,25 +1,30 @@
 """narrows.dora — DoRA with a factored row norm and fused Triton compose kernels, drop-in for PEFT.
 
-So far, eager PyTorch only: the factored row norm (`factored_row_norm`, `base_row_norm_sq`)
-with its fp64 dense reference, the stable composition (`compose`), and
-`use_narrows_dora(model)`, which makes PEFT's DoRA layers use both. The Triton kernels and
-the protocol-registered adapter are not written yet.
+The factored row norm (`factored_row_norm`, `base_row_norm_sq`) with its fp64 dense
+reference; the stable composition `compose`, a `torch.library` custom op with Triton
+forward/backward kernels on CUDA above a measured crossover (the fused backward also
+reduces the magnitude gradient, deterministically) and the eager formula everywhere else
+(`fused_reason` says which runs); `use_narrows_dora(model)`, which makes PEFT's DoRA
+layers use both. Not yet: a norm-assembly kernel, NF4 bases without full dequantisation,
+a cached ||W||², the protocol-registered adapter.
 """
 
 from importlib.metadata import version as _version
 
-from .compose import compose, magnitude_scale, norm_epsilon
+from .compose import FUSED_MIN_ELEMENTS, compose, fused_reason, magnitude_scale, norm_epsilon
 from .norm import DEFAULT_CHUNK_BUDGET, base_row_norm_sq, dense_row_norm, factored_row_norm
 from .peft import use_narrows_dora
 
 __version__ = _version("narrows-dora")
 __all__ = [
     "DEFAULT_CHUNK_BUDGET",
+    "FUSED_MIN_ELEMENTS",
     "__version__",
     "base_row_norm_sq",
     "compose",
     "dense_row_norm",
     "factored_row_norm",
+    "fused_reason",
     "magnitude_scale",
     "norm_epsilon",
     "use_narrows_dora",

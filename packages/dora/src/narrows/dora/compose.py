@@ -4,15 +4,20 @@
 
 in this order (the stable form of seed 002 §3.1: the small correction g - 1 stays
 explicit) with fp32 intermediates, cast to the activation dtype at the end. `base` has the
-bias already removed (the caller adds it back).
+bias already removed (the caller adds it back). The eager formula here is the reference;
+`kernels.py` holds the Triton versions, dispatched through one custom op.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
-__all__ = ["compose", "magnitude_scale", "norm_epsilon"]
+from narrows.core._env import is_available
+
+__all__ = ["FUSED_MIN_ELEMENTS", "compose", "fused_reason", "magnitude_scale", "norm_epsilon"]
 
 
 def norm_epsilon(dtype: torch.dtype) -> float:
@@ -25,29 +30,7 @@ def magnitude_scale(magnitude: Tensor, norm: Tensor, dtype: torch.dtype) -> Tens
     return magnitude.float() / norm.detach().float().clamp_min(norm_epsilon(dtype))
 
 
-class _Compose(torch.autograd.Function):
-    """The composition with a hand-written backward that saves the activations in their
-    own dtype: autograd of the fp32 formula would keep fp32 copies of base and lora for
-    every adapted module until backward (+1.5 GiB on 4 Qwen2.5-7B layers at seq 4096)."""
-
-    @staticmethod
-    def forward(ctx, base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(base, lora, g)
-        ctx.scale = scale
-        return _formula(base, lora, g, scale)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        base, lora, g = ctx.saved_tensors
-        s = ctx.scale
-        go = grad.float()
-        d_base = (go * (g - 1)).to(base.dtype) if ctx.needs_input_grad[0] else None
-        d_lora = (go * g * s).to(lora.dtype) if ctx.needs_input_grad[1] else None
-        d_g = None
-        if ctx.needs_input_grad[2]:
-            dims = tuple(range(go.dim() - 1))
-            d_g = (go * base.float()).sum(dims) + (go * (s * lora.float())).sum(dims)
-        return d_base, d_lora, d_g, None
+# --- the eager reference -----------------------------------------------------------------
 
 
 def _formula(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
@@ -55,8 +38,106 @@ def _formula(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     return ((g - 1) * b + g * (scale * lo)).to(base.dtype)
 
 
-def compose(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
-    """(g - 1)·base + g·(scale·lora), broadcasting g [d_out] over the last dimension."""
-    if torch.is_grad_enabled() and (base.requires_grad or lora.requires_grad or g.requires_grad):
-        return _Compose.apply(base, lora, g, scale)
+def _backward_eager(
+    grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    go = grad.float()
+    d_base = (go * (g - 1)).to(base.dtype)
+    d_lora = (go * g * scale).to(lora.dtype)
+    dims = tuple(range(go.dim() - 1))
+    d_g = (go * base.float()).sum(dims) + (go * (scale * lora.float())).sum(dims)
+    return d_base, d_lora, d_g
+
+
+# --- dispatch ---------------------------------------------------------------------------
+
+FUSED_MIN_ELEMENTS = {
+    "forward": 1 << 20,
+    "backward": 1 << 22,
+}  # measured crossover (benchmarks/dora_kernels.py)
+
+
+def fused_reason(base: Tensor, lora: Tensor, g: Tensor, which: str = "forward") -> str | None:
+    """Why the Triton path does not run for these tensors, or None when it does.
+
+    Tier 1/2 (fused backward for training, fused forward for inference) need CUDA, Triton,
+    contiguous activations of one dtype, a magnitude that broadcasts along the last
+    dimension only, and at least the crossover size; everything else is tier 3 (eager).
+    ``NARROWS_DORA_FUSED=0`` turns the kernels off, ``=1`` ignores the size crossover.
+    """
+    forced = os.environ.get("NARROWS_DORA_FUSED")
+    if forced == "0":
+        return "turned off by NARROWS_DORA_FUSED=0"
+    if not base.is_cuda:
+        return "not on CUDA"
+    if not is_available("triton"):
+        return "Triton is not installed"
+    if base.shape != lora.shape or base.dtype != lora.dtype or base.dtype not in _FUSED_DTYPES:
+        return "base and lora differ in shape or dtype, or the dtype is not fp32/bf16/fp16"
+    if not (base.is_contiguous() and lora.is_contiguous()):
+        return "non-contiguous activations"
+    if g.dim() != 1 or g.shape[0] != base.shape[-1] or g.dtype != torch.float32:
+        return "the magnitude does not broadcast along the last dimension only"
+    if forced != "1" and base.numel() < FUSED_MIN_ELEMENTS[which]:
+        return "below the measured crossover size"
+    return None
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@torch.library.custom_op("narrows_dora::compose", mutates_args=())
+def _compose_op(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+    if fused_reason(base, lora, g, "forward") is None:
+        from .kernels import compose_forward
+
+        return compose_forward(base, lora, g.contiguous(), scale)
     return _formula(base, lora, g, scale)
+
+
+@_compose_op.register_fake
+def _(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(base)
+
+
+@torch.library.custom_op("narrows_dora::compose_backward", mutates_args=())
+def _compose_backward_op(
+    grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    if fused_reason(base, lora, g, "backward") is None:
+        from .kernels import compose_backward
+
+        return compose_backward(grad, base, lora, g.contiguous(), scale)
+    return _backward_eager(grad, base, lora, g, scale)
+
+
+@_compose_backward_op.register_fake
+def _(grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(base), torch.empty_like(lora), torch.empty_like(g)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    base, lora, g, scale = inputs
+    # the activations are saved in their own dtype: autograd of the fp32 formula would keep
+    # fp32 copies of base and lora for every adapted module until backward
+    ctx.save_for_backward(base, lora, g)
+    ctx.scale = scale
+
+
+def _backward(ctx, grad: Tensor):
+    base, lora, g = ctx.saved_tensors
+    d_base, d_lora, d_g = torch.ops.narrows_dora.compose_backward(grad, base, lora, g, ctx.scale)
+    return d_base, d_lora, d_g, None
+
+
+_compose_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compose(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+    """(g - 1)·base + g·(scale·lora), broadcasting g [d_out] over the last dimension.
+
+    A `torch.library` custom op (``torch.ops.narrows_dora.compose``, so `torch.compile`
+    keeps it in one graph) with a hand-written backward; Triton kernels on CUDA above the
+    crossover (`fused_reason`), the eager formula everywhere else.
+    """
+    return _compose_op(base, lora, g, float(scale))
