@@ -44,34 +44,36 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms / 1e3)
 
 
-def compose_rows(dtypes, reps: int, bandwidth: float) -> list[dict]:
+def compose_shape(dname: str, m: int, n: int, reps: int, bandwidth: float) -> dict:
     from narrows.dora.compose import _backward_eager, _formula
     from narrows.dora.kernels import compose_backward, compose_forward
 
-    rows = []
-    for dname in dtypes:
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname]
-        for m in ROWS:
-            for n in D_OUT:
-                base = torch.randn(m, n, device="cuda").to(dtype)
-                lora = (torch.randn(m, n, device="cuda") * 0.1).to(dtype)
-                g = 1 + 0.01 * torch.randn(n, device="cuda")
-                grad = torch.randn(m, n, device="cuda").to(dtype)
-                size = base.element_size() * m * n
-                r = {"dtype": dname, "rows": m, "d_out": n}
-                r["fwd_eager_ms"] = median_ms(lambda: _formula(base, lora, g, 0.5), reps)  # noqa: B023
-                r["fwd_fused_ms"] = median_ms(lambda: compose_forward(base, lora, g, 0.5), reps)  # noqa: B023
-                r["bwd_eager_ms"] = median_ms(lambda: _backward_eager(grad, base, lora, g, 0.5), reps)  # noqa: B023
-                r["bwd_fused_ms"] = median_ms(lambda: compose_backward(grad, base, lora, g, 0.5), reps)  # noqa: B023
-                r["fwd_speedup"] = r["fwd_eager_ms"] / r["fwd_fused_ms"]
-                r["bwd_speedup"] = r["bwd_eager_ms"] / r["bwd_fused_ms"]
-                # bytes the fused kernels must move: fwd reads 2, writes 1; bwd reads 3, writes 2
-                r["fwd_fused_bw_frac"] = 3 * size / (r["fwd_fused_ms"] / 1e3) / bandwidth
-                r["bwd_fused_bw_frac"] = 5 * size / (r["bwd_fused_ms"] / 1e3) / bandwidth
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-                del base, lora, grad
-    return rows
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname]
+    base = torch.randn(m, n, device="cuda").to(dtype)
+    lora = (torch.randn(m, n, device="cuda") * 0.1).to(dtype)
+    g = 1 + 0.01 * torch.randn(n, device="cuda")
+    grad = torch.randn(m, n, device="cuda").to(dtype)
+    size = base.element_size() * m * n
+    r: dict = {"dtype": dname, "rows": m, "d_out": n}
+    r["fwd_eager_ms"] = median_ms(lambda: _formula(base, lora, g, 0.5), reps)
+    r["fwd_fused_ms"] = median_ms(lambda: compose_forward(base, lora, g, 0.5), reps)
+    r["bwd_eager_ms"] = median_ms(lambda: _backward_eager(grad, base, lora, g, 0.5), reps)
+    r["bwd_fused_ms"] = median_ms(lambda: compose_backward(grad, base, lora, g, 0.5), reps)
+    r["fwd_speedup"] = r["fwd_eager_ms"] / r["fwd_fused_ms"]
+    r["bwd_speedup"] = r["bwd_eager_ms"] / r["bwd_fused_ms"]
+    # bytes the fused kernels must move: forward reads 2 and writes 1; backward reads 3, writes 2
+    r["fwd_fused_bw_frac"] = 3 * size / (r["fwd_fused_ms"] / 1e3) / bandwidth
+    r["bwd_fused_bw_frac"] = 5 * size / (r["bwd_fused_ms"] / 1e3) / bandwidth
+    print(json.dumps(r), flush=True)
+    return r
+
+
+def compose_rows(dtypes, reps: int, bandwidth: float) -> list[dict]:
+    return [compose_shape(d, m, n, reps, bandwidth) for d in dtypes for m in ROWS for n in D_OUT]
+
+
+def geomean(values) -> float:
+    return torch.tensor(list(values)).log().mean().exp().item()
 
 
 def norm_rows(reps: int) -> list[dict]:
@@ -128,8 +130,8 @@ def main() -> None:
               f"{r['bwd_fused_ms']:>8.3f}{r['bwd_speedup']:>6.2f}{100 * r['bwd_fused_bw_frac']:>6.0f}%")  # fmt: skip
     for dname in args.dtypes.split(","):
         sel = [r for r in compose if r["dtype"] == dname]
-        geo = lambda k: torch.tensor([r[k] for r in sel]).log().mean().exp().item()  # noqa: E731
-        print(f"{dname}: geometric mean speedup fwd {geo('fwd_speedup'):.2f}x, bwd {geo('bwd_speedup'):.2f}x; "
+        fwd, bwd = geomean(r["fwd_speedup"] for r in sel), geomean(r["bwd_speedup"] for r in sel)
+        print(f"{dname}: geometric mean speedup fwd {fwd:.2f}x, bwd {bwd:.2f}x; "
               f"largest shape fwd {100 * sel[-1]['fwd_fused_bw_frac']:.0f}% of copy bandwidth")  # fmt: skip
     print(
         f"\n{'rank':>5}{'PEFT ms':>9}{'ours ms':>9}{'x':>6}{'PEFT work MiB':>15}{'ours MiB':>10}{'ratio':>7}"
