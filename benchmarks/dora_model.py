@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -82,10 +83,12 @@ def main() -> None:
     device = torch.device("cuda")
     ids = torch.randint(0, 1000, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     rows = {}
-    for mode in ("peft", "narrows-eager"):
+    for mode in ("peft", "narrows-eager", "narrows-fused"):
         model = build(args, device)
-        if mode == "narrows-eager":
+        if mode != "peft":
             nd.use_narrows_dora(model)
+        # the eager tier forced off the kernels; the fused tier as dispatch picks it
+        os.environ["NARROWS_DORA_FUSED"] = "0" if mode == "narrows-eager" else ""
         rows[mode] = measure(model, ids, args.steps, device)
         del model
         torch.cuda.empty_cache()
