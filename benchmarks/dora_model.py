@@ -1,12 +1,13 @@
-"""DoRA gradient computation on real layer shapes: PEFT's DoRA against narrows' eager path
-(`use_narrows_dora`: factored norm, stable compose), same model, same batch, one process.
+"""DoRA gradient computation on real layer shapes: PEFT's DoRA against narrows' eager and
+fused (Triton compose) paths (`use_narrows_dora`), same model, same batch, one process.
 
     python benchmarks/dora_model.py --model qwen2.5-7b --layers 4 --rank 384 --seq 4096
 
 A stack of `--layers` decoder layers of the real shape (random bf16 weights, head and
 embedding included), DoRA on all seven projections, batch 1. Per mode: median seconds of
 forward+backward (optimizer excluded, CUDA-event timing), peak allocated memory, and the
-final logits' cosine similarity against PEFT. The fused Triton tier is not written yet.
+final logits' cosine similarity against PEFT. "narrows-eager" forces the eager tier
+(NARROWS_DORA_FUSED=0); "narrows-fused" lets the dispatch pick the Triton kernels.
 """
 
 from __future__ import annotations
