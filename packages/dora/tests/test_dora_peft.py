@@ -73,3 +73,26 @@ def test_compose_backward_matches_autograd_of_the_formula(dtype):
     b = torch.autograd.grad(ref, (base, lora, g), go)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     torch.testing.assert_close(a[2], b[2], rtol=1e-6, atol=1e-6)  # the magnitude sum: order may differ
+
+
+def test_the_base_norm_is_cached_per_weight_and_recomputed_when_the_weight_changes(monkeypatch):
+    import narrows.dora.peft as dora_peft
+
+    model = with_adapter(tiny_model("llama"), "dora")
+    nd.use_narrows_dora(model)
+    calls = []
+    real = dora_peft.base_row_norm_sq
+    monkeypatch.setattr(dora_peft, "base_row_norm_sq", lambda w: calls.append(1) or real(w))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    x = torch.randn(2, 4, layer.in_features)
+    first = layer(x)
+    assert len(calls) == 1
+    assert torch.equal(layer(x), first) and len(calls) == 1  # cached
+    with torch.no_grad():
+        layer.base_layer.weight.mul_(1.5)  # an in-place edit: a new version of the same storage
+    edited = layer(x)
+    assert len(calls) == 2
+    fresh = with_adapter(tiny_model("llama"), "dora")
+    nd.use_narrows_dora(fresh)
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(edited, fresh.base_model.model.model.layers[0].self_attn.q_proj(x))

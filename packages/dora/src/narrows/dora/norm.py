@@ -16,7 +16,17 @@ from torch import Tensor
 
 __all__ = ["DEFAULT_CHUNK_BUDGET", "base_row_norm_sq", "dense_row_norm", "factored_row_norm"]
 
-DEFAULT_CHUNK_BUDGET = 256 * 2**20
+DEFAULT_CHUNK_BUDGET = 32 * 2**20
+
+
+def _mm_fp32(x: Tensor, y: Tensor) -> Tensor:
+    """x @ y with fp32 accumulation and output. bf16/fp16 inputs on CUDA go to the tensor
+    cores as they are (each product of two half-precision values is exact in fp32, and the
+    sum accumulates in fp32), with no fp32 copy of the chunk; any other pairing (an fp32
+    adapter, the CPU) upcasts both."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and y.dtype == x.dtype:
+        return torch.mm(x, y, out_dtype=torch.float32)
+    return x.float() @ y.float()
 
 
 def _chunk(d_out: int, d_in: int, budget: int) -> int:
@@ -67,12 +77,12 @@ def factored_row_norm(
         gram = torch.zeros(r, r, dtype=torch.float32, device=weight.device)
         cs = _chunk(d_out, d_in, chunk_budget)
         for c in range(0, d_in, cs):
-            w_c = weight[:, c : c + cs].float()
-            a_c = lora_a[:, c : c + cs].float()
+            w_c = weight[:, c : c + cs]
+            a_c = lora_a[:, c : c + cs]
             if need_base:
-                acc_base += w_c.square().sum(dim=1)
-            gram += a_c @ a_c.t()
-            cross += (b * (w_c @ a_c.t())).sum(dim=1)
+                acc_base += w_c.float().square().sum(dim=1)
+            gram += _mm_fp32(a_c, a_c.t())
+            cross += (b * _mm_fp32(w_c, a_c.t())).sum(dim=1)
         ba_sq = ((b @ gram) * b).sum(dim=1)
         return (acc_base + 2 * scale * cross + scale * scale * ba_sq).clamp_min(0).sqrt()
 

@@ -12,9 +12,26 @@ import torch
 from torch import nn
 
 from .compose import compose, magnitude_scale
-from .norm import factored_row_norm
+from .norm import base_row_norm_sq, factored_row_norm
 
 __all__ = ["use_narrows_dora"]
+
+
+def _base_sq(layer: nn.Module, base_layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """||W||²_row, computed once per frozen weight and kept on the DoRA layer.
+
+    The key is the stored base weight's identity: its storage address, version counter,
+    shape, dtype and device. Re-quantising or editing the base, or narrows-stream pointing
+    it at another buffer, changes the key, so the cache never serves a stale norm (a
+    streamed base is recomputed whenever its storage moves).
+    """
+    stored = base_layer.weight
+    key = (stored.data_ptr(), stored._version, tuple(stored.shape), stored.dtype, stored.device)
+    cached = getattr(layer, "_narrows_base_sq", None)
+    if cached is None or cached[0] != key:
+        cached = (key, base_row_norm_sq(weight))
+        layer._narrows_base_sq = cached
+    return cached[1]
 
 
 def _forward(layer: nn.Module):
@@ -24,7 +41,9 @@ def _forward(layer: nn.Module):
     def forward(x: torch.Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float, base_layer: nn.Module,
                 base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:  # fmt: skip
         weight = transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out)
-        norm = factored_row_norm(weight, lora_A.weight, lora_B.weight, scaling)
+        norm = factored_row_norm(
+            weight, lora_A.weight, lora_B.weight, scaling, base_sq=_base_sq(layer, base_layer, weight)
+        )
         g = magnitude_scale(layer.weight, norm, x.dtype)
         lora_result = lora_B(lora_A(x))
         if base_result is not None:
