@@ -275,11 +275,12 @@ class RunFolder:
 
     def trim_metrics(self, step: int) -> list[dict]:
         """Drop metrics logged after `step` (a resumed run logs them again)."""
-        rows = (
-            [json.loads(line) for line in self.metrics.read_text().splitlines()]
-            if self.metrics.exists()
-            else []
-        )
+        rows = []
+        for line in self.metrics.read_text().splitlines() if self.metrics.exists() else []:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # the line a kill cut short
+                continue
         rows = [r for r in rows if r.get("step", 0) <= step]
         atomic_write(self.metrics, lambda p: p.write_text("".join(json.dumps(r) + "\n" for r in rows)))
         return rows
