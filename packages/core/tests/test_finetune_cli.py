@@ -77,6 +77,7 @@ def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
     steps = [s for s, loss, _ in losses(runs[0]) if loss is not None]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert_same_adapter(*runs)
+    assert not [p.name for p in runs[0].iterdir() if p.name.startswith(".")]  # no temporary left behind
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
 

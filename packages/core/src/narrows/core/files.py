@@ -26,6 +26,12 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp_path)`` then rename the temporary file onto `path`."""
     path = Path(path)
@@ -34,6 +40,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; give it the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

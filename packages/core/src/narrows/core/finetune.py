@@ -22,6 +22,7 @@ import json
 import math
 import random
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,10 +386,13 @@ def _plot(rows: list[dict], path: Path) -> bool:
 
 def _save_adapter(model: nn.Module, root: Path) -> None:
     """PEFT's own files, each renamed into place (a reader never sees a half-written one)."""
-    with atomic_dir(root / ".adapter") as tmp:
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".adapter.", suffix=".tmp"))
+    try:
         model.save_pretrained(tmp)
         for f in tmp.iterdir():
             f.replace(root / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True) -> dict:
