@@ -80,3 +80,15 @@ def test_cuda_streamed_with_lmhead_equals_resident_with_lmhead(head):
     )
     m = ns.stream(build("qwen2").to(torch.bfloat16), device="cuda", head=head, head_rows=ROWS)
     assert_equal(resident, run(lmh.apply(m, head_rows=ROWS, fused="off"), device="cuda"))
+
+
+def test_the_planner_sees_that_lmhead_never_builds_the_logits():
+    model = with_adapter(
+        tiny_model("llama", vocab_size=32768), "lora"
+    )  # a vocabulary where the logits dominate
+    full = ns.plan(model, None, device="cpu", seq_len=256)
+    lmh.apply(model)
+    lean = ns.plan(model, None, device="cpu", seq_len=256)
+    assert lean.work_bytes < full.work_bytes / 3 and lean.predicted_peak < full.predicted_peak
+    lmh.remove(model)
+    assert ns.plan(model, None, device="cpu", seq_len=256).work_bytes == full.work_bytes

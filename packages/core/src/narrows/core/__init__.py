@@ -37,7 +37,16 @@ from .anatomy import (
 from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
 
 # LM-head hook
-from .head import DEFAULT_HEAD_ROWS, HeadSource, ResidentHead, attach_head_source, chunked_logits, head_source
+from .head import (
+    DEFAULT_HEAD_ROWS,
+    HeadSource,
+    ResidentHead,
+    attach_head_source,
+    chunked_logits,
+    head_source,
+    loss_working_set,
+    set_loss_working_set,
+)
 
 # memory
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
@@ -83,6 +92,7 @@ __all__ = [
     "frozen_slots",
     "head_source",
     "is_nf4_linear",
+    "loss_working_set",
     "measure_peaks",
     "parse_bytes",
     "pointed_at",
@@ -92,6 +102,7 @@ __all__ = [
     "register_architecture",
     "registered_adapter_types",
     "reset_peaks",
+    "set_loss_working_set",
     "snapshot",
     "supported_architectures",
     "trainable_parameters",

@@ -196,6 +196,17 @@ def _quantize(model: nn.Module, dtype: torch.dtype, device: torch.device, park: 
         layer.to("cpu" if park else device)
 
 
+def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
+    lmhead = cfg.lmhead
+    if lmhead == "auto":
+        lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
+    if lmhead != "off":
+        import narrows.lmhead
+
+        spec = parse_lmhead(lmhead)
+        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused)
+
+
 def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -214,19 +225,13 @@ def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: t
         narrows.dora.use_narrows_dora(model)
     if cfg.gpu_budget == "off":
         model.to(device)
+        _apply_lmhead(cfg, model)
     else:
         import narrows.stream
 
+        _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
         model = narrows.stream.stream(model, budget, device=device, batch_size=cfg.batch, seq_len=cfg.seq_len)
-    lmhead = cfg.lmhead
-    if lmhead == "auto":
-        lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
-    if lmhead != "off":
-        import narrows.lmhead
-
-        spec = parse_lmhead(lmhead)
-        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused)
     return model
 
 

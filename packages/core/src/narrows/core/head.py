@@ -16,7 +16,7 @@ one-matmul head up to floating-point summation order, not bitwise.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -111,6 +111,19 @@ class ResidentHead:
 def attach_head_source(model: nn.Module, source: HeadSource) -> None:
     """Make `source` the place the model's head weight is served from."""
     anatomy_of(model).head.narrows_head_source = source
+
+
+def set_loss_working_set(model: nn.Module, estimate: Callable[[int], int] | None) -> None:
+    """A sibling that replaces the model's loss (narrows-lmhead) tells memory planners
+    (narrows-stream) how many bytes its loss holds at once for a number of tokens; None
+    restores the default assumption of full [tokens, vocab] logits."""
+    anatomy_of(model).model.narrows_loss_working_set = estimate
+
+
+def loss_working_set(model: nn.Module, tokens: int) -> int | None:
+    """The attached loss estimate for `tokens` tokens, or None (full logits assumed)."""
+    estimate = getattr(anatomy_of(model).model, "narrows_loss_working_set", None)
+    return None if estimate is None else int(estimate(tokens))
 
 
 def head_source(model: nn.Module) -> HeadSource:

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from narrows.core import anatomy_of, head_source
+from narrows.core import anatomy_of, head_source, set_loss_working_set
 
 from .loss import LossOptions, causal_lm_loss
 from .topk import neighbour_table
@@ -100,6 +100,7 @@ def apply(
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     lm.forward = forward
     lm.narrows_lmhead = handle = LMHeadHandle(options, neighbours, eval_logits, original)
+    set_loss_working_set(model, lambda tokens: _working_set(anat, options, tokens))
     return model
 
 
@@ -110,7 +111,21 @@ def remove(model: nn.Module) -> nn.Module:
     if handle is not None:
         lm.forward = handle.original_forward
         lm.narrows_lmhead = None
+        set_loss_working_set(model, None)
     return model
+
+
+def _working_set(anat, options: LossOptions, tokens: int) -> int:
+    """Bytes the loss holds at once: the hidden-state gradient, a gathered copy of the
+    trainable rows (and its gradient), an fp32 gradient accumulator, and one tile; the
+    full logits only when the loss is not chunked."""
+    hidden = anat.model.config.hidden_size
+    act = anat.head.weight.element_size()
+    rows = tokens * hidden * (3 * act + 4)
+    if not options.chunked:
+        return rows + tokens * anat.model.config.vocab_size * (2 * act + 10)
+    tile = min(options.tile_bytes, tokens * anat.model.config.vocab_size * 4)
+    return rows + 2 * tile  # an fp32 tile and the matmul output it is cast from
 
 
 def _output(loss: Tensor, out: Any) -> Any:

@@ -21,6 +21,7 @@ from narrows.core import (
     chunked_logits,
     copies,
     frozen_slots,
+    loss_working_set,
     measure_peaks,
     parse_bytes,
     read_peaks,
@@ -100,6 +101,7 @@ def _shapes(anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
         batch=batch_size,
         seq=seq_len,
         eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
+        loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
     )
 
 

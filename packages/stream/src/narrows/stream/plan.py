@@ -33,6 +33,7 @@ class Shapes:
     batch: int
     seq: int
     eager_attention: bool
+    loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,14 @@ def work_bytes(s: Shapes) -> int:
     (norms, q/k/v/o, residuals; gate, up, act, product), plus the attention probabilities
     when attention is eager. The loss holds logits in the activation dtype, their fp32
     upcast, the log-softmax and the gradient (fp32), and the gradient cast back. (Measured
-    on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.)
+    on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
+    never builds the logits (narrows-lmhead) reports its own figure instead.
     """
     tokens = s.batch * s.seq
     layer = tokens * (10 * s.hidden + 4 * s.intermediate) * s.act_bytes
     if s.eager_attention:
         layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
-    loss = tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
+    loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
     return max(layer, loss)
 
 
