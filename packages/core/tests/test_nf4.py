@@ -47,6 +47,17 @@ def test_quantize_without_double_quant_and_filter():
 
 
 @pytest.mark.bnb
+def test_park_moves_each_quantised_layer_and_no_other(monkeypatch):
+    model = tiny_model("llama")
+    layers = list(model.model.layers)
+    parked = []
+    for i, layer in enumerate(layers):
+        monkeypatch.setattr(layer, "to", lambda *a, i=i, **k: parked.append((i, a)))
+    quantize_nf4(model, park="cpu", filter_fn=lambda name, _: name.startswith("model.layers.1."))
+    assert parked == [(1, ("cpu",))]
+
+
+@pytest.mark.bnb
 def test_inference_before_training_is_safe_once_repacking_is_disabled():
     """bitsandbytes repacks 4-bit weights in place on AVX512-BF16 CPUs during no-grad
     inference; with repacking disabled, gradients after an inference pass are unchanged."""

@@ -32,12 +32,21 @@ from torch import nn
 
 from ._env import is_available, require
 from .anatomy import anatomy_of
-from .data import DataError, Example, collate, micro_batches, read_jsonl, tokenize_rows
+from .data import Example, collate, micro_batches, read_jsonl, tokenize_rows
 from .errors import NarrowsError
 from .files import atomic_dir, atomic_write
 from .memory import format_bytes, parse_bytes, read_peaks, reset_peaks
 
-__all__ = ["FinetuneConfig", "LMHeadSpec", "finetune", "parse_lmhead"]
+__all__ = [
+    "FinetuneConfig",
+    "LMHeadSpec",
+    "RunFolder",
+    "eval_loss",
+    "exact_match",
+    "finetune",
+    "format_summary",
+    "parse_lmhead",
+]
 
 ADAPTERS = ("lora", "dora")
 QUANTS = ("none", "nf4")
@@ -184,18 +193,6 @@ def _check_targets(model: nn.Module, targets: str) -> str | list[str]:
     return wanted
 
 
-def _quantize(model: nn.Module, dtype: torch.dtype, device: torch.device, park: bool) -> None:
-    """NF4 one decoder layer at a time on `device` (fast on a GPU); a streamed base parks
-    each quantised layer back on the CPU, so the device never holds the whole model."""
-    from .nf4 import quantize_nf4
-
-    anat = anatomy_of(model)
-    for path, layer in zip(anat.layer_paths, anat.layers):
-        quantize_nf4(model, compute_dtype=dtype, device=device,
-                     filter_fn=lambda name, _, p=path + ".": name.startswith(p))  # fmt: skip
-        layer.to("cpu" if park else device)
-
-
 def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
     lmhead = cfg.lmhead
     if lmhead == "auto":
@@ -211,8 +208,12 @@ def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: t
     from peft import LoraConfig, get_peft_model
 
     target_modules = _check_targets(model, cfg.targets)
-    if cfg.quant == "nf4":
-        _quantize(model, dtype, device, park=cfg.gpu_budget != "off")
+    if cfg.quant == "nf4":  # layer by layer on the device; a streamed base goes back to the CPU
+        from .nf4 import quantize_nf4
+
+        quantize_nf4(
+            model, compute_dtype=dtype, device=device, park="cpu" if cfg.gpu_budget != "off" else device
+        )
     _seed_all(cfg.seed)  # the adapter's initialisation
     lora = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, lora_dropout=cfg.dropout,
@@ -477,15 +478,12 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
             peak = peaks.cuda_allocated if device.type == "cuda" else peaks.host_rss
             row = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / dt,
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
+            if step == cfg.steps and evals:
+                row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
+            run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
+            history.append(row)
             if step % cfg.save_every == 0 or step == cfg.steps:
-                if step == cfg.steps and evals:
-                    row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
-                run.log(row)
-                history.append(row)
                 run.save_checkpoint(step, model, optimizer, scheduler)
-            else:
-                run.log(row)
-                history.append(row)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{tokens / dt:.0f}", peak=format_bytes(peak))
                 bar.update(1)
@@ -566,6 +564,3 @@ def format_summary(summary: dict) -> str:
                      f"predicted peak {format_bytes(st['predicted_peak'])}"))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
-
-
-__all__ += ["DataError", "RunFolder", "eval_loss", "exact_match", "format_summary"]

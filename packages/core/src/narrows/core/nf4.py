@@ -75,6 +75,7 @@ def quantize_nf4(
     blocksize: int = 64,
     filter_fn: Callable[[str, nn.Linear], bool] = _default_filter,
     device: torch.device | str | None = None,
+    park: torch.device | str | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` inside the decoder layers with a bitsandbytes NF4
     ``Linear4bit`` (in place) and return the model.
@@ -82,7 +83,9 @@ def quantize_nf4(
     Only decoder layers are quantised (as ``BitsAndBytesConfig`` does, the embedding and the
     LM head stay in float). ``filter_fn(qualified_name, linear)`` can exclude layers. The
     quantisation runs on `device` (default: where each weight is) one layer at a time, so
-    peak memory is one float layer above the quantised model. The model is flagged
+    peak memory is one float layer above the quantised model. `park` moves each layer there
+    once its linears are quantised (quantise on the GPU, keep a streamed base in host memory: the
+    device never holds more than one layer). The model is flagged
     ``is_loaded_in_4bit`` so PEFT picks its 4-bit LoRA layer, as for a hub-loaded QLoRA base.
     """
     bnb = require("bitsandbytes", "NF4 quantisation")
@@ -91,6 +94,7 @@ def quantize_nf4(
         compute_dtype = next(p.dtype for p in anat.layers.parameters() if p.is_floating_point())
     n = 0
     for lpath, layer in zip(anat.layer_paths, anat.layers):
+        before = n
         for name, child in list(layer.named_modules()):
             if type(child) is not nn.Linear or not filter_fn(f"{lpath}.{name}", child):
                 continue
@@ -123,6 +127,8 @@ def quantize_nf4(
             parent_name, _, attr = name.rpartition(".")
             setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, q)
             n += 1
+        if park is not None and n > before:
+            layer.to(park)
     if n == 0:
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
     anat.model.is_loaded_in_4bit = True

@@ -13,7 +13,7 @@ from importlib.metadata import version as _version
 
 from .api import LMHeadHandle, apply, remove
 from .chunked import cross_entropy_from_logits, linear_cross_entropy, reference_cross_entropy
-from .fused import FUSED_CHOICES, fused_applies
+from .fused import FUSED_CHOICES, fused_reason
 from .loss import LossOptions, NoTrainableTokensError, causal_lm_loss, shift_targets
 from .topk import neighbour_table, subset_head, vocabulary_subset
 
@@ -27,7 +27,7 @@ __all__ = [
     "apply",
     "causal_lm_loss",
     "cross_entropy_from_logits",
-    "fused_applies",
+    "fused_reason",
     "linear_cross_entropy",
     "neighbour_table",
     "reference_cross_entropy",

@@ -21,12 +21,12 @@ from torch import Tensor
 from narrows.core import HeadSource, ResidentHead
 from narrows.core._env import is_available, require
 
-__all__ = ["FUSED_CHOICES", "fused_applies", "fused_cross_entropy"]
+__all__ = ["FUSED_CHOICES", "fused_cross_entropy", "fused_reason"]
 
 FUSED_CHOICES = ("off", "auto", "cce")
 
 
-def fused_applies(hidden: Tensor, source: HeadSource) -> str | None:
+def fused_reason(hidden: Tensor, source: HeadSource) -> str | None:
     """Why the fused library cannot run here, or None when it can."""
     if not is_available("cut_cross_entropy"):
         return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from narrows.core import HeadSource, NarrowsError, chunked_logits
 
 from .chunked import DEFAULT_TILE_BYTES, cross_entropy_from_logits, linear_cross_entropy
-from .fused import FUSED_CHOICES, fused_applies, fused_cross_entropy
+from .fused import FUSED_CHOICES, fused_cross_entropy, fused_reason
 from .topk import subset_head, vocabulary_subset
 
 __all__ = ["LossOptions", "NoTrainableTokensError", "causal_lm_loss", "shift_targets"]
@@ -105,7 +105,7 @@ def causal_lm_loss(
         if stats is not None:
             stats.append(ids.numel())
     if options.chunked and options.fused != "off":
-        why_not = fused_applies(flat, source)
+        why_not = fused_reason(flat, source)
         if why_not is None:
             return fused_cross_entropy(flat, targets, source, weights)  # type: ignore[arg-type]
         if options.fused == "cce":
