@@ -106,3 +106,34 @@ def test_missing_bitsandbytes_says_how_to_install(monkeypatch):
 def test_no_linear_to_quantise_is_an_error():
     with pytest.raises(ValueError, match=r"no nn\.Linear"):
         quantize_nf4(tiny_model("llama"), filter_fn=lambda name, _: False)
+
+
+@pytest.mark.bnb
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_rows_equal_the_full_dequantisation(double_quant, dtype):
+    from bitsandbytes.functional import dequantize_4bit
+
+    from narrows.core import nf4_rows
+
+    model = tiny_model("llama", dtype=dtype)
+    quantize_nf4(model, double_quant=double_quant)
+    layer = model.model.layers[0].mlp.down_proj  # in_features 128 = two blocks per row
+    full = dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    rows = nf4_rows(layer)
+    assert rows.shape == tuple(full.shape)
+    for step in (1, 3, 7, full.shape[0]):
+        parts = [rows.rows(i, i + step) for i in range(0, full.shape[0], step)]
+        assert torch.equal(torch.cat(parts), full)
+
+
+@pytest.mark.bnb
+def test_nf4_rows_refuses_what_it_cannot_slice():
+    from narrows.core import nf4_rows
+
+    with pytest.raises(TypeError, match="Linear4bit"):
+        nf4_rows(torch.nn.Linear(4, 4))
+    model = tiny_model("llama")
+    quantize_nf4(model, blocksize=128, filter_fn=lambda name, lin: lin.in_features == 64)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        nf4_rows(model.model.layers[0].self_attn.q_proj)

@@ -59,3 +59,37 @@ def test_cpu_and_odd_inputs_take_the_eager_tier(monkeypatch):
     assert fused_reason(base, lora, g) == "not on CUDA"
     monkeypatch.setenv("NARROWS_DORA_FUSED", "0")
     assert "NARROWS_DORA_FUSED=0" in fused_reason(base, lora, g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_tier1_references_agree_with_the_eager_formula(dtype):
+    """The dual-output forward and the backward from `inner` (the references of tier 1's
+    kernels): the same output and activation gradients bit for bit; the magnitude gradient
+    from `inner` differs only by `inner`'s rounding to the activation dtype."""
+    from narrows.dora.compose import _backward_eager, _backward_inner_eager, _formula, _formula_dual
+
+    g0 = torch.Generator().manual_seed(1)
+    base = torch.randn(3, 50, 96, generator=g0).to(dtype)
+    lora = torch.randn(3, 50, 96, generator=g0).to(dtype)
+    g = 1 + 0.01 * torch.randn(96, generator=g0)
+    go = torch.randn(3, 50, 96, generator=g0).to(dtype)
+    out, inner = _formula_dual(base, lora, g, 0.3)
+    assert torch.equal(out, _formula(base, lora, g, 0.3)) and inner.dtype == dtype
+    assert torch.equal(inner, (0.3 * lora.float() + base.float()).to(dtype))
+    d_base, d_lora, d_g = _backward_inner_eager(go, inner, g, 0.3, dtype)
+    e_base, e_lora, _ = _backward_eager(go, base, lora, g, 0.3)
+    assert torch.equal(d_base, e_base) and torch.equal(d_lora, e_lora)
+    ref = (go.double() * (base.double() + 0.3 * lora.double())).sum((0, 1))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
+    torch.testing.assert_close(d_g.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_assemble_norm_is_the_papers_equation():
+    from narrows.dora import assemble_norm
+
+    base_sq = torch.tensor([4.0, 1.0, 0.0, float("nan")])
+    cross = torch.tensor([0.5, -3.0, 0.0, 0.0])
+    ba_sq = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    got = assemble_norm(base_sq, cross, ba_sq, 0.5)
+    assert torch.equal(got[:3], torch.tensor([(4 + 0.5 + 0.25) ** 0.5, 0.0, 0.0]))  # negative clamps to 0
+    assert got[3].isnan()  # a NaN is not hidden by the clamp

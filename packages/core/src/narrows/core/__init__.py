@@ -52,7 +52,7 @@ from .head import (
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
 
 # NF4
-from .nf4 import disable_cpu_repacking, is_nf4_linear, quantize_nf4
+from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_nf4
 
 # frozen storage
 from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
@@ -71,6 +71,7 @@ __all__ = [
     "HeadSource",
     "MemoryPeaks",
     "MissingDependencyError",
+    "NF4Rows",
     "NarrowsError",
     "PeftLoraAdapter",
     "ResidentHead",
@@ -94,6 +95,7 @@ __all__ = [
     "is_nf4_linear",
     "loss_working_set",
     "measure_peaks",
+    "nf4_rows",
     "parse_bytes",
     "pointed_at",
     "quantize_nf4",

@@ -14,6 +14,7 @@ Every Linear4bit that passes through narrows gets that repacking turned off.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,7 +23,7 @@ from ._env import require
 from .anatomy import anatomy_of
 from .errors import NarrowsError
 
-__all__ = ["disable_cpu_repacking", "is_nf4_linear", "quantize_nf4"]
+__all__ = ["NF4Rows", "disable_cpu_repacking", "is_nf4_linear", "nf4_rows", "quantize_nf4"]
 
 
 def is_nf4_linear(module: nn.Module) -> bool:
@@ -133,3 +134,64 @@ def quantize_nf4(
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
     anat.model.is_loaded_in_4bit = True
     return model
+
+
+@dataclass(frozen=True)
+class NF4Rows:
+    """Row slices of a 4-bit weight, dequantised on demand: a consumer that needs W only a
+    few rows at a time (DoRA's row norm, for one) never holds the full-size float copy.
+
+    ``rows(start, stop)`` returns rows [start, stop) of the [d_out, d_in] weight in its
+    compute dtype, equal to the same rows of the full dequantisation.
+    """
+
+    shape: tuple[int, int]
+    packed: torch.Tensor  # the flat packed 4-bit codes (two per byte)
+    absmax: torch.Tensor  # fp32 per-block scales, already un-nested
+    blocksize: int
+    quant_type: str
+    dtype: torch.dtype
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        d_in = self.shape[1]
+        stop = min(stop, self.shape[0])
+        first, last = start * d_in, stop * d_in
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            self.packed[first // 2 : last // 2],
+            self.absmax[first // self.blocksize : last // self.blocksize],
+            self.blocksize,
+            self.quant_type,
+            [stop - start, d_in],
+            self.dtype,
+        )
+
+
+def nf4_rows(module: nn.Module) -> NF4Rows:
+    """The `NF4Rows` reader of a bitsandbytes ``Linear4bit``'s weight (its nested absmax
+    dequantised once: one float per block). Needs in_features to be a multiple of the
+    quantisation block size (true of every real model: rows then start on a block), and
+    raises ValueError otherwise, so the caller can fall back to the full dequantisation."""
+    if not is_nf4_linear(module):
+        raise TypeError(f"nf4_rows needs a bitsandbytes Linear4bit, got {type(module).__name__}")
+    from bitsandbytes.functional import dequantize_blockwise
+
+    weight = module.weight
+    qs = weight.quant_state
+    if qs is None:
+        raise NarrowsError("this Linear4bit holds no quantisation state yet: move it to its device first")
+    if getattr(qs, "packing_format_for_cpu", False):
+        raise NarrowsError(
+            "this Linear4bit was repacked in place by bitsandbytes' CPU inference path; call "
+            "narrows.core.disable_cpu_repacking(model) before any inference (see its docstring)"
+        )
+    absmax = qs.absmax
+    if qs.nested:  # double quantisation: the block scales are themselves 8-bit blockwise
+        absmax = (dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).float()
+    d_out, d_in = (int(x) for x in qs.shape)
+    if d_in % qs.blocksize:
+        raise ValueError(
+            f"row slices need in_features ({d_in}) to be a multiple of the block size ({qs.blocksize})"
+        )
+    return NF4Rows(
+        (d_out, d_in), weight.data.reshape(-1), absmax.float(), qs.blocksize, qs.quant_type, qs.dtype
+    )

@@ -12,7 +12,7 @@ a cached ||W||², the protocol-registered adapter.
 from importlib.metadata import version as _version
 
 from .compose import FUSED_MIN_ELEMENTS, compose, fused_reason, magnitude_scale, norm_epsilon
-from .norm import DEFAULT_CHUNK_BUDGET, base_row_norm_sq, dense_row_norm, factored_row_norm
+from .norm import DEFAULT_CHUNK_BUDGET, assemble_norm, base_row_norm_sq, dense_row_norm, factored_row_norm
 from .peft import use_narrows_dora
 
 __version__ = _version("narrows-dora")
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_CHUNK_BUDGET",
     "FUSED_MIN_ELEMENTS",
     "__version__",
+    "assemble_norm",
     "base_row_norm_sq",
     "compose",
     "dense_row_norm",

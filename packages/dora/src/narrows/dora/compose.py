@@ -38,6 +38,21 @@ def _formula(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     return ((g - 1) * b + g * (scale * lo)).to(base.dtype)
 
 
+def _formula_dual(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """The training forward of tier 1: the output and ``inner = s·lora + base``, the one
+    activation-sized tensor its backward reads (in the activation dtype)."""
+    b, slo = base.float(), scale * lora.float()
+    return ((g - 1) * b + g * slo).to(base.dtype), (slo + b).to(base.dtype)
+
+
+def _backward_inner_eager(
+    grad: Tensor, inner: Tensor, g: Tensor, scale: float, lora_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    go = grad.float()
+    dims = tuple(range(go.dim() - 1))
+    return (go * (g - 1)).to(inner.dtype), (go * g * scale).to(lora_dtype), (go * inner.float()).sum(dims)
+
+
 def _backward_eager(
     grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -71,8 +86,10 @@ def fused_reason(base: Tensor, lora: Tensor, g: Tensor, which: str = "forward") 
         return "not on CUDA"
     if not is_available("triton"):
         return "Triton is not installed"
-    if base.shape != lora.shape or base.dtype != lora.dtype or base.dtype not in _FUSED_DTYPES:
-        return "base and lora differ in shape or dtype, or the dtype is not fp32/bf16/fp16"
+    if base.shape != lora.shape:
+        return "base and lora differ in shape"
+    if base.dtype not in _FUSED_DTYPES or lora.dtype not in _FUSED_DTYPES:
+        return "an activation dtype other than fp32/bf16/fp16"
     if not (base.is_contiguous() and lora.is_contiguous()):
         return "non-contiguous activations"
     if g.dim() != 1 or g.shape[0] != base.shape[-1] or g.dtype != torch.float32:

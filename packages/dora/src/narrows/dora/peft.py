@@ -3,7 +3,10 @@
 PEFT (0.21 included) builds the dense B·A through an identity matrix for every DoRA
 layer's row norm. After this call each ``DoraLinearLayer`` keeps its parameters (the
 magnitude vector stays ``lora_magnitude_vector[adapter].weight``, so a saved adapter is a
-plain PEFT adapter) but its forward uses `factored_row_norm` and the stable `compose`.
+plain PEFT adapter) but its forward uses `factored_row_norm` and the stable `compose`. On a
+bitsandbytes 4-bit base (QDoRA) the norm reads the weight a few dequantised rows at a time
+whenever PEFT hands over the base output (dropout 0, or eval): only a dropout-on training
+forward, which must recompute W·x itself, still dequantises the whole weight.
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from narrows.core import is_nf4_linear, nf4_rows
+
 from .compose import compose, magnitude_scale
-from .norm import base_row_norm_sq, factored_row_norm
+from .norm import Weight, base_row_norm_sq, factored_row_norm
 
 __all__ = ["use_narrows_dora"]
 
 
-def _base_sq(layer: nn.Module, base_layer: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+def _base_sq(layer: nn.Module, base_layer: nn.Module, weight: Weight) -> torch.Tensor:
     """||W||²_row, computed once per frozen weight and kept on the DoRA layer.
 
     The key is the stored base weight's identity: its storage address, version counter,
@@ -34,13 +39,27 @@ def _base_sq(layer: nn.Module, base_layer: nn.Module, weight: torch.Tensor) -> t
     return cached[1]
 
 
+def _rows_of(base_layer: nn.Module) -> Weight | None:
+    """A 4-bit base as row slices (the norm then never holds its full float copy), or None:
+    a float base is used as it is, and a 4-bit one whose width is not a whole number of
+    quantisation blocks is dequantised in full."""
+    if not is_nf4_linear(base_layer):
+        return None
+    try:
+        return nf4_rows(base_layer)
+    except ValueError:
+        return None
+
+
 def _forward(layer: nn.Module):
     from peft.utils.integrations import dequantize_module_weight
     from peft.utils.other import transpose
 
     def forward(x: torch.Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float, base_layer: nn.Module,
                 base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:  # fmt: skip
-        weight = transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out)
+        weight = _rows_of(base_layer) if base_result is not None else None
+        if weight is None:
+            weight = transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out)
         norm = factored_row_norm(
             weight, lora_A.weight, lora_B.weight, scaling, base_sq=_base_sq(layer, base_layer, weight)
         )

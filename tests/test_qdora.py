@@ -1,0 +1,68 @@
+"""narrows-dora on a bitsandbytes NF4 base (QDoRA): the row norm reads the 4-bit weight a
+few dequantised rows at a time and gives PEFT's numbers."""
+
+import pytest
+import torch
+
+import narrows.dora as nd
+from narrows.core import nf4_rows, quantize_nf4
+from narrows.core.testing import tiny_batch, tiny_model, with_adapter
+
+pytestmark = pytest.mark.bnb
+
+
+def qdora(dropout=0.0):
+    pytest.importorskip("bitsandbytes")
+    return with_adapter(quantize_nf4(tiny_model("llama")), "dora", dropout=dropout)
+
+
+def loss_and_grads(model):
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = model(**tiny_batch()).loss
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("chunk_budget", [4096, 2**25])
+def test_row_norm_of_a_4bit_weight_matches_the_dense_reference(chunk_budget):
+    from bitsandbytes.functional import dequantize_4bit
+
+    layer = qdora().base_model.model.model.layers[0].mlp.up_proj
+    base = layer.get_base_layer()
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    w = dequantize_4bit(base.weight.data, base.weight.quant_state)
+    rows = nf4_rows(base)
+    got = nd.factored_row_norm(rows, a, b, 0.7, chunk_budget=chunk_budget)
+    torch.testing.assert_close(got.double(), nd.dense_row_norm(w, a, b, 0.7), rtol=2e-6, atol=0)
+    assert torch.equal(
+        nd.base_row_norm_sq(rows, chunk_budget=chunk_budget), nd.base_row_norm_sq(w, chunk_budget=2**30)
+    )
+
+
+def test_qdora_gives_peft_numbers_without_dequantising_whole_weights(monkeypatch):
+    import peft.utils.integrations as integrations
+
+    ref_loss, ref_grads = loss_and_grads(qdora())
+    model = qdora()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole 4-bit weight was dequantised")
+
+    monkeypatch.setattr(integrations, "dequantize_module_weight", refuse)
+    nd.use_narrows_dora(model)
+    loss, grads = loss_and_grads(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_qdora_with_dropout_trains_like_peft():
+    torch.manual_seed(0)
+    ref_loss, ref_grads = loss_and_grads(qdora(dropout=0.1))
+    model = qdora(dropout=0.1)
+    nd.use_narrows_dora(model)
+    torch.manual_seed(0)
+    loss, grads = loss_and_grads(model)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
