@@ -1,13 +1,15 @@
 """DoRA gradient computation on real layer shapes: PEFT's DoRA against narrows' eager and
 fused (Triton compose) paths (`use_narrows_dora`), same model, same batch, one process.
 
-    python benchmarks/dora_model.py --model qwen2.5-7b --layers 4 --rank 384 --seq 4096
+    python benchmarks/dora_model.py --model qwen2.5-7b --layers 4 --rank 384 --seq 4096 [--quant nf4]
 
 A stack of `--layers` decoder layers of the real shape (random bf16 weights, head and
 embedding included), DoRA on all seven projections, batch 1. Per mode: median seconds of
 forward+backward (optimizer excluded, CUDA-event timing), peak allocated memory, and the
 final logits' cosine similarity against PEFT. "narrows-eager" forces the eager tier
 (NARROWS_DORA_FUSED=0); "narrows-fused" lets the dispatch pick the Triton kernels.
+`--quant nf4` quantises the decoder linears to bitsandbytes NF4 first (QDoRA): PEFT then
+dequantises every whole weight for its norm, narrows reads it a few rows at a time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def build(args, device):
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if args.quant == "nf4":
+        from narrows.core import quantize_nf4
+
+        quantize_nf4(model)
     cfg = LoraConfig(
         r=args.rank, lora_alpha=args.rank // 2, use_dora=True, target_modules=TARGETS, lora_dropout=0.0
     )
@@ -75,6 +81,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=384)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--quant", choices=["none", "nf4"], default="none")
     ap.add_argument("--out", default="benchmarks/results/dora_model.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -95,8 +102,9 @@ def main() -> None:
         torch.cuda.empty_cache()
     ref = rows["peft"]
     gib = 2**30
+    base = "NF4 (QDoRA)" if args.quant == "nf4" else "bf16"
     print(
-        f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, bf16, {torch.cuda.get_device_name()}"
+        f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, {base}, {torch.cuda.get_device_name()}"
     )
     print(f"{'mode':<15}{'s/step':>9}{'speedup':>9}{'peak GiB':>10}{'vs PEFT GiB':>13}{'logit cos':>12}")
     out = []

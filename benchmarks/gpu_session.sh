@@ -9,6 +9,7 @@
 #   QUALITY="--model GGUF ..."        lmhead_quality.py arguments (SmolLM2 staged by stage_smollm2.sh)
 #   SHAPES="--tokenizer DIR ..."      finetune_shapes.py arguments
 #   TESTS="paths"                     which GPU tests (default: core, stream, lmhead, stream+lmhead)
+#   DORA="args;args"                  dora_model.py runs, one per ';'-separated argument list
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NARROWS_CACHE=/tmp/narrows-cache
@@ -37,3 +38,8 @@ if [[ -n ${SHAPES:-} ]]; then
   timeout ${SHAPES_TIMEOUT:-420} python3 benchmarks/finetune_shapes.py $SHAPES --out "$OUT/finetune_shapes.json" 2>&1 \
     | grep -v -i "warn" | tee "$OUT/finetune_shapes.log" | tail -14
 fi
+IFS=';' read -ra dora_runs <<<"${DORA:-}"
+for i in "${!dora_runs[@]}"; do
+  timeout ${DORA_TIMEOUT:-300} python3 benchmarks/dora_model.py ${dora_runs[$i]} --out "$OUT/dora_model_$i.json" 2>&1 \
+    | grep -v -i "warn" | tee -a "$OUT/dora_model.log" | tail -8
+done

@@ -52,6 +52,9 @@ def test_torch_compile_keeps_the_op_in_one_graph():
 def test_opcheck():
     base, lora, g = case(dtype=torch.float32)
     torch.library.opcheck(_compose_op, (base, lora, g, 0.5))
+    from narrows.dora.compose import _compose_train_op  # tier 1's op, on its eager references here
+
+    torch.library.opcheck(_compose_train_op, (base, lora, g, 0.5))
 
 
 def test_cpu_and_odd_inputs_take_the_eager_tier(monkeypatch):

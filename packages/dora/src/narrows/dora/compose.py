@@ -149,11 +149,78 @@ def _backward(ctx, grad: Tensor):
 _compose_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# --- tier 1: training on CUDA above the crossover, saving `inner` only ---------------------
+
+
+@torch.library.custom_op("narrows_dora::compose_train", mutates_args=())
+def _compose_train_op(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    if fused_reason(base, lora, g, "backward") is None:
+        from .kernels import compose_forward_dual
+
+        return compose_forward_dual(base, lora, g.contiguous(), scale)
+    return _formula_dual(base, lora, g, scale)
+
+
+@_compose_train_op.register_fake
+def _(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(base), torch.empty_like(base)
+
+
+@torch.library.custom_op("narrows_dora::compose_train_backward", mutates_args=())
+def _compose_train_backward_op(
+    grad: Tensor, inner: Tensor, g: Tensor, scale: float, lora_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    if fused_reason(inner, inner, g, "backward") is None:
+        from .kernels import compose_backward_inner
+
+        return compose_backward_inner(grad, inner, g.contiguous(), scale, lora_dtype)
+    return _backward_inner_eager(grad, inner, g, scale, lora_dtype)
+
+
+@_compose_train_backward_op.register_fake
+def _(
+    grad: Tensor, inner: Tensor, g: Tensor, scale: float, lora_dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(inner), torch.empty_like(inner, dtype=lora_dtype), torch.empty_like(g)
+
+
+def _setup_train_context(ctx, inputs, output) -> None:
+    _, lora, g, scale = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1], g)
+    ctx.scale = scale
+    ctx.lora_dtype = lora.dtype
+
+
+def _train_backward(ctx, grad: Tensor, _grad_inner: Tensor | None):
+    inner, g = ctx.saved_tensors
+    d_base, d_lora, d_g = torch.ops.narrows_dora.compose_train_backward(
+        grad, inner, g, ctx.scale, ctx.lora_dtype
+    )
+    return d_base, d_lora, d_g, None
+
+
+_compose_train_op.register_autograd(_train_backward, setup_context=_setup_train_context)
+
+
 def compose(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     """(g - 1)·base + g·(scale·lora), broadcasting g [d_out] over the last dimension.
 
-    A `torch.library` custom op (``torch.ops.narrows_dora.compose``, so `torch.compile`
-    keeps it in one graph) with a hand-written backward; Triton kernels on CUDA above the
-    crossover (`fused_reason`), the eager formula everywhere else.
+    `torch.library` custom ops (``torch.ops.narrows_dora.*``, so `torch.compile` keeps them
+    in one graph) with hand-written backwards. Tier 1, training on CUDA above the crossover
+    (`fused_reason`): a dual-output Triton forward that also writes ``inner = s·lora + base``
+    and a backward that reads only it (one saved activation per module instead of two; the
+    magnitude gradient then sums ``go·inner``, so it differs from the eager one by the
+    rounding of ``inner`` to the activation dtype). Tier 2, inference on CUDA above the
+    crossover: the Triton forward. Tier 3, everything else: the eager formula, which saves
+    base and lora.
     """
-    return _compose_op(base, lora, g, float(scale))
+    scale = float(scale)
+    if (
+        base.is_cuda
+        and torch.is_grad_enabled()
+        and g.requires_grad
+        and fused_reason(base, lora, g, "backward") is None
+    ):
+        return _compose_train_op(base, lora, g, scale)[0]
+    return _compose_op(base, lora, g, scale)
