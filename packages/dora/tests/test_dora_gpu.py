@@ -73,10 +73,12 @@ def test_dispatch_picks_the_kernels_above_the_crossover_and_autograd_matches_eag
     assert torch.equal(out, eager)
     e_grads = torch.autograd.grad(eager, leaves, torch.ones_like(eager))
     assert torch.equal(grads[0], e_grads[0]) and torch.equal(grads[1], e_grads[1])
-    # tier 1 sums go·inner with inner rounded to bf16: the magnitude gradient differs by that
-    ref = (base.double() + 0.5 * lora.double()).sum((0, 1))
-    for got in (grads[2], e_grads[2]):
-        torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-3 * ref.abs().max().item())
+    # tier 1 sums go·inner with inner rounded to bf16 (relative error ≤ 2^-9 per element):
+    # each column's magnitude gradient stays within that rounding summed over the rows
+    inner = base.double() + 0.5 * lora.double()
+    ref, bound = inner.sum((0, 1)), inner.abs().sum((0, 1)) * 2**-8
+    assert ((grads[2].double() - ref).abs() <= bound).all()
+    assert ((e_grads[2].double() - ref).abs() <= bound * 1e-2).all()  # eager sums base and lora exactly
 
 
 MIXED = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32),
