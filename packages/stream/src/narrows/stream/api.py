@@ -261,6 +261,7 @@ def stream(
     head: str = "resident",
     head_rows: int | None = None,
     check: bool = True,
+    inference: bool = False,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -275,6 +276,9 @@ def stream(
     `head_rows` sets the vocabulary rows per chunk (default 8192).
     `check` runs a one-layer streamed-vs-resident self-check first (``check=False`` skips
     it, e.g. for a model whose layers are known to be nondeterministic).
+    `inference=True` streams a model for forward passes only (evaluation): nothing needs
+    to train, and the self-check (which compares gradients) is skipped. Under ``no_grad``
+    each layer then runs as a plain prefetched forward either way.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
@@ -282,10 +286,11 @@ def stream(
     anat = anatomy_of(model)
     dev = _resolve_device(device)
     trainables = trainable_parameters(model)
-    if not trainables:
+    if not trainables and not inference:
         raise StreamSetupError(
             "nothing in this model trains: add adapters first, e.g. "
-            "model = peft.get_peft_model(model, LoraConfig(...)), then call narrows.stream.stream(model)"
+            "model = peft.get_peft_model(model, LoraConfig(...)), then call narrows.stream.stream(model); "
+            "to evaluate without training, pass inference=True"
         )
     on_device = [s.name for layer, p in zip(anat.layers, anat.layer_paths) for s in frozen_slots(layer, prefix=p)
                  if s.tensor.device.type == "cuda"]  # fmt: skip
@@ -341,7 +346,7 @@ def stream(
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head)
-    if check:
+    if check and not inference:
         self_check(model, anat, engine)
     log.info("narrows.stream plan:\n%s", the_plan)
     return model

@@ -1,0 +1,58 @@
+"""The lm-evaluation-harness model ``narrows``: lm-eval's own Hugging Face backend (HFLM:
+loglikelihood, loglikelihood_rolling, generate_until, batching, caching) over a model built
+by `load_for_eval` — base + adapter, NF4 or float, resident or streamed.
+
+    lm_eval --model narrows --model_args pretrained=PATH,adapter=runs/NAME,gpu_budget=8GiB ...
+"""
+
+from __future__ import annotations
+
+# lm-eval registers its own models lazily on the first lookup, and only when its registry
+# is empty: load that table first, so adding ours does not hide them
+import lm_eval.models  # noqa: F401
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .loading import load_for_eval
+
+__all__ = ["NarrowsLM"]
+
+
+def _none(value):
+    return None if value in (None, "", "none", "None", "off") else value
+
+
+@register_model("narrows")
+class NarrowsLM(HFLM):
+    """``--model_args``: ``pretrained`` (HF folder or .gguf), ``adapter`` (PEFT folder, e.g. a
+    ``narrows finetune`` run), ``gpu_budget`` (stream the base: ``8GiB``, ``fit``, ``min``),
+    ``quant`` (``nf4``), ``dtype`` (``auto``: bf16 on CUDA, fp32 on CPU), ``device``,
+    ``batch_size``, ``max_length`` and the rest of HFLM's own arguments."""
+
+    def __init__(self, pretrained: str, adapter: str | None = None, gpu_budget: str | None = None,
+                 quant: str | None = None, dtype: str = "auto", device: str | None = None,
+                 batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
+        loaded = load_for_eval(
+            pretrained,
+            adapter=_none(adapter),
+            dtype=dtype,
+            quant=_none(quant),
+            gpu_budget=_none(gpu_budget),
+            device=_none(device),
+            seq_len=int(max_length or 2048),
+            batch_size=int(batch_size) if str(batch_size).isdigit() else 1,
+        )
+        self.narrows = loaded
+        super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, backend="causal",
+                         batch_size=batch_size, max_length=max_length, **kwargs)  # fmt: skip
+        # a streamed model's parameters stay in host memory; its inputs and logits live on the device
+        self._device = loaded.device
+
+    def get_model_info(self) -> dict:
+        """What lm-eval records under ``config`` in its results: adapter and streaming plan."""
+        info = {"narrows_adapter": self.narrows.adapter, "narrows_streamed": self.narrows.streamed,
+                "model_dtype": str(next(self.narrows.model.parameters()).dtype)}  # fmt: skip
+        handle = getattr(self.narrows.model, "narrows_stream", None)
+        if handle is not None:
+            info["narrows_stream_plan"] = str(handle.plan)
+        return info

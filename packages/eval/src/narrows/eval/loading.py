@@ -1,0 +1,108 @@
+"""Build the model an evaluation runs: a base (HF folder or GGUF, float or NF4) plus an
+optional PEFT adapter, resident on the device or streamed from host memory."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from narrows.core import NarrowsError, quantize_nf4
+from narrows.core._env import require
+from narrows.core.models import load_causal_lm
+
+__all__ = ["EvalModel", "load_for_eval", "resolve_adapter"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EvalModel:
+    model: nn.Module
+    tokenizer: object
+    device: torch.device
+    streamed: bool
+    adapter: str | None
+
+
+def resolve_adapter(path: str | os.PathLike) -> Path:
+    """The folder holding ``adapter_config.json``: the path itself (a run folder of
+    ``narrows finetune`` or any PEFT save) or, failing that, a clear error."""
+    p = Path(path).expanduser()
+    if (p / "adapter_config.json").is_file():
+        return p
+    if not p.exists():
+        raise NarrowsError(f"adapter path {str(p)!r} does not exist: give a run folder of `narrows finetune` or a "
+                           "folder written by PEFT's save_pretrained")  # fmt: skip
+    raise NarrowsError(f"{str(p)!r} holds no adapter_config.json: it is not a PEFT adapter folder")
+
+
+def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise NarrowsError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_for_eval(
+    pretrained: str | os.PathLike,
+    *,
+    adapter: str | os.PathLike | None = None,
+    dtype: str | torch.dtype = "auto",
+    quant: str | None = None,
+    gpu_budget: str | int | None = None,
+    device: str | torch.device | None = None,
+    seq_len: int = 2048,
+    batch_size: int = 1,
+) -> EvalModel:
+    """Load `pretrained` (+ `adapter`) for forward-only evaluation.
+
+    `quant="nf4"` quantises the decoder linears (bitsandbytes). `gpu_budget` (bytes, a size
+    like ``"8GiB"``, or ``"fit"``/``"min"``) streams the frozen base through narrows-stream:
+    only what fits the budget stays on the device, the rest comes from host memory layer by
+    layer with prefetch, no autograd state kept. A DoRA adapter runs through narrows-dora
+    when it is installed (same numbers as PEFT's, without the dense B·A).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if quant not in (None, "none", "nf4"):
+        raise NarrowsError(f"quant must be nf4 or none, got {quant!r}")
+    adapter_dir = resolve_adapter(adapter) if adapter else None  # before the slow load
+    if gpu_budget is not None:
+        require("narrows.stream", "evaluation with gpu_budget (streaming the base)")
+    model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev))
+    if quant == "nf4":
+        streamed = gpu_budget is not None
+        quantize_nf4(model, device=dev if dev.type == "cuda" else None, park="cpu" if streamed else None)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+        _use_narrows_dora(model)
+    model.eval()
+    if gpu_budget is not None:
+        import narrows.stream as ns
+
+        budget = None if gpu_budget in ("min", "none") else gpu_budget
+        ns.stream(model, budget, device=dev, batch_size=batch_size, seq_len=seq_len, inference=True)
+    else:
+        model.to(dev)
+    return EvalModel(model, tokenizer, dev, gpu_budget is not None, str(adapter_dir) if adapter_dir else None)
+
+
+def _use_narrows_dora(model: nn.Module) -> None:
+    from narrows.core._env import is_available
+
+    if not is_available("narrows.dora"):
+        return
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    if any(type(m) is DoraLinearLayer for m in model.modules()):
+        import narrows.dora
+
+        narrows.dora.use_narrows_dora(model)
