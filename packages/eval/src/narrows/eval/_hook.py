@@ -30,7 +30,7 @@ class _RegisterNarrows(importlib.abc.MetaPathFinder):
             run(module)
             from lm_eval.api.registry import model_registry
 
-            if "narrows" not in model_registry.keys():
+            if "narrows" not in model_registry:
                 model_registry.register("narrows", target="narrows.eval.lm:NarrowsLM")
 
         spec.loader.exec_module = exec_module
