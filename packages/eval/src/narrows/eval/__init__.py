@@ -13,11 +13,25 @@ from importlib.metadata import version as _version
 from pathlib import Path
 
 from .loading import EvalModel, load_for_eval, resolve_adapter
+from .report import Row, compare, write_report
+from .run import evaluate, resolve_tasks
 
 TASK_DIR = Path(__file__).parent / "tasks"
 
 __version__ = _version("narrows-eval")
-__all__ = ["TASK_DIR", "EvalModel", "NarrowsLM", "__version__", "load_for_eval", "resolve_adapter"]
+__all__ = [
+    "TASK_DIR",
+    "EvalModel",
+    "NarrowsLM",
+    "Row",
+    "__version__",
+    "compare",
+    "evaluate",
+    "load_for_eval",
+    "resolve_adapter",
+    "resolve_tasks",
+    "write_report",
+]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 # lm-eval registers its own models lazily on the first lookup, and only when its registry
 # is empty: load that table first, so adding ours does not hide them
 import lm_eval.models  # noqa: F401
+import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -32,13 +33,16 @@ class NarrowsLM(HFLM):
     def __init__(self, pretrained: str, adapter: str | None = None, gpu_budget: str | None = None,
                  quant: str | None = None, dtype: str = "auto", device: str | None = None,
                  batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
+        device = _none(device)
+        if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # lm-eval's CLI passes --device cuda by default
         loaded = load_for_eval(
             pretrained,
             adapter=_none(adapter),
             dtype=dtype,
             quant=_none(quant),
             gpu_budget=_none(gpu_budget),
-            device=_none(device),
+            device=device,
             seq_len=int(max_length or 2048),
             batch_size=int(batch_size) if str(batch_size).isdigit() else 1,
         )

