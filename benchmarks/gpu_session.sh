@@ -10,6 +10,7 @@
 #   SHAPES="--tokenizer DIR ..."      finetune_shapes.py arguments
 #   TESTS="paths"                     which GPU tests (default: core, stream, lmhead, stream+lmhead)
 #   DORA="args;args"                  dora_model.py runs, one per ';'-separated argument list
+#   EVAL="args"                       eval_streamed.py arguments
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NARROWS_CACHE=/tmp/narrows-cache
@@ -43,3 +44,7 @@ for i in "${!dora_runs[@]}"; do
   timeout ${DORA_TIMEOUT:-300} python3 benchmarks/dora_model.py ${dora_runs[$i]} --out "$OUT/dora_model_$i.json" 2>&1 \
     | grep -v -i "warn" | tee -a "$OUT/dora_model.log" | tail -8
 done
+if [[ -n ${EVAL:-} ]]; then
+  timeout ${EVAL_TIMEOUT:-500} python3 benchmarks/eval_streamed.py $EVAL --out "$OUT/eval_streamed.json" 2>&1 \
+    | grep -v -i "warn" | tee "$OUT/eval_streamed.log" | tail -20
+fi

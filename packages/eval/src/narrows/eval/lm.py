@@ -30,7 +30,7 @@ class NarrowsLM(HFLM):
     ``quant`` (``nf4``), ``dtype`` (``auto``: bf16 on CUDA, fp32 on CPU), ``device``,
     ``batch_size``, ``max_length`` and the rest of HFLM's own arguments."""
 
-    def __init__(self, pretrained: str, adapter: str | None = None, gpu_budget: str | None = None,
+    def __init__(self, pretrained, tokenizer=None, adapter: str | None = None, gpu_budget: str | None = None,
                  quant: str | None = None, dtype: str = "auto", device: str | None = None,
                  batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
         device = _none(device)
@@ -38,6 +38,7 @@ class NarrowsLM(HFLM):
             device = "cpu"  # lm-eval's CLI passes --device cuda by default
         loaded = load_for_eval(
             pretrained,
+            tokenizer=tokenizer,
             adapter=_none(adapter),
             dtype=dtype,
             quant=_none(quant),

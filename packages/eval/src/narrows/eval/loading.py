@@ -51,8 +51,9 @@ def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def load_for_eval(
-    pretrained: str | os.PathLike,
+    pretrained: str | os.PathLike | nn.Module,
     *,
+    tokenizer: object | None = None,
     adapter: str | os.PathLike | None = None,
     dtype: str | torch.dtype = "auto",
     quant: str | None = None,
@@ -67,7 +68,8 @@ def load_for_eval(
     like ``"8GiB"``, or ``"fit"``/``"min"``) streams the frozen base through narrows-stream:
     only what fits the budget stays on the device, the rest comes from host memory layer by
     layer with prefetch, no autograd state kept. A DoRA adapter runs through narrows-dora
-    when it is installed (same numbers as PEFT's, without the dense B·A).
+    when it is installed (same numbers as PEFT's, without the dense B·A). `pretrained` may
+    also be a model already in host memory (then pass its `tokenizer`).
     """
     dev = (
         torch.device(device)
@@ -79,7 +81,14 @@ def load_for_eval(
     adapter_dir = resolve_adapter(adapter) if adapter else None  # before the slow load
     if gpu_budget is not None:
         require("narrows.stream", "evaluation with gpu_budget (streaming the base)")
-    model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev))
+    if isinstance(pretrained, nn.Module):
+        if tokenizer is None:
+            raise NarrowsError(
+                "a model passed as an object needs its tokenizer: load_for_eval(model, tokenizer=...)"
+            )
+        model = pretrained
+    else:
+        model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev))
     if quant == "nf4":
         streamed = gpu_budget is not None
         quantize_nf4(model, device=dev if dev.type == "cuda" else None, park="cpu" if streamed else None)
