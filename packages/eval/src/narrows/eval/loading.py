@@ -98,6 +98,7 @@ def load_for_eval(
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
         _use_narrows_dora(model)
     model.eval()
+    model.requires_grad_(False)  # nothing trains here: no gradient or optimizer room is planned for any of it
     if gpu_budget is not None:
         import narrows.stream as ns
 
