@@ -4,9 +4,12 @@ The factored row norm (`factored_row_norm`, `base_row_norm_sq`) with its fp64 de
 reference; the stable composition `compose`, a `torch.library` custom op with Triton
 forward/backward kernels on CUDA above a measured crossover (the fused backward also
 reduces the magnitude gradient, deterministically) and the eager formula everywhere else
-(`fused_reason` says which runs); `use_narrows_dora(model)`, which makes PEFT's DoRA
-layers use both. Not yet: a norm-assembly kernel, NF4 bases without full dequantisation,
-a cached ||W||², the protocol-registered adapter.
+(`fused_reason` says which runs; training on CUDA saves one
+activation per module, ``inner``, instead of two); `assemble_norm`, the norm's last step
+(a Triton kernel on CUDA); QDoRA: a bitsandbytes NF4 base is read a few dequantised rows at
+a time; `use_narrows_dora(model)`, which makes PEFT's DoRA layers use all of it, with
+||W||²_row cached per frozen weight. Not yet: a DoRA layer of narrows' own registered
+through the core adapter protocol, conv and embedding layers.
 """
 
 from importlib.metadata import version as _version
