@@ -86,6 +86,9 @@ for name in ('core', 'stream', 'dora', 'lmhead', 'eval'):
     assert mod.__version__ == md.version('narrows-' + name)
     assert 'site-packages' in mod.__file__, mod.__file__
     print('narrows.' + name, mod.__version__, 'from', mod.__file__)
+from lm_eval.api.registry import get_model  # the wheel's .pth hook: `lm_eval --model narrows` just works
+assert get_model('narrows').__module__ == 'narrows.eval.lm' and get_model('hf').__name__ == 'HFLM'
+print('lm-eval finds the narrows model')
 """
 
 
