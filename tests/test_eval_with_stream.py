@@ -24,7 +24,9 @@ def requests():
 
 def scores(lm) -> torch.Tensor:
     ll, rolling = requests()
-    got = [x[0] for x in lm.loglikelihood(ll, disable_tqdm=True)] + lm.loglikelihood_rolling(rolling, disable_tqdm=True)
+    got = [x[0] for x in lm.loglikelihood(ll, disable_tqdm=True)] + lm.loglikelihood_rolling(
+        rolling, disable_tqdm=True
+    )
     return torch.tensor(got, dtype=torch.float64)
 
 
