@@ -23,6 +23,12 @@ def loss_and_grads(model):
     return loss.detach(), torch.autograd.grad(loss, params)
 
 
+def assert_like_peft(ours, reference):
+    torch.testing.assert_close(ours[0], reference[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours[1], reference[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("chunk_budget", [4096, 2**25])
 def test_row_norm_of_a_4bit_weight_matches_the_dense_reference(chunk_budget):
     from bitsandbytes.functional import dequantize_4bit
@@ -42,7 +48,7 @@ def test_row_norm_of_a_4bit_weight_matches_the_dense_reference(chunk_budget):
 def test_qdora_gives_peft_numbers_without_dequantising_whole_weights(monkeypatch):
     import peft.utils.integrations as integrations
 
-    ref_loss, ref_grads = loss_and_grads(qdora())
+    reference = loss_and_grads(qdora())
     model = qdora()
 
     def refuse(*args, **kwargs):
@@ -50,19 +56,13 @@ def test_qdora_gives_peft_numbers_without_dequantising_whole_weights(monkeypatch
 
     monkeypatch.setattr(integrations, "dequantize_module_weight", refuse)
     nd.use_narrows_dora(model)
-    loss, grads = loss_and_grads(model)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_like_peft(loss_and_grads(model), reference)
 
 
 def test_qdora_with_dropout_trains_like_peft():
     torch.manual_seed(0)
-    ref_loss, ref_grads = loss_and_grads(qdora(dropout=0.1))
+    reference = loss_and_grads(qdora(dropout=0.1))
     model = qdora(dropout=0.1)
     nd.use_narrows_dora(model)
     torch.manual_seed(0)
-    loss, grads = loss_and_grads(model)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert_like_peft(loss_and_grads(model), reference)

@@ -33,6 +33,12 @@ def test_lm_eval_finds_the_model_by_name_in_a_fresh_process():
     assert out.split() == ["NarrowsLM", "HFLM"]  # ours added, lm-eval's own still there
 
 
+def test_the_startup_hook_imports_nothing_heavy():
+    code = "import sys; print(sorted(m for m in ('torch', 'narrows.eval', 'lm_eval') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_the_adapter_changes_the_scores_and_matches_plain_peft(tiny_folder, tiny_adapters):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -132,16 +132,31 @@ def _m_class(m: int) -> int:
     return 1 << max(0, (m - 1).bit_length())
 
 
+def _shape(t: Tensor) -> tuple[int, int]:
+    """(rows, columns) of the activation seen as a [M, N] matrix."""
+    n = t.shape[-1]
+    return t.numel() // n, n
+
+
+def _grid(m: int, n: int):
+    return lambda meta: (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
+
+
+def _partials(m: int, n: int, device: torch.device) -> Tensor:
+    """The backward's per-row-block column sums, sized for the smallest BLOCK_M."""
+    return torch.empty(triton.cdiv(m, _MIN_BLOCK_M), n, dtype=torch.float32, device=device)
+
+
+def _stage_two(kernel, partial: Tensor, m: int) -> Tensor:
+    """Sum the row blocks the tuned launch wrote, in a fixed order: the deterministic d_g."""
+    return partial[: triton.cdiv(m, kernel.best_config.kwargs["BLOCK_M"])].sum(dim=0)
+
+
 def compose_forward(base: Tensor, lora: Tensor, g: Tensor, scale: float, out: Tensor | None = None) -> Tensor:
     """`base`, `lora` contiguous [..., N] of one dtype, `g` fp32 [N]."""
-    n = base.shape[-1]
-    m = base.numel() // n
+    m, n = _shape(base)
     out = torch.empty_like(base) if out is None else out
-
-    def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
-    _forward_kernel[grid](base, lora, g, out, m, n, _m_class(m), float(scale), enable_fp_fusion=False)
+    _forward_kernel[_grid(m, n)](base, lora, g, out, m, n, _m_class(m), float(scale), enable_fp_fusion=False)
     return out
 
 
@@ -149,31 +164,22 @@ def compose_backward(grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale:
                      outs: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(d_base, d_lora, d_g); `grad` is made contiguous here."""
     grad = grad.contiguous()
-    n = base.shape[-1]
-    m = base.numel() // n
+    m, n = _shape(base)
     d_base, d_lora = outs if outs is not None else (torch.empty_like(base), torch.empty_like(lora))
-    partial = torch.empty(triton.cdiv(m, _MIN_BLOCK_M), n, dtype=torch.float32, device=base.device)
-
-    def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
-    _backward_kernel[grid](grad, base, lora, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale),
-                           enable_fp_fusion=False)  # fmt: skip
-    rows = triton.cdiv(m, _backward_kernel.best_config.kwargs["BLOCK_M"])
-    return d_base, d_lora, partial[:rows].sum(dim=0)  # stage two: a fixed-order reduction
+    partial = _partials(m, n, base.device)
+    _backward_kernel[_grid(m, n)](grad, base, lora, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale),
+                                  enable_fp_fusion=False)  # fmt: skip
+    return d_base, d_lora, _stage_two(_backward_kernel, partial, m)
 
 
 def compose_forward_dual(base: Tensor, lora: Tensor, g: Tensor, scale: float,
                          outs: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """(out, inner) for training: `inner = s·lora + base` is what `compose_backward_inner` reads."""
-    n = base.shape[-1]
-    m = base.numel() // n
+    m, n = _shape(base)
     out, inner = outs if outs is not None else (torch.empty_like(base), torch.empty_like(base))
-
-    def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
-    _dual_kernel[grid](base, lora, g, out, inner, m, n, _m_class(m), float(scale), enable_fp_fusion=False)
+    _dual_kernel[_grid(m, n)](
+        base, lora, g, out, inner, m, n, _m_class(m), float(scale), enable_fp_fusion=False
+    )
     return out, inner
 
 
@@ -181,20 +187,14 @@ def compose_backward_inner(grad: Tensor, inner: Tensor, g: Tensor, scale: float,
                            outs: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """(d_base, d_lora, d_g) from the saved `inner`: d_base in its dtype, d_lora in lora's."""
     grad = grad.contiguous()
-    n = inner.shape[-1]
-    m = inner.numel() // n
+    m, n = _shape(inner)
     if outs is None:
         outs = torch.empty_like(inner), torch.empty_like(inner, dtype=lora_dtype)
     d_base, d_lora = outs
-    partial = torch.empty(triton.cdiv(m, _MIN_BLOCK_M), n, dtype=torch.float32, device=inner.device)
-
-    def grid(meta):
-        return triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
-
-    _backward_inner_kernel[grid](grad, inner, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale),
-                                 enable_fp_fusion=False)  # fmt: skip
-    rows = triton.cdiv(m, _backward_inner_kernel.best_config.kwargs["BLOCK_M"])
-    return d_base, d_lora, partial[:rows].sum(dim=0)
+    partial = _partials(m, n, inner.device)
+    _backward_inner_kernel[_grid(m, n)](grad, inner, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale),
+                                        enable_fp_fusion=False)  # fmt: skip
+    return d_base, d_lora, _stage_two(_backward_inner_kernel, partial, m)
 
 
 _NORM_BLOCK = 256  # launch-bound: one fixed size (seed 002 App. B)

@@ -100,12 +100,15 @@ def factored_row_norm(
     d_out, d_in = weight.shape
     device = lora_a.device
     with torch.autocast(device.type, enabled=False):
-        if base_sq is None:
-            base_sq = base_row_norm_sq(weight, chunk_budget=chunk_budget)
         if scale == 0:
-            return base_sq.sqrt()
+            return (
+                base_sq if base_sq is not None else base_row_norm_sq(weight, chunk_budget=chunk_budget)
+            ).sqrt()
         r = lora_a.shape[0]
         b = lora_b.float()
+        need_base = base_sq is None  # then ||W||² is summed in the same pass over W, not a second one
+        if need_base:
+            base_sq = torch.zeros(d_out, dtype=torch.float32, device=device)
         cross = torch.zeros(d_out, dtype=torch.float32, device=device)
         gram = torch.zeros(r, r, dtype=torch.float32, device=device)
         if isinstance(weight, NF4Rows):
@@ -113,13 +116,17 @@ def factored_row_norm(
             rs = _row_chunk(d_in, chunk_budget)
             for r0 in range(0, d_out, rs):
                 w_r = weight.rows(r0, r0 + rs)
+                if need_base:
+                    base_sq[r0 : r0 + rs] = w_r.float().square().sum(dim=1)
                 cross[r0 : r0 + rs] = (b[r0 : r0 + rs] * _mm_fp32(w_r, lora_a.t())).sum(dim=1)
         else:
             cs = _chunk(d_out, d_in, chunk_budget)
             for c in range(0, d_in, cs):
-                a_c = lora_a[:, c : c + cs]
+                w_c, a_c = weight[:, c : c + cs], lora_a[:, c : c + cs]
+                if need_base:
+                    base_sq += w_c.float().square().sum(dim=1)
                 gram += _mm_fp32(a_c, a_c.t())
-                cross += (b * _mm_fp32(weight[:, c : c + cs], a_c.t())).sum(dim=1)
+                cross += (b * _mm_fp32(w_c, a_c.t())).sum(dim=1)
         ba_sq = ((b @ gram) * b).sum(dim=1)
         return assemble_norm(base_sq, cross, ba_sq, scale)
 

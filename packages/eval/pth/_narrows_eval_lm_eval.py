@@ -1,10 +1,13 @@
 """Makes ``lm_eval --model narrows`` work without any import by the user.
 
 lm-eval 0.4 finds models only in its own registry (no entry-point group for models). The
-wheel ships ``narrows_eval_lm_eval.pth``, which imports this module at interpreter start; all it
-does is put a finder on ``sys.meta_path`` that waits for ``lm_eval.models`` (the module
-that fills lm-eval's registry with lazy placeholders) and, once that has run, adds the
-placeholder ``narrows -> narrows.eval.lm:NarrowsLM``. Nothing is imported early: a process
+narrows-eval wheel puts this module and ``narrows_eval_lm_eval.pth`` at the top of
+site-packages; the .pth imports it at interpreter start. It is a top-level module on
+purpose: importing anything inside ``narrows.eval`` would run that package's ``__init__``
+(torch, transformers) in every Python process. All it does is put a finder on
+``sys.meta_path`` that waits for ``lm_eval.models`` (the module that fills lm-eval's
+registry with lazy placeholders) and, once that has run, adds the placeholder
+``narrows -> narrows.eval.lm:NarrowsLM``. Nothing is imported early: a process
 that never imports lm-eval pays for one finder that declines every other module name.
 """
 
