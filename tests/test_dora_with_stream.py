@@ -1,6 +1,7 @@
 """narrows-dora's DoRA layers streamed by narrows-stream: bit-identical to resident."""
 
 import pytest
+import torch
 from parity import assert_equal, run
 
 import narrows.dora as nd
@@ -13,6 +14,22 @@ def test_streamed_narrows_dora_equals_resident(arch):
     def build():
         m = with_adapter(tiny_model(arch), "dora", dropout=0.05).train()
         nd.use_narrows_dora(m)
+        return m
+
+    assert_equal(run(build(), grad_accum=2), run(ns.stream(build(), device="cpu"), grad_accum=2))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_streamed_dora_layers_of_narrows_equal_resident(arch):
+    """`DoraLinear` (no PEFT) reaches the stream through the core adapter protocol."""
+
+    def build():
+        m = nd.add_dora(tiny_model(arch), r=4, alpha=8, dropout=0.05).train()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            for layer in nd.dora_layers(m).values():
+                with torch.no_grad():
+                    layer.lora_B.weight.normal_(0, 0.05)
         return m
 
     assert_equal(run(build(), grad_accum=2), run(ns.stream(build(), device="cpu"), grad_accum=2))

@@ -66,3 +66,23 @@ def test_qdora_with_dropout_trains_like_peft():
     nd.use_narrows_dora(model)
     torch.manual_seed(0)
     assert_like_peft(loss_and_grads(model), reference)
+
+
+def test_narrows_dora_layer_on_nf4_gives_the_peft_path_numbers(tmp_path):
+    """`load_dora` on a 4-bit base: bit-identical to PEFT's QDoRA switched to narrows."""
+    reference = qdora()
+    nd.use_narrows_dora(reference)
+    reference.save_pretrained(tmp_path)
+    ours = nd.load_dora(quantize_nf4(tiny_model("llama")), tmp_path, trainable=True)
+    ref_loss, ref_grads = loss_and_grads(reference)
+    loss, grads = loss_and_grads(ours)
+    assert torch.equal(loss, ref_loss)
+    ref_named = dict(zip((n for n, p in reference.named_parameters() if p.requires_grad), ref_grads))
+    for (name, _), g in zip(((n, p) for n, p in ours.named_parameters() if p.requires_grad), grads):
+        module, _, leaf = name.rpartition(".")
+        if leaf == "magnitude":
+            ref = f"base_model.model.{module}.lora_magnitude_vector.default.weight"
+        else:
+            module, _, ab = module.rpartition(".")
+            ref = f"base_model.model.{module}.{ab}.default.{leaf}"
+        assert torch.equal(g, ref_named[ref]), name

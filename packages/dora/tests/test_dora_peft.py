@@ -76,13 +76,13 @@ def test_compose_backward_matches_autograd_of_the_formula(dtype):
 
 
 def test_the_base_norm_is_cached_per_weight_and_recomputed_when_the_weight_changes(monkeypatch):
-    import narrows.dora.peft as dora_peft
+    import narrows.dora.layer as dora_layer
 
     model = with_adapter(tiny_model("llama"), "dora")
     nd.use_narrows_dora(model)
     calls = []
-    real = dora_peft.base_row_norm_sq
-    monkeypatch.setattr(dora_peft, "base_row_norm_sq", lambda w: calls.append(1) or real(w))
+    real = dora_layer.base_row_norm_sq
+    monkeypatch.setattr(dora_layer, "base_row_norm_sq", lambda w: calls.append(1) or real(w))
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 4, layer.in_features)
     first = layer(x)

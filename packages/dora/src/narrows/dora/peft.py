@@ -14,41 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from narrows.core import is_nf4_linear, nf4_rows
-
-from .compose import compose, magnitude_scale
-from .norm import Weight, base_row_norm_sq, factored_row_norm
+from .layer import dora_delta
 
 __all__ = ["use_narrows_dora"]
-
-
-def _base_sq(layer: nn.Module, base_layer: nn.Module, weight: Weight) -> torch.Tensor:
-    """||W||²_row, computed once per frozen weight and kept on the DoRA layer.
-
-    The key is the stored base weight's identity: its storage address, version counter,
-    shape, dtype and device. Re-quantising or editing the base, or narrows-stream pointing
-    it at another buffer, changes the key, so the cache never serves a stale norm (a
-    streamed base is recomputed whenever its storage moves).
-    """
-    stored = base_layer.weight
-    key = (stored.data_ptr(), stored._version, tuple(stored.shape), stored.dtype, stored.device)
-    cached = getattr(layer, "_narrows_base_sq", None)
-    if cached is None or cached[0] != key:
-        cached = (key, base_row_norm_sq(weight))
-        layer._narrows_base_sq = cached
-    return cached[1]
-
-
-def _rows_of(base_layer: nn.Module) -> Weight | None:
-    """A 4-bit base as row slices (the norm then never holds its full float copy), or None:
-    a float base is used as it is, and a 4-bit one whose width is not a whole number of
-    quantisation blocks is dequantised in full."""
-    if not is_nf4_linear(base_layer):
-        return None
-    try:
-        return nf4_rows(base_layer)
-    except ValueError:
-        return None
 
 
 def _forward(layer: nn.Module):
@@ -57,20 +25,11 @@ def _forward(layer: nn.Module):
 
     def forward(x: torch.Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float, base_layer: nn.Module,
                 base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:  # fmt: skip
-        weight = _rows_of(base_layer) if base_result is not None else None
-        if weight is None:
-            weight = transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out)
-        norm = factored_row_norm(
-            weight, lora_A.weight, lora_B.weight, scaling, base_sq=_base_sq(layer, base_layer, weight)
-        )
-        g = magnitude_scale(layer.weight, norm, x.dtype)
-        lora_result = lora_B(lora_A(x))
-        if base_result is not None:
-            if base_layer.bias is not None:
-                base_result = base_result - base_layer.bias
-        else:
-            base_result = nn.functional.linear(x, weight.to(x.dtype))
-        return compose(base_result, lora_result, g, scaling)
+        return dora_delta(
+            layer, x, lora_A=lora_A, lora_B=lora_B, scaling=scaling, magnitude=layer.weight, base_layer=base_layer,
+            base_result=base_result,
+            full_weight=lambda: transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out),
+        )  # fmt: skip
 
     return forward
 
