@@ -10,6 +10,15 @@ final logits' cosine similarity against PEFT. "narrows-eager" forces the eager t
 (NARROWS_DORA_FUSED=0); "narrows-fused" lets the dispatch pick the Triton kernels.
 `--quant nf4` quantises the decoder linears to bitsandbytes NF4 first (QDoRA): PEFT then
 dequantises every whole weight for its norm, narrows reads it a few rows at a time.
+
+`--precision` picks how the adapters compute (the frozen base is bf16 in all three):
+  fp32-adapters  PEFT's default: adapter weights kept in fp32, the input cast to them
+  autocast       the same weights under torch.autocast(bf16), what HF Trainer(bf16=True) runs
+  bf16           adapter weights cast to bf16 (``autocast_adapter_dtype=False``; the paper's setting)
+"peft-lora" is plain LoRA of the same rank through PEFT: the floor any DoRA can reach.
+Fidelity: besides the cosine against PEFT, the last 16 positions' logits of PEFT and narrows
+are compared with the same model run entirely in fp64 (exact DoRA of the same weights;
+not with NF4).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def build(args, device):
+def build(args, device, dora: bool = True):
     from _models import load_config
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -43,33 +52,54 @@ def build(args, device):
 
         quantize_nf4(model)
     cfg = LoraConfig(
-        r=args.rank, lora_alpha=args.rank // 2, use_dora=True, target_modules=TARGETS, lora_dropout=0.0
+        r=args.rank, lora_alpha=args.rank // 2, use_dora=dora, target_modules=TARGETS, lora_dropout=0.0
     )
     model = get_peft_model(model, cfg)
     for name, p in model.named_parameters():  # B = 0 at init would make the norm trivial
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=1e-3)
+    if args.precision == "bf16":
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
     return model.train()
 
 
-def measure(model, ids, steps: int, device) -> dict:
+def autocast(args):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.precision == "autocast")
+
+
+@torch.no_grad()
+def fp64_logits(model, ids, args) -> torch.Tensor:
+    """The same weights, every tensor in fp64: exact DoRA (PEFT's dense formula)."""
+    import copy
+
+    ref = copy.deepcopy(model).double().eval()
+    out = ref(input_ids=ids, logits_to_keep=16).logits[0].double()
+    del ref
+    torch.cuda.empty_cache()
+    return out
+
+
+def measure(model, ids, args, device) -> dict:
     from narrows.core import read_peaks, reset_peaks
 
     times = []
-    for i in range(steps + 2):
+    for i in range(args.steps + 2):
         if i == 2:
             reset_peaks(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = model(input_ids=ids, labels=ids)
+        with autocast(args):
+            out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         end.record()
         torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
         if i >= 2:
             times.append(start.elapsed_time(end) / 1e3)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, -1].float()
+    with torch.no_grad(), autocast(args):
+        logits = model(input_ids=ids, logits_to_keep=16).logits[0].double()
     return {"s_per_step": statistics.median(times), "peak_allocated": read_peaks(device).cuda_allocated,
             "logits": logits}  # fmt: skip
 
@@ -82,6 +112,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--quant", choices=["none", "nf4"], default="none")
+    ap.add_argument("--precision", choices=["fp32-adapters", "autocast", "bf16"], default="fp32-adapters")
+    ap.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference")
     ap.add_argument("--out", default="benchmarks/results/dora_model.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -91,31 +123,46 @@ def main() -> None:
     device = torch.device("cuda")
     ids = torch.randint(0, 1000, (1, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
     rows = {}
-    for mode in ("peft", "narrows-eager", "narrows-fused"):
-        model = build(args, device)
-        if mode != "peft":
+    ref64 = None
+    for mode in ("peft-lora", "peft", "narrows-eager", "narrows-fused"):
+        model = build(args, device, dora=mode != "peft-lora")
+        if mode == "peft" and args.quant == "none" and not args.no_fp64:
+            ref64 = fp64_logits(model, ids, args)
+        if mode.startswith("narrows"):
             nd.use_narrows_dora(model)
         # the eager tier forced off the kernels; the fused tier as dispatch picks it
         os.environ["NARROWS_DORA_FUSED"] = "0" if mode == "narrows-eager" else ""
-        rows[mode] = measure(model, ids, args.steps, device)
+        rows[mode] = measure(model, ids, args, device)
         del model
         torch.cuda.empty_cache()
     ref = rows["peft"]
     gib = 2**30
     base = "NF4 (QDoRA)" if args.quant == "nf4" else "bf16"
+
+    def cos(x, y):
+        return torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item()  # the worst of 16 positions
+
+    print(f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, {base} base, "
+          f"{args.precision}, {torch.cuda.get_device_name()}")  # fmt: skip
     print(
-        f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, {base}, {torch.cuda.get_device_name()}"
+        f"{'mode':<15}{'s/step':>9}{'vs PEFT':>9}{'peak GiB':>10}{'vs PEFT GiB':>13}{'cos PEFT':>10}{'cos fp64':>10}"
     )
-    print(f"{'mode':<15}{'s/step':>9}{'speedup':>9}{'peak GiB':>10}{'vs PEFT GiB':>13}{'logit cos':>12}")
     out = []
     for mode, r in rows.items():
-        cos = torch.nn.functional.cosine_similarity(r["logits"], ref["logits"], dim=0).item()
+        dora = mode != "peft-lora"
         row = {"mode": mode, "s_per_step": r["s_per_step"], "speedup_vs_peft": ref["s_per_step"] / r["s_per_step"],
                "peak_allocated": r["peak_allocated"], "peak_delta_vs_peft": r["peak_allocated"] - ref["peak_allocated"],
-               "logit_cosine_vs_peft": cos}  # fmt: skip
+               "logit_cosine_vs_peft": cos(r["logits"], ref["logits"]) if dora else None,
+               "logit_cosine_vs_fp64": cos(r["logits"], ref64) if dora and ref64 is not None else None}  # fmt: skip
         out.append(row)
+        c1 = f"{row['logit_cosine_vs_peft']:>10.6f}" if dora else f"{'-':>10}"
+        c2 = (
+            f"{row['logit_cosine_vs_fp64']:>10.6f}"
+            if row["logit_cosine_vs_fp64"] is not None
+            else f"{'-':>10}"
+        )
         print(f"{mode:<15}{row['s_per_step']:>9.3f}{row['speedup_vs_peft']:>9.2f}{r['peak_allocated'] / gib:>10.2f}"
-              f"{row['peak_delta_vs_peft'] / gib:>13.2f}{cos:>12.6f}")  # fmt: skip
+              f"{row['peak_delta_vs_peft'] / gib:>13.2f}{c1}{c2}")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": out}, indent=2)

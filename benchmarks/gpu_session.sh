@@ -11,6 +11,7 @@
 #   TESTS="paths"                     which GPU tests (default: core, stream, lmhead, stream+lmhead)
 #   DORA="args;args"                  dora_model.py runs, one per ';'-separated argument list
 #   EVAL="args"                       eval_streamed.py arguments
+#   KERNELS="args"                    dora_kernels.py arguments
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NARROWS_CACHE=/tmp/narrows-cache
@@ -47,4 +48,8 @@ done
 if [[ -n ${EVAL:-} ]]; then
   timeout ${EVAL_TIMEOUT:-500} python3 benchmarks/eval_streamed.py $EVAL --out "$OUT/eval_streamed.json" 2>&1 \
     | grep -v -i "warn" | tee "$OUT/eval_streamed.log" | tail -20
+fi
+if [[ -n ${KERNELS+x} ]]; then
+  timeout ${KERNELS_TIMEOUT:-400} python3 benchmarks/dora_kernels.py $KERNELS --out "$OUT/dora_kernels.json" 2>&1 \
+    | grep -v -i "warn" | grep -v '^{' | tee "$OUT/dora_kernels.log" | tail -40
 fi

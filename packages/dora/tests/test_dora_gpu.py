@@ -130,3 +130,18 @@ def test_training_tier_saves_one_activation_per_module():
     assert len(big) == 1  # inner, not base and lora
     out.sum().backward()
     assert all(t.grad is not None for t in leaves)
+
+
+@pytest.mark.parametrize("adapter_dtype", [torch.float32, torch.bfloat16])
+def test_norm_on_tensor_cores_matches_the_fp64_reference(adapter_dtype):
+    """bf16 W on CUDA: with an fp32 A (split in three bf16 parts) or a bf16 one."""
+    from narrows.dora.norm import dense_row_norm, factored_row_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(3000, 1536, device="cuda", generator=g).to(torch.bfloat16) * 0.02
+    a = (torch.randn(384, 1536, device="cuda", generator=g) * 0.02).to(adapter_dtype)
+    b = (torch.randn(3000, 384, device="cuda", generator=g) * 0.02).to(adapter_dtype)
+    ref = dense_row_norm(w, a, b, 2.0)
+    for budget in (1 << 20, 1 << 30):
+        got = factored_row_norm(w, a, b, 2.0, chunk_budget=budget)
+        torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=0)

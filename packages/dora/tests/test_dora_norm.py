@@ -47,3 +47,15 @@ def test_agrees_with_peft_dora_norm():
     lora_weight = b @ a
     peft_norm = layer.get_weight_norm(w, lora_weight, scaling=0.5)
     torch.testing.assert_close(factored_row_norm(w, a, b, 0.5), peft_norm, rtol=1e-5, atol=1e-5)
+
+
+def test_the_bf16_split_of_an_fp32_adapter_is_exact():
+    from narrows.dora.norm import split_bf16x3
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 300, generator=g) * torch.logspace(-6, 2, 300)  # many magnitudes
+    parts = split_bf16x3(a)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (192, 300)
+    hi, mid, lo = parts.double().chunk(3)
+    assert torch.equal(hi + mid + lo, a.double())
+    assert (hi + mid != a.double()).any()  # all three parts are needed

@@ -3,13 +3,15 @@
     ||W + sBA||²_row = ||W||²_row + 2s·<W, BA>_row + s²·||BA||²_row
                      = base_sq     + 2s·rowsum(B ⊙ (W Aᵀ)) + s²·rowsum((B G) ⊙ B),  G = A Aᵀ
 
-A float W is read in column chunks of at most `chunk_budget` bytes (fp32), so the largest
-intermediates are one [d_out, chunk] slice of W, U_c = W_c A_cᵀ [d_out, r] and G [r, r].
-A 4-bit W (narrows.core's `NF4Rows`: a bitsandbytes weight dequantised a few rows at a
-time) is read in row chunks of the same budget, so its full-size float copy never exists.
-Everything accumulates in fp32 with autocast off, under no_grad: DoRA treats the norm as
-a constant. The three per-row terms meet in `assemble_norm` (a Triton kernel on CUDA with
-PyTorch's rounding). `dense_row_norm` is the fp64 reference the factored one is tested against.
+W is read in row chunks of at most `chunk_budget` bytes (counted in fp32), so every
+intermediate is one slice of rows: W_rows, U_rows = W_rows Aᵀ [rows, r] and the products
+with B's rows; only G [r, r] is whole. (The paper chunks along d_in, which keeps a full
+[d_out, r] U and needs G accumulated per chunk; rows need neither, and a 4-bit W — core's
+`NF4Rows`, a bitsandbytes weight dequantised a few rows at a time — is naturally read by
+rows, so its full-size float copy never exists.) Everything accumulates in fp32 with
+autocast off, under no_grad: DoRA treats the norm as a constant. The three per-row terms
+meet in `assemble_norm` (a Triton kernel on CUDA with PyTorch's rounding). `dense_row_norm`
+is the fp64 reference the factored one is tested against.
 """
 
 from __future__ import annotations
@@ -26,28 +28,74 @@ __all__ = ["DEFAULT_CHUNK_BUDGET", "assemble_norm", "base_row_norm_sq", "dense_r
 
 Weight = Tensor | NF4Rows
 
-DEFAULT_CHUNK_BUDGET = 32 * 2**20
+DEFAULT_CHUNK_BUDGET = 16 * 2**20
 
 
-def _mm_fp32(x: Tensor, y: Tensor) -> Tensor:
-    """x @ y with fp32 accumulation and output. bf16/fp16 inputs on CUDA go to the tensor
-    cores as they are (each product of two half-precision values is exact in fp32, and the
-    sum accumulates in fp32), with no fp32 copy of the chunk; any other pairing (an fp32
-    adapter, the CPU) upcasts both."""
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and y.dtype == x.dtype:
-        return torch.mm(x, y, out_dtype=torch.float32)
-    return x.float() @ y.float()
-
-
-def _chunk(d_out: int, d_in: int, budget: int) -> int:
-    cs = max(1, budget // (d_out * 4))
-    if cs >= 64:
-        cs -= cs % 64  # whole tensor-core tiles
-    return min(d_in, cs)
+def _rows(weight: Weight, start: int, stop: int) -> Tensor:
+    return weight.rows(start, stop) if isinstance(weight, NF4Rows) else weight[start:stop]
 
 
 def _row_chunk(d_in: int, budget: int) -> int:
     return max(1, budget // (d_in * 4))
+
+
+def _tensor_core_ready(w: Tensor) -> bool:
+    return w.is_cuda and w.dtype in (torch.bfloat16, torch.float16)
+
+
+def _right_operand(lora_a: Tensor, w: Tensor) -> tuple[Tensor, int]:
+    """Aᵀ for U = W Aᵀ, and in how many parts it was split.
+
+    A bf16/fp16 W on CUDA multiplies on the tensor cores with fp32 accumulation and output
+    (each product of two half-precision values is exact in fp32), with no fp32 copy of W.
+    When A has W's dtype it is used as it is. An fp32 A (PEFT keeps adapters in fp32) with a
+    bf16 W is split into three bf16 parts, A = hi + mid + lo *exactly* (bf16 has fp32's
+    exponent range and 8 of its 24 significant bits; each residual is exact in fp32), stacked
+    as [3r, d_in]: one tensor-core GEMM then gives W·hiᵀ, W·midᵀ, W·loᵀ, whose fp32 sum is
+    W·Aᵀ to fp32 accuracy, several times faster than an fp32 GEMM. Anything else (CPU, fp16
+    W with fp32 A — fp16's range would flush the small parts) upcasts both to fp32.
+    """
+    if _tensor_core_ready(w) and lora_a.dtype == w.dtype:
+        return lora_a.t(), 1
+    if _tensor_core_ready(w) and w.dtype == torch.bfloat16 and lora_a.dtype == torch.float32:
+        return split_bf16x3(lora_a).t(), 3
+    return lora_a.float().t(), 1
+
+
+def split_bf16x3(a: Tensor) -> Tensor:
+    """fp32 [r, n] -> bf16 [3r, n] stacked hi, mid, lo with hi + mid + lo == a exactly
+    (for normal fp32 values): written in place, no fp32 temporaries but one residual."""
+    r = a.shape[0]
+    parts = torch.empty(3 * r, *a.shape[1:], dtype=torch.bfloat16, device=a.device)
+    parts[:r] = a  # round to nearest
+    rest = a - parts[:r]  # exact in fp32
+    parts[r : 2 * r] = rest
+    rest -= parts[r : 2 * r]  # exact again; what is left has at most 8 significant bits
+    parts[2 * r :] = rest
+    return parts
+
+
+def _u_rows(w_rows: Tensor, a_t: Tensor, parts: int) -> Tensor:
+    """U_rows = W_rows Aᵀ in fp32 from `_right_operand`'s Aᵀ."""
+    if a_t.dtype == torch.float32:
+        return w_rows.float() @ a_t
+    u = torch.mm(w_rows, a_t, out_dtype=torch.float32)
+    if parts == 1:
+        return u
+    r = u.shape[1] // parts
+    return (u[:, 2 * r :] + u[:, r : 2 * r]) + u[:, :r]  # the small parts first
+
+
+def _gram(a: Tensor) -> Tensor:
+    """G = A Aᵀ in fp32 ([r, r], the only whole intermediate)."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(a, a.t(), out_dtype=torch.float32)
+    a = a.float()
+    return a @ a.t()
+
+
+def _rowdot(x: Tensor, y: Tensor) -> Tensor:
+    return (x * y).sum(dim=1)
 
 
 def assemble_norm(base_sq: Tensor, cross: Tensor, ba_sq: Tensor, scale: float) -> Tensor:
@@ -65,19 +113,13 @@ def assemble_norm(base_sq: Tensor, cross: Tensor, ba_sq: Tensor, scale: float) -
 @torch.no_grad()
 def base_row_norm_sq(weight: Weight, *, chunk_budget: int = DEFAULT_CHUNK_BUDGET) -> Tensor:
     """||W||²_row in fp32: the frozen part, worth computing once per module."""
-    if isinstance(weight, NF4Rows):
-        d_out, d_in = weight.shape
-        out = torch.empty(d_out, dtype=torch.float32, device=weight.packed.device)
-        rs = _row_chunk(d_in, chunk_budget)
-        for r0 in range(0, d_out, rs):
-            out[r0 : r0 + rs] = weight.rows(r0, r0 + rs).float().square().sum(dim=1)
-        return out
     d_out, d_in = weight.shape
-    out = torch.zeros(d_out, dtype=torch.float32, device=weight.device)
-    cs = _chunk(d_out, d_in, chunk_budget)
-    with torch.autocast(weight.device.type, enabled=False):
-        for c in range(0, d_in, cs):
-            out += weight[:, c : c + cs].float().square().sum(dim=1)
+    device = weight.packed.device if isinstance(weight, NF4Rows) else weight.device
+    out = torch.empty(d_out, dtype=torch.float32, device=device)
+    rs = _row_chunk(d_in, chunk_budget)
+    with torch.autocast(device.type, enabled=False):
+        for r0 in range(0, d_out, rs):
+            out[r0 : r0 + rs] = _rows(weight, r0, r0 + rs).float().square().sum(dim=1)
     return out
 
 
@@ -104,30 +146,23 @@ def factored_row_norm(
             return (
                 base_sq if base_sq is not None else base_row_norm_sq(weight, chunk_budget=chunk_budget)
             ).sqrt()
-        r = lora_a.shape[0]
-        b = lora_b.float()
         need_base = base_sq is None  # then ||W||² is summed in the same pass over W, not a second one
         if need_base:
-            base_sq = torch.zeros(d_out, dtype=torch.float32, device=device)
-        cross = torch.zeros(d_out, dtype=torch.float32, device=device)
-        gram = torch.zeros(r, r, dtype=torch.float32, device=device)
-        if isinstance(weight, NF4Rows):
-            gram += _mm_fp32(lora_a, lora_a.t())
-            rs = _row_chunk(d_in, chunk_budget)
-            for r0 in range(0, d_out, rs):
-                w_r = weight.rows(r0, r0 + rs)
-                if need_base:
-                    base_sq[r0 : r0 + rs] = w_r.float().square().sum(dim=1)
-                cross[r0 : r0 + rs] = (b[r0 : r0 + rs] * _mm_fp32(w_r, lora_a.t())).sum(dim=1)
-        else:
-            cs = _chunk(d_out, d_in, chunk_budget)
-            for c in range(0, d_in, cs):
-                w_c, a_c = weight[:, c : c + cs], lora_a[:, c : c + cs]
-                if need_base:
-                    base_sq += w_c.float().square().sum(dim=1)
-                gram += _mm_fp32(a_c, a_c.t())
-                cross += (b * _mm_fp32(w_c, a_c.t())).sum(dim=1)
-        ba_sq = ((b @ gram) * b).sum(dim=1)
+            base_sq = torch.empty(d_out, dtype=torch.float32, device=device)
+        cross = torch.empty(d_out, dtype=torch.float32, device=device)
+        ba_sq = torch.empty(d_out, dtype=torch.float32, device=device)
+        gram = _gram(lora_a)
+        a_t, parts = None, 1
+        rs = _row_chunk(d_in, chunk_budget)
+        for r0 in range(0, d_out, rs):
+            w_r = _rows(weight, r0, r0 + rs)
+            if a_t is None:  # after the first rows: an NF4 weight dequantises to its float dtype
+                a_t, parts = _right_operand(lora_a, w_r)
+            b_r = lora_b[r0 : r0 + rs].float()
+            if need_base:
+                base_sq[r0 : r0 + rs] = w_r.float().square().sum(dim=1)
+            cross[r0 : r0 + rs] = _rowdot(b_r, _u_rows(w_r, a_t, parts))
+            ba_sq[r0 : r0 + rs] = _rowdot(b_r @ gram, b_r)
         return assemble_norm(base_sq, cross, ba_sq, scale)
 
 
