@@ -104,6 +104,20 @@ def measure(model, ids, args, device) -> dict:
             "logits": logits}  # fmt: skip
 
 
+def profile(model, ids, args, mode: str) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with autocast(args):
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    print(f"--- {mode}: top CUDA kernels of one step")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -114,6 +128,7 @@ def main() -> None:
     ap.add_argument("--quant", choices=["none", "nf4"], default="none")
     ap.add_argument("--precision", choices=["fp32-adapters", "autocast", "bf16"], default="fp32-adapters")
     ap.add_argument("--no-fp64", action="store_true", help="skip the fp64 reference")
+    ap.add_argument("--profile", action="store_true", help="print each mode's top CUDA kernels for one step")
     ap.add_argument("--out", default="benchmarks/results/dora_model.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -133,6 +148,8 @@ def main() -> None:
         # the eager tier forced off the kernels; the fused tier as dispatch picks it
         os.environ["NARROWS_DORA_FUSED"] = "0" if mode == "narrows-eager" else ""
         rows[mode] = measure(model, ids, args, device)
+        if args.profile:
+            profile(model, ids, args, mode)
         del model
         torch.cuda.empty_cache()
     ref = rows["peft"]

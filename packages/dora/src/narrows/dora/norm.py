@@ -35,8 +35,12 @@ def _rows(weight: Weight, start: int, stop: int) -> Tensor:
     return weight.rows(start, stop) if isinstance(weight, NF4Rows) else weight[start:stop]
 
 
-def _row_chunk(d_in: int, budget: int) -> int:
-    return max(1, budget // (d_in * 4))
+def _row_chunk(d_in: int, budget: int, *, r: int = 0, parts: int = 1, w_copies: int = 1) -> int:
+    """Rows per chunk so the chunk's intermediates fit `budget` bytes: `w_copies` fp32 rows
+    of W (a cast, its square, a dequantised NF4 row) and, per adapter, U's `parts`·r fp32
+    columns plus four [rows, r] fp32 products with B."""
+    per_row = 4 * d_in * w_copies + 4 * r * (parts + 4)
+    return max(1, budget // per_row)
 
 
 def _tensor_core_ready(w: Tensor) -> bool:
@@ -116,7 +120,7 @@ def base_row_norm_sq(weight: Weight, *, chunk_budget: int = DEFAULT_CHUNK_BUDGET
     d_out, d_in = weight.shape
     device = weight.packed.device if isinstance(weight, NF4Rows) else weight.device
     out = torch.empty(d_out, dtype=torch.float32, device=device)
-    rs = _row_chunk(d_in, chunk_budget)
+    rs = _row_chunk(d_in, chunk_budget, w_copies=2 + isinstance(weight, NF4Rows))
     with torch.autocast(device.type, enabled=False):
         for r0 in range(0, d_out, rs):
             out[r0 : r0 + rs] = _rows(weight, r0, r0 + rs).float().square().sum(dim=1)
@@ -152,12 +156,14 @@ def factored_row_norm(
         cross = torch.empty(d_out, dtype=torch.float32, device=device)
         ba_sq = torch.empty(d_out, dtype=torch.float32, device=device)
         gram = _gram(lora_a)
-        a_t, parts = None, 1
-        rs = _row_chunk(d_in, chunk_budget)
+        r = lora_a.shape[0]
+        # the operand's form depends on the rows' dtype (an NF4 weight dequantises to its own)
+        a_t, parts = _right_operand(lora_a, _rows(weight, 0, 1))
+        nf4 = isinstance(weight, NF4Rows)
+        w_copies = 2 * need_base + (a_t.dtype == torch.float32 and weight.dtype != torch.float32) + nf4
+        rs = _row_chunk(d_in, chunk_budget, r=r, parts=parts, w_copies=w_copies)
         for r0 in range(0, d_out, rs):
             w_r = _rows(weight, r0, r0 + rs)
-            if a_t is None:  # after the first rows: an NF4 weight dequantises to its float dtype
-                a_t, parts = _right_operand(lora_a, w_r)
             b_r = lora_b[r0 : r0 + rs].float()
             if need_base:
                 base_sq[r0 : r0 + rs] = w_r.float().square().sum(dim=1)
