@@ -86,3 +86,19 @@ def test_narrows_dora_layer_on_nf4_gives_the_peft_path_numbers(tmp_path):
             module, _, ab = module.rpartition(".")
             ref = f"base_model.model.{module}.{ab}.default.{leaf}"
         assert torch.equal(g, ref_named[ref]), name
+
+
+@pytest.mark.gpu
+def test_row_norm_kernel_on_nf4_slices_matches_the_chunked_path(monkeypatch):
+    model = with_adapter(
+        quantize_nf4(tiny_model("llama", hidden_size=256, intermediate_size=512).cuda()), "dora"
+    )
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    rows = nf4_rows(layer.get_base_layer())
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        b.normal_(0, 0.05)
+    fused = nd.factored_row_norm(rows, a, b, 0.7, chunk_budget=4096 * 16)  # several slices
+    monkeypatch.setenv("NARROWS_DORA_FUSED", "0")
+    eager = nd.factored_row_norm(rows, a, b, 0.7)
+    torch.testing.assert_close(fused, eager, rtol=2e-6, atol=0)

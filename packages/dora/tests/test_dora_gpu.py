@@ -145,3 +145,49 @@ def test_norm_on_tensor_cores_matches_the_fp64_reference(adapter_dtype):
     for budget in (1 << 20, 1 << 30):
         got = factored_row_norm(w, a, b, 2.0, chunk_budget=budget)
         torch.testing.assert_close(got.double(), ref, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "d_out,d_in,r,w_dtype,a_dtype",
+    [
+        (3000, 1536, 384, torch.bfloat16, torch.float32),  # the split: PEFT's fp32 adapters on a bf16 base
+        (3000, 1536, 384, torch.bfloat16, torch.bfloat16),
+        (1000, 700, 96, torch.float16, torch.float16),
+        (257, 129, 8, torch.bfloat16, torch.float32),  # nothing a multiple of a block; r below a dot's 16
+        (64, 4096, 768, torch.bfloat16, torch.float32),
+    ],
+)
+def test_row_norm_kernel_matches_fp64_writes_every_row_and_repeats_exactly(d_out, d_in, r, w_dtype, a_dtype):
+    from narrows.dora.kernels import row_norm
+    from narrows.dora.norm import _gram, base_row_norm_sq, dense_row_norm
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = (torch.randn(d_out, d_in, device="cuda", generator=g) * 0.02).to(w_dtype)
+    a = (torch.randn(r, d_in, device="cuda", generator=g) * 0.02).to(a_dtype)
+    b = (torch.randn(d_out, r, device="cuda", generator=g) * 0.02).to(a_dtype)
+    ref = dense_row_norm(w, a, b, 1.5)
+    for base_sq in (None, base_row_norm_sq(w)):
+        out = row_norm(w, a, b, _gram(a), 1.5, base_sq, torch.full((d_out,), float("nan"), device="cuda"))
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=0)
+        again = row_norm(w, a, b, _gram(a), 1.5, base_sq, torch.empty(d_out, device="cuda"))
+        assert torch.equal(out, again)
+
+
+def test_factored_norm_runs_the_kernel_on_cuda_and_the_chunks_elsewhere(monkeypatch):
+    import narrows.dora.kernels as kernels
+    from narrows.dora.norm import _kernel_reason, factored_row_norm
+
+    calls = []
+    real = kernels.row_norm
+    monkeypatch.setattr(kernels, "row_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    a, b = torch.randn(16, 256, device="cuda"), torch.randn(512, 16, device="cuda")
+    fused = factored_row_norm(w, a, b, 0.5)
+    assert calls == [1]
+    monkeypatch.setenv("NARROWS_DORA_FUSED", "0")
+    assert _kernel_reason(w.dtype, a, b) == "turned off by NARROWS_DORA_FUSED=0"
+    eager = factored_row_norm(w, a, b, 0.5)
+    assert calls == [1]
+    torch.testing.assert_close(fused, eager, rtol=2e-6, atol=0)
+    assert _kernel_reason(torch.float16, a, b) is not None  # fp16 W with an fp32 A: chunks

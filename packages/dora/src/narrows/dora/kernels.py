@@ -12,6 +12,12 @@
   `compose_backward_inner` does the same from the saved ``inner`` (``d_g = Σ_rows go·inner``).
 - `assemble_norm`: ``sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0))`` over [d_out] fp32, with
   PyTorch's rounding (separate multiplies and adds, IEEE ``sqrt_rn``, NaN kept by the clamp).
+- `row_norm`: the whole factored norm in one launch: each program takes a block of W's
+  rows, accumulates U = W Aᵀ on the tensor cores block by block of A's rows (an fp32 A is
+  split in registers into three bf16 parts, hi + mid + lo = A exactly, so the products keep
+  fp32 accuracy), reduces B ⊙ U and (B G) ⊙ B per row, and assembles the norm as
+  `assemble_norm` does. Nothing the size of W, U or B is written: its working set is the
+  [d_out] result. Rows are independent, so a 4-bit W can be fed a dequantised slice at a time.
 
 Both are compiled with floating-point contraction off (no FMA), so each element is the
 same IEEE operation sequence as the eager path: `compose_forward`, `d_base` and `d_lora`
@@ -32,6 +38,7 @@ __all__ = [
     "compose_backward_inner",
     "compose_forward",
     "compose_forward_dual",
+    "row_norm",
 ]
 
 _MIN_BLOCK_M = 32  # the backward's partial-sum buffer has cdiv(M, 32) rows at most
@@ -209,4 +216,102 @@ def assemble_norm(
     _norm_kernel[(triton.cdiv(n, _NORM_BLOCK),)](
         base_sq, cross, ba_sq, out, n, 2 * scale, scale * scale, BLOCK=_NORM_BLOCK, enable_fp_fusion=False
     )
+    return out
+
+
+_ROW_NORM_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+    for bm, bn, bk, w, st in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (32, 128, 64, 4, 3),
+                              (128, 64, 64, 4, 3)]
+]  # fmt: skip
+
+
+def _autotune_norm(fn):
+    key = ["D_OUT_CLASS", "D_IN", "R"]
+    try:
+        return triton.autotune(configs=_ROW_NORM_CONFIGS, key=key, cache_results=True)(fn)
+    except TypeError:
+        return triton.autotune(configs=_ROW_NORM_CONFIGS, key=key)(fn)
+
+
+@_autotune_norm
+@triton.jit
+def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_IN, R, D_OUT_CLASS, stride_w, two_s, s2,
+                     SPLIT: tl.constexpr, NEED_BASE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rm < D_OUT
+    rows64 = rm.to(tl.int64)
+    cross = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ba = tl.zeros([BLOCK_M], dtype=tl.float32)
+    base = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for n0 in range(0, R, BLOCK_N):
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < R
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, D_IN, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < D_IN
+            w = tl.load(w_ptr + rows64[:, None] * stride_w + rk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # fmt: skip
+            at = tl.load(a_ptr + rn[None, :].to(tl.int64) * D_IN + rk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                         other=0.0)  # fmt: skip
+            if SPLIT:  # fp32 A, bf16 W: A = hi + mid + lo exactly, three tensor-core products
+                hi = at.to(tl.bfloat16)
+                rest = at - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(w, lo, acc)
+                acc = tl.dot(w, mid, acc)
+                acc = tl.dot(w, hi, acc)
+            else:
+                acc = tl.dot(w, at, acc)
+            if NEED_BASE:
+                if n0 == 0:
+                    wf = w.to(tl.float32)
+                    base += tl.sum(wf * wf, axis=1)
+        b = tl.load(
+            b_ptr + rows64[:, None] * R + rn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0
+        )
+        cross += tl.sum(acc * b.to(tl.float32), axis=1)
+    for n0 in range(0, R, BLOCK_N):  # ||BA||²_row = rowsum((B G) ⊙ B), G = A Aᵀ [R, R] fp32
+        rn = n0 + tl.arange(0, BLOCK_N)
+        n_ok = rn < R
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, R, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < R
+            bk = tl.load(
+                b_ptr + rows64[:, None] * R + rk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            gk = tl.load(
+                gram_ptr + rk[:, None] * R + rn[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0
+            )
+            acc = tl.dot(bk.to(tl.float32), gk, acc, input_precision="ieee")
+        b = tl.load(
+            b_ptr + rows64[:, None] * R + rn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0
+        )
+        ba += tl.sum(acc * b.to(tl.float32), axis=1)
+    if not NEED_BASE:
+        base = tl.load(base_ptr + rm, mask=row_ok, other=0.0)
+    total = (base + two_s * cross) + s2 * ba  # compiled without contraction, as in `assemble_norm`
+    total = tl.where(total < 0.0, 0.0, total)
+    tl.store(out_ptr + rm, tl.sqrt_rn(total), mask=row_ok)
+
+
+def row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, gram: Tensor, scale: float,
+             base_sq: Tensor | None, out: Tensor) -> Tensor:  # fmt: skip
+    """||W + s·B·A||_row of `weight`'s rows into `out` (fp32). `weight` [rows, d_in] bf16/fp16
+    with unit column stride; `lora_a` [r, d_in] contiguous, W's dtype or fp32 (with bf16 W);
+    `lora_b` [rows, r] contiguous; `gram` = A Aᵀ fp32 [r, r]; `base_sq` [rows] or None
+    (then ||W||² is summed in the same pass)."""
+    d_out, d_in = weight.shape
+    r = lora_a.shape[0]
+    split = lora_a.dtype == torch.float32
+    grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]),)  # noqa: E731
+    _row_norm_kernel[grid](
+        weight, lora_a, lora_b, gram, out if base_sq is None else base_sq, out, d_out, d_in, r, _m_class(d_out),
+        weight.stride(0),
+        2 * scale, scale * scale, SPLIT=split, NEED_BASE=base_sq is None, enable_fp_fusion=False,
+    )  # fmt: skip
     return out

@@ -90,6 +90,49 @@ def _u_rows(w_rows: Tensor, a_t: Tensor, parts: int) -> Tensor:
     return (u[:, 2 * r :] + u[:, r : 2 * r]) + u[:, :r]  # the small parts first
 
 
+_KERNEL_PAIRS = {
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+}
+
+
+def _kernel_reason(w_dtype: torch.dtype, lora_a: Tensor, lora_b: Tensor) -> str | None:
+    """Why `factored_row_norm` does not run the one-launch Triton kernel, or None when it does."""
+    if os.environ.get("NARROWS_DORA_FUSED") == "0":
+        return "turned off by NARROWS_DORA_FUSED=0"
+    if not lora_a.is_cuda:
+        return "not on CUDA"
+    if not is_available("triton"):
+        return "Triton is not installed"
+    if (w_dtype, lora_a.dtype) not in _KERNEL_PAIRS or lora_b.dtype not in _FLOATS:
+        return f"W {w_dtype} with A {lora_a.dtype}"
+    if not (lora_a.is_contiguous() and lora_b.is_contiguous()):
+        return "non-contiguous adapter weights"
+    return None
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _norm_by_kernel(weight: Weight, lora_a: Tensor, lora_b: Tensor, scale: float, base_sq: Tensor | None,
+                    chunk_budget: int) -> Tensor:  # fmt: skip
+    """The Triton path: one launch for a float W; for a 4-bit W one per dequantised row slice."""
+    from .kernels import row_norm
+
+    d_out, d_in = weight.shape
+    gram = _gram(lora_a)
+    out = torch.empty(d_out, dtype=torch.float32, device=lora_a.device)
+    if not isinstance(weight, NF4Rows):
+        w = weight if weight.stride(1) == 1 else weight.contiguous()
+        return row_norm(w, lora_a, lora_b, gram, scale, base_sq, out)
+    rs = _row_chunk(d_in, chunk_budget, w_copies=1)
+    for r0 in range(0, d_out, rs):
+        sub = None if base_sq is None else base_sq[r0 : r0 + rs]
+        row_norm(weight.rows(r0, r0 + rs), lora_a, lora_b[r0 : r0 + rs], gram, scale, sub, out[r0 : r0 + rs])
+    return out
+
+
 def _gram(a: Tensor) -> Tensor:
     """G = A Aᵀ in fp32 ([r, r], the only whole intermediate)."""
     if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
@@ -150,6 +193,8 @@ def factored_row_norm(
             return (
                 base_sq if base_sq is not None else base_row_norm_sq(weight, chunk_budget=chunk_budget)
             ).sqrt()
+        if _kernel_reason(weight.dtype, lora_a, lora_b) is None:
+            return _norm_by_kernel(weight, lora_a, lora_b, scale, base_sq, chunk_budget)
         need_base = base_sq is None  # then ||W||² is summed in the same pass over W, not a second one
         if need_base:
             base_sq = torch.empty(d_out, dtype=torch.float32, device=device)
