@@ -266,7 +266,7 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
                 acc = tl.dot(w, hi, acc)
             else:
                 acc = tl.dot(w, at, acc)
-            if NEED_BASE:
+            if NEED_BASE:  # noqa: SIM102 (a constexpr test, then a runtime one)
                 if n0 == 0:
                     wf = w.to(tl.float32)
                     base += tl.sum(wf * wf, axis=1)
