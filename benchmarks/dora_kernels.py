@@ -106,6 +106,7 @@ def norm_rows(reps: int) -> list[dict]:
             fns = (("peft", peft_norm), ("narrows", lambda a=a, b=b: factored_row_norm(w, a, b, 2.0)),
                    ("narrows_cached", lambda a=a, b=b: factored_row_norm(w, a, b, 2.0, base_sq=base_sq)))  # fmt: skip
             for name, fn in fns:
+                fn()  # compile and autotune first: the tuner's own buffers are not the norm's
                 torch.cuda.synchronize()
                 before = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()

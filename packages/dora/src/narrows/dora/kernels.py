@@ -222,7 +222,7 @@ def assemble_norm(
 _ROW_NORM_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bm, bn, bk, w, st in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (32, 128, 64, 4, 3),
-                              (128, 64, 64, 4, 3)]
+                              (64, 256, 64, 8, 3), (128, 256, 32, 8, 3), (64, 128, 128, 8, 3)]
 ]  # fmt: skip
 
 
