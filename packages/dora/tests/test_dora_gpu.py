@@ -159,18 +159,19 @@ def test_norm_on_tensor_cores_matches_the_fp64_reference(adapter_dtype):
 )
 def test_row_norm_kernel_matches_fp64_writes_every_row_and_repeats_exactly(d_out, d_in, r, w_dtype, a_dtype):
     from narrows.dora.kernels import row_norm
-    from narrows.dora.norm import _gram, base_row_norm_sq, dense_row_norm
+    from narrows.dora.norm import _gram, base_row_norm_sq, dense_row_norm, split_bf16x3
 
     g = torch.Generator(device="cuda").manual_seed(1)
     w = (torch.randn(d_out, d_in, device="cuda", generator=g) * 0.02).to(w_dtype)
     a = (torch.randn(r, d_in, device="cuda", generator=g) * 0.02).to(a_dtype)
     b = (torch.randn(d_out, r, device="cuda", generator=g) * 0.02).to(a_dtype)
     ref = dense_row_norm(w, a, b, 1.5)
+    parts = split_bf16x3(a) if a_dtype == torch.float32 else a
     for base_sq in (None, base_row_norm_sq(w)):
-        out = row_norm(w, a, b, _gram(a), 1.5, base_sq, torch.full((d_out,), float("nan"), device="cuda"))
+        out = row_norm(w, parts, b, _gram(a), 1.5, base_sq, torch.full((d_out,), float("nan"), device="cuda"))
         assert not out.isnan().any()
         torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=0)
-        again = row_norm(w, a, b, _gram(a), 1.5, base_sq, torch.empty(d_out, device="cuda"))
+        again = row_norm(w, parts, b, _gram(a), 1.5, base_sq, torch.empty(d_out, device="cuda"))
         assert torch.equal(out, again)
 
 

@@ -13,9 +13,9 @@
 - `assemble_norm`: ``sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0))`` over [d_out] fp32, with
   PyTorch's rounding (separate multiplies and adds, IEEE ``sqrt_rn``, NaN kept by the clamp).
 - `row_norm`: the whole factored norm in one launch: each program takes a block of W's
-  rows, accumulates U = W Aᵀ on the tensor cores block by block of A's rows (an fp32 A is
-  split in registers into three bf16 parts, hi + mid + lo = A exactly, so the products keep
-  fp32 accuracy), reduces B ⊙ U and (B G) ⊙ B per row, and assembles the norm as
+  rows, accumulates U = W Aᵀ on the tensor cores block by block of A's rows (an fp32 A comes
+  split into three bf16 parts, hi + mid + lo = A exactly, so the products keep fp32
+  accuracy), reduces B ⊙ U and (B G) ⊙ B per row, and assembles the norm as
   `assemble_norm` does. Nothing the size of W, U or B is written: its working set is the
   [d_out] result. Rows are independent, so a 4-bit W can be fed a dequantised slice at a time.
 
@@ -254,18 +254,15 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
             k_ok = rk < D_IN
             w = tl.load(w_ptr + rows64[:, None] * stride_w + rk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)  # fmt: skip
-            at = tl.load(a_ptr + rn[None, :].to(tl.int64) * D_IN + rk[:, None], mask=k_ok[:, None] & n_ok[None, :],
-                         other=0.0)  # fmt: skip
-            if SPLIT:  # fp32 A, bf16 W: A = hi + mid + lo exactly, three tensor-core products
-                hi = at.to(tl.bfloat16)
-                rest = at - hi.to(tl.float32)
-                mid = rest.to(tl.bfloat16)
-                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            a_offs = rn[None, :].to(tl.int64) * D_IN + rk[:, None]
+            a_mask = k_ok[:, None] & n_ok[None, :]
+            if SPLIT:  # fp32 A given as hi, mid, lo bf16 blocks of R rows each: three tensor-core products
+                lo = tl.load(a_ptr + 2 * R * D_IN + a_offs, mask=a_mask, other=0.0)
                 acc = tl.dot(w, lo, acc)
+                mid = tl.load(a_ptr + R * D_IN + a_offs, mask=a_mask, other=0.0)
                 acc = tl.dot(w, mid, acc)
-                acc = tl.dot(w, hi, acc)
-            else:
-                acc = tl.dot(w, at, acc)
+            hi = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
+            acc = tl.dot(w, hi, acc)
             if NEED_BASE:  # noqa: SIM102 (a constexpr test, then a runtime one)
                 if n0 == 0:
                     wf = w.to(tl.float32)
@@ -299,19 +296,18 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
     tl.store(out_ptr + rm, tl.sqrt_rn(total), mask=row_ok)
 
 
-def row_norm(weight: Tensor, lora_a: Tensor, lora_b: Tensor, gram: Tensor, scale: float,
+def row_norm(weight: Tensor, a_parts: Tensor, lora_b: Tensor, gram: Tensor, scale: float,
              base_sq: Tensor | None, out: Tensor) -> Tensor:  # fmt: skip
     """||W + s·B·A||_row of `weight`'s rows into `out` (fp32). `weight` [rows, d_in] bf16/fp16
-    with unit column stride; `lora_a` [r, d_in] contiguous, W's dtype or fp32 (with bf16 W);
-    `lora_b` [rows, r] contiguous; `gram` = A Aᵀ fp32 [r, r]; `base_sq` [rows] or None
-    (then ||W||² is summed in the same pass)."""
+    with unit column stride; `a_parts` A in W's dtype, [r, d_in], or an fp32 A split for a
+    bf16 W (`narrows.dora.norm.split_bf16x3`, [3r, d_in]); `lora_b` [rows, r] contiguous;
+    `gram` = A Aᵀ fp32 [r, r]; `base_sq` [rows] or None (then ||W||² is summed in the same pass)."""
     d_out, d_in = weight.shape
-    r = lora_a.shape[0]
-    split = lora_a.dtype == torch.float32
+    r = lora_b.shape[1]
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]),)  # noqa: E731
     _row_norm_kernel[grid](
-        weight, lora_a, lora_b, gram, out if base_sq is None else base_sq, out, d_out, d_in, r, _m_class(d_out),
-        weight.stride(0),
-        2 * scale, scale * scale, SPLIT=split, NEED_BASE=base_sq is None, enable_fp_fusion=False,
+        weight, a_parts, lora_b, gram, out if base_sq is None else base_sq, out, d_out, d_in, r, _m_class(d_out),
+        weight.stride(0), 2 * scale, scale * scale, SPLIT=a_parts.shape[0] == 3 * r, NEED_BASE=base_sq is None,
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out

@@ -122,14 +122,15 @@ def _norm_by_kernel(weight: Weight, lora_a: Tensor, lora_b: Tensor, scale: float
 
     d_out, d_in = weight.shape
     gram = _gram(lora_a)
+    a_parts = split_bf16x3(lora_a) if lora_a.dtype == torch.float32 else lora_a
     out = torch.empty(d_out, dtype=torch.float32, device=lora_a.device)
     if not isinstance(weight, NF4Rows):
         w = weight if weight.stride(1) == 1 else weight.contiguous()
-        return row_norm(w, lora_a, lora_b, gram, scale, base_sq, out)
+        return row_norm(w, a_parts, lora_b, gram, scale, base_sq, out)
     rs = _row_chunk(d_in, chunk_budget, w_copies=1)
     for r0 in range(0, d_out, rs):
         sub = None if base_sq is None else base_sq[r0 : r0 + rs]
-        row_norm(weight.rows(r0, r0 + rs), lora_a, lora_b[r0 : r0 + rs], gram, scale, sub, out[r0 : r0 + rs])
+        row_norm(weight.rows(r0, r0 + rs), a_parts, lora_b[r0 : r0 + rs], gram, scale, sub, out[r0 : r0 + rs])
     return out
 
 
