@@ -192,3 +192,32 @@ def test_factored_norm_runs_the_kernel_on_cuda_and_the_chunks_elsewhere(monkeypa
     assert calls == [1]
     torch.testing.assert_close(fused, eager, rtol=2e-6, atol=0)
     assert _kernel_reason(torch.float16, a, b) is not None  # fp16 W with an fp32 A: chunks
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_every_row_norm_config_is_right(split):
+    """The autotuner may pick any configuration: each one, with ||W||² in the pass and cached."""
+    import triton
+
+    from narrows.dora import kernels
+    from narrows.dora.norm import _gram, base_row_norm_sq, dense_row_norm, split_bf16x3
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    d_out, d_in, r = 300, 1100, 160
+    w = (torch.randn(d_out, d_in, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    a = torch.randn(r, d_in, device="cuda", generator=g) * 0.02
+    b = torch.randn(d_out, r, device="cuda", generator=g) * 0.02
+    if not split:
+        a = a.to(torch.bfloat16)
+    parts = split_bf16x3(a) if split else a
+    ref = dense_row_norm(w, a, b, 1.5)
+    for cfg in kernels._ROW_NORM_CONFIGS:
+        for cached in (False, True):
+            out = torch.full((d_out,), float("nan"), device="cuda")
+            base = base_row_norm_sq(w) if cached else out
+            kernels._row_norm_kernel.fn[(triton.cdiv(d_out, cfg.kwargs["BLOCK_M"]),)](
+                w, parts, b, _gram(a), base, out, d_out, d_in, r, 512, w.stride(0), 3.0, 2.25, SPLIT=split,
+                NEED_BASE=not cached, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+                **cfg.kwargs,
+            )  # fmt: skip
+            torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=0, msg=f"{cfg} cached={cached}")

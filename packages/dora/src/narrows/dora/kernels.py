@@ -222,7 +222,7 @@ def assemble_norm(
 _ROW_NORM_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
     for bm, bn, bk, w, st in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (32, 128, 64, 4, 3),
-                              (64, 256, 64, 8, 3), (128, 256, 32, 8, 3), (64, 128, 128, 8, 3)]
+                              (128, 256, 32, 8, 3)]
 ]  # fmt: skip
 
 
@@ -244,7 +244,15 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
     rows64 = rm.to(tl.int64)
     cross = tl.zeros([BLOCK_M], dtype=tl.float32)
     ba = tl.zeros([BLOCK_M], dtype=tl.float32)
-    base = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NEED_BASE:  # its own pass over W's rows: a test inside the pipelined dot loop below miscompiles
+        base = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, D_IN, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows64[:, None] * stride_w + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < D_IN),
+                        other=0.0).to(tl.float32)  # fmt: skip
+            base += tl.sum(w * w, axis=1)
+    else:
+        base = tl.load(base_ptr + rm, mask=row_ok, other=0.0)
     for n0 in range(0, R, BLOCK_N):
         rn = n0 + tl.arange(0, BLOCK_N)
         n_ok = rn < R
@@ -263,10 +271,6 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
                 acc = tl.dot(w, mid, acc)
             hi = tl.load(a_ptr + a_offs, mask=a_mask, other=0.0)
             acc = tl.dot(w, hi, acc)
-            if NEED_BASE:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                if n0 == 0:
-                    wf = w.to(tl.float32)
-                    base += tl.sum(wf * wf, axis=1)
         b = tl.load(
             b_ptr + rows64[:, None] * R + rn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0
         )
@@ -289,8 +293,6 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
             b_ptr + rows64[:, None] * R + rn[None, :], mask=row_ok[:, None] & n_ok[None, :], other=0.0
         )
         ba += tl.sum(acc * b.to(tl.float32), axis=1)
-    if not NEED_BASE:
-        base = tl.load(base_ptr + rm, mask=row_ok, other=0.0)
     total = (base + two_s * cross) + s2 * ba  # compiled without contraction, as in `assemble_norm`
     total = tl.where(total < 0.0, 0.0, total)
     tl.store(out_ptr + rm, tl.sqrt_rn(total), mask=row_ok)
