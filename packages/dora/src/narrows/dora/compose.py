@@ -102,8 +102,7 @@ def fused_reason(base: Tensor, lora: Tensor, g: Tensor, which: str = "forward") 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("narrows_dora::compose", mutates_args=())
-def _compose_op(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+def _compose_impl(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     if fused_reason(base, lora, g, "forward") is None:
         from .kernels import compose_forward
 
@@ -111,13 +110,15 @@ def _compose_op(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     return _formula(base, lora, g, scale)
 
 
+_compose_op = torch.library.custom_op("narrows_dora::compose", mutates_args=())(_compose_impl)
+
+
 @_compose_op.register_fake
 def _(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     return torch.empty_like(base)
 
 
-@torch.library.custom_op("narrows_dora::compose_backward", mutates_args=())
-def _compose_backward_op(
+def _compose_backward_impl(
     grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     if fused_reason(base, lora, g, "backward") is None:
@@ -125,6 +126,11 @@ def _compose_backward_op(
 
         return compose_backward(grad, base, lora, g.contiguous(), scale)
     return _backward_eager(grad, base, lora, g, scale)
+
+
+_compose_backward_op = torch.library.custom_op("narrows_dora::compose_backward", mutates_args=())(
+    _compose_backward_impl
+)
 
 
 @_compose_backward_op.register_fake
@@ -152,8 +158,7 @@ _compose_op.register_autograd(_backward, setup_context=_setup_context)
 # --- tier 1: training on CUDA above the crossover, saving `inner` only ---------------------
 
 
-@torch.library.custom_op("narrows_dora::compose_train", mutates_args=())
-def _compose_train_op(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def _compose_train_impl(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     if fused_reason(base, lora, g, "backward") is None:
         from .kernels import compose_forward_dual
 
@@ -161,13 +166,17 @@ def _compose_train_op(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tu
     return _formula_dual(base, lora, g, scale)
 
 
+_compose_train_op = torch.library.custom_op("narrows_dora::compose_train", mutates_args=())(
+    _compose_train_impl
+)
+
+
 @_compose_train_op.register_fake
 def _(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     return torch.empty_like(base), torch.empty_like(base)
 
 
-@torch.library.custom_op("narrows_dora::compose_train_backward", mutates_args=())
-def _compose_train_backward_op(
+def _compose_train_backward_impl(
     grad: Tensor, inner: Tensor, g: Tensor, scale: float, lora_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
     if fused_reason(inner, inner, g, "backward") is None:
@@ -175,6 +184,11 @@ def _compose_train_backward_op(
 
         return compose_backward_inner(grad, inner, g.contiguous(), scale, lora_dtype)
     return _backward_inner_eager(grad, inner, g, scale, lora_dtype)
+
+
+_compose_train_backward_op = torch.library.custom_op("narrows_dora::compose_train_backward", mutates_args=())(
+    _compose_train_backward_impl
+)
 
 
 @_compose_train_backward_op.register_fake
@@ -203,24 +217,58 @@ def _train_backward(ctx, grad: Tensor, _grad_inner: Tensor | None):
 _compose_train_op.register_autograd(_train_backward, setup_context=_setup_train_context)
 
 
+class _Compose(torch.autograd.Function):
+    """Eager twin of ``narrows_dora::compose`` (same implementations, none of the custom-op
+    dispatch overhead, which is paid per adapted module twice a step)."""
+
+    @staticmethod
+    def forward(ctx, base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+        ctx.save_for_backward(base, lora, g)
+        ctx.scale = scale
+        return _compose_impl(base, lora, g, scale)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        base, lora, g = ctx.saved_tensors
+        return (*_compose_backward_impl(grad, base, lora, g, ctx.scale), None)
+
+
+class _ComposeTrain(torch.autograd.Function):
+    """Eager twin of ``narrows_dora::compose_train``."""
+
+    @staticmethod
+    def forward(ctx, base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+        out, inner = _compose_train_impl(base, lora, g, scale)
+        ctx.save_for_backward(inner, g)
+        ctx.scale, ctx.lora_dtype = scale, lora.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        inner, g = ctx.saved_tensors
+        return (*_compose_train_backward_impl(grad, inner, g, ctx.scale, ctx.lora_dtype), None)
+
+
 def compose(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     """(g - 1)·base + g·(scale·lora), broadcasting g [d_out] over the last dimension.
 
-    `torch.library` custom ops (``torch.ops.narrows_dora.*``, so `torch.compile` keeps them
-    in one graph) with hand-written backwards. Tier 1, training on CUDA above the crossover
-    (`fused_reason`): a dual-output Triton forward that also writes ``inner = s·lora + base``
-    and a backward that reads only it (one saved activation per module instead of two; the
-    magnitude gradient then sums ``go·inner``, so it differs from the eager one by the
-    rounding of ``inner`` to the activation dtype). Tier 2, inference on CUDA above the
-    crossover: the Triton forward. Tier 3, everything else: the eager formula, which saves
-    base and lora.
+    Under `torch.compile` it runs as `torch.library` custom ops (``torch.ops.narrows_dora.*``,
+    so the graph does not break) with hand-written backwards; in eager mode the same
+    implementations run through a plain autograd Function. Tier 1, training on CUDA above the
+    crossover (`fused_reason`): a dual-output Triton forward that also writes
+    ``inner = s·lora + base`` and a backward that reads only it (one saved activation per
+    module instead of two; the magnitude gradient then sums ``go·inner``, so it differs from
+    the eager one by the rounding of ``inner`` to the activation dtype). Tier 2, inference on
+    CUDA above the crossover: the Triton forward. Tier 3, everything else: the eager formula,
+    which saves base and lora.
     """
     scale = float(scale)
-    if (
+    train = (
         base.is_cuda
         and torch.is_grad_enabled()
         and g.requires_grad
         and fused_reason(base, lora, g, "backward") is None
-    ):
-        return _compose_train_op(base, lora, g, scale)[0]
-    return _compose_op(base, lora, g, scale)
+    )
+    if torch.compiler.is_compiling():
+        return _compose_train_op(base, lora, g, scale)[0] if train else _compose_op(base, lora, g, scale)
+    return _ComposeTrain.apply(base, lora, g, scale) if train else _Compose.apply(base, lora, g, scale)
