@@ -167,7 +167,7 @@ def main() -> None:
     print(f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, {base} base, "
           f"{args.precision}, {torch.cuda.get_device_name()}")  # fmt: skip
     print(
-        f"{'mode':<15}{'s/step':>9}{'vs PEFT':>9}{'peak GiB':>10}{'vs PEFT GiB':>13}{'cos PEFT':>10}{'cos fp64':>10}"
+        f"{'mode':<15}{'s/step':>9}{'host s':>8}{'vs PEFT':>9}{'peak GiB':>10}{'vs PEFT GiB':>13}{'cos PEFT':>10}{'cos fp64':>10}"
     )
     out = []
     for mode, r in rows.items():
