@@ -98,6 +98,7 @@ def test_row_norm_kernel_on_nf4_slices_matches_the_chunked_path(monkeypatch):
     a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     with torch.no_grad():
         b.normal_(0, 0.05)
+    monkeypatch.setattr("narrows.dora.norm._NF4_MIN_SLICE_ROWS", 64)
     fused = nd.factored_row_norm(rows, a, b, 0.7, chunk_budget=4096 * 16)  # several slices
     monkeypatch.setenv("NARROWS_DORA_FUSED", "0")
     eager = nd.factored_row_norm(rows, a, b, 0.7)

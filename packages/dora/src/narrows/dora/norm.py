@@ -115,9 +115,14 @@ def _kernel_reason(w_dtype: torch.dtype, lora_a: Tensor, lora_b: Tensor) -> str 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+_NF4_MIN_SLICE_ROWS = 8192  # 128 blocks of 64 rows: about one per SM of an H100
+
+
 def _norm_by_kernel(weight: Weight, lora_a: Tensor, lora_b: Tensor, scale: float, base_sq: Tensor | None,
                     chunk_budget: int) -> Tensor:  # fmt: skip
-    """The Triton path: one launch for a float W; for a 4-bit W one per dequantised row slice."""
+    """The Triton path: one launch for a float W; for a 4-bit W one per dequantised row slice
+    (the slice, in the compute dtype, is then the largest intermediate: still well under
+    PEFT's full fp32 copy of W plus its dense B·A)."""
     from .kernels import row_norm
 
     d_out, d_in = weight.shape
@@ -127,7 +132,8 @@ def _norm_by_kernel(weight: Weight, lora_a: Tensor, lora_b: Tensor, scale: float
     if not isinstance(weight, NF4Rows):
         w = weight if weight.stride(1) == 1 else weight.contiguous()
         return row_norm(w, a_parts, lora_b, gram, scale, base_sq, out)
-    rs = _row_chunk(d_in, chunk_budget, w_copies=1)
+    # slices of at least _NF4_MIN_SLICE_ROWS rows: fewer rows leave most of the GPU idle
+    rs = max(_row_chunk(d_in, chunk_budget, w_copies=1), _NF4_MIN_SLICE_ROWS)
     for r0 in range(0, d_out, rs):
         sub = None if base_sq is None else base_sq[r0 : r0 + rs]
         row_norm(weight.rows(r0, r0 + rs), a_parts, lora_b[r0 : r0 + rs], gram, scale, sub, out[r0 : r0 + rs])
