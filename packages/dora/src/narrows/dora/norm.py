@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_CHUNK_BUDGET", "assemble_norm", "base_row_norm_sq", "dense_r
 
 Weight = Tensor | NF4Rows
 
-DEFAULT_CHUNK_BUDGET = 16 * 2**20
+DEFAULT_CHUNK_BUDGET = 64 * 2**20
 
 
 def _rows(weight: Weight, start: int, stop: int) -> Tensor:
