@@ -133,3 +133,12 @@ def test_bad_input_is_refused_clearly(tmp_path):
         nd.load_dora(tiny_model("llama", num_hidden_layers=1), tmp_path / "deep")
     with pytest.raises(TypeError, match=r"nn\.Linear or a bitsandbytes"):
         nd.DoraLinear(torch.nn.Embedding(4, 4), r=2, alpha=2)
+
+
+def test_a_second_add_dora_keeps_the_first_adapters_training():
+    model = nd.add_dora(tiny_model("llama"), r=4, target_modules=["q_proj"])
+    nd.add_dora(model, r=4, target_modules=["v_proj"])
+    layers = nd.dora_layers(model)
+    assert any(n.endswith("q_proj") for n in layers) and any(n.endswith("v_proj") for n in layers)
+    assert all(m.magnitude.requires_grad and m.lora_A.weight.requires_grad for m in layers.values())
+    assert not any(p.requires_grad for n, p in model.named_parameters() if "base_layer" in n or "embed" in n)

@@ -57,6 +57,14 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def _freeze_base(model: nn.Module) -> None:
+    """Freeze every parameter but the adapter weights of DoRA layers already there."""
+    adapter = {id(p) for m in model.modules() if isinstance(m, DoraLinear) for p in (m.lora_A.weight, m.lora_B.weight, m.magnitude)}  # fmt: skip
+    for p in model.parameters():
+        if id(p) not in adapter:
+            p.requires_grad_(False)
+
+
 def dora_layers(model: nn.Module) -> dict[str, DoraLinear]:
     """Every `DoraLinear` in `model`, by module name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, DoraLinear)}
@@ -73,7 +81,8 @@ def add_dora(
     adapter_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
     """Wrap the targeted linear layers of `model` in `DoraLinear` (in place) and freeze
-    everything else; returns `model`. Targets follow PEFT's ``target_modules`` rules."""
+    everything else but DoRA layers already there; returns `model`. Targets follow PEFT's
+    ``target_modules`` rules."""
     names = _targets(model, target_modules)
     if not names:
         sample = [n for n, m in model.named_modules() if _is_linear(m)][:6]
@@ -81,8 +90,7 @@ def add_dora(
             f"target_modules={target_modules!r} matches no linear layer of {type(model).__name__}; "
             f"its linear layers are named like {sample}"
         )
-    for p in model.parameters():
-        p.requires_grad_(False)
+    _freeze_base(model)
     for name in names:
         layer = DoraLinear(
             model.get_submodule(name), r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
@@ -181,7 +189,7 @@ def load_dora(
 ) -> nn.Module:
     """Load a PEFT DoRA adapter folder (from `save_dora` or PEFT) into `model`: each adapted
     linear becomes a `DoraLinear` holding the saved weights (frozen unless `trainable`);
-    everything else is frozen, as PEFT does. Returns `model`."""
+    everything else but DoRA layers already there is frozen, as PEFT does. Returns `model`."""
     path = Path(path)
     config, modules = _read(path)
     missing = [n for n in modules if not _has(model, n)]
@@ -192,8 +200,7 @@ def load_dora(
         )
     alpha, rslora = config["lora_alpha"], config.get("use_rslora", False)
     p = config.get("lora_dropout", 0.0) if dropout is None else dropout
-    for param in model.parameters():
-        param.requires_grad_(False)
+    _freeze_base(model)
     for name, t in modules.items():
         if set(t) != {"A", "B", "m"}:
             raise NarrowsError(f"{path}: {name} lacks {sorted({'A', 'B', 'm'} - set(t))} of its DoRA tensors")
@@ -216,9 +223,10 @@ def load_dora(
 
 def _has(model: nn.Module, name: str) -> bool:
     try:
-        return _is_linear(model.get_submodule(name)) or isinstance(model.get_submodule(name), DoraLinear)
+        module = model.get_submodule(name)
     except AttributeError:
         return False
+    return _is_linear(module) or isinstance(module, DoraLinear)
 
 
 class NarrowsDoraAdapter:

@@ -3,15 +3,16 @@
     ||W + sBA||²_row = ||W||²_row + 2s·<W, BA>_row + s²·||BA||²_row
                      = base_sq     + 2s·rowsum(B ⊙ (W Aᵀ)) + s²·rowsum((B G) ⊙ B),  G = A Aᵀ
 
-W is read in row chunks of at most `chunk_budget` bytes (counted in fp32), so every
-intermediate is one slice of rows: W_rows, U_rows = W_rows Aᵀ [rows, r] and the products
-with B's rows; only G [r, r] is whole. (The paper chunks along d_in, which keeps a full
-[d_out, r] U and needs G accumulated per chunk; rows need neither, and a 4-bit W — core's
-`NF4Rows`, a bitsandbytes weight dequantised a few rows at a time — is naturally read by
-rows, so its full-size float copy never exists.) Everything accumulates in fp32 with
+On CUDA (a bf16/fp16 W with an adapter of its dtype, or a bf16 W with an fp32 adapter) the
+whole norm is one Triton launch (`kernels.row_norm`) whose only intermediates are G [r, r]
+and, for an fp32 A, its exact three-part bf16 split; a 4-bit W (core's `NF4Rows`) is fed to
+it as dequantised row slices. Elsewhere PyTorch reads W in row chunks of at most
+`chunk_budget` bytes, so every intermediate is one slice of rows: W_rows, U_rows = W_rows Aᵀ
+[rows, r] and the products with B's rows. (The paper chunks along d_in, which keeps a full
+[d_out, r] U and accumulates G per chunk; rows need neither, and a 4-bit W is naturally read
+by rows, so its full-size float copy never exists.) Everything accumulates in fp32 with
 autocast off, under no_grad: DoRA treats the norm as a constant. The three per-row terms
-meet in `assemble_norm` (a Triton kernel on CUDA with PyTorch's rounding). `dense_row_norm`
-is the fp64 reference the factored one is tested against.
+meet in `assemble_norm`'s rounding on both paths. `dense_row_norm` is the fp64 reference.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _u_rows(w_rows: Tensor, a_t: Tensor, parts: int) -> Tensor:
     return (u[:, 2 * r :] + u[:, r : 2 * r]) + u[:, :r]  # the small parts first
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _KERNEL_PAIRS = {
     (torch.bfloat16, torch.bfloat16),
     (torch.float16, torch.float16),
@@ -110,9 +112,6 @@ def _kernel_reason(w_dtype: torch.dtype, lora_a: Tensor, lora_b: Tensor) -> str 
     if not (lora_a.is_contiguous() and lora_b.is_contiguous()):
         return "non-contiguous adapter weights"
     return None
-
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 _NF4_MIN_SLICE_ROWS = 8192  # 128 blocks of 64 rows: about one per SM of an H100
@@ -191,7 +190,8 @@ def factored_row_norm(
 
     `weight` [d_out, d_in] (a float base, or a 4-bit one as `NF4Rows`), `lora_a` [r, d_in],
     `lora_b` [d_out, r]. `base_sq` is a cached ||W||²_row (see `base_row_norm_sq`); with
-    scale 0 only it is used.
+    scale 0 only it is used. Runs the Triton kernel where `_kernel_reason` allows it
+    (``NARROWS_DORA_FUSED=0`` forces the PyTorch path).
     """
     d_out, d_in = weight.shape
     device = lora_a.device
