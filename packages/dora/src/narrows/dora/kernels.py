@@ -303,7 +303,7 @@ def row_norm(weight: Tensor, a_parts: Tensor, lora_b: Tensor, gram: Tensor, scal
     """||W + s·B·A||_row of `weight`'s rows into `out` (fp32). `weight` [rows, d_in] bf16/fp16
     with unit column stride; `a_parts` A in W's dtype, [r, d_in], or an fp32 A split for a
     bf16 W (`narrows.dora.norm.split_bf16x3`, [3r, d_in]); `lora_b` [rows, r] contiguous;
-    `gram` = A Aᵀ fp32 [r, r]; `base_sq` [rows] or None (then ||W||² is summed in the same pass)."""
+    `gram` = A Aᵀ fp32 [r, r]; `base_sq` [rows] or None (then the kernel sums ||W||² itself)."""
     d_out, d_in = weight.shape
     r = lora_b.shape[1]
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]),)  # noqa: E731
