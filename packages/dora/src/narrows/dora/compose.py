@@ -234,19 +234,25 @@ class _Compose(torch.autograd.Function):
 
 
 class _ComposeTrain(torch.autograd.Function):
-    """Eager twin of ``narrows_dora::compose_train``."""
+    """Eager twin of ``narrows_dora::compose_train``, used only once `compose` has found the
+    kernels apply: it calls them without asking `fused_reason` again in each direction."""
 
     @staticmethod
     def forward(ctx, base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
-        out, inner = _compose_train_impl(base, lora, g, scale)
+        from .kernels import compose_forward_dual
+
+        g = g.contiguous()
+        out, inner = compose_forward_dual(base, lora, g, scale)
         ctx.save_for_backward(inner, g)
         ctx.scale, ctx.lora_dtype = scale, lora.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        from .kernels import compose_backward_inner
+
         inner, g = ctx.saved_tensors
-        return (*_compose_train_backward_impl(grad, inner, g, ctx.scale, ctx.lora_dtype), None)
+        return (*compose_backward_inner(grad, inner, g, ctx.scale, ctx.lora_dtype), None)
 
 
 def compose(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:

@@ -55,17 +55,25 @@ def _autotune(fn):
         return triton.autotune(configs=_CONFIGS, key=["M_CLASS", "N"])(fn)
 
 
-@_autotune
 @triton.jit
-def _forward_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, M, N, M_CLASS, scale,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _tile(g_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_N] tile of an [M, N] activation: its columns, mask
+    and element offsets, and the magnitude scale g of its columns as a [1, BLOCK_N] row."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    return rn, mask, offs, g
+
+
+@_autotune
+@triton.jit
+def _forward_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, M, N, M_CLASS, scale,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    _, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     b = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lo = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)[None, :]
     out = (g - 1.0) * b + g * (scale * lo)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -75,14 +83,10 @@ def _forward_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, M, N, M_CLASS, scale,
 def _backward_kernel(go_ptr, base_ptr, lora_ptr, g_ptr, dbase_ptr, dlora_ptr, partial_ptr, M, N, M_CLASS, scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    rn, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lo = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(dbase_ptr + offs, (go * (g - 1.0)).to(dbase_ptr.dtype.element_ty), mask=mask)
     tl.store(dlora_ptr + offs, (go * g * scale).to(dlora_ptr.dtype.element_ty), mask=mask)
     part = tl.sum(go * b, axis=0) + tl.sum(go * (scale * lo), axis=0)
@@ -93,13 +97,9 @@ def _backward_kernel(go_ptr, base_ptr, lora_ptr, g_ptr, dbase_ptr, dlora_ptr, pa
 @triton.jit
 def _dual_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr, M, N, M_CLASS, scale,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    _, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     b = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lo = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)[None, :]
     slo = scale * lo
     tl.store(out_ptr + offs, ((g - 1.0) * b + g * slo).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(inner_ptr + offs, (slo + b).to(inner_ptr.dtype.element_ty), mask=mask)
@@ -110,13 +110,9 @@ def _dual_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr, M, N, M_CLASS, s
 def _backward_inner_kernel(go_ptr, inner_ptr, g_ptr, dbase_ptr, dlora_ptr, partial_ptr, M, N, M_CLASS, scale,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     pid_m = tl.program_id(0)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    rn, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     inner = tl.load(inner_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + rn, mask=rn < N, other=0.0)[None, :]
     tl.store(dbase_ptr + offs, (go * (g - 1.0)).to(dbase_ptr.dtype.element_ty), mask=mask)
     tl.store(dlora_ptr + offs, (go * g * scale).to(dlora_ptr.dtype.element_ty), mask=mask)
     tl.store(partial_ptr + pid_m.to(tl.int64) * N + rn, tl.sum(go * inner, axis=0), mask=rn < N)

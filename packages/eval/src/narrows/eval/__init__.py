@@ -10,13 +10,10 @@
 """
 
 from importlib.metadata import version as _version
-from pathlib import Path
 
 from .loading import EvalModel, load_for_eval, resolve_adapter
 from .report import Row, compare, write_report
-from .run import evaluate, resolve_tasks
-
-TASK_DIR = Path(__file__).parent / "tasks"
+from .run import TASK_DIR, evaluate, resolve_tasks
 
 __version__ = _version("narrows-eval")
 __all__ = [

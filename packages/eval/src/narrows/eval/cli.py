@@ -11,12 +11,13 @@ __all__ = ["register"]
 def _run(args: argparse.Namespace) -> int:
     from narrows.core import NarrowsError
 
+    from .run import TASK_DIR, evaluate
+
     if args.print_task_dir:
-        print(Path(__file__).parent / "tasks")
+        print(TASK_DIR)
         return 0
     if not (args.model and args.adapter and args.tasks):
         raise NarrowsError("narrows eval needs --model, --adapter and --tasks (or --print-task-dir)")
-    from .run import evaluate
 
     out = args.out or str(Path(args.adapter) / "eval")
     report = evaluate(args.model, args.adapter, [t for t in args.tasks.split(",") if t], out,

@@ -14,11 +14,9 @@ from narrows.core import NarrowsError
 from .loading import resolve_adapter
 from .report import compare, write_report
 
-__all__ = ["evaluate", "resolve_tasks", "run_tasks"]
+__all__ = ["TASK_DIR", "evaluate", "resolve_tasks", "run_tasks"]
 
-
-def _task_dir() -> Path:
-    return Path(__file__).parent / "tasks"
+TASK_DIR = Path(__file__).parent / "tasks"  # narrows' task files (lm-eval's --include_path)
 
 
 def resolve_tasks(names: list[str], include_path: list[str] | None = None):
@@ -26,7 +24,7 @@ def resolve_tasks(names: list[str], include_path: list[str] | None = None):
     finds ``narrows_arc_easy``. Unknown names are an error that lists what exists."""
     from lm_eval.tasks import TaskManager
 
-    paths = [str(_task_dir()), *(include_path or [])]
+    paths = [str(TASK_DIR), *(include_path or [])]
     manager = TaskManager(include_path=paths, include_defaults=False)
     known = set(manager.all_tasks)
     out = []
