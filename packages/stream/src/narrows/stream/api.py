@@ -35,6 +35,7 @@ from .head import StreamedHead
 from .plan import Plan, Shapes, make_plan
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
+from .sideouts import SideOutputs
 
 log = logging.getLogger("narrows.stream")
 
@@ -234,8 +235,11 @@ def _check_args(index: int, args: tuple, kwargs: dict) -> None:
     walk(kwargs)
 
 
-def _layer_forward(index: int, original: Callable[..., Any], engine: TransferEngine,
-                   params: tuple[nn.Parameter, ...]) -> Callable[..., Any]:  # fmt: skip
+def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine) -> Callable[..., Any]:
+    original = layer.forward
+    params = tuple(p for p in layer.parameters() if p.requires_grad)
+    side = SideOutputs(layer, index)
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args:
             hidden, args = args[0], args[1:]
@@ -244,7 +248,7 @@ def _layer_forward(index: int, original: Callable[..., Any], engine: TransferEng
         if torch.is_grad_enabled() and kwargs.get("past_key_values") is not None:
             kwargs["past_key_values"] = None  # a cache would be written twice by the recompute
         _check_args(index, args, kwargs)
-        return streamed_call(LayerCall(index, original, args, kwargs, engine, params), hidden)
+        return streamed_call(LayerCall(index, original, args, kwargs, engine, params, side), hidden)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward
@@ -321,8 +325,7 @@ def stream(
     engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident))
 
     for i, layer in enumerate(anat.layers):
-        params = tuple(p for p in layer.parameters() if p.requires_grad)
-        layer.forward = _layer_forward(i, layer.forward, engine, params)
+        layer.forward = _layer_forward(i, layer, engine)
 
     streamed_head = None
     if stream_head:

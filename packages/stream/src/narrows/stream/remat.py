@@ -5,6 +5,10 @@ training would (same grad mode, so the same kernels), keep only its input and th
 state captured just before, hand the storage back. Backward: bring it again, replay the
 RNG inside `fork_rng`, recompute the layer, and differentiate it with respect to its input
 and its adapter parameters only. Frozen weights never see a gradient.
+
+Tensors the layer's submodules hand to forward hooks (MoE router logits for the aux loss)
+are extra outputs of the node (`sideouts.py`), so their gradients flow as in resident
+training.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor, nn
 
 from . import rng
 from .engine import TransferEngine
+from .sideouts import SideOutputs
 
 
 @dataclass
@@ -30,6 +35,7 @@ class LayerCall:
     kwargs: dict[str, Any]
     engine: TransferEngine
     params: tuple[nn.Parameter, ...]
+    side: SideOutputs
     state: rng.RngState | None = None
 
 
@@ -45,30 +51,43 @@ def _run(call: LayerCall, hidden: Tensor) -> Tensor:
 
 class StreamedLayer(torch.autograd.Function):
     """autograd node for one streamed layer: inputs are the hidden states and the layer's
-    trainable parameters, so autograd routes their gradients as it would for the layer."""
+    trainable parameters, so autograd routes their gradients as it would for the layer.
+    Outputs: the hidden states, then the side outputs hooks received (see `sideouts`)."""
 
     @staticmethod
-    def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> Tensor:
+    def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
         call.state = rng.capture(hidden.device)
         # resident training runs the layer with grad on: same mode, same kernels
-        with call.engine.using(call.index, then=call.index + 1), torch.enable_grad():
+        with call.engine.using(call.index, then=call.index + 1), torch.enable_grad(), \
+                call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
             out = _run(call, h).detach()
-        ctx.call = call
+        ctx.call, ctx.n_side = call, len(call.side.stand_ins)
         ctx.save_for_backward(hidden)
-        return out
+        ctx.set_materialize_grads(False)
+        return (out, *call.side.stand_ins)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, grad_out: Tensor | None, *grad_side: Tensor | None):
         call: LayerCall = ctx.call
         (hidden,) = ctx.saved_tensors
         need_h = ctx.needs_input_grad[1]
         need_p = ctx.needs_input_grad[2:]
-        with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad():
+        with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad(), \
+                call.side.collecting(forward=False):  # fmt: skip
             h = hidden.detach().requires_grad_(need_h)
             out = _run(call, h)
+            side = call.side.originals
+            if len(side) != ctx.n_side:
+                raise RuntimeError(
+                    f"narrows.stream: layer {call.index} produced {len(side)} hooked tensors in its backward "
+                    f"recompute but {ctx.n_side} in its forward; the layer is not deterministic under replay"
+                )
+            pairs = [(t, g) for t, g in zip((out, *side), (grad_out, *grad_side)) if g is not None]
             wrt = ([h] if need_h else []) + [p for p, n in zip(call.params, need_p) if n]
-            grads = list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True)) if wrt else []
+            outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
+            grads = list(torch.autograd.grad(outs, wrt, gouts, allow_unused=True)) if wrt and outs else []
+            grads = grads or [None] * len(wrt)
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)
@@ -78,6 +97,6 @@ def streamed_call(call: LayerCall, hidden: Tensor) -> Tensor:
     """Run one layer streamed: through the autograd node when something upstream or inside
     needs a gradient, else (evaluation, no_grad) as a plain prefetched forward."""
     if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in call.params)):
-        return StreamedLayer.apply(call, hidden, *call.params)
+        return StreamedLayer.apply(call, hidden, *call.params)[0]
     with call.engine.using(call.index, then=call.index + 1):
         return _run(call, hidden)

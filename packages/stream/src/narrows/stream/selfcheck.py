@@ -14,6 +14,7 @@ from narrows.core import Anatomy
 from .engine import TransferEngine
 from .errors import SelfCheckError
 from .remat import LayerCall, StreamedLayer
+from .sideouts import SideOutputs
 
 
 class _Captured(Exception):
@@ -68,7 +69,8 @@ def self_check(model: nn.Module, anat: Anatomy, engine: TransferEngine) -> None:
         torch.manual_seed(1234)
         with torch.enable_grad():
             h = x.clone().requires_grad_(True)
-            out = StreamedLayer.apply(LayerCall(0, original, args, kwargs, engine, params), h, *params)
+            call = LayerCall(0, original, args, kwargs, engine, params, SideOutputs(layer, 0))
+            out = StreamedLayer.apply(call, h, *params)[0]
             got = [out.detach(), *torch.autograd.grad(out, [h, *params], grad_out, allow_unused=True)]
 
     names = ["output", "input gradient"] + [f"gradient of adapter parameter {i}" for i in range(len(params))]

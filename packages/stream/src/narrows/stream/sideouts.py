@@ -1,0 +1,91 @@
+"""Side outputs of a streamed layer: tensors its submodules hand to forward hooks.
+
+transformers collects per-layer tensors besides the hidden states — MoE router logits
+for the auxiliary loss, attention weights — through forward hooks on submodules of each
+decoder layer (``OutputRecorder``). A streamed layer runs inside one autograd node on a
+detached input, so a tensor such a hook stores would be cut off from the graph: the aux
+loss would still be computed, but its gradient would never reach the adapters.
+
+`SideOutputs` wraps every forward hook on the layer's submodules for the duration of one
+run. In the forward it hands each hook a detached stand-in for every tensor that carries
+a gradient and remembers the stand-ins; the autograd node returns them as extra outputs,
+which makes the very objects the hook stored part of the graph. In the backward
+recompute it calls no hook and returns the recomputed originals in the same order, so
+their incoming gradients are differentiated together with the layer's output.
+
+A hook that replaces a submodule's output (returns a value) would compute on a stand-in
+and break the layer's own graph: that is refused, never trained through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from .errors import StreamSetupError
+
+__all__ = ["SideOutputs"]
+
+
+def _carries_grad(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.requires_grad
+
+
+class SideOutputs:
+    """Records the gradient-carrying tensors seen by forward hooks inside one layer run."""
+
+    def __init__(self, layer: nn.Module, index: int):
+        self.layer, self.index = layer, index
+        self.originals: list[Tensor] = []  # what the layer computed (connected inside the run)
+        self.stand_ins: list[Tensor] = []  # what the hooks were given (forward only)
+
+    def _substitute(self, output: Any, forward: bool) -> Any:
+        if _carries_grad(output):
+            for i, t in enumerate(self.originals):
+                if t is output:
+                    return self.stand_ins[i] if forward else output
+            self.originals.append(output)
+            if forward:
+                self.stand_ins.append(output.detach())
+                return self.stand_ins[-1]
+            return output
+        if isinstance(output, tuple | list):
+            return type(output)(self._substitute(x, forward) for x in output)
+        return output
+
+    def _wrap(self, module: nn.Module, hook: Callable[..., Any], forward: bool) -> Callable[..., Any]:
+        def wrapped(*hook_args: Any) -> None:
+            *head, output = hook_args
+            given = self._substitute(output, forward)
+            if not forward:
+                return None  # the recompute collects, it does not report again
+            if hook(*head, given) is not None:
+                raise StreamSetupError(
+                    f"a forward hook on {type(module).__name__} inside decoder layer {self.index} replaces the "
+                    "module's output; narrows.stream runs layers in one autograd node and cannot carry such a "
+                    "hook. Remove the hook (or stream without it) — training through it would differ from "
+                    "resident training."
+                )
+            return None
+
+        return wrapped
+
+    @contextmanager
+    def collecting(self, *, forward: bool) -> Iterator[None]:
+        """Wrap every forward hook on the layer's submodules for the block."""
+        self.originals, self.stand_ins = [], []
+        saved: list[tuple[dict, Any, Callable[..., Any]]] = []
+        try:
+            for module in self.layer.modules():
+                if module is self.layer or not module._forward_hooks:
+                    continue
+                for key, hook in list(module._forward_hooks.items()):
+                    saved.append((module._forward_hooks, key, hook))
+                    module._forward_hooks[key] = self._wrap(module, hook, forward)
+            yield
+        finally:
+            for hooks, key, hook in saved:
+                hooks[key] = hook
