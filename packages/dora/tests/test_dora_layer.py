@@ -142,3 +142,29 @@ def test_a_second_add_dora_keeps_the_first_adapters_training():
     assert any(n.endswith("q_proj") for n in layers) and any(n.endswith("v_proj") for n in layers)
     assert all(m.magnitude.requires_grad and m.lora_A.weight.requires_grad for m in layers.values())
     assert not any(p.requires_grad for n, p in model.named_parameters() if "base_layer" in n or "embed" in n)
+
+
+@pytest.mark.parametrize("adapter_dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_a_row_of_small_norm_is_divided_by_its_own_norm(adapter_dtype, tol):
+    """The norm's ε (`norm_epsilon`) only keeps a zero norm from dividing by zero: a row whose
+    norm is small but real (1e-3 here) still gets g = m / ||W + sBA||_row. Checked against the
+    fp64 DoRA formula, so a too-large ε (say 1e-1) shows as that row scaled down a hundredfold."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(32, 6, bias=False)
+    with torch.no_grad():
+        base.weight[0] *= 1e-3 / base.weight[0].norm()
+    layer = nd.DoraLinear(base, r=2, alpha=4, adapter_dtype=adapter_dtype)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0, 1e-4)  # row 0's composed norm stays near 1e-3
+        layer.magnitude.mul_(1.5)
+    x = torch.randn(5, 32)
+    w, a, b = base.weight.double(), layer.lora_A.weight.double(), layer.lora_B.weight.double()
+    composed = w + layer.scaling * b @ a
+    assert composed[0].norm() < 2e-3
+    direction = composed / composed.norm(dim=1, keepdim=True)
+    ref = x.double() @ (layer.magnitude.double()[:, None] * direction).t()
+    out = layer(x).double()
+    for row in (0, slice(1, None)):  # the small row on its own scale, then the others
+        torch.testing.assert_close(
+            out[:, row], ref[:, row], rtol=tol, atol=tol * ref[:, row].abs().max().item()
+        )

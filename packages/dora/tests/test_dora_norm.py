@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from narrows.dora.norm import base_row_norm_sq, dense_row_norm, factored_row_norm
+from narrows.dora.norm import assemble_norm, base_row_norm_sq, dense_row_norm, factored_row_norm
 
 
 def mats(d_out, d_in, r, dtype, seed=0):
@@ -30,8 +30,9 @@ def test_rank_768_and_cached_base_and_zero_scale():
     base = base_row_norm_sq(w, chunk_budget=96 * 4 * 128)
     torch.testing.assert_close(factored_row_norm(w, a, b, 2.0, base_sq=base).double(),
                                dense_row_norm(w, a, b, 2.0), rtol=2e-6, atol=1e-6)  # fmt: skip
-    assert torch.equal(factored_row_norm(w, a, b, 0.0, base_sq=base), base.sqrt())
-    torch.testing.assert_close(factored_row_norm(w, a, b, 0.0).double(), w.double().norm(dim=1))
+    assert torch.equal(factored_row_norm(w, a, b, 0.0, base_sq=base), base.double().sqrt().float())
+    torch.testing.assert_close(factored_row_norm(w, a, b, 0.0).double(), w.double().norm(dim=1),
+                               rtol=2e-6, atol=1e-6)  # fmt: skip
 
 
 def test_no_gradient_flows_through_the_norm():
@@ -59,3 +60,28 @@ def test_the_bf16_split_of_an_fp32_adapter_is_exact():
     hi, mid, lo = parts.double().chunk(3)
     assert torch.equal(hi + mid + lo, a.double())
     assert (hi + mid != a.double()).any()  # all three parts are needed
+
+
+def awkward_squares() -> torch.Tensor:
+    """fp32 values whose roots are easy to misround: 4.75 (PyTorch's fp32 sqrt gives it one
+    ulp low on an AVX2 AMD EPYC), exact squares, subnormals, the largest finite fp32, and
+    random values over sixty decades."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.rand(4096, generator=g) * torch.logspace(-30, 30, 4096)
+    return torch.cat([torch.tensor([4.75, 4.0, 2.0, 1e-45, 1e-40, torch.finfo().max, 0.0]), spread])
+
+
+def test_assemble_norm_takes_the_correctly_rounded_root():
+    """The PyTorch path must round √ as IEEE (and the kernel's sqrt_rn) does on every CPU, so
+    it is pinned to the root taken in fp64 and rounded once, not to PyTorch's fp32 sqrt (wrong
+    on some CPUs). Checked without any sqrt as well: each x > 0 lies strictly between the
+    squares of the fp32 midpoints around its root, squares that fp64 holds exactly."""
+    x = awkward_squares()
+    zeros = torch.zeros_like(x)
+    got = assemble_norm(x, zeros, zeros, 0.5)  # x + 1·0 + 0.25·0 == x exactly
+    assert torch.equal(got, x.double().sqrt().float())
+    assert got[0].item() == float.fromhex("0x1.16f834p+1")
+    below = (got.double() + torch.nextafter(got, torch.tensor(0.0)).double()) / 2
+    above = (got.double() + torch.nextafter(got, torch.tensor(float("inf"))).double()) / 2
+    positive = x > 0
+    assert (below.square() < x.double())[positive].all() and (x.double() < above.square())[positive].all()

@@ -11,7 +11,8 @@
   buffer in a fixed order. No atomics, so the result is deterministic.
   `compose_backward_inner` does the same from the saved ``inner`` (``d_g = Σ_rows go·inner``).
 - `assemble_norm`: ``sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0))`` over [d_out] fp32, with
-  PyTorch's rounding (separate multiplies and adds, IEEE ``sqrt_rn``, NaN kept by the clamp).
+  the PyTorch path's rounding (separate fp32 multiplies and adds, the IEEE ``sqrt_rn`` that
+  `narrows.dora.norm.sqrt_rn` gives on the CPU, NaN kept by the clamp).
 - `row_norm`: the whole factored norm in one launch: each program takes a block of W's
   rows, accumulates U = W Aᵀ on the tensor cores block by block of A's rows (an fp32 A comes
   split into three bf16 parts, hi + mid + lo = A exactly, so the products keep fp32

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from narrows.core import is_nf4_linear, nf4_rows
 
 from .compose import compose, magnitude_scale
-from .norm import Weight, base_row_norm_sq, factored_row_norm
+from .norm import Weight, base_row_norm_sq, factored_row_norm, sqrt_rn
 
 __all__ = ["DoraLinear", "dora_delta"]
 
@@ -141,7 +141,8 @@ class DoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
         weight = _rows_of(base_layer)
-        norm = base_row_norm_sq(weight if weight is not None else _dequantized(base_layer)).sqrt()
+        # the root `assemble_norm` takes, so a fresh adapter (B = 0) has g = m / ||W|| = 1 exactly
+        norm = sqrt_rn(base_row_norm_sq(weight if weight is not None else _dequantized(base_layer)))
         self.magnitude = nn.Parameter(norm.to(adapter_dtype))
         for p in base_layer.parameters():
             p.requires_grad_(False)

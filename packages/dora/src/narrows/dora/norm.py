@@ -25,7 +25,14 @@ from torch import Tensor
 from narrows.core import NF4Rows
 from narrows.core._env import is_available
 
-__all__ = ["DEFAULT_CHUNK_BUDGET", "assemble_norm", "base_row_norm_sq", "dense_row_norm", "factored_row_norm"]
+__all__ = [
+    "DEFAULT_CHUNK_BUDGET",
+    "assemble_norm",
+    "base_row_norm_sq",
+    "dense_row_norm",
+    "factored_row_norm",
+    "sqrt_rn",
+]
 
 Weight = Tensor | NF4Rows
 
@@ -151,16 +158,29 @@ def _rowdot(x: Tensor, y: Tensor) -> Tensor:
     return (x * y).sum(dim=1)
 
 
+def sqrt_rn(x: Tensor) -> Tensor:
+    """√x of an fp32 tensor, correctly rounded (IEEE 754's and Triton's ``sqrt_rn``) on every CPU.
+
+    PyTorch's fp32 ``sqrt`` is not correctly rounded on some CPUs: on an AVX2 AMD EPYC it
+    gives √4.75 = 0x1.16f832p+1 where IEEE gives 0x1.16f834p+1 (and it errs on about one
+    random value in six there). So the root is taken in fp64 and rounded once to fp32. That
+    double rounding is innocuous: the square root of an fp32 value lies more than 4 fp64 ulps
+    from any midpoint between two fp32 values, so even an fp64 sqrt off by an ulp (PyTorch's
+    is, on that CPU) rounds to the right fp32 value. NaN stays NaN."""
+    return x.double().sqrt().float()
+
+
 def assemble_norm(base_sq: Tensor, cross: Tensor, ba_sq: Tensor, scale: float) -> Tensor:
     """sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)) over fp32 [d_out] (seed 002 eq. 5): the
     Triton kernel on CUDA, this expression elsewhere; the two round identically (2s and s²
-    are Python floats in both, the kernel is compiled without FMA contraction and uses the
-    IEEE square root), so which one ran never shows in the result."""
+    are Python floats in both, the sum is fp32 in both, the kernel is compiled without FMA
+    contraction, and both take the IEEE square root: the kernel's ``sqrt_rn``, `sqrt_rn`
+    here), so which one ran, or on which CPU, never shows in the result."""
     if base_sq.is_cuda and is_available("triton") and os.environ.get("NARROWS_DORA_FUSED") != "0":
         from .kernels import assemble_norm as kernel
 
         return kernel(base_sq.contiguous(), cross.contiguous(), ba_sq.contiguous(), scale)
-    return (base_sq + 2 * scale * cross + scale * scale * ba_sq).clamp_min(0).sqrt()
+    return sqrt_rn((base_sq + 2 * scale * cross + scale * scale * ba_sq).clamp_min(0))
 
 
 @torch.no_grad()
@@ -197,9 +217,9 @@ def factored_row_norm(
     device = lora_a.device
     with torch.autocast(device.type, enabled=False):
         if scale == 0:
-            return (
+            return sqrt_rn(
                 base_sq if base_sq is not None else base_row_norm_sq(weight, chunk_budget=chunk_budget)
-            ).sqrt()
+            )
         if _kernel_reason(weight.dtype, lora_a, lora_b) is None:
             return _norm_by_kernel(weight, lora_a, lora_b, scale, base_sq, chunk_budget)
         need_base = base_sq is None  # then ||W||² is summed in the same pass over W, not a second one
