@@ -7,6 +7,8 @@
 - NF4 quantisation through bitsandbytes (optional extra ``narrows-core[nf4]``)
 - the LM-head hook: the head's weight served in vocabulary chunks, resident or streamed
 - memory measurement and byte sizes
+- architecture checks: shrunk twins of unannounced architectures, checked before training
+- deterministic kernels: the condition for bit-identical results on a GPU
 """
 
 from importlib.metadata import version as _version
@@ -28,10 +30,12 @@ from .anatomy import (
     Anatomy,
     ArchitectureSpec,
     anatomy_of,
+    is_announced,
     register_architecture,
     supported_architectures,
     unwrap_model,
 )
+from .determinism import deterministic, is_deterministic
 
 # errors
 from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
@@ -47,6 +51,7 @@ from .head import (
     loss_working_set,
     set_loss_working_set,
 )
+from .logits import LogitMath
 
 # memory
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
@@ -58,6 +63,15 @@ from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quanti
 from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
 from .slots import FrozenSlot, assign, copies, frozen_slots, pointed_at, snapshot, trainable_parameters
 
+# architecture checks
+from .twin import shrink_config, shrunk_twin
+from .verify import (
+    ArchitectureCheckError,
+    ensure_architecture,
+    register_architecture_check,
+    verify_architecture,
+)
+
 __version__ = _version("narrows-core")
 
 __all__ = [
@@ -66,9 +80,11 @@ __all__ = [
     "AdapterType",
     "AdapterView",
     "Anatomy",
+    "ArchitectureCheckError",
     "ArchitectureSpec",
     "FrozenSlot",
     "HeadSource",
+    "LogitMath",
     "MemoryPeaks",
     "MissingDependencyError",
     "NF4Rows",
@@ -88,10 +104,14 @@ __all__ = [
     "attach_head_source",
     "chunked_logits",
     "copies",
+    "deterministic",
     "disable_cpu_repacking",
+    "ensure_architecture",
     "format_bytes",
     "frozen_slots",
     "head_source",
+    "is_announced",
+    "is_deterministic",
     "is_nf4_linear",
     "loss_working_set",
     "measure_peaks",
@@ -102,11 +122,15 @@ __all__ = [
     "read_peaks",
     "register_adapter_type",
     "register_architecture",
+    "register_architecture_check",
     "registered_adapter_types",
     "reset_peaks",
     "set_loss_working_set",
+    "shrink_config",
+    "shrunk_twin",
     "snapshot",
     "supported_architectures",
     "trainable_parameters",
     "unwrap_model",
+    "verify_architecture",
 ]

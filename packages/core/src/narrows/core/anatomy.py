@@ -2,23 +2,33 @@
 final norm and LM head.
 
 Everything is found by structure (``get_decoder()``, ``get_input_embeddings()``, the
-``ModuleList`` holding ``config.num_hidden_layers`` blocks); the architecture table only
-records which ``model_type`` values are tested and any path that structure cannot find.
-A model type outside the table is refused rather than silently half-supported.
+``ModuleList`` holding ``config.num_hidden_layers`` blocks); the architecture table
+records which ``model_type`` values are announced (tested in CI with the contract suite,
+stream parity and the lmhead loss), what each does to its logits, and any path structure
+cannot find. A model type outside the table is accepted only once it has been checked on
+a shrunk twin in this process (`narrows.core.verify_architecture`); until then it is
+refused, never silently half-supported.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from .errors import UnsupportedArchitectureError
+from .logits import KNOWN_LOGIT_OPS, LOGIT_OPS, LogitMath
 
 __all__ = [
     "Anatomy",
     "ArchitectureSpec",
+    "accepting_unannounced",
     "anatomy_of",
+    "is_announced",
+    "mark_verified",
     "register_architecture",
     "supported_architectures",
     "unwrap_model",
@@ -39,8 +49,14 @@ class ArchitectureSpec:
     embed: str | None = None
     norm: str | None = None
     head: str | None = None
-    # config attributes that change the head (Gemma's logit softcapping, for instance)
-    head_config_keys: tuple[str, ...] = ()
+    # what the model does to the head's output before the loss, as (operation, config key)
+    # pairs applied in order: "multiply", "divide" or "softcap" (see head.LogitMath)
+    logits: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for op, _ in self.logits:
+            if op not in LOGIT_OPS:
+                raise ValueError(f"ArchitectureSpec.logits: unknown operation {op!r}; use one of {LOGIT_OPS}")
 
 
 _ARCHITECTURES: dict[str, ArchitectureSpec] = {}
@@ -59,15 +75,52 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(sorted(_ARCHITECTURES))
 
 
+_SOFTCAP = (("softcap", "final_logit_softcapping"),)
 for _spec in (
     ArchitectureSpec("llama"),
     ArchitectureSpec("mistral"),
     ArchitectureSpec("qwen2"),
     ArchitectureSpec("qwen3"),
-    ArchitectureSpec("gemma2", head_config_keys=("final_logit_softcapping",)),
-    ArchitectureSpec("gemma3_text", head_config_keys=("final_logit_softcapping",)),
+    ArchitectureSpec("gemma2", logits=_SOFTCAP),
+    ArchitectureSpec("gemma3_text", logits=_SOFTCAP),
+    ArchitectureSpec("gemma3", logits=_SOFTCAP),  # the text tower of Gemma3ForConditionalGeneration
+    ArchitectureSpec("phi3"),
+    ArchitectureSpec("phi"),
+    ArchitectureSpec("olmo2"),
+    ArchitectureSpec("granite", logits=(("divide", "logits_scaling"),)),
+    ArchitectureSpec("stablelm"),
+    ArchitectureSpec("cohere", logits=(("multiply", "logit_scale"),)),
+    ArchitectureSpec("cohere2", logits=(("multiply", "logit_scale"),)),
+    ArchitectureSpec("starcoder2"),
+    ArchitectureSpec("gpt_neox"),
+    ArchitectureSpec("mixtral"),
+    ArchitectureSpec("qwen2_moe"),
+    ArchitectureSpec("qwen3_moe"),
 ):
     register_architecture(_spec)
+
+_VERIFIED: set[str] = set()  # model types checked on a shrunk twin in this process
+_ACCEPTING = ContextVar("narrows_accepting_unannounced", default=False)
+
+
+def mark_verified(model_type: str) -> None:
+    """Accept an unannounced ``model_type`` for the rest of the process (after its twin passed)."""
+    _VERIFIED.add(model_type)
+
+
+def is_announced(model_type: str) -> bool:
+    return model_type in _ARCHITECTURES
+
+
+@contextmanager
+def accepting_unannounced() -> Iterator[None]:
+    """Let `anatomy_of` describe any model whose structure it finds (the twin check runs
+    inside this; so do tests that probe architectures)."""
+    token = _ACCEPTING.set(True)
+    try:
+        yield
+    finally:
+        _ACCEPTING.reset(token)
 
 
 @dataclass(frozen=True)
@@ -83,7 +136,8 @@ class Anatomy:
     head: nn.Module
     tied: bool  # head and embedding share one weight tensor
     layer_paths: tuple[str, ...]  # qualified names of the layers inside `model`
-    head_config: dict[str, object] = field(default_factory=dict)
+    logit_math: LogitMath = field(default_factory=LogitMath)
+    announced: bool = True  # in the architecture table (False: accepted after its twin check)
 
     @property
     def num_layers(self) -> int:
@@ -144,28 +198,31 @@ def _find_norm(decoder: nn.Module) -> nn.Module | None:
     return norms[-1] if len(norms) == 1 else None
 
 
-def anatomy_of(model: nn.Module, *, strict: bool = True) -> Anatomy:
+def anatomy_of(model: nn.Module) -> Anatomy:
     """Find the decoder layers, embedding, final norm and head of a causal LM.
 
-    Accepts a transformers model or one wrapped by PEFT. With ``strict`` (the default) the
-    model's ``config.model_type`` must be registered; ``strict=False`` accepts any model
-    whose structure is found, for experiments with untested architectures.
+    Accepts a transformers model or one wrapped by PEFT whose ``config.model_type`` is
+    announced or has passed `narrows.core.verify_architecture` in this process.
     """
     lm = unwrap_model(model)
     config = getattr(lm, "config", None)
     model_type = getattr(config, "model_type", None)
     spec = _ARCHITECTURES.get(model_type) if model_type else None
     how_to_register = (
-        "If its layout is the usual `model.model.layers` one, register it with "
-        f"`narrows.core.register_architecture(narrows.core.ArchitectureSpec({model_type!r}))` "
-        "(give dotted paths for parts structure cannot find), or pass strict=False."
+        "`narrows.core.verify_architecture(model)` checks it on a shrunk twin (same class, 2 layers, small "
+        "widths) and accepts it when streamed, resident and the model's own loss agree exactly — "
+        "narrows.stream.stream(), narrows.lmhead.apply() and `narrows finetune` run that check themselves. "
+        "To announce it, register "
+        f"`narrows.core.register_architecture(narrows.core.ArchitectureSpec({model_type!r}, ...))` "
+        "with dotted paths for parts structure cannot find and its logit arithmetic."
     )
-    if spec is None and strict:
+    announced = spec is not None
+    if not announced and model_type not in _VERIFIED and not _ACCEPTING.get():
         raise UnsupportedArchitectureError(
-            f"narrows does not support model_type={model_type!r} ({type(lm).__name__}). "
-            f"Supported: {', '.join(supported_architectures())}. {how_to_register}"
+            f"narrows does not announce model_type={model_type!r} ({type(lm).__name__}). "
+            f"Announced: {', '.join(supported_architectures())}. {how_to_register}"
         )
-    spec = spec or ArchitectureSpec(str(model_type))
+    spec = spec or ArchitectureSpec(str(model_type), logits=KNOWN_LOGIT_OPS)
 
     missing: list[str] = []
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
@@ -209,7 +266,6 @@ def anatomy_of(model: nn.Module, *, strict: bool = True) -> Anatomy:
     layer_paths = tuple(prefix[id(layer)] for layer in layers)
     head_w, embed_w = _base_weight(head), _base_weight(embed)
     tied = head_w is not None and head_w is embed_w
-    head_config = {k: getattr(config, k, None) for k in spec.head_config_keys}
     return Anatomy(
         model_type=str(model_type),
         model=lm,
@@ -220,5 +276,6 @@ def anatomy_of(model: nn.Module, *, strict: bool = True) -> Anatomy:
         head=head,
         tied=tied,
         layer_paths=layer_paths,
-        head_config=head_config,
+        logit_math=LogitMath.of(spec.logits, config),
+        announced=announced,
     )

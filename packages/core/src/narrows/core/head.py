@@ -12,6 +12,11 @@ chunks gets the same numbers from either source for the same chunk size.
 it computes them chunk by chunk, so the weight need not be on the device all at once.
 Its input gradient is summed over vocabulary chunks (in fp32), so it equals the
 one-matmul head up to floating-point summation order, not bitwise.
+
+`LogitMath` is what an architecture does to the head's output before the loss (Cohere's
+``logit_scale``, Granite's ``logits_scaling``, Gemma's ``final_logit_softcapping``): it is
+declared per architecture in `anatomy` and travels with every source, so a loss computed
+from the hook applies it exactly where the model's own forward does.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from torch import Tensor, nn
 
 from .anatomy import anatomy_of
 from .errors import NarrowsError
+from .logits import LogitMath
 
 __all__ = [
     "DEFAULT_HEAD_ROWS",
     "HeadSource",
+    "LogitMath",
     "ResidentHead",
     "attach_head_source",
     "chunked_logits",
@@ -45,7 +52,7 @@ class HeadSource(Protocol):
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
-    softcap: float | None  # Gemma's final_logit_softcapping, applied after the head
+    math: LogitMath  # what the model applies to the head's output before the loss
 
     def chunks(self, rows: int | None = None) -> Iterator[tuple[slice, Tensor, Tensor | None]]:
         """Yield ``(vocab_slice, weight[vocab_slice], bias[vocab_slice] or None)``.
@@ -78,17 +85,17 @@ def _linear_parts(head: nn.Module) -> tuple[Tensor, Tensor | None]:
 class ResidentHead:
     """A head weight already on the device, served as views (no copies)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, softcap: float | None = None):
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, math: LogitMath | None = None):
         self.weight, self.bias = weight, bias
         self.vocab_size, self.hidden_size = self.weight.shape
         self.dtype = self.weight.dtype
         self.device = self.weight.device
-        self.softcap = softcap
+        self.math = math or LogitMath()
 
     @classmethod
-    def of(cls, head: nn.Module, softcap: float | None = None) -> ResidentHead:
+    def of(cls, head: nn.Module, math: LogitMath | None = None) -> ResidentHead:
         """The source over a model's own head module (nn.Linear, or a tied embedding)."""
-        return cls(*_linear_parts(head), softcap=softcap)
+        return cls(*_linear_parts(head), math=math)
 
     @property
     def trainable_weight(self) -> nn.Parameter | None:
@@ -132,8 +139,7 @@ def head_source(model: nn.Module) -> HeadSource:
     source = getattr(anat.head, "narrows_head_source", None)
     if source is not None:
         return source
-    softcap = anat.head_config.get("final_logit_softcapping")
-    return ResidentHead.of(anat.head, softcap=float(softcap) if softcap else None)
+    return ResidentHead.of(anat.head, math=anat.logit_math)
 
 
 class _ChunkedLogits(torch.autograd.Function):
@@ -158,7 +164,8 @@ class _ChunkedLogits(torch.autograd.Function):
 def chunked_logits(hidden: Tensor, source: HeadSource, rows: int | None = None) -> Tensor:
     """``hidden @ weight.T + bias`` built one vocabulary chunk at a time (frozen head only).
 
-    Softcapping is not applied here: the model's own forward applies it after the head.
+    The source's `LogitMath` is not applied here: this replaces the head module, and the
+    model's own forward applies its scaling and softcapping after the head.
     """
     if source.trainable_weight is not None:
         raise NarrowsError(

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from ._env import require
-from .anatomy import anatomy_of
 from .errors import NarrowsError
 from .files import atomic_dir, cache_dir
+from .verify import ensure_architecture
 
 __all__ = ["file_sha256", "gguf_as_folder", "load_causal_lm"]
 
@@ -78,7 +78,7 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    anatomy_of(model)  # refuses an unsupported architecture before anything else happens
+    ensure_architecture(model, "head")  # an unannounced architecture is checked on its twin first
     tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval()
     return model, tokenizer

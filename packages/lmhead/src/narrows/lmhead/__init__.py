@@ -11,11 +11,16 @@ without importing it. The pieces are usable alone: `causal_lm_loss`,
 
 from importlib.metadata import version as _version
 
+from narrows.core import register_architecture_check as _register_check
+
 from .api import LMHeadHandle, apply, remove
 from .chunked import cross_entropy_from_logits, linear_cross_entropy, reference_cross_entropy
 from .fused import FUSED_CHOICES, fused_reason
 from .loss import LossOptions, NoTrainableTokensError, causal_lm_loss, shift_targets
 from .topk import neighbour_table, subset_head, vocabulary_subset
+from .twincheck import check_lmhead as _check_lmhead
+
+_register_check("lmhead", _check_lmhead)
 
 __version__ = _version("narrows-lmhead")
 __all__ = [

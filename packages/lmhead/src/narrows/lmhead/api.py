@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from narrows.core import anatomy_of, head_source, set_loss_working_set
+from narrows.core import anatomy_of, ensure_architecture, head_source, set_loss_working_set
 
 from .loss import LossOptions, causal_lm_loss
 from .topk import neighbour_table
@@ -63,8 +63,11 @@ def apply(
     Cut Cross-Entropy's fused kernels where that library is installed and applies (CUDA,
     bf16/fp16, resident head without bias; on the H100 it was 2.9x faster than the
     PyTorch tiles at 16K tokens, with the same exactness); "off" always keeps the tiles.
+    An architecture narrows does not announce is first checked on its shrunk twin
+    (`narrows.core.verify_architecture`): this loss must equal the model's own there.
     Returns the same model.
     """
+    ensure_architecture(model, "head", "lmhead")
     anat = anatomy_of(model)
     lm = anat.model
     if getattr(lm, "narrows_lmhead", None) is not None:

@@ -11,8 +11,9 @@ in forward and once in backward and never needs to be on the device whole:
   multiplied into the hidden-state gradient (an fp32 accumulator per token chunk) and,
   for a head that trains, into the weight gradient (fp32).
 
-Logits are computed in the head's dtype and upcast to fp32 (as HF's loss does);
-softcapping (Gemma) and every reduction are fp32. Tile arithmetic runs in place, so the
+Logits are computed in the head's dtype and upcast to fp32 (as HF's loss does); the
+architecture's `LogitMath` (Cohere's scale, Granite's divisor, Gemma's softcapping) and
+every reduction are fp32. Tile arithmetic runs in place, so the
 working set is about one fp32 tile plus its head-dtype matmul output.
 
 `reference_cross_entropy` is the plain full-logits computation the tests hold it to.
@@ -25,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, ResidentHead
+from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, LogitMath, ResidentHead
 
 __all__ = [
     "DEFAULT_TILE_BYTES",
@@ -39,10 +40,10 @@ DEFAULT_TILE_BYTES = 16 * 2**20  # one fp32 [token chunk x vocabulary chunk] til
 Tile = tuple[slice, Tensor, Tensor | None, slice]  # vocabulary rows, weight, bias, token rows
 
 
-def _tile_logits(h: Tensor, w: Tensor, b: Tensor | None, softcap: float | None) -> Tensor:
+def _tile_logits(h: Tensor, w: Tensor, b: Tensor | None, math: LogitMath) -> Tensor:
     z = nn.functional.linear(h, w, b)
     z = z.float() if z.dtype != torch.float32 else z  # fresh either way: safe to modify in place
-    return z if softcap is None else z.div_(softcap).tanh_().mul_(softcap)
+    return math.apply_(z)
 
 
 def _tiles(source: HeadSource, n: int, head_rows: int | None, tile_bytes: int) -> Iterator[Tile]:
@@ -75,28 +76,28 @@ def _target_logit(z: Tensor, sl: slice, y: Tensor) -> Tensor:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor | None, targets: Tensor, token_weights: Tensor,  # type: ignore[override]
-                source: HeadSource, softcap: float | None, head_rows: int | None,
+                source: HeadSource, math: LogitMath, head_rows: int | None,
                 tile_bytes: int) -> Tensor:  # fmt: skip
         n, dev = hidden.shape[0], hidden.device
         m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
         s = torch.zeros(n, dtype=torch.float32, device=dev)
         tgt = torch.zeros(n, dtype=torch.float32, device=dev)
         for sl, w, b, ts in _tiles(source, n, head_rows, tile_bytes):
-            z = _tile_logits(hidden[ts], w, b, softcap)
+            z = _tile_logits(hidden[ts], w, b, math)
             tgt[ts] += _target_logit(z, sl, targets[ts])
             m_new = torch.maximum(m[ts], z.amax(dim=1))
             s[ts] = s[ts] * torch.exp(m[ts] - m_new) + z.sub_(m_new[:, None]).exp_().sum(dim=1)
             m[ts] = m_new
         lse = m + torch.log(s)
         ctx.save_for_backward(hidden, targets, token_weights, lse)
-        ctx.source, ctx.softcap, ctx.head_rows, ctx.tile_bytes = source, softcap, head_rows, tile_bytes
+        ctx.source, ctx.math, ctx.head_rows, ctx.tile_bytes = source, math, head_rows, tile_bytes
         ctx.weight_dtype = None if weight is None else weight.dtype
         return ((lse - tgt) * token_weights).sum()
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         hidden, targets, token_weights, lse = ctx.saved_tensors
-        source, softcap = ctx.source, ctx.softcap
+        source, math = ctx.source, ctx.math
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         tw = token_weights * grad.float()
         gh = torch.empty_like(hidden) if want_h else None  # in the hidden dtype, as autograd hands it on
@@ -108,15 +109,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc, acc_rows = None, None
         for sl, w, b, ts in _tiles(source, hidden.shape[0], ctx.head_rows, ctx.tile_bytes):
             h = hidden[ts]
-            z = _tile_logits(h, w, b, softcap)
-            cap = None if softcap is None else 1.0 - (z / softcap) ** 2  # d tanh-cap / d raw logit
+            z = _tile_logits(h, w, b, math)
+            dfinal = math.derivative(z)  # d final logit / d raw logit (scale, softcap)
             dz = z.sub_(lse[ts, None]).exp_()  # softmax, in place of the logits
             local = targets[ts] - sl.start
             rows = torch.nonzero((local >= 0) & (local < dz.shape[1]))[:, 0]
             dz[rows, local[rows]] -= 1.0
             dz.mul_(tw[ts, None])
-            if cap is not None:
-                dz.mul_(cap)
+            if dfinal is not None:
+                dz.mul_(dfinal)
             dz = dz.to(w.dtype)  # HF's backward hands the logits gradient on in the head dtype
             if gh is not None:
                 if isinstance(source, ResidentHead):  # token-outer: finish this chunk, then store it
@@ -161,21 +162,18 @@ def linear_cross_entropy(
             f"{tuple(targets.shape)}, {tuple(token_weights.shape)}"
         )
     return _LinearCrossEntropy.apply(hidden, source.trainable_weight, targets, token_weights.float(), source,
-                                     source.softcap, head_rows, tile_bytes)  # fmt: skip
+                                     source.math, head_rows, tile_bytes)  # fmt: skip
 
 
 def cross_entropy_from_logits(logits: Tensor, targets: Tensor, token_weights: Tensor,
-                              softcap: float | None = None) -> Tensor:  # fmt: skip
-    """``sum_i w_i * CE(logits_i, y_i)`` from materialised logits, upcast to fp32 first."""
-    z = logits.float()
-    if softcap is not None:
-        z = torch.tanh(z / softcap) * softcap
+                              math: LogitMath | None = None) -> Tensor:  # fmt: skip
+    """``sum_i w_i * CE(logits_i, y_i)`` from materialised raw head outputs, upcast to fp32
+    first, then the architecture's `LogitMath`."""
+    z = (math or LogitMath())(logits.float())
     return (nn.functional.cross_entropy(z, targets, reduction="none") * token_weights.float()).sum()
 
 
 def reference_cross_entropy(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None,
-                            token_weights: Tensor, softcap: float | None = None) -> Tensor:  # fmt: skip
+                            token_weights: Tensor, math: LogitMath | None = None) -> Tensor:  # fmt: skip
     """The full-logits computation (what HF's loss does): what the chunked one is held to."""
-    return cross_entropy_from_logits(
-        nn.functional.linear(hidden, weight, bias), targets, token_weights, softcap
-    )
+    return cross_entropy_from_logits(nn.functional.linear(hidden, weight, bias), targets, token_weights, math)

@@ -36,6 +36,8 @@ def fused_reason(hidden: Tensor, source: HeadSource) -> str | None:
         return "it needs the head resident on the device and without bias"
     if hidden.dtype not in (torch.bfloat16, torch.float16) or source.dtype != hidden.dtype:
         return "it needs bf16/fp16 hidden states and head"
+    if source.math.multiply is not None or source.math.divide is not None:
+        return "it has no logit scaling (this architecture scales its logits)"
     return None
 
 
@@ -44,6 +46,6 @@ def fused_cross_entropy(
 ) -> Tensor:
     """``sum_i w_i * CE(head(hidden_i), targets_i)`` through Cut Cross-Entropy's kernels."""
     cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")
-    nll = cce.linear_cross_entropy(hidden, source.weight, targets, softcap=source.softcap, reduction="none",
+    nll = cce.linear_cross_entropy(hidden, source.weight, targets, softcap=source.math.softcap, reduction="none",
                                    filter_eps=None)  # fmt: skip
     return (nll.float() * token_weights).sum()

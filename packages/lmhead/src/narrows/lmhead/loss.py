@@ -118,4 +118,4 @@ def causal_lm_loss(
         logits = chunked_logits(flat, source, options.head_rows)
     else:
         logits = nn.functional.linear(flat, weight, getattr(source, "bias", None))
-    return cross_entropy_from_logits(logits, targets, weights, source.softcap)
+    return cross_entropy_from_logits(logits, targets, weights, source.math)

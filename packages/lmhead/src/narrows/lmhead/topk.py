@@ -88,4 +88,4 @@ def vocabulary_subset(targets: Tensor, table: Tensor) -> Tensor:
 def subset_head(source: HeadSource, ids: Tensor) -> ResidentHead:
     """The rows `ids` of `source`, gathered once per batch and served like a resident head."""
     weight, bias = source.gather(ids)
-    return ResidentHead(weight, bias, softcap=source.softcap)
+    return ResidentHead(weight, bias, math=source.math)

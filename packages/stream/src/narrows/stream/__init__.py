@@ -8,10 +8,15 @@ bit-identical (`torch.equal`) to the same model trained fully resident.
 
 from importlib.metadata import version as _version
 
+from narrows.core import register_architecture_check as _register_check
+
 from .api import StreamHandle, plan, stream
 from .engine import TransferStats
 from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
 from .plan import Plan
+from .twincheck import check_stream as _check_stream
+
+_register_check("stream", _check_stream)
 
 __version__ = _version("narrows-stream")
 __all__ = [

@@ -20,6 +20,7 @@ from narrows.core import (
     attach_head_source,
     chunked_logits,
     copies,
+    ensure_architecture,
     frozen_slots,
     loss_working_set,
     measure_peaks,
@@ -28,6 +29,7 @@ from narrows.core import (
     trainable_parameters,
     unwrap_model,
 )
+from narrows.core import deterministic as set_deterministic
 
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
@@ -155,6 +157,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None) -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything."""
+    ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
     dev = _resolve_device(device)
     stream_head = _check_head(anat, head)
@@ -266,13 +269,17 @@ def stream(
     head_rows: int | None = None,
     check: bool = True,
     inference: bool = False,
+    deterministic: bool = False,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
     `gpu_budget`: bytes or a size like ``"12GiB"`` the run may use on the device; ``"fit"``
     keeps as many layers resident as the free memory allows; None streams every layer
     with the smallest footprint. `batch_size`/`seq_len` size the activation estimate.
-    Training afterwards is bit-identical to training the same model fully resident.
+    Training afterwards is bit-identical to training the same model fully resident, given
+    deterministic kernels: always on the CPU; on CUDA pass ``deterministic=True`` (or call
+    `narrows.core.deterministic()`), which makes the resident run itself reproducible.
+    An architecture narrows does not announce is first checked on its shrunk twin.
     `head="stream"` also keeps a frozen LM head in host memory and serves it in vocabulary
     chunks through core's head hook (with a tied embedding, both read the one host copy);
     the head's input gradient is then summed over chunks, so it equals the resident head
@@ -287,6 +294,9 @@ def stream(
     """
     if getattr(model, "narrows_stream", None) is not None:
         raise StreamSetupError("this model is already streamed")
+    if deterministic:
+        set_deterministic(True)
+    ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
     dev = _resolve_device(device)
     trainables = trainable_parameters(model)
@@ -329,10 +339,9 @@ def stream(
 
     streamed_head = None
     if stream_head:
-        softcap = anat.head_config.get("final_logit_softcapping")
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
                                      copy_stream=engine.copy_stream, rows=_head_rows(anat, head_rows),
-                                     softcap=float(softcap) if softcap else None)  # fmt: skip
+                                     math=anat.logit_math)  # fmt: skip
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
         anat.head.forward = lambda hidden: chunked_logits(hidden, streamed_head)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from narrows.core import DEFAULT_HEAD_ROWS
+from narrows.core import DEFAULT_HEAD_ROWS, LogitMath
 
 from .engine import TransferStats
 
@@ -27,9 +27,9 @@ class StreamedHead:
     trainable_weight = None
 
     def __init__(self, weight: Tensor, bias: Tensor | None, device: torch.device, *, stats: TransferStats,
-                 copy_stream: object | None, rows: int = DEFAULT_HEAD_ROWS, softcap: float | None = None):  # fmt: skip
+                 copy_stream: object | None, rows: int = DEFAULT_HEAD_ROWS, math: LogitMath | None = None):  # fmt: skip
         self.vocab_size, self.hidden_size = weight.shape
-        self.dtype, self.device, self.softcap = weight.dtype, device, softcap
+        self.dtype, self.device, self.math = weight.dtype, device, math or LogitMath()
         self.rows = min(rows, self.vocab_size)
         cuda = device.type == "cuda"
         self.host = weight.detach().to("cpu").contiguous()

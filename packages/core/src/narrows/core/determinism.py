@@ -1,0 +1,41 @@
+"""Deterministic kernels: the condition under which "bit-identical" is checkable on a GPU.
+
+Streamed training replays each layer exactly as resident training runs it, so the two are
+`torch.equal` whenever the resident run is itself reproducible. On CUDA it is not by
+default: SDPA's backward and some cuBLAS paths accumulate in a run-to-run varying order
+(measured on the H100: gradients differ by up to 3e-5 between two identical runs).
+`deterministic()` turns that off — ``torch.use_deterministic_algorithms(True)``, cuBLAS's
+fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, read when cuBLAS starts, so set it
+before the first GPU matmul: the CLI does so at start-up) and deterministic cuDNN. SDPA
+then picks its deterministic flash backward on Hopper, at no measured cost. On the CPU
+every kernel narrows uses is already deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+__all__ = ["deterministic", "is_deterministic"]
+
+log = logging.getLogger("narrows")
+
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def deterministic(enabled: bool = True) -> None:
+    """Make every kernel this process runs reproducible run to run (or stop insisting)."""
+    if enabled and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            log.warning("narrows: CUBLAS_WORKSPACE_CONFIG set after CUDA started; export "
+                        "CUBLAS_WORKSPACE_CONFIG=:4096:8 before launching for cuBLAS to honour it")  # fmt: skip
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic = enabled
+    torch.backends.cudnn.benchmark = False if enabled else torch.backends.cudnn.benchmark
+
+
+def is_deterministic() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
