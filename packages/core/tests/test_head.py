@@ -55,8 +55,8 @@ def test_head_source_is_resident_unless_one_is_attached():
     model = tiny_model("gemma2")
     src = head_source(model)
     assert isinstance(src, ResidentHead) and src.weight is anatomy_of(model).head.weight
-    assert src.softcap == model.config.final_logit_softcapping
-    assert head_source(tiny_model("llama")).softcap is None
+    assert src.math.softcap == model.config.final_logit_softcapping
+    assert head_source(tiny_model("llama")).math.identity
     attach_head_source(model, "sentinel")  # type: ignore[arg-type]
     assert head_source(model) == "sentinel"
 

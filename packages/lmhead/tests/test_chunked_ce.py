@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from narrows.core import ResidentHead
+from narrows.core import LogitMath, ResidentHead
 from narrows.lmhead import linear_cross_entropy, reference_cross_entropy
 
 # fp32: the tiles change only the summation order; bf16: logits and the per-tile gradient
@@ -29,13 +29,17 @@ def grads(loss, *tensors):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_rows,tile_bytes", [(16, 4 * 16 * 5), (101, 1 << 20), (7, 4 * 7 * 1)])
-@pytest.mark.parametrize("softcap", [None, 4.0])
+@pytest.mark.parametrize(
+    "math",
+    [LogitMath(), LogitMath(softcap=4.0), LogitMath(multiply=0.25), LogitMath(divide=8.0)],
+    ids=["plain", "softcap", "multiply", "divide"],
+)
 @pytest.mark.parametrize("bias", [False, True])
-def test_loss_and_hidden_gradient_match_the_reference(dtype, head_rows, tile_bytes, softcap, bias):
+def test_loss_and_hidden_gradient_match_the_reference(dtype, head_rows, tile_bytes, math, bias):
     hidden, head, targets, weights = case(dtype=dtype, bias=bias)
-    source = ResidentHead.of(head, softcap=softcap)
+    source = ResidentHead.of(head, math=math)
     ours = linear_cross_entropy(hidden, targets, source, weights, head_rows=head_rows, tile_bytes=tile_bytes)
-    ref = reference_cross_entropy(hidden, targets, head.weight, head.bias, weights, softcap)
+    ref = reference_cross_entropy(hidden, targets, head.weight, head.bias, weights, math)
     assert ours.dtype == torch.float32 and ours.shape == ()
     torch.testing.assert_close(ours, ref, **TOL[dtype])
     (g_ours,), (g_ref,) = grads(ours, hidden), grads(ref, hidden)
@@ -95,7 +99,7 @@ class HostLikeSource:
     vocabulary-chunk-outside, in two passes."""
 
     trainable_weight = None
-    softcap = None
+    math = LogitMath()
 
     def __init__(self, weight):
         self.inner = ResidentHead(weight)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import narrows.lmhead as lmh
-from narrows.core import ResidentHead
+from narrows.core import LogitMath, ResidentHead
 
 pytestmark = pytest.mark.gpu
 
@@ -17,9 +17,9 @@ def test_cuda_chunked_matches_reference(dtype, softcap):
     weight = (torch.randn(5000, 256, generator=g) * 0.05).to("cuda", dtype)
     targets = torch.randint(0, 5000, (1000,), generator=g).cuda()
     w = torch.full((1000,), 1e-3, device="cuda")
-    ours = lmh.linear_cross_entropy(hidden, targets, ResidentHead(weight, softcap=softcap), w, head_rows=1024,
+    ours = lmh.linear_cross_entropy(hidden, targets, ResidentHead(weight, math=LogitMath(softcap=softcap)), w, head_rows=1024,
                                     tile_bytes=1 << 20)  # fmt: skip
-    ref = lmh.reference_cross_entropy(hidden, targets, weight, None, w, softcap)
+    ref = lmh.reference_cross_entropy(hidden, targets, weight, None, w, LogitMath(softcap=softcap))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(ours, ref, **tol)
     (a,) = torch.autograd.grad(ours, hidden)
@@ -36,7 +36,7 @@ def test_cuda_fused_dispatch_matches_the_chunked_loss(softcap, mask):
     head = torch.nn.Linear(256, 5000, bias=False).to("cuda", torch.bfloat16)
     labels = torch.randint(0, 5000, (2, 300), generator=g).cuda()
     labels[0, :100] = -100
-    source = ResidentHead.of(head, softcap)
+    source = ResidentHead.of(head, LogitMath(softcap=softcap))
     out = {}
     for fused in ("off", "cce"):
         loss = lmh.causal_lm_loss(hidden, labels, source, lmh.LossOptions(mask=mask, fused=fused))

@@ -96,6 +96,8 @@ for _spec in (
     ArchitectureSpec("mixtral"),
     ArchitectureSpec("qwen2_moe"),
     ArchitectureSpec("qwen3_moe"),
+    ArchitectureSpec("llama4_text"),
+    ArchitectureSpec("gpt_oss"),
 ):
     register_architecture(_spec)
 
@@ -142,6 +144,11 @@ class Anatomy:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def config(self):
+        """The decoder's config (a multimodal model's text config): widths, vocabulary."""
+        return self.model.config.get_text_config()
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -226,7 +233,7 @@ def anatomy_of(model: nn.Module) -> Anatomy:
 
     missing: list[str] = []
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "model", None)
-    if not isinstance(decoder, nn.Module):
+    if not isinstance(decoder, nn.Module) or decoder is lm:  # Llama4ForCausalLM returns itself
         decoder = getattr(lm, "model", None)
     if not isinstance(decoder, nn.Module):
         raise UnsupportedArchitectureError(

@@ -80,6 +80,9 @@ def _add_finetune(sub) -> None:
     a("--save-every", type=int, help="checkpoint every N steps (default 10)")
     a("--eval-rows", type=int, help="held-out rows for the eval loss (default 32)")
     a("--exact-match", type=int, help="held-out GSM8K problems generated and scored (default 8; 0: off)")
+    a("--deterministic", action="store_true", default=None,
+      help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace): on CUDA the "
+      "condition for streamed == resident bit for bit; the CPU is deterministic anyway")  # fmt: skip
     a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
     a("--out", help="run folder (default runs/default)")
     a(

@@ -80,6 +80,7 @@ class FinetuneConfig:
     eval_rows: int = 32  # held-out rows used for the eval loss
     exact_match: int = 8  # held-out problems generated and scored (embedded default only)
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
+    deterministic: bool = False  # deterministic kernels: on CUDA, what makes runs reproducible bit for bit
     out: str = "runs/default"
 
     def check(self) -> None:
@@ -408,6 +409,10 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
     if not resume and run.config.exists():
         raise NarrowsError(f"{run.root} already holds a run; continue it with --resume {run.root} "
                            "or pick another --out")  # fmt: skip
+    if cfg.deterministic:  # before the first GPU kernel, so cuBLAS starts with its fixed workspace
+        from .determinism import deterministic
+
+        deterministic()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(cfg, device)
     t_setup = time.perf_counter()

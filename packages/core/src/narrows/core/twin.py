@@ -66,12 +66,12 @@ def _shrink_one(config: Any, layers: int) -> None:
             elif key.endswith("_layers") and all(isinstance(v, int) and 0 <= v < n for v in value):
                 setattr(config, key, type(value)(keep.index(v) for v in value if v in keep))  # layer indices
         config.num_hidden_layers = layers
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     for key, value in _WIDTHS.items():
         if isinstance(getattr(config, key, None), int):
             setattr(config, key, value)
-    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if isinstance(kv, int) and isinstance(heads, int):
-        config.num_key_value_heads = heads if kv >= heads else heads // 2
+    if isinstance(kv, int) and isinstance(heads, int):  # grouped-query attention stays grouped
+        config.num_key_value_heads = config.num_attention_heads // (1 if kv >= heads else 2)
     for key, cap in _CAPS.items():
         value = getattr(config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:

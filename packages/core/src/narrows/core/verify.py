@@ -120,7 +120,7 @@ def check_head(model: nn.Module) -> None:
 
     twin = shrunk_twin(model, dropout=None)
     anat = anatomy_of(twin)
-    vocab = anat.model.config.vocab_size
+    vocab = anat.config.vocab_size
     ids = (torch.arange(12) * 7 + 3).remainder(vocab).unsqueeze(0)
     source = head_source(twin)
     for mode in ("eval", "train"):

@@ -122,12 +122,12 @@ def _working_set(anat, options: LossOptions, tokens: int) -> int:
     """Bytes the loss holds at once: the hidden-state gradient, a gathered copy of the
     trainable rows (and its gradient), an fp32 gradient accumulator, and one tile; the
     full logits only when the loss is not chunked."""
-    hidden = anat.model.config.hidden_size
+    hidden = anat.config.hidden_size
     act = anat.head.weight.element_size()
     rows = tokens * hidden * (3 * act + 4)
     if not options.chunked:
-        return rows + tokens * anat.model.config.vocab_size * (2 * act + 10)
-    tile = min(options.tile_bytes, tokens * anat.model.config.vocab_size * 4)
+        return rows + tokens * anat.config.vocab_size * (2 * act + 10)
+    tile = min(options.tile_bytes, tokens * anat.config.vocab_size * 4)
     return rows + 2 * tile  # an fp32 tile and the matmul output it is cast from
 
 

@@ -25,7 +25,7 @@ def check_lmhead(model: nn.Module) -> None:
     from .api import apply
 
     twin = shrunk_twin(model, dropout=0.0)
-    vocab = twin.config.vocab_size
+    vocab = twin.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2, 12), generator=g)
     labels = ids.clone()

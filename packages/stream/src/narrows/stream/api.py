@@ -92,7 +92,7 @@ def _nbytes(tensors) -> int:
 
 
 def _shapes(anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
-    cfg = anat.model.config
+    cfg = anat.config
     act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
     return Shapes(
         layers=anat.num_layers,
@@ -133,7 +133,7 @@ def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool, stream_head: b
 
 
 def _head_rows(anat: Anatomy, rows: int | None) -> int:
-    return min(rows or DEFAULT_HEAD_ROWS, anat.model.config.vocab_size)
+    return min(rows or DEFAULT_HEAD_ROWS, anat.config.vocab_size)
 
 
 def _check_head(anat: Anatomy, head: str) -> bool:
@@ -319,7 +319,7 @@ def stream(
     stream_head = _check_head(anat, head)
 
     _no_checkpointing(model)
-    anat.model.config.use_cache = False  # the recompute would write a KV cache twice
+    anat.model.config.use_cache = anat.config.use_cache = False  # the recompute would write a KV cache twice
 
     host_embedding = _host_embedding(anat, stream_head)
     outside = _parts(model, anat, host_embedding, stream_head)

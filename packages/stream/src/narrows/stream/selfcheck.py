@@ -33,7 +33,7 @@ def _capture_layer_inputs(model: nn.Module, anat: Anatomy, device: torch.device)
         raise _Captured
 
     layer.forward = capture
-    ids = (torch.arange(8, device=device) * 7 + 3).remainder(anat.model.config.vocab_size).unsqueeze(0)
+    ids = (torch.arange(8, device=device) * 7 + 3).remainder(anat.config.vocab_size).unsqueeze(0)
     try:
         with torch.no_grad():
             model(input_ids=ids)

@@ -48,7 +48,7 @@ def _train(model: nn.Module, streamed: bool, device: torch.device) -> dict[str, 
     opt = torch.optim.AdamW([p for _, p in named], lr=1e-2)
     record: dict[str, Tensor] = {}
     torch.manual_seed(0)
-    batches = _batches(unwrap_model(model).config.vocab_size, device)
+    batches = _batches(unwrap_model(model).config.get_text_config().vocab_size, device)
     for step in range(2):
         for micro in range(2):
             loss = model(**batches[2 * step + micro]).loss / 2

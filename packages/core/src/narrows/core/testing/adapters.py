@@ -8,13 +8,15 @@ __all__ = ["ADAPTER_KINDS", "with_adapter"]
 
 ADAPTER_KINDS = ("none", "lora", "dora")
 
-_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_TARGETS = "all-linear"
 
 
 def with_adapter(
     model: nn.Module, kind: str, *, rank: int = 4, seed: int = 0, dropout: float = 0.0
 ) -> nn.Module:
-    """`model` wrapped by PEFT with LoRA or PEFT's DoRA on all seven projections.
+    """`model` wrapped by PEFT with LoRA or PEFT's DoRA on every linear layer but the head
+    (``target_modules="all-linear"``, what users pass; fused MoE expert weights are
+    parameters, not linear layers, so they stay frozen).
 
     lora_B is randomised (PEFT initialises it to zero) so the adapter path changes the
     output and any mistake in it shows.
@@ -26,7 +28,8 @@ def with_adapter(
 
     if kind not in ADAPTER_KINDS:
         raise ValueError(f"unknown adapter kind {kind!r}; choose one of {ADAPTER_KINDS}")
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=_TARGETS,
+    # Llama4's router subclasses nn.Linear but returns a tuple: PEFT cannot wrap it
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=_TARGETS, exclude_modules=["router"],
                      use_dora=kind == "dora", task_type="CAUSAL_LM")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
