@@ -64,7 +64,7 @@ def test_undeclared_logit_arithmetic_is_found_on_the_twin(monkeypatch):
     """Cohere multiplies its logits: without that declared, the head check refuses."""
     model = _fork("cohere", "my_cohere_fork")
     monkeypatch.setattr(anatomy_module, "KNOWN_LOGIT_OPS", ())
-    with pytest.raises(nc.UnsupportedArchitectureError, match="'head' check.*logits differ"):
+    with pytest.raises(nc.UnsupportedArchitectureError, match=r"'head' check.*logits differ"):
         nc.verify_architecture(model, "head")
     with pytest.raises(nc.UnsupportedArchitectureError):
         nc.anatomy_of(model)  # still refused

@@ -34,7 +34,9 @@ def train(
             loss = model(**batch).loss / grad_accum
             loss.backward()
             record["loss"].append(loss.detach().clone())
-        record["grad"] += [p.grad.detach().clone() for p in params]
+        record["grad"] += [
+            p.grad.detach().clone() for p in params if p.grad is not None
+        ]  # None: vision tower
         opt.step()
         opt.zero_grad()
     record["weight"] = [p.detach().clone() for p in params]

@@ -55,7 +55,8 @@ def _train(model: nn.Module, streamed: bool, device: torch.device) -> dict[str, 
             loss.backward()
             record[f"loss of step {step}, micro-batch {micro}"] = loss.detach().cpu()
         for n, p in named:
-            record[f"gradient of {n} at step {step}"] = p.grad.detach().cpu().clone()
+            if p.grad is not None:  # None: unused here (a multimodal model's vision adapters)
+                record[f"gradient of {n} at step {step}"] = p.grad.detach().cpu().clone()
         opt.step()
         opt.zero_grad()
     for n, p in named:
@@ -69,6 +70,8 @@ def check_stream(model: nn.Module) -> None:
     over = _overrides(model)
     resident = _train(shrunk_twin(model, **over), False, device)
     streamed = _train(shrunk_twin(model, **over), True, device)
+    if resident.keys() != streamed.keys():
+        raise ArchitectureCheckError("streamed and resident training updated different adapter parameters")
     for key, a in resident.items():
         b = streamed[key]
         if not torch.equal(a, b):

@@ -1,0 +1,166 @@
+"""Stream parity on every announced architecture (float and NF4 bases, adapter dropout,
+gradient accumulation), MoE router logits with their aux loss, and the twin check that
+guards architectures narrows does not announce."""
+
+import pytest
+from helpers import assert_identical, build, train
+
+import narrows.core as nc
+import narrows.core.anatomy as anatomy_module
+from narrows.core.testing import TINY_ARCHITECTURES
+from narrows.core.verify import _PASSED
+from narrows.stream import sideouts
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+NEW = tuple(
+    a for a in TINY_ARCHITECTURES if a not in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+)
+
+
+def _dropout(arch: str, want: float) -> float:
+    """`want`, unless PEFT refuses dropout on this model's targets (fused MoE expert
+    parameters in Qwen3-MoE and gpt-oss: lora.ParamWrapper)."""
+    try:
+        build(arch, dropout=want)
+    except ValueError as e:
+        assert "lora_dropout" in str(e)
+        return 0.0
+    return want
+
+
+@pytest.mark.parametrize("base", ["float", pytest.param("nf4", marks=pytest.mark.bnb)])
+@pytest.mark.parametrize("arch", NEW)
+def test_streamed_equals_resident(arch, base):
+    cfg = dict(arch=arch, base=base, dropout=_dropout(arch, 0.05))
+    assert_identical(
+        train(build(**cfg), steps=2, grad_accum=2),
+        train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={}),
+    )
+
+
+@pytest.mark.parametrize("base", ["float", pytest.param("nf4", marks=pytest.mark.bnb)])
+@pytest.mark.parametrize("arch", ["phi3", "cohere"])
+def test_peft_dora_streamed_equals_resident(arch, base):
+    cfg = dict(arch=arch, base=base, kind="dora", dropout=0.05)
+    assert_identical(
+        train(build(**cfg), steps=2, grad_accum=2),
+        train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={}),
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_sdpa_attention_streamed_equals_resident(arch):
+    """The default attention (SDPA), not only the eager reference kernel."""
+
+    def sdpa(**cfg):
+        model = build(**cfg)
+        model.set_attn_implementation("sdpa")
+        return model
+
+    cfg = dict(arch=arch, dropout=0.05)
+    assert_identical(train(sdpa(**cfg), grad_accum=2), train(sdpa(**cfg), grad_accum=2, stream_kwargs={}))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+@pytest.mark.parametrize("arch", MOE)
+def test_router_aux_loss_gradient_flows_through_streamed_layers(arch, dropout):
+    cfg = dict(
+        arch=arch, dropout=_dropout(arch, dropout), output_router_logits=True, router_aux_loss_coef=0.02
+    )
+    resident = train(build(**cfg), steps=2, grad_accum=2)
+    assert_identical(resident, train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={}))
+
+
+def test_without_side_outputs_the_aux_loss_gradient_would_be_lost(monkeypatch):
+    """The mechanism is what makes the MoE test pass: with hooks not carried, it differs."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def not_carried(self, *, forward):
+        self.originals, self.stand_ins = [], []
+        yield
+
+    monkeypatch.setattr(sideouts.SideOutputs, "collecting", not_carried)
+    cfg = dict(arch="mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_identical(train(build(**cfg), steps=1), train(build(**cfg), steps=1, stream_kwargs={}))
+
+
+def test_a_hook_that_replaces_an_output_is_refused():
+    import narrows.stream as ns
+
+    model = build("llama")
+    nc.anatomy_of(model).layers[0].mlp.register_forward_hook(lambda m, a, out: out * 1.0)
+    with pytest.raises(ns.StreamSetupError, match="replaces the module's output"):
+        train(model, steps=1, stream_kwargs={"check": False})
+
+
+@pytest.fixture
+def forget_verified():
+    yield
+    anatomy_module._VERIFIED.clear()
+    _PASSED.clear()
+
+
+def _posing(arch: str, name: str, **overrides):
+    model = build(arch, dropout=_dropout(arch, 0.05), **overrides)
+    model.config.model_type = name
+    return model
+
+
+def test_an_unannounced_architecture_streams_after_its_twin_passes(forget_verified, caplog):
+    import narrows.stream as ns
+
+    model = _posing("mixtral", "my_moe")
+    ns.stream(model, device="cpu")
+    assert "passed head, stream on its twin" in caplog.text and not nc.anatomy_of(model).announced
+
+
+def test_an_unannounced_architecture_that_differs_streamed_is_refused(forget_verified, monkeypatch):
+    from contextlib import contextmanager
+
+    import narrows.stream as ns
+
+    @contextmanager
+    def not_carried(self, *, forward):
+        self.originals, self.stand_ins = [], []
+        yield
+
+    monkeypatch.setattr(sideouts.SideOutputs, "collecting", not_carried)
+    with pytest.raises(
+        nc.UnsupportedArchitectureError, match=r"'stream' check: streamed and resident .* gradient"
+    ):
+        ns.stream(_posing("mixtral", "my_moe"), device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arch):
+    import torch
+
+    nc.deterministic()
+    try:
+
+        def model():
+            m = build(arch, dtype=torch.bfloat16, dropout=_dropout(arch, 0.05))
+            if arch != "gpt_oss":  # transformers has no SDPA path for gpt-oss (attention sinks): eager
+                m.set_attn_implementation("sdpa")
+            return m
+
+        resident = model().to("cuda")
+        assert_identical(
+            train(resident, grad_accum=2, device="cuda"),
+            train(model(), grad_accum=2, device="cuda", stream_kwargs={"deterministic": True}),
+        )
+    finally:
+        nc.deterministic(False)
+
+
+@pytest.mark.gpu
+def test_cuda_an_unannounced_architecture_passes_its_twin_check_with_deterministic_kernels(forget_verified):
+    import narrows.stream as ns
+
+    try:
+        ns.stream(_posing("qwen3", "my_fork"), device="cuda", deterministic=True)
+    finally:
+        nc.deterministic(False)
