@@ -71,6 +71,29 @@ def test_router_aux_loss_gradient_flows_through_streamed_layers(arch, dropout):
     assert_identical(resident, train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={}))
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_router_aux_loss_with_dropout_on_attention_adapters(arch):
+    """Where PEFT refuses dropout on fused experts, adapters on attention alone take it."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from narrows.core.testing import tiny_model
+
+    def model():
+        base = tiny_model(arch, output_router_logits=True, router_aux_loss_coef=0.02)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            m = get_peft_model(base, LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj", "v_proj"]))
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.data.normal_(0, 0.05)
+        return m.train()
+
+    assert_identical(
+        train(model(), steps=2, grad_accum=2), train(model(), steps=2, grad_accum=2, stream_kwargs={})
+    )
+
+
 def test_without_side_outputs_the_aux_loss_gradient_would_be_lost(monkeypatch):
     """The mechanism is what makes the MoE test pass: with hooks not carried, it differs."""
     from contextlib import contextmanager
