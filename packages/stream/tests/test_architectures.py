@@ -109,6 +109,27 @@ def test_without_side_outputs_the_aux_loss_gradient_would_be_lost(monkeypatch):
         assert_identical(train(build(**cfg), steps=1), train(build(**cfg), steps=1, stream_kwargs={}))
 
 
+def test_a_streamed_layer_keeps_no_reference_to_its_inner_graph():
+    """Carrying side outputs must not keep the layer's inner graph alive: the recorded
+    originals would hold every activation the layer saved and undo rematerialisation."""
+    import narrows.stream as ns
+    from narrows.core.testing import tiny_batch
+
+    model = build("mixtral", output_router_logits=True, router_aux_loss_coef=0.02)
+    ns.stream(model, device="cpu", check=False)
+    sides = [
+        cell.cell_contents
+        for layer in nc.anatomy_of(model).layers
+        for cell in layer.forward.__closure__
+        if isinstance(cell.cell_contents, sideouts.SideOutputs)
+    ]
+    out = model(**tiny_batch())
+    assert len(out.router_logits) == 3 and all(t.grad_fn is not None for t in out.router_logits)
+    assert len(sides) == 3 and all(not s.originals and not s.stand_ins for s in sides)
+    out.loss.backward()
+    assert all(not s.originals and not s.stand_ins for s in sides)
+
+
 def test_a_hook_that_replaces_an_output_is_refused():
     import narrows.stream as ns
 

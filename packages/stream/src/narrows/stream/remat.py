@@ -62,10 +62,11 @@ class StreamedLayer(torch.autograd.Function):
                 call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
             out = _run(call, h).detach()
-        ctx.call, ctx.n_side = call, len(call.side.stand_ins)
+        side = call.side.take_stand_ins()
+        ctx.call, ctx.n_side = call, len(side)
         ctx.save_for_backward(hidden)
         ctx.set_materialize_grads(False)
-        return (out, *call.side.stand_ins)
+        return (out, *side)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, *grad_side: Tensor | None):

@@ -89,3 +89,11 @@ class SideOutputs:
         finally:
             for hooks, key, hook in saved:
                 hooks[key] = hook
+            # the originals hold the layer's inner graph (and every activation it saved):
+            # never keep them past the run, or rematerialisation would save nothing
+            self.originals = []
+
+    def take_stand_ins(self) -> list[Tensor]:
+        """The forward's stand-ins, handed over once (this object keeps no reference)."""
+        stand_ins, self.stand_ins = self.stand_ins, []
+        return stand_ins
