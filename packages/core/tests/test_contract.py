@@ -15,16 +15,29 @@ from narrows.core.testing import (
 BASES = ["float", pytest.param("nf4", marks=pytest.mark.bnb)]
 
 
+# every adapter kind on the first six and on two of the others; LoRA (float and NF4) on all
+CASES = [
+    (arch, kind)
+    for arch in TINY_ARCHITECTURES
+    for kind in ADAPTER_KINDS
+    if kind == "lora" or arch in (*TINY_ARCHITECTURES[:6], "phi3", "cohere")
+]
+
+
 @pytest.mark.parametrize("base", BASES)
-@pytest.mark.parametrize("kind", ADAPTER_KINDS)
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch,kind", CASES)
 def test_contract(arch, kind, base):
     model = tiny_model(arch)
     if base == "nf4":
         quantize_nf4(model)
     if kind == "none":
         model.requires_grad_(False)  # a fully frozen base: every tensor is a slot
-    model = with_adapter(model, kind)
+    try:
+        model = with_adapter(model, kind)
+    except ValueError as e:  # PEFT: fused MoE experts (lora.ParamWrapper) take no DoRA
+        if "ParamWrapper does not work with use_dora" not in str(e):
+            raise
+        pytest.skip(f"PEFT refuses it: {e}")
     run_contract(model, tiny_batch(), variant=None if kind == "none" else kind)
 
 

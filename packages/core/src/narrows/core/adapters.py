@@ -148,15 +148,24 @@ class PeftLoraAdapter:
         return module.get_base_layer()
 
     def trainable(self, module: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
+        """Also those of LoRA layers nested as ``base_layer`` (PEFT wraps one parameter per
+        ``ParamWrapper``: fused MoE experts get one wrapper inside another)."""
+        from peft.tuners.lora import LoraLayer
+
         out: dict[str, tuple[str, nn.Parameter]] = {}
-        for attr, role in self._ROLES.items():
-            container = getattr(module, attr, None)
-            if container is None:
-                continue
-            for pname, p in container.named_parameters(prefix=attr):
-                if p.requires_grad:
-                    out[pname] = (role, p)
-        return out
+        prefix = ""
+        while True:
+            for attr, role in self._ROLES.items():
+                container = getattr(module, attr, None)
+                if container is None:
+                    continue
+                for pname, p in container.named_parameters(prefix=prefix + attr):
+                    if p.requires_grad:
+                        out[pname] = (role, p)
+            inner = getattr(module, "base_layer", None)
+            if not isinstance(inner, LoraLayer):
+                return out
+            module, prefix = inner, prefix + "base_layer."
 
     def variant(self, module: nn.Module) -> str:
         active = module.active_adapters

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
 __all__ = ["ADAPTER_KINDS", "with_adapter"]
@@ -9,14 +11,18 @@ __all__ = ["ADAPTER_KINDS", "with_adapter"]
 ADAPTER_KINDS = ("none", "lora", "dora")
 
 _TARGETS = "all-linear"
+# Llama4's router subclasses nn.Linear but returns a tuple (PEFT cannot wrap it); a
+# multimodal model's vision tower gets no gradient from text-only batches
+_EXCLUDE = r".*(\.router|vision_tower\..*|multi_modal_projector\..*)"
 
 
 def with_adapter(
     model: nn.Module, kind: str, *, rank: int = 4, seed: int = 0, dropout: float = 0.0
 ) -> nn.Module:
     """`model` wrapped by PEFT with LoRA or PEFT's DoRA on every linear layer but the head
-    (``target_modules="all-linear"``, what users pass; fused MoE expert weights are
-    parameters, not linear layers, so they stay frozen).
+    (``target_modules="all-linear"``, what users pass; for Mixtral and Qwen3-MoE PEFT also
+    adapts the fused expert parameters, through ``lora.ParamWrapper``, which takes neither
+    dropout nor DoRA).
 
     lora_B is randomised (PEFT initialises it to zero) so the adapter path changes the
     output and any mistake in it shows.
@@ -28,8 +34,8 @@ def with_adapter(
 
     if kind not in ADAPTER_KINDS:
         raise ValueError(f"unknown adapter kind {kind!r}; choose one of {ADAPTER_KINDS}")
-    # Llama4's router subclasses nn.Linear but returns a tuple: PEFT cannot wrap it
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=_TARGETS, exclude_modules=["router"],
+    exclude = _EXCLUDE if any(re.fullmatch(_EXCLUDE, n) for n, _ in model.named_modules()) else None
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=_TARGETS, exclude_modules=exclude,
                      use_dora=kind == "dora", task_type="CAUSAL_LM")  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

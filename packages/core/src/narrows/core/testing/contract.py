@@ -120,8 +120,10 @@ def check_adapter_views(model: nn.Module, variant: str, expected_layers: int) ->
         assert v.variant == variant, f"{v.name}: variant {v.variant!r}, expected {variant!r}"
         roles = {role for role, _ in v.trainable.values()}
         assert roles == want, f"{v.name}: trainable roles {sorted(roles)}, expected {sorted(want)}"
-        base_w = v.base.weight
-        assert any(s.kind == "parameter" and s.owner is base_w for s in v.frozen_slots()), (
+        # the base's weights (a Linear's weight, a fused MoE block's expert tensors) are frozen slots
+        owners = {id(s.owner) for s in v.frozen_slots() if s.kind == "parameter"}
+        base_ws = [p for p in v.base.parameters(recurse=False)]
+        assert base_ws and all(id(p) in owners for p in base_ws), (
             f"{v.name}: base weight is not a frozen slot"
         )
 
