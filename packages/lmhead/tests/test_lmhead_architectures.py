@@ -16,9 +16,16 @@ def _loss_and_grads(model, batch):
     return [loss.detach(), *(g for g in grads if g is not None)]
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
-def test_training_loss_is_the_models_own_loss(arch):
-    model = with_adapter(tiny_model(arch), "lora").train()
+CASES = [(a, {}) for a in TINY_ARCHITECTURES] + [
+    (a, {"output_router_logits": True})
+    for a in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4_text")
+]
+
+
+@pytest.mark.parametrize("arch,config", CASES, ids=lambda c: "+router-aux" if c else None)
+def test_training_loss_is_the_models_own_loss(arch, config):
+    """Router logits on: the model adds its load-balancing loss, and so must narrows."""
+    model = with_adapter(tiny_model(arch, **config), "lora").train()
     batch = tiny_batch(vocab=model.config.get_text_config().vocab_size)
     own = _loss_and_grads(model, batch)
     lmh.apply(model)

@@ -64,7 +64,7 @@ from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
 from .slots import FrozenSlot, assign, copies, frozen_slots, pointed_at, snapshot, trainable_parameters
 
 # architecture checks
-from .twin import shrink_config, shrunk_twin
+from .twin import shrink_config, shrunk_twin, side_output_overrides
 from .verify import (
     ArchitectureCheckError,
     ensure_architecture,
@@ -128,6 +128,7 @@ __all__ = [
     "set_loss_working_set",
     "shrink_config",
     "shrunk_twin",
+    "side_output_overrides",
     "snapshot",
     "supported_architectures",
     "trainable_parameters",

@@ -18,7 +18,7 @@ from torch import nn
 from .anatomy import unwrap_model
 from .nf4 import is_nf4_linear, quantize_nf4
 
-__all__ = ["shrink_config", "shrunk_twin"]
+__all__ = ["shrink_config", "shrunk_twin", "side_output_overrides"]
 
 # width fields and their shrunk values (set only where the config has the field)
 _WIDTHS = {
@@ -96,6 +96,18 @@ def shrink_config(config: Any, *, layers: int = 2) -> Any:
         if sub is not None and hasattr(sub, "to_dict"):
             _shrink_one(sub, layers if key == "text_config" else 1)
     return config
+
+
+def side_output_overrides(model: nn.Module) -> dict[str, object]:
+    """Config overrides that make a twin produce every side output its class can (MoE
+    router logits with a nonzero aux-loss coefficient), so checks see those paths too."""
+    config = unwrap_model(model).config.get_text_config()
+    over: dict[str, object] = {}
+    if hasattr(config, "output_router_logits"):
+        over["output_router_logits"] = True
+        if not getattr(config, "router_aux_loss_coef", 0):
+            over["router_aux_loss_coef"] = 0.02
+    return over
 
 
 def _is_nf4(model: nn.Module) -> bool:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from narrows.core import anatomy_of, ensure_architecture, head_source, set_loss_working_set
 
+from .aux import router_aux_loss
 from .loss import LossOptions, causal_lm_loss
 from .topk import neighbour_table
 
@@ -98,7 +99,10 @@ def apply(
                               num_items_in_batch=num_items, shift_labels=shift_labels,
                               neighbours=neighbours if training else None,
                               stats=handle.subset_sizes if training else None)  # fmt: skip
-        return _output(loss, out)
+        aux = router_aux_loss(lm, out, kwargs.get("output_router_logits"), kwargs.get("attention_mask"))
+        if aux is not None:  # as the model's own forward adds it
+            loss = loss + lm.router_aux_loss_coef * aux.to(loss.device)
+        return _output(loss, out, aux)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     lm.forward = forward
@@ -131,13 +135,16 @@ def _working_set(anat, options: LossOptions, tokens: int) -> int:
     return rows + 2 * tile  # an fp32 tile and the matmul output it is cast from
 
 
-def _output(loss: Tensor, out: Any) -> Any:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _output(loss: Tensor, out: Any, aux: Tensor | None = None) -> Any:
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-    return CausalLMOutputWithPast(
+    common = dict(
         loss=loss,
         logits=None,
         past_key_values=getattr(out, "past_key_values", None),
         hidden_states=getattr(out, "hidden_states", None),
         attentions=getattr(out, "attentions", None),
     )
+    if getattr(out, "router_logits", None) is not None:
+        return MoeCausalLMOutputWithPast(**common, aux_loss=aux, router_logits=out.router_logits)
+    return CausalLMOutputWithPast(**common)

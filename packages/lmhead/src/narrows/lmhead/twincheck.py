@@ -1,13 +1,14 @@
 """narrows-lmhead's check for an unannounced architecture (core's `verify`): on the shrunk
 twin, the loss narrows-lmhead computes in training equals the model's own loss (and its
-eval-mode loss), and so do the adapter gradients, up to summation order."""
+eval-mode loss), and so do the adapter gradients, up to summation order — MoE router
+logits and their aux loss turned on where the class has them."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from narrows.core import ArchitectureCheckError, shrunk_twin, trainable_parameters
+from narrows.core import ArchitectureCheckError, shrunk_twin, side_output_overrides, trainable_parameters
 
 __all__ = ["check_lmhead"]
 
@@ -24,7 +25,7 @@ def _loss_and_grads(model: nn.Module, batch: dict) -> list[torch.Tensor]:
 def check_lmhead(model: nn.Module) -> None:
     from .api import apply
 
-    twin = shrunk_twin(model, dropout=0.0)
+    twin = shrunk_twin(model, dropout=0.0, **side_output_overrides(model))
     vocab = twin.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2, 12), generator=g)

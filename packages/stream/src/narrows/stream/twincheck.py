@@ -8,19 +8,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from narrows.core import ArchitectureCheckError, shrunk_twin, unwrap_model
+from narrows.core import ArchitectureCheckError, shrunk_twin, side_output_overrides, unwrap_model
 
 __all__ = ["check_stream"]
-
-
-def _overrides(model: nn.Module) -> dict[str, object]:
-    config = unwrap_model(model).config
-    over: dict[str, object] = {}
-    if hasattr(config, "output_router_logits"):  # side outputs: the router's aux loss
-        over["output_router_logits"] = True
-        if not getattr(config, "router_aux_loss_coef", 0):
-            over["router_aux_loss_coef"] = 0.02
-    return over
 
 
 def _batches(vocab: int, device: torch.device) -> list[dict[str, Tensor]]:
@@ -67,7 +57,7 @@ def _train(model: nn.Module, streamed: bool, device: torch.device) -> dict[str, 
 def check_stream(model: nn.Module) -> None:
     """Streamed == resident on the twin of `model`, or ArchitectureCheckError naming the first difference."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    over = _overrides(model)
+    over = side_output_overrides(model)
     resident = _train(shrunk_twin(model, **over), False, device)
     streamed = _train(shrunk_twin(model, **over), True, device)
     if resident.keys() != streamed.keys():
