@@ -83,7 +83,9 @@ for _spec in (
     ArchitectureSpec("qwen3"),
     ArchitectureSpec("gemma2", logits=_SOFTCAP),
     ArchitectureSpec("gemma3_text", logits=_SOFTCAP),
-    ArchitectureSpec("gemma3", logits=_SOFTCAP),  # the text tower of Gemma3ForConditionalGeneration
+    # the text tower of Gemma3ForConditionalGeneration: it applies no final softcapping
+    # (only Gemma3ForCausalLM, model_type gemma3_text, does)
+    ArchitectureSpec("gemma3"),
     ArchitectureSpec("phi3"),
     ArchitectureSpec("phi"),
     ArchitectureSpec("olmo2"),

@@ -137,8 +137,8 @@ def shrunk_twin(
 
     lm = unwrap_model(model)
     config = shrink_config(lm.config)
-    for key, value in config_overrides.items():
-        setattr(config, key, value)
+    for key, value in config_overrides.items():  # on the text config where only it has the field
+        setattr(config if hasattr(config, key) else config.get_text_config(), key, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         twin = type(lm)._from_config(config, dtype=torch.float32)
