@@ -1,5 +1,7 @@
 """Shared by every test directory: GPU- and bitsandbytes-marked tests skip cleanly when
-the machine or the environment lacks them (markers are registered in pyproject.toml)."""
+the machine or the environment lacks them (markers are registered in pyproject.toml), and
+every test runs with deterministic kernels (narrows.core.deterministic's condition for
+bit-identical results), so a test that needs nondeterminism to pass cannot."""
 
 import importlib.util
 import os
@@ -9,6 +11,13 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def pytest_configure(config):
+    import torch
+
+    torch.use_deterministic_algorithms(True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -182,6 +182,7 @@ def test_an_unannounced_architecture_that_differs_streamed_is_refused(forget_ver
 def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arch):
     import torch
 
+    before = torch.are_deterministic_algorithms_enabled()
     nc.deterministic()
     try:
 
@@ -197,14 +198,17 @@ def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arc
             train(model(), grad_accum=2, device="cuda", stream_kwargs={"deterministic": True}),
         )
     finally:
-        nc.deterministic(False)
+        nc.deterministic(before)
 
 
 @pytest.mark.gpu
 def test_cuda_an_unannounced_architecture_passes_its_twin_check_with_deterministic_kernels(forget_verified):
+    import torch
+
     import narrows.stream as ns
 
+    before = torch.are_deterministic_algorithms_enabled()
     try:
         ns.stream(_posing("qwen3", "my_fork"), device="cuda", deterministic=True)
     finally:
-        nc.deterministic(False)
+        nc.deterministic(before)

@@ -41,10 +41,11 @@ QWEN2 = dict(_IDS, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4
 
 @pytest.fixture(autouse=True)
 def _restore_determinism():
-    """`deterministic=True` switches process-wide state: switch it back off after each test."""
+    """`deterministic=True` switches process-wide state: restore it after each test."""
     cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    before = torch.are_deterministic_algorithms_enabled()
     yield
-    torch.use_deterministic_algorithms(False)
+    torch.use_deterministic_algorithms(before)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
     gc.collect()  # a streamed model holds itself in cycles (its refusing `.to`): free its pinned slabs now
     if torch.cuda.is_available():
