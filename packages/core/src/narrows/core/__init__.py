@@ -35,7 +35,7 @@ from .anatomy import (
     supported_architectures,
     unwrap_model,
 )
-from .determinism import deterministic, is_deterministic
+from .determinism import deterministic
 
 # errors
 from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
@@ -111,7 +111,6 @@ __all__ = [
     "frozen_slots",
     "head_source",
     "is_announced",
-    "is_deterministic",
     "is_nf4_linear",
     "loss_working_set",
     "measure_peaks",

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-__all__ = ["deterministic", "is_deterministic"]
+__all__ = ["deterministic"]
 
 log = logging.getLogger("narrows")
 
@@ -34,8 +34,5 @@ def deterministic(enabled: bool = True) -> None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled
-    torch.backends.cudnn.benchmark = False if enabled else torch.backends.cudnn.benchmark
-
-
-def is_deterministic() -> bool:
-    return torch.are_deterministic_algorithms_enabled()
+    if enabled:
+        torch.backends.cudnn.benchmark = False  # autotuning picks kernels run by run

@@ -28,6 +28,7 @@ from .anatomy import (
 )
 from .errors import UnsupportedArchitectureError
 from .head import head_source
+from .twin import shrunk_twin
 
 __all__ = [
     "ArchitectureCheckError",
@@ -60,8 +61,6 @@ def verify_architecture(model: nn.Module, *checks: str) -> list[str]:
     """Run the named checks (default: every registered one) on twins of `model`; return
     the names that passed, or raise `UnsupportedArchitectureError` saying what differed.
     Passing accepts the model type for the rest of the process."""
-    from .twin import shrunk_twin
-
     names = list(checks) or sorted(_CHECKS)
     unknown = [n for n in names if n not in _CHECKS]
     if unknown:
@@ -117,8 +116,6 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 def check_head(model: nn.Module) -> None:
     """The head hook (weight, bias, LogitMath) gives the model's own logits, train and eval."""
-    from .twin import shrunk_twin
-
     twin = shrunk_twin(model, dropout=None)
     anat = anatomy_of(twin)
     vocab = anat.config.vocab_size
