@@ -23,7 +23,7 @@ from ._env import require
 from .anatomy import anatomy_of
 from .errors import NarrowsError
 
-__all__ = ["NF4Rows", "disable_cpu_repacking", "is_nf4_linear", "nf4_rows", "quantize_nf4"]
+__all__ = ["NF4Rows", "disable_cpu_repacking", "is_nf4_linear", "nf4_rows", "quantize_layer_nf4", "quantize_nf4"]
 
 
 def is_nf4_linear(module: nn.Module) -> bool:
@@ -89,51 +89,68 @@ def quantize_nf4(
     device never holds more than one layer). The model is flagged
     ``is_loaded_in_4bit`` so PEFT picks its 4-bit LoRA layer, as for a hub-loaded QLoRA base.
     """
-    bnb = require("bitsandbytes", "NF4 quantisation")
+    require("bitsandbytes", "NF4 quantisation")
     anat = anatomy_of(model)
     if compute_dtype is None:
         compute_dtype = next(p.dtype for p in anat.layers.parameters() if p.is_floating_point())
     n = 0
     for lpath, layer in zip(anat.layer_paths, anat.layers):
-        before = n
-        for name, child in list(layer.named_modules()):
-            if type(child) is not nn.Linear or not filter_fn(f"{lpath}.{name}", child):
-                continue
-            dev = torch.device(device) if device is not None else child.weight.device
-            q = bnb.nn.Linear4bit(
-                child.in_features,
-                child.out_features,
-                bias=child.bias is not None,
-                compute_dtype=compute_dtype,
-                compress_statistics=double_quant,
-                quant_type="nf4",
-                device="meta",
-            )
-            q.weight = bnb.nn.Params4bit(
-                child.weight.data,
-                requires_grad=False,
-                blocksize=blocksize,
-                compress_statistics=double_quant,
-                quant_type="nf4",
-                module=q,
-            ).to(dev)
-            if child.bias is not None:
-                # same dtype as the compute: Linear4bit otherwise re-casts the bias storage
-                # inside forward, which would move it out from under a frozen slot
-                q.bias = nn.Parameter(
-                    child.bias.data.to(device=dev, dtype=compute_dtype), requires_grad=False
-                )
-            q.support_avx512bf16_for_cpu = False
-            q.train(child.training)
-            parent_name, _, attr = name.rpartition(".")
-            setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, q)
-            n += 1
-        if park is not None and n > before:
-            layer.to(park)
+        n += quantize_layer_nf4(layer, lpath, compute_dtype=compute_dtype, double_quant=double_quant,
+                                blocksize=blocksize, filter_fn=filter_fn, device=device, park=park)  # fmt: skip
     if n == 0:
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
     anat.model.is_loaded_in_4bit = True
     return model
+
+
+def quantize_layer_nf4(
+    layer: nn.Module,
+    prefix: str,
+    *,
+    compute_dtype: torch.dtype,
+    double_quant: bool = True,
+    blocksize: int = 64,
+    filter_fn: Callable[[str, nn.Linear], bool] = _default_filter,
+    device: torch.device | str | None = None,
+    park: torch.device | str | None = None,
+) -> int:
+    """Quantise the ``nn.Linear`` modules of one decoder layer (see `quantize_nf4`; the
+    block-streamed loader calls this as each layer arrives). Returns how many."""
+    bnb = require("bitsandbytes", "NF4 quantisation")
+    n = 0
+    for name, child in list(layer.named_modules()):
+        if type(child) is not nn.Linear or not filter_fn(f"{prefix}.{name}", child):
+            continue
+        dev = torch.device(device) if device is not None else child.weight.device
+        q = bnb.nn.Linear4bit(
+            child.in_features,
+            child.out_features,
+            bias=child.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            device="meta",
+        )
+        q.weight = bnb.nn.Params4bit(
+            child.weight.data,
+            requires_grad=False,
+            blocksize=blocksize,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            module=q,
+        ).to(dev)
+        if child.bias is not None:
+            # same dtype as the compute: Linear4bit otherwise re-casts the bias storage
+            # inside forward, which would move it out from under a frozen slot
+            q.bias = nn.Parameter(child.bias.data.to(device=dev, dtype=compute_dtype), requires_grad=False)
+        q.support_avx512bf16_for_cpu = False
+        q.train(child.training)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, q)
+        n += 1
+    if park is not None and n:
+        layer.to(park)
+    return n
 
 
 @dataclass(frozen=True)
