@@ -83,7 +83,9 @@ class CheckpointFolder:
         self.path = Path(path).expanduser()
         config = self.path / "config.json"
         if not config.is_file():
-            raise NarrowsError(f"{str(self.path)!r} has no config.json; it is not a Hugging Face model folder.")
+            raise NarrowsError(
+                f"{str(self.path)!r} has no config.json; it is not a Hugging Face model folder."
+            )
         self.config: dict[str, Any] = json.loads(config.read_text())
         self.shards = [_read_header(p) for p in self._shard_paths()]
         self.tensors: dict[str, TensorInfo] = {}
@@ -109,7 +111,11 @@ class CheckpointFolder:
         if others:
             return others
         bins = sorted(self.path.glob("*.bin"))
-        hint = " It holds PyTorch .bin files: re-save it with save_pretrained(safe_serialization=True)." if bins else ""
+        hint = (
+            " It holds PyTorch .bin files: re-save it with save_pretrained(safe_serialization=True)."
+            if bins
+            else ""
+        )
         raise NarrowsError(f"{self.path} holds no *.safetensors weights.{hint}")
 
     # --- quantisation --------------------------------------------------------------------

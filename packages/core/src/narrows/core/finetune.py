@@ -209,12 +209,6 @@ def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: t
     from peft import LoraConfig, get_peft_model
 
     target_modules = _check_targets(model, cfg.targets)
-    if cfg.quant == "nf4":  # layer by layer on the device; a streamed base goes back to the CPU
-        from .nf4 import quantize_nf4
-
-        quantize_nf4(
-            model, compute_dtype=dtype, device=device, park="cpu" if cfg.gpu_budget != "off" else device
-        )
     _seed_all(cfg.seed)  # the adapter's initialisation
     lora = LoraConfig(
         r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, lora_dropout=cfg.dropout,
@@ -424,7 +418,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
         from .bundled import smollm2_gguf
 
         model_path = str(smollm2_gguf())
-    model, tokenizer = load_causal_lm(model_path, dtype=dtype)
+    model, tokenizer = load_causal_lm(model_path, dtype=dtype, quant=cfg.quant, device=device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     train, evals, em_rows = _load_data(cfg, tokenizer)
     model = _build(cfg, model, device, dtype)

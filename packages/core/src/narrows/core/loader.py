@@ -58,7 +58,9 @@ def read_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor:
     with open(info.file, "rb") as f:
         f.seek(info.offset)
         if f.readinto(memoryview(buf.numpy())) != info.nbytes:
-            raise NarrowsError(f"{info.file} ended while reading {name!r}; the file is truncated, re-download it")
+            raise NarrowsError(
+                f"{info.file} ended while reading {name!r}; the file is truncated, re-download it"
+            )
     return buf.view(_DTYPES[info.dtype]).reshape(info.shape)
 
 
@@ -130,10 +132,7 @@ def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
             log.warning("narrows: checkpoint tensor %r is not used by %s", key, type(model).__name__)
             continue
         covered.add(target)
-        if key in folder.prequantized:
-            shape = tuple(_bnb_state(folder, key)["shape"])
-        else:
-            shape = info.shape
+        shape = tuple(_bnb_state(folder, key)["shape"]) if key in folder.prequantized else info.shape
         expect = tuple(mapping.meta[target].shape)
         if not converted and shape != expect:
             raise NarrowsError(
@@ -177,7 +176,9 @@ def _load_float(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str]
             hf_logging.enable_progress_bar()
     problems = list(info.mismatched_keys) + list(info.conversion_errors.items())
     if problems:
-        raise NarrowsError(f"{folder.path}: could not load {problems[0]!r}; the weights do not fit config.json")
+        raise NarrowsError(
+            f"{folder.path}: could not load {problems[0]!r}; the weights do not fit config.json"
+        )
 
 
 def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str],
@@ -198,7 +199,9 @@ def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[st
                 f"blocksize {blocksize}, {data.numel()} packed bytes); the checkpoint is damaged or was written "
                 "by another tool. narrows loads NF4 checkpoints saved by transformers + bitsandbytes."
             )
-        stats = {f"{s}": read_tensor(folder, f"{key}.{s}") for s in BNB_STATS if f"{key}.{s}" in folder.tensors}
+        stats = {
+            f"{s}": read_tensor(folder, f"{key}.{s}") for s in BNB_STATS if f"{key}.{s}" in folder.tensors
+        }
         stats["quant_state.bitsandbytes__nf4"] = read_tensor(folder, folder.prequantized[key])
         module_path = target.rpartition(".")[0]
         parent_path, _, attr = module_path.rpartition(".")
@@ -207,7 +210,9 @@ def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[st
         q = bnb.nn.Linear4bit(d_in, d_out, bias=old.bias is not None, compute_dtype=compute_dtype,
                               compress_statistics="nested_absmax" in stats, quant_type="nf4",
                               device="meta")  # fmt: skip
-        q.weight = bnb.nn.Params4bit.from_prequantized(data, stats, requires_grad=False, device="cpu", module=q)
+        q.weight = bnb.nn.Params4bit.from_prequantized(
+            data, stats, requires_grad=False, device="cpu", module=q
+        )
         if old.bias is not None:
             q.bias = old.bias  # still meta: the float loader fills it
         q.support_avx512bf16_for_cpu = False
@@ -222,6 +227,7 @@ def load_blockwise(
     quant: str | None = None,
     device: torch.device | str | None = None,
     on_layer: LayerCallback | None = None,
+    fill_layer: Callable[[int, str, nn.Module], bool] | None = None,
 ) -> nn.Module:
     """A causal LM from the checkpoint folder at `path`, built one decoder layer at a time.
 
@@ -230,7 +236,9 @@ def load_blockwise(
     block size 64) on `device` (default: CUDA when available) and brings them back to the
     CPU; a pre-quantised bitsandbytes NF4 checkpoint is loaded as it is whatever `quant`
     says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
-    the next is read. The model is returned on the CPU in eval mode, checked for support.
+    the next is read. ``fill_layer(index, path, layer)`` is asked first: when it returns
+    True it has filled the skeleton layer itself (from a prepared cache) and the
+    checkpoint's tensors for that layer are not read. The model is returned on the CPU in eval mode, checked for support.
     """
     folder = CheckpointFolder(path)
     stored = folder.check_quantization()
@@ -248,6 +256,10 @@ def load_blockwise(
     _load_prequantized(model, folder, quant_groups[0], dtype)
     _load_float(model, folder, groups[0], mapping, dtype)
     for i, (lpath, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
+        if fill_layer is not None and fill_layer(i, lpath, layer):
+            if on_layer is not None:
+                on_layer(i, lpath, layer)
+            continue
         _load_prequantized(model, folder, quant_groups[i + 1], dtype)
         _load_float(model, folder, groups[i + 1], mapping, dtype)
         if quantise:

@@ -18,9 +18,10 @@ from torch import nn
 from ._env import require
 from .errors import NarrowsError
 from .files import atomic_dir, cache_dir
+from .loader import LayerCallback, load_blockwise
 from .verify import ensure_architecture
 
-__all__ = ["file_sha256", "gguf_as_folder", "load_causal_lm"]
+__all__ = ["file_sha256", "gguf_as_folder", "load_causal_lm", "resolve_model_path"]
 
 
 def file_sha256(path: str | os.PathLike, block: int = 1 << 22) -> str:
@@ -54,13 +55,8 @@ def gguf_as_folder(path: str | os.PathLike) -> Path:
     return folder
 
 
-def load_causal_lm(
-    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
-) -> tuple[nn.Module, object]:
-    """(model, tokenizer) from a local HF folder or a ``.gguf`` file, checked for support.
-
-    The model is on the CPU in `dtype`, in train mode off (``eval()``); callers move it.
-    """
+def resolve_model_path(path: str | os.PathLike) -> Path:
+    """The HF folder behind `path`: the folder itself, or a ``.gguf`` file's cached float folder."""
     path = Path(path).expanduser()
     if not path.exists():
         raise NarrowsError(
@@ -75,10 +71,28 @@ def load_causal_lm(
         path = gguf_as_folder(path)
     elif not (path / "config.json").is_file():
         raise NarrowsError(f"{str(path)!r} has no config.json; it is not a Hugging Face model folder.")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return path
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    quant: str | None = None,
+    device: torch.device | str | None = None,
+    on_layer: LayerCallback | None = None,
+) -> tuple[nn.Module, object]:
+    """(model, tokenizer) from a local HF folder or a ``.gguf`` file, checked for support.
+
+    The model is built one decoder layer at a time (`load_blockwise`): `quant="nf4"`
+    quantises each layer on `device` as it arrives, and a pre-quantised bitsandbytes NF4
+    folder loads as stored, so host memory peaks near the final footprint, never at the
+    float model. The model is on the CPU in `dtype`, in eval mode; callers move it.
+    """
+    path = resolve_model_path(path)
+    from transformers import AutoTokenizer
+
+    model = load_blockwise(path, dtype=dtype, quant=quant, device=device, on_layer=on_layer)
     ensure_architecture(model, "head")  # an unannounced architecture is checked on its twin first
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model.eval()
     return model, tokenizer

@@ -23,7 +23,14 @@ from ._env import require
 from .anatomy import anatomy_of
 from .errors import NarrowsError
 
-__all__ = ["NF4Rows", "disable_cpu_repacking", "is_nf4_linear", "nf4_rows", "quantize_layer_nf4", "quantize_nf4"]
+__all__ = [
+    "NF4Rows",
+    "disable_cpu_repacking",
+    "is_nf4_linear",
+    "nf4_rows",
+    "quantize_layer_nf4",
+    "quantize_nf4",
+]
 
 
 def is_nf4_linear(module: nn.Module) -> bool:

@@ -88,10 +88,9 @@ def load_for_eval(
             )
         model = pretrained
     else:
-        model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev))
-    if quant == "nf4":
-        streamed = gpu_budget is not None
-        quantize_nf4(model, device=dev if dev.type == "cuda" else None, park="cpu" if streamed else None)
+        model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev), quant=quant, device=dev)
+    if quant == "nf4" and not getattr(model, "is_loaded_in_4bit", False):  # a model passed in memory
+        quantize_nf4(model, device=dev if dev.type == "cuda" else None, park="cpu")
     if adapter_dir is not None:
         from peft import PeftModel
 

@@ -14,6 +14,7 @@ from .api import StreamHandle, plan, stream
 from .engine import TransferStats
 from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
 from .plan import Plan
+from .pretrained import default_host_budget, from_pretrained, prepare
 from .twincheck import check_stream as _check_stream
 
 _register_check("stream", _check_stream)
@@ -27,6 +28,9 @@ __all__ = [
     "StreamSetupError",
     "TransferStats",
     "__version__",
+    "default_host_budget",
+    "from_pretrained",
     "plan",
+    "prepare",
     "stream",
 ]

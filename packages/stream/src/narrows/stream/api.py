@@ -38,6 +38,7 @@ from .plan import Plan, Shapes, make_plan
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
 from .sideouts import SideOutputs
+from .tiers import DiskReader, Tiers
 
 log = logging.getLogger("narrows.stream")
 
@@ -176,9 +177,32 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
         SlabLayout.of(frozen_slots(layer, prefix=path)).nbytes
         for path, layer in zip(anat.layer_paths, anat.layers)
     ]
+    tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
     return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, batch_size, seq_len),
                      budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch,
-                     head_h2d_bytes=head_h2d)  # fmt: skip
+                     head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
+                     host_bytes=tiers.predicted_host_bytes() if tiers else None,
+                     host_budget=tiers.host_budget if tiers else None)  # fmt: skip
+
+
+def _park(anat: Anatomy, pin: bool) -> list[LayerStore]:
+    """Each layer's host store: where `from_pretrained` placed it (pinned slab or disk
+    tier), taken without a copy; otherwise its frozen tensors packed into a new slab."""
+    tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
+    stores = []
+    for i, (path, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
+        if tiers is None:
+            stores.append(park_layer(i, layer, path, pin=pin))
+            continue
+        on_disk = i in tiers.disk
+        store = park_layer(
+            i, layer, path, pin=pin, home=tiers.homes[i], layout=tiers.layouts[i], on_disk=on_disk
+        )
+        if on_disk and not store.on_disk:
+            log.warning("narrows.stream: layer %d was changed after loading; its disk-tier copy was read into "
+                        "host memory", i)  # fmt: skip
+        stores.append(store)
+    return stores
 
 
 def _host_embedding(anat: Anatomy, stream_head: bool) -> bool:
@@ -328,11 +352,12 @@ def stream(
         p.data = p.data.to(dev)
 
     pin = dev.type == "cuda"
-    stores = [
-        park_layer(i, layer, path, pin=pin)
-        for i, (path, layer) in enumerate(zip(anat.layer_paths, anat.layers))
-    ]
-    engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident))
+    stores = _park(anat, pin)
+    tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
+    disk = [s.index for s in stores if s.on_disk]
+    reader = DiskReader(tiers.cache, disk, ring=tiers.ring_slabs, pin=pin) if disk else None
+    engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident),
+                            reader=reader)  # fmt: skip
 
     for i, layer in enumerate(anat.layers):
         layer.forward = _layer_forward(i, layer, engine)

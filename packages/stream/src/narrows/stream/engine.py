@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from narrows.core import FrozenSlot, SlabLayout, assign, frozen_slots, snapshot
 
+from .tiers import DiskReader
+
 
 @dataclass
 class LayerStore:
@@ -34,6 +36,7 @@ class LayerStore:
     host: Tensor  # uint8 slab, authoritative
     host_views: list[Tensor]
     resident_views: list[Tensor] | None = None  # set when the layer stays on the device
+    on_disk: bool = False  # `host` maps the prepared cache file; the engine reads it through a DiskReader
 
     @property
     def nbytes(self) -> int:
@@ -56,14 +59,34 @@ class TransferStats:
     hits: int = 0  # acquires served by a slab that already held the layer
     waits: int = 0  # acquires that had to issue the copy themselves (prefetch missed)
     bytes_h2d: int = 0
+    bytes_disk: int = 0  # read from the disk tier
 
     def as_dict(self) -> dict[str, object]:
-        return {"loads": self.loads, "hits": self.hits, "waits": self.waits, "bytes_h2d": self.bytes_h2d}
+        return {"loads": self.loads, "hits": self.hits, "waits": self.waits, "bytes_h2d": self.bytes_h2d,
+                "bytes_disk": self.bytes_disk}  # fmt: skip
 
 
-def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool) -> LayerStore:
-    """Move every frozen tensor of `layer` into one host slab and point the slots at it."""
+def _already_in(slots: list[FrozenSlot], layout: SlabLayout, home: Tensor) -> bool:
+    """Whether every slot already views `home` exactly where `layout` puts it."""
+    if len(slots) != len(layout.entries):
+        return False
+    base = home.data_ptr()
+    for s, e in zip(slots, layout.entries):
+        t = s.tensor
+        if e.nbytes and (t.data_ptr() != base + e.offset or tuple(t.shape) != e.shape or t.dtype != e.dtype):
+            return False
+    return True
+
+
+def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool, home: Tensor | None = None,
+               layout: SlabLayout | None = None, on_disk: bool = False) -> LayerStore:  # fmt: skip
+    """Move every frozen tensor of `layer` into one host slab and point the slots at it.
+
+    A layer the loader already placed (`home`: its pinned slab or the cache file's map,
+    with its `layout`) is taken as it is, without a copy, when its slots still view it."""
     slots = frozen_slots(layer, prefix=prefix)
+    if home is not None and layout is not None and _already_in(slots, layout, home):
+        return LayerStore(index, slots, layout, home, layout.views(home), on_disk=on_disk)
     layout, host, views = SlabLayout.packed(snapshot(slots), "cpu", pin_memory=pin)
     assign(slots, views)
     return LayerStore(index, slots, layout, host, views)
@@ -72,16 +95,19 @@ def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool) -> Layer
 class TransferEngine:
     """Brings layers to the device on demand, prefetches ahead, and hands slabs back."""
 
-    def __init__(self, stores: list[LayerStore], device: torch.device, *, pool_size: int, resident: set[int]):
+    def __init__(self, stores: list[LayerStore], device: torch.device, *, pool_size: int, resident: set[int],
+                 reader: DiskReader | None = None):  # fmt: skip
         self.stores = stores
         self.device = device
         self.cuda = device.type == "cuda"
         self.stats = TransferStats()
+        self.reader = reader
         self._clock = 0
         for i in sorted(resident):
             s = stores[i]
             buf = s.layout.empty(device)
-            buf.copy_(s.host)
+            buf.copy_(self._source(i))
+            self._done_with_source(i, None)
             s.resident_views = s.layout.views(buf)
             assign(s.slots, s.resident_views)
             self.stats.bytes_h2d += s.nbytes
@@ -99,18 +125,34 @@ class TransferEngine:
         free = [s for s in self.pool if not s.in_use]
         return min(free, key=lambda s: s.last_used) if free else None
 
+    def _source(self, index: int) -> Tensor:
+        """The host bytes of layer `index`: its pinned slab, or a disk read in a ring buffer."""
+        store = self.stores[index]
+        if not store.on_disk:
+            return store.host
+        self._ring = self.reader.take(index)
+        self.stats.bytes_disk += store.nbytes
+        return self._ring[: store.nbytes]
+
+    def _done_with_source(self, index: int, event: object | None) -> None:
+        if self.stores[index].on_disk:
+            self.reader.give_back(self._ring, event)  # reusable once the copy has read it
+
     def _load(self, index: int, slab: DeviceSlab) -> None:
         store = self.stores[index]
         n = store.nbytes
+        source = self._source(index)
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slab.free is not None:
                     self.copy_stream.wait_event(slab.free)  # the previous user is done reading
-                slab.buffer[:n].copy_(store.host, non_blocking=True)
+                slab.buffer[:n].copy_(source, non_blocking=True)
                 slab.ready = torch.cuda.Event()
                 slab.ready.record(self.copy_stream)
+            self._done_with_source(index, slab.ready)
         else:
-            slab.buffer[:n].copy_(store.host)
+            slab.buffer[:n].copy_(source)
+            self._done_with_source(index, None)
         slab.owner = index
         self._clock += 1
         slab.last_used = self._clock  # a fresh prefetch is not the next victim
@@ -122,8 +164,12 @@ class TransferEngine:
         return self.stores[index].resident_views is not None
 
     def prefetch(self, index: int) -> None:
-        """Start copying layer `index` into a free slab, if it is streamed and not there yet."""
+        """Start copying layer `index` into a free slab, if it is streamed and not there yet.
+        A disk layer whose read has not finished is only requested (never waited for here)."""
         if not 0 <= index < len(self.stores) or self.is_resident(index) or self._holding(index):
+            return
+        if self.stores[index].on_disk and not self.reader.ready(index):
+            self.reader.request(index)
             return
         slab = self._victim()
         if slab is not None:
@@ -157,11 +203,23 @@ class TransferEngine:
         """Layer `index` on the device for the block (prefetching layer `then` meanwhile)."""
         self.acquire(index)
         if then is not None:
+            self._read_ahead(then, 1 if then >= index else -1)
             self.prefetch(then)
         try:
             yield
         finally:
             self.release(index)
+
+    def _read_ahead(self, start: int, step: int) -> None:
+        """Ask the disk reader for the next disk layers in the direction of travel."""
+        if self.reader is None:
+            return
+        i = start
+        while 0 <= i < len(self.stores):
+            wanted = self.stores[i].on_disk and not self.is_resident(i) and not self._holding(i)
+            if wanted and not self.reader.request(i):
+                return  # the ring is full
+            i += step
 
     def release(self, index: int) -> None:
         """Point layer `index` back at its host slab; its device slab becomes reusable once

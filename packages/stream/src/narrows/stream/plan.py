@@ -49,6 +49,10 @@ class Plan:
     work_bytes: int
     predicted_peak: int
     h2d_bytes_per_step: int
+    disk: tuple[int, ...] = ()  # layers whose host copy is on disk (the prepared cache)
+    disk_bytes_per_step: int = 0
+    predicted_host_bytes: int | None = None  # host RSS with the base in its tiers
+    host_budget: int | None = None
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -73,6 +77,11 @@ class Plan:
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("host→device per step", format_bytes(self.h2d_bytes_per_step)),
         ]  # fmt: skip
+        if self.predicted_host_bytes is not None:
+            budget = "" if self.host_budget is None else f" (budget {format_bytes(self.host_budget)})"
+            rows.append(("predicted host RSS", format_bytes(self.predicted_host_bytes) + budget))
+            rows.append(("disk tier", f"{len(self.disk)} of {n} layers, {format_bytes(self.disk_bytes_per_step)} read per step"
+                         if self.disk else "none: every layer pinned in host RAM"))  # fmt: skip
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -118,10 +127,16 @@ def make_plan(
     device: str,
     prefetch: int = 1,
     head_h2d_bytes: int = 0,
+    disk: Sequence[int] = (),
+    host_bytes: int | None = None,
+    host_budget: int | None = None,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
-    `head_h2d_bytes`: what a streamed LM head adds to the transfer per step."""
+    `head_h2d_bytes`: what a streamed LM head adds to the transfer per step. `disk`: the
+    layers whose host copy is on disk; they are the first made resident, since a resident
+    layer is read once instead of twice a step. `host_bytes`/`host_budget`: the host tiers'
+    predicted footprint and its budget, for the report."""
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
     slab = max(layer_bytes)
@@ -149,9 +164,9 @@ def make_plan(
             while prefetch > 0 and footprint((), prefetch + 1) > budget:
                 prefetch -= 1
             count = min(n - 1, (budget - footprint((), prefetch + 1)) // slab)
-            resident = spread(count, n)
+            resident = _choose(count, n, disk)
             while resident and footprint(resident, prefetch + 1) > budget:
-                resident = spread(len(resident) - 1, n)
+                resident = _choose(len(resident) - 1, n, disk)
     streamed = [i for i in range(n) if i not in set(resident)]
     slabs = prefetch + 1 if streamed else 0
     # each streamed layer is loaded for forward and again for backward, except the ones the
@@ -160,6 +175,10 @@ def make_plan(
     held = min(slabs, len(streamed))
     kept = streamed[-held:] + streamed[:held] if held else []
     h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept) + head_h2d_bytes
+    on_disk = set(disk)
+    disk_read = 2 * sum(layer_bytes[i] for i in streamed if i in on_disk) - sum(
+        layer_bytes[i] for i in kept if i in on_disk
+    )
     return Plan(
         device=device,
         budget=budget,
@@ -172,4 +191,17 @@ def make_plan(
         work_bytes=work,
         predicted_peak=footprint(resident, slabs),
         h2d_bytes_per_step=h2d,
+        disk=tuple(sorted(on_disk)),
+        disk_bytes_per_step=disk_read,
+        predicted_host_bytes=host_bytes,
+        host_budget=host_budget,
     )
+
+
+def _choose(count: int, n: int, disk: Sequence[int]) -> tuple[int, ...]:
+    """`count` resident layers: disk-tier layers first (spread among them), then the rest."""
+    disk = sorted(disk)
+    if count <= len(disk):
+        return tuple(sorted(disk[i] for i in spread(count, len(disk))))
+    others = [i for i in range(n) if i not in set(disk)]
+    return tuple(sorted(disk + [others[i] for i in spread(count - len(disk), len(others))]))

@@ -1,0 +1,257 @@
+"""`from_pretrained`: a user's checkpoint folder loaded block by block straight into its
+host tiers (pinned RAM within a host budget, the rest on disk in the prepared-slab
+cache), and `prepare`, which builds that cache ahead of time.
+
+The first run reads and quantises each layer (core's block-streamed loader), writes its
+slab to the cache and keeps it pinned or drops it to the disk tier; later runs read the
+slabs back (CRC-checked) instead of quantising. The float model never exists; peak host
+memory is the final footprint plus about two layers' source tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import NarrowsError, SlabLayout, assign, format_bytes, parse_bytes
+from narrows.core.checkpoint import CheckpointFolder
+from narrows.core.files import cache_dir
+from narrows.core.loader import load_blockwise
+from narrows.core.memory import host_rss_bytes
+from narrows.core.models import resolve_model_path
+
+from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
+from .plan import spread
+from .tiers import Tiers, _aligned_pinned, restore_layer
+
+log = logging.getLogger("narrows.stream")
+
+__all__ = ["HOST_MARGIN", "default_host_budget", "from_pretrained", "prepare"]
+
+FORMAT = "narrows-slabs/1"
+HOST_MARGIN = (
+    1 << 30
+)  # host memory kept free of slabs: tokenised data, adapters' host copies, allocator slack
+
+
+def default_host_budget() -> int:
+    """85% of the memory the kernel reports available (MemAvailable) when narrows starts."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        import psutil  # type: ignore[import-not-found]  # not Linux
+
+        avail = psutil.virtual_memory().available
+    return int(avail * 0.85)
+
+
+class _Stale(Exception):
+    """A cached slab failed its CRC: rebuild the cache."""
+
+
+def _expect(folder: CheckpointFolder, dtype: torch.dtype, quant: str | None) -> dict:
+    from narrows.core import __version__
+
+    stored = folder.check_quantization()
+    return {
+        "format": FORMAT,
+        "narrows": __version__,
+        "source": folder.identity(),
+        "settings": {"dtype": str(dtype), "quant": "nf4" if (quant == "nf4" or stored) else "none",
+                     "prequantized": stored is not None, "blocksize": 64, "double_quant": True},
+    }  # fmt: skip
+
+
+def cache_path(folder: CheckpointFolder, expect: dict, cache: str | os.PathLike | None) -> Path:
+    """One cache file per (model folder, settings): a changed source is found stale in it."""
+    root = Path(cache).expanduser() if cache is not None else cache_dir("slabs")
+    key = json.dumps([str(folder.path.resolve()), expect["settings"]], sort_keys=True)
+    return root / f"{folder.path.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.slabs"
+
+
+class _Placer:
+    """Decides each layer's host tier as the layers arrive, under the host budget."""
+
+    def __init__(self, n: int, budget: int | None, ring: int, can_spill: bool):
+        self.n, self.budget, self.ring, self.can_spill = n, budget, ring, can_spill
+        self.pinned: set[int] | None = None
+        self.fixed = 0
+
+    def pinned_here(self, index: int, slab_bytes: int, source_bytes: int) -> bool:
+        if self.pinned is None:  # first layer: everything outside the layers is loaded by now
+            self.fixed = host_rss_bytes()  # the process, and what is loaded outside the layers
+            if self.budget is None:
+                self.pinned = set(range(self.n))
+            else:
+                allow = self.budget - self.fixed - HOST_MARGIN
+                count = min(self.n, max(0, allow // slab_bytes)) if allow > 0 else 0
+                if count < self.n:  # a disk tier: reserve its ring of read buffers
+                    count = min(self.n, max(0, (allow - self.ring * slab_bytes) // slab_bytes))
+                minimum = self.fixed + HOST_MARGIN + self.ring * slab_bytes + 2 * source_bytes
+                if count < self.n and (not self.can_spill or self.budget < minimum):
+                    why = ("no prepared cache to hold a disk tier (cache=False)" if not self.can_spill
+                           else f"the minimum is {format_bytes(minimum)}: what is loaded outside the layers and the "
+                           f"process itself ({format_bytes(self.fixed)}), a margin of {format_bytes(HOST_MARGIN)}, "
+                           f"{self.ring} disk read buffers and two layers' source tensors while loading")  # fmt: skip
+                    fix = (
+                        "enable the cache so layers can spill to disk"
+                        if not self.can_spill
+                        else "free memory"
+                    )
+                    raise NarrowsError(f"a host budget of {format_bytes(self.budget)} is too small: {why}. Raise "
+                                       f"--host-budget, or {fix}.")  # fmt: skip
+                self.pinned = set(spread(count, self.n))
+        return index in self.pinned
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    quant: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    host_budget: str | int | None = None,
+    cache: str | os.PathLike | bool | None = True,
+    device: torch.device | str | None = None,
+    ring: int = 3,
+) -> nn.Module:
+    """Load a causal LM from a local folder (or ``.gguf``) block by block into host tiers.
+
+    `quant="nf4"` quantises the decoder linears (a pre-quantised bitsandbytes NF4 folder
+    loads as stored). `host_budget` (bytes or ``"24GiB"``; default: 85% of available
+    memory) bounds the host RAM the base may take: layers that do not fit go to the disk
+    tier, read from the prepared-slab cache. `cache`: True (``$NARROWS_CACHE/slabs``), a
+    folder, or False (no cache: everything must fit the host budget). `device`: where to
+    quantise (default: CUDA if present). Then wrap it with PEFT and call
+    `narrows.stream.stream` — it streams from these tiers.
+    """
+    folder_path = resolve_model_path(path)
+    folder = CheckpointFolder(folder_path)
+    expect = _expect(folder, dtype, quant)
+    budget = default_host_budget() if host_budget is None else parse_bytes(host_budget)
+    target = (
+        cache_path(folder, expect, None if cache is True else cache) if cache not in (False, None) else None
+    )
+    pin = torch.cuda.is_available()
+    for _attempt in range(2):
+        prepared, why = PreparedCache.open(target, expect) if target is not None else (None, "")
+        if target is not None and prepared is None and target.exists():
+            log.warning("narrows: prepared cache %s is not usable (%s): rebuilding it", target, why)
+            print(f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True)
+        try:
+            return _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, keep=True)
+        except _Stale as e:
+            print(f"narrows: prepared cache {target}: {e}; rebuilding it", flush=True)
+            target.unlink(missing_ok=True)
+    raise AssertionError("unreachable")
+
+
+def _load(
+    folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, *, keep: bool
+) -> nn.Module:
+    from transformers import AutoConfig
+
+    n = AutoConfig.from_pretrained(folder.path).get_text_config().num_hidden_layers
+    placer = _Placer(n, budget, ring, can_spill=target is not None)
+    if not keep:  # prepare: every slab goes to the file only
+        placer.pinned = set()
+    homes: list[Tensor | None] = [None] * n
+    disk: list[int] = []
+    layouts: list[SlabLayout | None] = [None] * n
+    writer = SlabCacheWriter(target, expect) if target is not None and prepared is None else None
+    scratch: list[Tensor] = []
+
+    def fill(i: int, lpath: str, layer: nn.Module) -> bool:
+        if prepared is None:
+            return False
+        entry = prepared.layers[i]
+        size = entry.layout.nbytes
+        if placer.pinned_here(i, size, size):
+            slab = _aligned_pinned(size, pin)
+            prepared.read_into(i, slab)
+            if crc32(slab[:size]) != entry.crc:
+                raise _Stale(f"layer {i} fails its checksum")
+        else:  # disk tier: checked through a scratch buffer, then used through a map
+            if not scratch or scratch[0].numel() < size:
+                scratch[:] = [_aligned_pinned(size, False)]
+            prepared.read_into(i, scratch[0])
+            if crc32(scratch[0][:size]) != entry.crc:
+                raise _Stale(f"layer {i} fails its checksum")
+            slab = prepared.mapped(i)
+            disk.append(i)
+        restore_layer(layer, entry, slab)
+        homes[i], layouts[i] = slab, entry.layout
+        return True
+
+    def place(i: int, lpath: str, layer: nn.Module) -> None:
+        if prepared is not None:
+            return
+        slots = frozen_layer_slots(layer)
+        layout = SlabLayout.of(slots)
+        slab = _aligned_pinned(layout.nbytes, pin)
+        assign(slots, layout.pack([s.tensor for s in slots], slab))
+        entry = None
+        if writer is not None:
+            if i == 0:
+                writer.check_space(layout.nbytes * n)
+            entry = writer.add(layer, layout, slab)
+        if not placer.pinned_here(i, layout.nbytes, layout.nbytes):
+            slab = writer.mapped(entry)  # disk tier: the slots view the file just written; the RAM copy goes
+            assign(slots, layout.views(slab))
+            disk.append(i)
+        homes[i], layouts[i] = slab, layout
+
+    try:
+        model = load_blockwise(folder.path, dtype=dtype, quant=quant, device=device, on_layer=place,
+                               fill_layer=fill)  # fmt: skip
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.commit()
+        prepared, _ = PreparedCache.open(target, expect)
+    tiers = Tiers(homes, layouts, tuple(disk), prepared, budget, placer.fixed, ring)
+    if tiers.disk:
+        tiers.notes.append(f"{len(tiers.disk)} of {n} layers on disk ({prepared.path}), "
+                           f"{n - len(tiers.disk)} pinned in host RAM")  # fmt: skip
+        print(f"narrows: host budget {format_bytes(budget)}: {tiers.notes[-1]}", flush=True)
+    model.narrows_tiers = tiers
+    return model
+
+
+def prepare(
+    path: str | os.PathLike,
+    *,
+    quant: str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    cache: str | os.PathLike | None = None,
+    device: torch.device | str | None = None,
+) -> Path:
+    """Build (or check) the prepared-slab cache of a checkpoint; returns the file's path."""
+    folder = CheckpointFolder(resolve_model_path(path))
+    expect = _expect(folder, dtype, quant)
+    target = cache_path(folder, expect, cache)
+    prepared, why = PreparedCache.open(target, expect)
+    if prepared is not None:
+        bad = prepared.verify(list(range(len(prepared.layers))), lambda i: _read(prepared, i))
+        if not bad:
+            return target
+        why = f"layer {bad[0]} fails its checksum"
+    if target.exists():
+        print(f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True)
+        target.unlink()
+    _load(folder, expect, dtype, quant, device, None, target, None, torch.cuda.is_available(), 3, keep=False)
+    return target
+
+
+def _read(prepared: PreparedCache, index: int) -> Tensor:
+    buf = torch.empty(prepared.layers[index].layout.nbytes, dtype=torch.uint8)
+    prepared.read_into(index, buf)
+    return buf

@@ -1,0 +1,206 @@
+"""Host tiers: where each decoder layer's authoritative slab lives before any of it goes
+to the device — pinned host RAM, or disk (the prepared-slab cache file) — and the reader
+that brings disk layers into a small ring of pinned buffers ahead of their use.
+
+`from_pretrained` decides the tiers under a host-RAM budget and records them on the
+model (``narrows_tiers``); `stream` finds them there and streams from them. A disk
+layer's slots point at a read-only memory map of the cache file, so they stay valid
+tensors (anything may read them) while costing no RAM; the engine never reads through
+the map: it reads the slab with plain (O_DIRECT where possible) file reads into a
+pinned ring buffer on a background thread, then copies that to the device.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import NarrowsError, SlabLayout, assign
+
+from .cache import FILE_ALIGNMENT, CacheLayer, PreparedCache, frozen_layer_slots
+
+__all__ = ["DiskReader", "Tiers", "restore_layer"]
+
+
+@dataclass
+class Tiers:
+    """Per decoder layer: its home — a pinned host slab, or for a disk-tier layer the
+    memory map of its slab in `cache` — and its slab layout."""
+
+    homes: list[Tensor]
+    layouts: list[SlabLayout]
+    disk: tuple[int, ...]
+    cache: PreparedCache | None
+    host_budget: int | None
+    fixed_host_bytes: int  # embedding, head, norms kept in host memory
+    ring_slabs: int = 2
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(lay.nbytes for i, lay in enumerate(self.layouts) if i not in self.disk)
+
+    def ring_bytes(self) -> int:
+        return self.ring_slabs * max((self.layouts[i].nbytes for i in self.disk), default=0)
+
+    def predicted_host_bytes(self) -> int:
+        return self.fixed_host_bytes + self.pinned_bytes + self.ring_bytes()
+
+
+def restore_layer(layer: nn.Module, entry: CacheLayer, slab: Tensor) -> None:
+    """Make a skeleton layer (meta parameters, plain ``nn.Linear``) the layer the cache
+    entry was written from, its every frozen tensor a view of `slab`."""
+    views = dict(zip((e.name for e in entry.layout.entries), entry.layout.views(slab)))
+    if entry.recipe:
+        import bitsandbytes as bnb
+        from bitsandbytes.functional import QuantState
+
+        for name, r in entry.recipe.items():
+            w = f"{name}.weight"
+            state2 = None
+            if r["nested"]:
+                state2 = QuantState(absmax=views[f"{w}.quant_state.state2.absmax"], blocksize=r["nested_blocksize"],
+                                    code=views[f"{w}.quant_state.state2.code"], dtype=getattr(torch, r["nested_dtype"]))  # fmt: skip
+            qs = QuantState(absmax=views[f"{w}.quant_state.absmax"], shape=torch.Size(r["shape"]),
+                            code=views[f"{w}.quant_state.code"], blocksize=r["blocksize"], quant_type=r["quant_type"],
+                            dtype=getattr(torch, r["dtype"]), offset=views.get(f"{w}.quant_state.offset"), state2=state2)  # fmt: skip
+            old = layer.get_submodule(name)
+            q = bnb.nn.Linear4bit(r["in"], r["out"], bias=r["bias"], compute_dtype=getattr(torch, r["compute_dtype"]),
+                                  compress_statistics=r["nested"], quant_type=r["quant_type"], device="meta")  # fmt: skip
+            q.weight = bnb.nn.Params4bit(views[w], requires_grad=False, quant_state=qs, blocksize=r["blocksize"],
+                                         compress_statistics=r["nested"], quant_type=r["quant_type"],
+                                         quant_storage=torch.uint8, module=q, bnb_quantized=True)  # fmt: skip
+            q.quant_state = qs
+            if r["bias"]:
+                q.bias = old.bias
+            q.support_avx512bf16_for_cpu = False
+            q.train(old.training)
+            parent, _, attr = name.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+    for full, param in list(layer.named_parameters()):
+        if param.device.type == "meta" and full in views:  # a skeleton parameter: becomes its view
+            owner, _, attr = full.rpartition(".")
+            module = layer.get_submodule(owner) if owner else layer
+            module._parameters[attr] = nn.Parameter(views[full], requires_grad=False)
+    slots = frozen_layer_slots(layer)
+    names = [s.name for s in slots]
+    if names != list(views):
+        raise NarrowsError("the prepared cache does not match this model's layers (another narrows or transformers "
+                           "version wrote it); it will be rebuilt")  # fmt: skip
+    assign(slots, [views[n] for n in names])
+
+
+def _aligned_pinned(nbytes: int, pin: bool) -> Tensor:
+    """A host buffer whose start is page-aligned (O_DIRECT needs it; cudaHostAlloc gives it)."""
+    nbytes = -(-nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT
+    if pin:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    raw = torch.empty(nbytes + FILE_ALIGNMENT, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % FILE_ALIGNMENT
+    return raw[skip : skip + nbytes]
+
+
+class DiskReader:
+    """Reads disk-tier slabs into a ring of pinned buffers on a background thread.
+
+    ``request(i)`` starts reading layer i into a free ring buffer (returns at once);
+    ``take(i)`` waits for it and returns the buffer; ``give_back(i, event)`` returns the
+    buffer to the ring once `event` (the host→device copy) has completed.
+    """
+
+    def __init__(self, cache: PreparedCache, layers: list[int], *, ring: int, pin: bool):
+        self.cache = cache
+        size = max((cache.layers[i].layout.nbytes for i in layers), default=0)
+        self.free = [_aligned_pinned(size, pin) for _ in range(ring if layers else 0)]
+        self.pending: dict[int, tuple[Tensor, Future]] = {}
+        self.returns: list[tuple[Tensor, object]] = []
+        self.lock = threading.Lock()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="narrows-disk")
+        self.bytes_read = 0
+        self.direct = self._try_direct()
+
+    def _try_direct(self) -> bool:
+        """Whether O_DIRECT reads work on this file system (they skip the page cache)."""
+        if not hasattr(os, "O_DIRECT") or not self.free:
+            return False
+        try:
+            fd = os.open(self.cache.path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            return False
+        try:
+            probe = self.free[0][:FILE_ALIGNMENT]
+            return os.preadv(fd, [memoryview(probe.numpy())], 0) >= 0
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _read(self, index: int, buffer: Tensor) -> None:
+        entry = self.cache.layers[index]
+        n = -(-entry.layout.nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT if self.direct else entry.layout.nbytes
+        fd = os.open(self.cache.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+        try:
+            view, got = memoryview(buffer[:n].numpy()), 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], entry.offset + got)
+                if k <= 0:
+                    break
+                got += k
+        finally:
+            os.close(fd)
+        if got < entry.layout.nbytes:
+            raise NarrowsError(f"{self.cache.path} ended while reading layer {index}; delete it to rebuild")
+        self.bytes_read += entry.layout.nbytes
+
+    def _reclaim(self) -> None:
+        keep = []
+        for buf, event in self.returns:
+            if event is None or event.query():
+                self.free.append(buf)
+            else:
+                keep.append((buf, event))
+        self.returns = keep
+
+    def request(self, index: int) -> bool:
+        """Start reading layer `index` if a ring buffer is free; False when none is."""
+        with self.lock:
+            if index in self.pending:
+                return True
+            self._reclaim()
+            if not self.free:
+                return False
+            buf = self.free.pop()
+            self.pending[index] = (buf, self.pool.submit(self._read, index, buf))
+            return True
+
+    def ready(self, index: int) -> bool:
+        """Whether layer `index` has been read and waits in the ring."""
+        return index in self.pending and self.pending[index][1].done()
+
+    def take(self, index: int) -> Tensor:
+        """The buffer holding layer `index` (reading it now if it was not requested)."""
+        if index not in self.pending:
+            while not self.request(index):
+                if self.returns:  # wait for the oldest copy still reading a buffer
+                    buf, event = self.returns.pop(0)
+                    if event is not None:
+                        event.synchronize()
+                else:  # every buffer holds a read-ahead nobody took: drop the oldest
+                    buf, future = self.pending.pop(next(iter(self.pending)))
+                    future.result()
+                self.free.append(buf)
+        buf, future = self.pending.pop(index)
+        future.result()
+        return buf
+
+    def give_back(self, buffer: Tensor, event: object | None) -> None:
+        with self.lock:
+            self.returns.append((buffer, event))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
