@@ -65,6 +65,10 @@ def _add_finetune(sub) -> None:
     a("--targets", help="all-linear (default) or module names, e.g. q_proj,v_proj")
     a("--quant", choices=["none", "nf4"], help="nf4: QLoRA/QDoRA base (needs narrows-core[nf4])")
     a("--gpu-budget", help="off (default), fit, or a size like 12GiB: stream the base (needs narrows-stream)")
+    a("--host-budget", help="host RAM the streamed base may hold, e.g. 24GiB (default: 85%% of available); "
+      "layers beyond it are read from disk (the prepared cache)")  # fmt: skip
+    a("--cache", help="folder of the prepared-slab cache of a streamed base (default: $NARROWS_CACHE/slabs; "
+      "off: none, everything must fit --host-budget)")  # fmt: skip
     a(
         "--lmhead",
         help="auto (default: mask,chunked when narrows-lmhead is installed), off, or e.g. "

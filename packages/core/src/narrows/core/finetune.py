@@ -35,7 +35,7 @@ from .anatomy import anatomy_of
 from .data import Example, collate, micro_batches, read_jsonl, tokenize_rows
 from .errors import NarrowsError
 from .files import atomic_dir, atomic_write
-from .memory import format_bytes, parse_bytes, read_peaks, reset_peaks
+from .memory import format_bytes, host_rss_high_water, parse_bytes, read_peaks, reset_peaks
 
 __all__ = [
     "FinetuneConfig",
@@ -66,6 +66,10 @@ class FinetuneConfig:
     targets: str = "all-linear"
     quant: str = "none"
     gpu_budget: str = "off"  # off | fit | a size such as 12GiB
+    host_budget: str | None = (
+        None  # host RAM for the streamed base (default: 85% of available); the rest on disk
+    )
+    cache: str | None = None  # prepared-slab cache folder (default $NARROWS_CACHE/slabs); "off": none
     lmhead: str = (
         "auto"  # auto: mask,chunked when narrows-lmhead is installed; off; or e.g. mask,chunked,topk=1000
     )
@@ -111,10 +115,26 @@ class FinetuneConfig:
         if self.gpu_budget != "off":
             require("narrows.stream", "--gpu-budget")
             if self.gpu_budget != "fit":
-                parse_bytes(self.gpu_budget)
+                _size("--gpu-budget", self.gpu_budget)
+        if self.host_budget is not None:
+            if self.gpu_budget == "off":
+                raise NarrowsError("--host-budget bounds the host copy of a streamed base: add --gpu-budget "
+                                   "(e.g. --gpu-budget 12GiB), or drop --host-budget")  # fmt: skip
+            _size("--host-budget", self.host_budget)
+        if self.cache is not None and self.gpu_budget == "off":
+            raise NarrowsError(
+                "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
+            )
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)
+
+
+def _size(flag: str, text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise NarrowsError(f"{flag} {text}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -203,6 +223,28 @@ def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
 
         spec = parse_lmhead(lmhead)
         narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused)
+
+
+def _load_model(cfg: FinetuneConfig, path: str, dtype: torch.dtype, device: torch.device):
+    """(model, tokenizer): a streamed base goes straight into its host tiers (pinned RAM
+    within --host-budget, the rest on disk in the prepared-slab cache)."""
+    from .models import load_causal_lm
+
+    if cfg.gpu_budget == "off":
+        return load_causal_lm(path, dtype=dtype, quant=cfg.quant, device=device)
+    from transformers import AutoTokenizer
+
+    import narrows.stream
+
+    from .models import resolve_model_path
+    from .verify import ensure_architecture
+
+    folder = resolve_model_path(path)
+    cache = False if cfg.cache == "off" else (cfg.cache or True)
+    model = narrows.stream.from_pretrained(folder, quant=cfg.quant, dtype=dtype, host_budget=cfg.host_budget,
+                                           cache=cache, device=device)  # fmt: skip
+    ensure_architecture(model, "head")
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
 def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -411,14 +453,12 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
     dtype = _dtype(cfg, device)
     t_setup = time.perf_counter()
 
-    from .models import load_causal_lm
-
     model_path = cfg.model
     if model_path is None:
         from .bundled import smollm2_gguf
 
         model_path = str(smollm2_gguf())
-    model, tokenizer = load_causal_lm(model_path, dtype=dtype, quant=cfg.quant, device=device)
+    model, tokenizer = _load_model(cfg, model_path, dtype, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     train, evals, em_rows = _load_data(cfg, tokenizer)
     model = _build(cfg, model, device, dtype)
@@ -457,7 +497,7 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
     tokens_seen, t_train = 0, time.perf_counter()
     try:
         while step < cfg.steps:
-            reset_peaks(device)
+            reset_peaks(device, host=False)  # the host peak stays whole-process (loading included)
             t0 = time.perf_counter()
             micro = [next(batches) for _ in range(cfg.grad_accum)]
             n_items = sum(e.trainable for mb in micro for e in mb)
@@ -518,7 +558,10 @@ def finetune(cfg: FinetuneConfig, *, resume: bool = False, progress: bool = True
     if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
         plan = stream.plan
         summary["stream"] = {"resident_layers": len(plan.resident), "layers": len(plan.layer_bytes),
-                             "predicted_peak": plan.predicted_peak, "h2d_bytes_per_step": plan.h2d_bytes_per_step}  # fmt: skip
+                             "predicted_peak": plan.predicted_peak, "h2d_bytes_per_step": plan.h2d_bytes_per_step,
+                             "disk_layers": len(plan.disk), "disk_bytes_per_step": plan.disk_bytes_per_step,
+                             "predicted_host_bytes": plan.predicted_host_bytes, "host_budget": plan.host_budget,
+                             "host_rss_peak": host_rss_high_water()}  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
@@ -561,5 +604,10 @@ def format_summary(summary: dict) -> str:
         rows.append(("streamed base", f"{st['resident_layers']}/{st['layers']} layers resident, "
                      f"{format_bytes(st['h2d_bytes_per_step'])} host→device per step, "
                      f"predicted peak {format_bytes(st['predicted_peak'])}"))  # fmt: skip
+        if st.get("predicted_host_bytes") is not None:
+            disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
+                    if st["disk_layers"] else "no disk tier")  # fmt: skip
+            rows.append(("host memory", f"peak RSS {format_bytes(st['host_rss_peak'])}, predicted "
+                         f"{format_bytes(st['predicted_host_bytes'])} (budget {format_bytes(st['host_budget'])}); {disk}"))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -87,12 +87,17 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device | None
     return device if device.type == "cuda" else None
 
 
-def reset_peaks(device: torch.device | str | int | None = None) -> None:
-    """Start a new measurement window: CUDA peak stats and (on Linux) the RSS high-water mark."""
+def reset_peaks(device: torch.device | str | int | None = None, *, host: bool = True) -> None:
+    """Start a new measurement window: CUDA peak stats and (on Linux, with `host`) the RSS
+    high-water mark. Resetting the host mark also hides earlier peaks from the process's
+    own exit accounting (``/usr/bin/time -v``), so a run that reports its whole-process
+    peak passes ``host=False``."""
     dev = _cuda_device(device)
     if dev is not None:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+    if not host:
+        return
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
