@@ -257,6 +257,7 @@ def main() -> None:
     ap.add_argument(
         "--host-budgets", default="8GiB,all", help="disk part: host budgets to compare ('all': none)"
     )
+    ap.add_argument("--loader-cases", default="narrows,transformers,old,identical")
     ap.add_argument("--gpu-budget", default="6GiB")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=4)
@@ -301,7 +302,7 @@ def main() -> None:
         result["bnb_folder"] = {"bytes": folder_bytes(bnb), "write_s": time.perf_counter() - t}
         folders.append(("bnb4", bnb))
     if "loader" in parts and args.config:
-        for case in ("narrows", "transformers", "old", "identical"):
+        for case in args.loader_cases.split(","):
             record("loader", case, measured(me(args, case, bf16)))
     for kind, folder in folders:
         if "ready" in parts:

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -158,20 +159,25 @@ def _bnb_state(folder: CheckpointFolder, weight: str) -> dict:
 
 
 def _load_float(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str], mapping: _Mapping,
-                dtype: torch.dtype) -> None:  # fmt: skip
+                dtype: torch.dtype, read: Callable[[str], torch.Tensor]) -> None:  # fmt: skip
     if not keys:
         return
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
     from transformers.utils import logging as hf_logging
 
-    state = {k: read_tensor(folder, k) for k in keys}
+    state = {k: read(k) for k in keys}
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    # transformers asks the model for its state dict on every call; with 4-bit layers that
+    # serialises every quantisation state each time (quadratic in depth). The skeleton's
+    # names and shapes are all it needs.
+    model.state_dict = lambda *a, **k: mapping.meta
     try:
         config = LoadStateDictConfig(device_map={"": "cpu"}, dtype=dtype, weight_mapping=mapping.transforms)
         info, _ = convert_and_load_state_dict_in_model(model, state, config)
     finally:
+        del model.state_dict
         if bar:
             hf_logging.enable_progress_bar()
     problems = list(info.mismatched_keys) + list(info.conversion_errors.items())
@@ -181,15 +187,20 @@ def _load_float(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str]
         )
 
 
+def _bnb_keys(folder: CheckpointFolder, weight: str) -> list[str]:
+    extra = [f"{weight}.{s}" for s in BNB_STATS if f"{weight}.{s}" in folder.tensors]
+    return [weight, *extra, folder.prequantized[weight]]
+
+
 def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str],
-                       compute_dtype: torch.dtype) -> None:  # fmt: skip
+                       compute_dtype: torch.dtype, read: Callable[[str], torch.Tensor]) -> None:  # fmt: skip
     """Linear4bit modules built from the packed weights and their stored quantisation state."""
     if not keys:
         return
     bnb = require("bitsandbytes", "loading a bitsandbytes 4-bit checkpoint")
     for key, target in keys.items():
         state = _bnb_state(folder, key)
-        data = read_tensor(folder, key)
+        data = read(key)
         d_out, d_in = state["shape"]
         blocksize = int(state["blocksize"])
         absmax = folder.tensors.get(f"{key}.absmax")
@@ -253,19 +264,38 @@ def load_blockwise(
     mapping = _Mapping(model)
     groups, quant_groups = _plan_groups(model, folder, mapping)
     anat = anatomy_of(model)
-    _load_prequantized(model, folder, quant_groups[0], dtype)
-    _load_float(model, folder, groups[0], mapping, dtype)
-    for i, (lpath, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
-        if fill_layer is not None and fill_layer(i, lpath, layer):
+
+    def keys_of(g: int) -> list[str]:
+        return list(groups[g]) + [k for w in quant_groups[g] for k in _bnb_keys(folder, w)]
+
+    def read_all(g: int) -> dict[str, torch.Tensor]:
+        return {k: read_tensor(folder, k) for k in keys_of(g)}
+
+    def load(g: int, state: dict[str, torch.Tensor]) -> None:
+        def read(k: str) -> torch.Tensor:
+            return state.pop(k) if k in state else read_tensor(folder, k)
+
+        _load_prequantized(model, folder, quant_groups[g], dtype, read)
+        _load_float(model, folder, groups[g], mapping, dtype, read)
+
+    load(0, {})
+    n = len(anat.layers)
+    # the next layer is read from disk while this one is quantised (not when a cache fills layers)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="narrows-read") as pool:
+        ahead = pool.submit(read_all, 1) if fill_layer is None and n else None
+        for i, (lpath, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
+            if fill_layer is not None and fill_layer(i, lpath, layer):
+                if on_layer is not None:
+                    on_layer(i, lpath, layer)
+                continue
+            state = ahead.result() if ahead is not None else {}
+            ahead = pool.submit(read_all, i + 2) if ahead is not None and i + 1 < n else None
+            load(i + 1, state)
+            del state
+            if quantise:
+                quantize_layer_nf4(layer, lpath, compute_dtype=dtype, device=device, park="cpu")
             if on_layer is not None:
                 on_layer(i, lpath, layer)
-            continue
-        _load_prequantized(model, folder, quant_groups[i + 1], dtype)
-        _load_float(model, folder, groups[i + 1], mapping, dtype)
-        if quantise:
-            quantize_layer_nf4(layer, lpath, compute_dtype=dtype, device=device, park="cpu")
-        if on_layer is not None:
-            on_layer(i, lpath, layer)
     model.tie_weights()
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:

@@ -86,6 +86,7 @@ def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool, home: Te
     with its `layout`) is taken as it is, without a copy, when its slots still view it."""
     slots = frozen_slots(layer, prefix=prefix)
     if home is not None and layout is not None and _already_in(slots, layout, home):
+        home = home[: layout.nbytes]  # a page-aligned slab may be longer than its layout
         return LayerStore(index, slots, layout, home, layout.views(home), on_disk=on_disk)
     layout, host, views = SlabLayout.packed(snapshot(slots), "cpu", pin_memory=pin)
     assign(slots, views)
