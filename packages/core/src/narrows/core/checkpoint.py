@@ -134,8 +134,15 @@ class CheckpointFolder:
                     out[name[: -len(tail) - 1]] = name
         return out
 
+    @property
+    def asks_nf4(self) -> bool:
+        """config.json asks for bitsandbytes NF4 (transformers would quantise a float folder on load)."""
+        q = self.quantization or {}
+        return q.get("quant_method") == "bitsandbytes" and bool(q.get("load_in_4bit"))
+
     def check_quantization(self) -> str | None:
-        """The quantisation narrows will load ("nf4") or None; anything else is refused."""
+        """ "nf4" when the folder holds pre-quantised NF4 weights, None for float weights;
+        anything narrows cannot load is refused."""
         q = self.quantization
         if q is None and not self.prequantized:
             return None
@@ -160,7 +167,10 @@ class CheckpointFolder:
             if missing:
                 raise NarrowsError(f"{self.path}: 4-bit tensor {weight!r} has no {missing[0]!r} beside it; "
                                    "the checkpoint is incomplete")  # fmt: skip
-        return "nf4"
+        if q is not None and q.get("bnb_4bit_quant_type", "nf4") != "nf4":
+            raise NarrowsError(f"{self.path}: config.json asks for bitsandbytes {q['bnb_4bit_quant_type']!r}; "
+                               "narrows loads NF4 (bnb_4bit_quant_type='nf4') or float checkpoints.")  # fmt: skip
+        return "nf4" if self.prequantized else None
 
     # --- identity ------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:

@@ -125,6 +125,7 @@ def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
     quant: list[dict[str, str]] = [{} for _ in range(len(prefixes) + 1)]
     stats = {f"{w}.{s}" for w in folder.prequantized for s in BNB_STATS} | set(folder.prequantized.values())
     covered: set[str] = set()
+    fused: dict[str, list[str]] = {}  # a converter's target -> the checkpoint tensors it is built from
     for key, info in folder.tensors.items():
         if key in stats:
             continue
@@ -133,6 +134,8 @@ def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
             log.warning("narrows: checkpoint tensor %r is not used by %s", key, type(model).__name__)
             continue
         covered.add(target)
+        if converted:
+            fused.setdefault(target, []).append(key)
         shape = tuple(_bnb_state(folder, key)["shape"]) if key in folder.prequantized else info.shape
         expect = tuple(mapping.meta[target].shape)
         if not converted and shape != expect:
@@ -142,6 +145,18 @@ def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
             )
         g = next((i + 1 for i, p in enumerate(prefixes) if target.startswith(p)), 0)
         (quant if key in folder.prequantized else groups)[g][key] = target
+    experts = _config_int(model.config, "num_local_experts", "num_experts", "n_routed_experts")
+    for target, keys in fused.items():
+        gap = _missing_sibling(keys, experts)
+        if gap is not None:
+            raise NarrowsError(f"{folder.path}: tensor {gap!r} is missing (the checkpoint has its siblings, "
+                               f"which together make {target!r}); the folder is incomplete: fetch it again.")  # fmt: skip
+    for weight in folder.prequantized:
+        state = _bnb_state(folder, weight)
+        for stat in ("nested_absmax", "nested_quant_map"):
+            if "nested_blocksize" in state and f"{weight}.{stat}" not in folder.tensors:
+                raise NarrowsError(f"{folder.path}: 4-bit tensor {weight!r} is double-quantised but has no "
+                                   f"{stat!r} beside it; the checkpoint is incomplete")  # fmt: skip
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     buffers = {n for n, b in model.named_buffers() if b.device.type != "meta"}
     missing = sorted(set(mapping.meta) - covered - tied - buffers)
@@ -151,6 +166,28 @@ def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
             f"(first: {missing[0]!r}); the folder is incomplete or holds another model."
         )
     return groups, quant
+
+
+def _config_int(config: object, *names: str) -> int | None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return next((int(getattr(text, n)) for n in names if isinstance(getattr(text, n, None), int)), None)
+
+
+def _missing_sibling(keys: list[str], count: int | None) -> str | None:
+    """A checkpoint tensor missing from a numbered family (expert 0..n-1) that a converter
+    fuses: the families are the keys with one number replaced, `count` their expected size."""
+    families: dict[tuple[str, str], set[int]] = {}
+    for key in keys:
+        parts = key.split(".")
+        for i, p in enumerate(parts):
+            if p.isdigit() and i > 0 and not parts[i - 1] == "layers":
+                families.setdefault((".".join(parts[:i]), ".".join(parts[i + 1 :])), set()).add(int(p))
+    for (head, tail), present in families.items():
+        expected = max(count or 0, max(present) + 1)
+        missing = sorted(set(range(expected)) - present)
+        if missing and len(present) > 1:
+            return f"{head}.{missing[0]}.{tail}"
+    return None
 
 
 def _bnb_state(folder: CheckpointFolder, weight: str) -> dict:
@@ -255,7 +292,8 @@ def load_blockwise(
     stored = folder.check_quantization()
     if quant not in (None, "none", "nf4"):
         raise NarrowsError(f"quant={quant!r}: narrows quantises to 'nf4' or loads float ('none')")
-    quantise = quant == "nf4" and stored is None
+    # float weights whose config.json asks for NF4 are quantised, as transformers would
+    quantise = stored is None and (quant == "nf4" or folder.asks_nf4)
     if quantise or stored:
         require("bitsandbytes", "NF4 quantisation")
     if device is None:
