@@ -180,7 +180,7 @@ def _missing_sibling(keys: list[str], count: int | None) -> str | None:
     for key in keys:
         parts = key.split(".")
         for i, p in enumerate(parts):
-            if p.isdigit() and i > 0 and not parts[i - 1] == "layers":
+            if p.isdigit() and i > 0 and parts[i - 1] != "layers":
                 families.setdefault((".".join(parts[:i]), ".".join(parts[i + 1 :])), set()).add(int(p))
     for (head, tail), present in families.items():
         expected = max(count or 0, max(present) + 1)
