@@ -139,12 +139,28 @@ def child(args: argparse.Namespace) -> dict:
 
         import narrows.stream as ns
 
-        model = ns.from_pretrained(args.folder, quant="nf4", dtype=torch.bfloat16, cache=args.cache,
-                                   host_budget=None if args.host_budget == "all" else args.host_budget)  # fmt: skip
+        def load():
+            return ns.from_pretrained(args.folder, quant="nf4", dtype=torch.bfloat16, cache=args.cache,
+                                      host_budget=None if args.host_budget == "all" else args.host_budget)  # fmt: skip
+
+        if args.profile:  # where a load's time goes
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            model = prof.runcall(load)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+            Path(args.profile).write_text(text.getvalue())
+        else:
+            model = load()
         out["load_s"] = time.perf_counter() - t0
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-        model = ns.stream(model, args.gpu_budget, seq_len=args.seq, batch_size=1)
+        model = ns.stream(
+            model, None if args.gpu_budget == "min" else args.gpu_budget, seq_len=args.seq, batch_size=1
+        )
         plan = model.narrows_stream.plan
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         gen = torch.Generator().manual_seed(0)
@@ -220,6 +236,8 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
 def me(args: argparse.Namespace, case: str, folder: Path, **kw: str) -> list[str]:
     cmd = [sys.executable, __file__, "--child", case, "--folder", str(folder), "--cache", str(args.work / "cache"),
            "--seq", str(args.seq), "--steps", str(args.steps), "--gpu-budget", args.gpu_budget]  # fmt: skip
+    if kw.pop("profile", None) and args.profile:
+        cmd += ["--profile", str(Path(args.profile) / f"profile_{case}_{folder.name}.txt")]
     for k, v in kw.items():
         cmd += [f"--{k.replace('_', '-')}", v]
     return cmd
@@ -268,6 +286,7 @@ def main() -> None:
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--host-budget", default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--profile", help="write a cProfile of each warm load into this folder")
     args = ap.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(args)), flush=True)
@@ -308,14 +327,16 @@ def main() -> None:
         if "ready" in parts:
             shutil.rmtree(args.work / "cache", ignore_errors=True)
             record("ready", f"{kind} cold", measured(me(args, "ready", folder)))
-            record("ready", f"{kind} warm", measured(me(args, "ready", folder)))
+            record("ready", f"{kind} warm", measured(me(args, "ready", folder, profile="1")))
         if "disk" in parts:
             for hb in args.host_budgets.split(","):
                 record("disk", f"{kind} host {hb}", measured(me(args, "ready", folder, host_budget=hb)))
     if "finetune" in parts and args.config:
-        from narrows.core.bundled import gsm8k_jsonl
-
-        train, held = gsm8k_jsonl(args.work)
+        train, held = args.work / "train.jsonl", args.work / "held.jsonl"
+        for path, n in ((train, 64), (held, 8)):  # the weights are random: any text will do
+            path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?",
+                                                "response": f"{i} + {i} = {2 * i}. " * 20}) + "\n"
+                                    for i in range(n)))  # fmt: skip
         for hb in ("all", args.host_budgets.split(",")[0]):
             cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(bf16), "--data", str(train),
                    "--eval-data", str(held), "--eval-rows", "4", "--quant", "nf4", "--gpu-budget", args.gpu_budget,
