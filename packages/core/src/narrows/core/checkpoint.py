@@ -41,13 +41,15 @@ class TensorInfo:
 class _Shard:
     path: Path
     size: int
+    mtime_ns: int  # a weight re-saved in place keeps the header; the modification time moves
     header_sha256: str
     tensors: dict[str, TensorInfo] = field(repr=False)
 
 
 def _read_header(path: Path) -> _Shard:
     """Parse one safetensors header; a file too short for what it declares is refused."""
-    size = path.stat().st_size
+    stat = path.stat()
+    size = stat.st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -72,7 +74,7 @@ def _read_header(path: Path) -> _Shard:
             f"{path} is truncated: its header declares {8 + n + end} bytes of data, the file has {size}. "
             "Re-download or re-save it."
         )
-    return _Shard(path, size, hashlib.sha256(raw).hexdigest(), tensors)
+    return _Shard(path, size, stat.st_mtime_ns, hashlib.sha256(raw).hexdigest(), tensors)
 
 
 class CheckpointFolder:
@@ -174,10 +176,12 @@ class CheckpointFolder:
 
     # --- identity ------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
-        """What makes this checkpoint this checkpoint: file names, sizes, header hashes and
-        the config. A cache built from it is valid only while this is unchanged."""
+        """What makes this checkpoint this checkpoint: file names, sizes, modification times,
+        header hashes and the config. A cache built from it is valid only while this is
+        unchanged. (Bytes rewritten in place with the old modification time restored would
+        pass; hashing every weight on every start would cost a full read of the checkpoint.)"""
         return {
-            "files": [[s.path.name, s.size, s.header_sha256] for s in self.shards],
+            "files": [[s.path.name, s.size, s.mtime_ns, s.header_sha256] for s in self.shards],
             "config_sha256": hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest(),
         }
 

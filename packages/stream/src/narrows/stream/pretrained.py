@@ -57,12 +57,15 @@ class _Stale(Exception):
 
 
 def _expect(folder: CheckpointFolder, dtype: torch.dtype, quant: str | None) -> dict:
+    import transformers
+
     from narrows.core import __version__
 
     stored = folder.check_quantization()
     return {
         "format": FORMAT,
         "narrows": __version__,
+        "transformers": transformers.__version__,  # it names and shapes the modules a slab fills
         "source": folder.identity(),
         "settings": {"dtype": str(dtype), "quant": "nf4" if (quant == "nf4" or stored) else "none",
                      "prequantized": stored is not None, "blocksize": 64, "double_quant": True},
@@ -131,6 +134,8 @@ def from_pretrained(
     quantise (default: CUDA if present). Then wrap it with PEFT and call
     `narrows.stream.stream` — it streams from these tiers.
     """
+    if ring < 1:
+        raise NarrowsError(f"ring={ring}: the disk tier needs at least one read buffer (default 3)")
     folder_path = resolve_model_path(path)
     folder = CheckpointFolder(folder_path)
     expect = _expect(folder, dtype, quant)
@@ -185,7 +190,10 @@ def _load(
                 raise _Stale(f"layer {i} fails its checksum")
             slab = prepared.mapped(i)
             disk.append(i)
-        restore_layer(layer, entry, slab)
+        try:
+            restore_layer(layer, entry, slab)
+        except NarrowsError as e:  # written by another narrows/transformers layout of this layer
+            raise _Stale(str(e)) from None
         homes[i], layouts[i] = slab, entry.layout
         return True
 
@@ -218,7 +226,7 @@ def _load(
         writer.commit()
         prepared, _ = PreparedCache.open(target, expect)
     tiers = Tiers(homes, layouts, tuple(disk), prepared, budget, placer.fixed, ring)
-    if tiers.disk:
+    if tiers.disk and keep:
         tiers.notes.append(f"{len(tiers.disk)} of {n} layers on disk ({prepared.path}), "
                            f"{n - len(tiers.disk)} pinned in host RAM")  # fmt: skip
         print(f"narrows: host budget {format_bytes(budget)}: {tiers.notes[-1]}", flush=True)
