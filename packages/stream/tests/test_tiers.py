@@ -617,3 +617,13 @@ def test_prequantized_checkpoint_streams_from_disk_tier(checkpoint, tmp_path, mo
     assert reads == []
     assert warm.narrows_tiers.disk == expected_disk()
     assert_same_state(state(warm), ref.state)
+    assert_identical(ref.record, train_streamed(warm))
+    # in place: the packed weights and their statistics are read from the checkpoint itself,
+    # so the cache holds only what the checkpoint lacks (a few bytes per layer)
+    entries = warm.narrows_tiers.cache.layers
+    assert all(e.parts is not None for e in entries)
+    slab_total = sum(e.layout.nbytes for e in entries)
+    inline = sum(e.layout.entries[k].nbytes for e in entries for k, f, _ in e.parts if f is None)
+    assert inline < slab_total / 20  # what the checkpoint lacks: offsets, and norms in another dtype
+    packed = [k for e in entries for k, f, _ in e.parts if e.layout.entries[k].name.endswith("proj.weight")]
+    assert packed and all(f is not None for e in entries for k, f, _ in e.parts if k in packed)

@@ -247,10 +247,8 @@ def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[st
                 f"blocksize {blocksize}, {data.numel()} packed bytes); the checkpoint is damaged or was written "
                 "by another tool. narrows loads NF4 checkpoints saved by transformers + bitsandbytes."
             )
-        stats = {
-            f"{s}": read_tensor(folder, f"{key}.{s}") for s in BNB_STATS if f"{key}.{s}" in folder.tensors
-        }
-        stats["quant_state.bitsandbytes__nf4"] = read_tensor(folder, folder.prequantized[key])
+        stats = {s: read(f"{key}.{s}") for s in BNB_STATS if f"{key}.{s}" in folder.tensors}
+        stats["quant_state.bitsandbytes__nf4"] = read(folder.prequantized[key])
         module_path = target.rpartition(".")[0]
         parent_path, _, attr = module_path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -284,7 +282,9 @@ def load_blockwise(
     block size 64) on `device` (default: CUDA when available) and brings them back to the
     CPU; a pre-quantised bitsandbytes NF4 checkpoint is loaded as it is whatever `quant`
     says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
-    the next is read. ``fill_layer(index, path, layer)`` is asked first: when it returns
+    the next is read (a pre-quantised layer carries ``narrows_file_sources``: the file
+    and offset of each tensor it holds verbatim, by address, so a disk tier can read
+    them in place). ``fill_layer(index, path, layer)`` is asked first: when it returns
     True it has filled the skeleton layer itself (from a prepared cache) and the
     checkpoint's tensors for that layer are not read. The model is returned on the CPU in eval mode, checked for support.
     """
@@ -309,12 +309,19 @@ def load_blockwise(
     def read_all(g: int) -> dict[str, torch.Tensor]:
         return {k: read_tensor(folder, k) for k in keys_of(g)}
 
-    def load(g: int, state: dict[str, torch.Tensor]) -> None:
+    def load(g: int, state: dict[str, torch.Tensor]) -> dict[int, tuple[str, int, int]]:
+        """Load group `g`; returns where each tensor read lies in the checkpoint, by address."""
+        sources = {}
+
         def read(k: str) -> torch.Tensor:
-            return state.pop(k) if k in state else read_tensor(folder, k)
+            t = state.pop(k) if k in state else read_tensor(folder, k)
+            info = folder.tensors[k]
+            sources[t.data_ptr()] = (str(info.file), info.offset, info.nbytes)
+            return t
 
         _load_prequantized(model, folder, quant_groups[g], dtype, read)
         _load_float(model, folder, groups[g], mapping, dtype, read)
+        return sources
 
     load(0, {})
     n = len(anat.layers)
@@ -328,8 +335,10 @@ def load_blockwise(
                 continue
             state = ahead.result() if ahead is not None else {}
             ahead = pool.submit(read_all, i + 2) if ahead is not None and i + 1 < n else None
-            load(i + 1, state)
+            sources = load(i + 1, state)
             del state
+            if stored:  # a pre-quantised layer's tensors are the checkpoint's bytes: say where they lie
+                layer.narrows_file_sources = sources
             if quantise:
                 quantize_layer_nf4(layer, lpath, compute_dtype=dtype, device=device, park="cpu")
             if on_layer is not None:

@@ -75,23 +75,76 @@ def layer_recipe(layer: nn.Module) -> dict[str, dict[str, Any]]:
 
 @dataclass(frozen=True)
 class CacheLayer:
-    offset: int  # in the file
+    """One layer's slab in the file: contiguous at `offset`, or — for a pre-quantised
+    checkpoint, whose packed weights and statistics are already in the user's files —
+    `parts`: per slab entry, the file (None: this cache file) and offset its bytes are at."""
+
+    offset: int  # in the cache file (-1 when the slab is in parts)
     layout: SlabLayout
     crc: int
     recipe: dict[str, dict[str, Any]]
+    parts: tuple[tuple[int, str | None, int], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         entries = [[e.name, e.offset, e.nbytes, list(e.shape), list(e.stride), _dtype_name(e.dtype)]
                    for e in self.layout.entries]  # fmt: skip
         return {"offset": self.offset, "nbytes": self.layout.nbytes, "crc32": self.crc, "entries": entries,
-                "recipe": self.recipe}  # fmt: skip
+                "recipe": self.recipe, "parts": [list(p) for p in self.parts] if self.parts else None}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CacheLayer:
         entries = tuple(
             SlabEntry(n, o, b, tuple(s), tuple(st), getattr(torch, t)) for n, o, b, s, st, t in d["entries"]
         )
-        return cls(d["offset"], SlabLayout(entries, d["nbytes"]), d["crc32"], d["recipe"])
+        parts = tuple(tuple(p) for p in d["parts"]) if d.get("parts") else None
+        return cls(d["offset"], SlabLayout(entries, d["nbytes"]), d["crc32"], d["recipe"], parts)
+
+    def end(self) -> int:
+        """One past the last byte this layer uses in the cache file."""
+        if self.parts is None:
+            return self.offset + self.layout.nbytes
+        entries = self.layout.entries
+        return max((off + entries[k].nbytes for k, f, off in self.parts if f is None), default=0)
+
+    def assemble(self, buffer: Tensor, cache_file: Path) -> None:
+        """Read the slab into `buffer` from wherever its parts are."""
+        view = memoryview(buffer[: self.layout.nbytes].numpy())
+        if self.parts is None:
+            _pread_into(cache_file, self.offset, view)
+            return
+        for k, file, off in self.parts:
+            e = self.layout.entries[k]
+            if e.nbytes:
+                _pread_into(Path(file) if file else cache_file, off, view[e.offset : e.offset + e.nbytes])
+
+    def views(self, cache_file: Path) -> list[Tensor]:
+        """Memory maps of the slab's bytes where they lie on disk, one tensor per entry."""
+        if self.parts is None:
+            return self.layout.views(map_region(cache_file, self.offset, self.layout.nbytes))
+        out: list[Tensor] = []
+        for k, file, off in self.parts:
+            e = self.layout.entries[k]
+            if not e.nbytes:
+                out.append(torch.empty_strided(e.shape, e.stride, dtype=e.dtype))
+                continue
+            raw = map_region(Path(file) if file else cache_file, off, e.nbytes)
+            out.append(raw.view(e.dtype).as_strided(e.shape, e.stride))
+        return out
+
+
+def _pread_into(path: Path, offset: int, view: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n <= 0:
+                raise NarrowsError(
+                    f"{path} ended while reading a prepared slab; delete the cache to rebuild it"
+                )
+            got += n
+    finally:
+        os.close(fd)
 
 
 class SlabCacheWriter:
@@ -120,23 +173,45 @@ class SlabCacheWriter:
                 f"{format_bytes(free)} free. Free space there, or point --cache at a larger disk."
             )
 
-    def add(self, layer: nn.Module, layout: SlabLayout, slab: Tensor) -> CacheLayer:
+    def add(self, layer: nn.Module, layout: SlabLayout, slab: Tensor,
+            sources: dict[int, tuple[str, int]] | None = None) -> CacheLayer:  # fmt: skip
+        """Append a layer's slab. `sources` (entry index -> file, offset) names entries
+        whose bytes already lie verbatim in the user's checkpoint: only the others are
+        written, and the layer is recorded in parts."""
         offset = self.file.tell()
+        parts = None
         try:
-            self.file.write(memoryview(slab[: layout.nbytes].numpy()))
-            self.file.write(b"\0" * (_align(offset + layout.nbytes) - offset - layout.nbytes))
+            if not sources:
+                self.file.write(memoryview(slab[: layout.nbytes].numpy()))
+            else:
+                parts = []
+                for k, e in enumerate(layout.entries):
+                    if k in sources:
+                        parts.append((k, *sources[k]))
+                    else:
+                        parts.append((k, None, self.file.tell()))
+                        self.file.write(memoryview(slab[e.offset : e.offset + e.nbytes].numpy()))
+            end = self.file.tell()
+            self.file.write(b"\0" * (_align(end) - end))
         except OSError as e:
             self.abort()
             raise NarrowsError(f"writing the prepared cache {self.path} failed after {format_bytes(offset)}: "
                                f"{e.strerror}. Free space there or use another --cache folder.") from None  # fmt: skip
-        entry = CacheLayer(offset, layout, crc32(slab[: layout.nbytes]), layer_recipe(layer))
+        entry = CacheLayer(offset if parts is None else -1, layout, crc32(slab[: layout.nbytes]), layer_recipe(layer),
+                           tuple(parts) if parts is not None else None)  # fmt: skip
         self.layers.append(entry)
         return entry
 
-    def mapped(self, entry: CacheLayer) -> Tensor:
-        """A layer already written, mapped from the file being written (see `map_region`)."""
+    def views(self, entry: CacheLayer) -> list[Tensor]:
+        """A layer already written, mapped where its bytes lie (the file being written, or
+        the checkpoint), one tensor per entry."""
         self.file.flush()
-        return map_region(self.tmp, entry.offset, entry.layout.nbytes)
+        return entry.views(self.tmp)
+
+    def home(self, entry: CacheLayer) -> Tensor | None:
+        """A contiguous layer's slab as one map of the file being written (None in parts)."""
+        self.file.flush()
+        return None if entry.parts else map_region(self.tmp, entry.offset, entry.layout.nbytes)
 
     def commit(self) -> Path:
         footer = json.dumps({**self.meta, "layers": [e.to_json() for e in self.layers]}).encode()
@@ -193,22 +268,13 @@ class PreparedCache:
             if meta.get(key) != value:
                 return None, f"its {key} differs from this run's (the source or settings changed)"
         layers = [CacheLayer.from_json(d) for d in meta.pop("layers")]
-        if layers and layers[-1].offset + layers[-1].layout.nbytes > size - 16 - n:
+        if max((e.end() for e in layers), default=0) > size - 16 - n:
             return None, "the cache file is truncated"
         return cls(path, meta, layers), ""
 
     def read_into(self, index: int, buffer: Tensor) -> None:
         """Read layer `index`'s slab into `buffer` (uint8, at least the slab's size)."""
-        entry = self.layers[index]
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(entry.offset)
-            view = memoryview(buffer[: entry.layout.nbytes].numpy())
-            got = 0
-            while got < len(view):
-                n = f.readinto(view[got:])
-                if not n:
-                    raise NarrowsError(f"{self.path} ended while reading layer {index}; delete it to rebuild")
-                got += n
+        self.layers[index].assemble(buffer, self.path)
 
     def verify(self, indices: list[int], read: Callable[[int], Tensor]) -> list[int]:
         """Indices whose slab (as returned by ``read(i)``) fails its CRC; hashed in parallel."""
@@ -219,10 +285,14 @@ class PreparedCache:
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             return [i for i, b in zip(indices, pool.map(bad, indices)) if b]
 
-    def mapped(self, index: int) -> Tensor:
-        """Layer `index`'s slab as a read-only memory map of the file (see `map_region`)."""
+    def views(self, index: int) -> list[Tensor]:
+        """Layer `index`'s entries as read-only memory maps of where they lie on disk."""
+        return self.layers[index].views(self.path)
+
+    def mapped(self, index: int) -> Tensor | None:
+        """Layer `index`'s slab as one read-only map of the cache file (None when it is in parts)."""
         e = self.layers[index]
-        return map_region(self.path, e.offset, e.layout.nbytes)
+        return None if e.parts else map_region(self.path, e.offset, e.layout.nbytes)
 
 
 def map_region(path: Path, offset: int, nbytes: int) -> Tensor:

@@ -78,6 +78,13 @@ def _already_in(slots: list[FrozenSlot], layout: SlabLayout, home: Tensor) -> bo
     return True
 
 
+def _laid_out_as(slots: list[FrozenSlot], layout: SlabLayout) -> bool:
+    return len(slots) == len(layout.entries) and all(
+        tuple(s.tensor.shape) == e.shape and s.tensor.dtype == e.dtype and s.tensor.stride() == e.stride
+        for s, e in zip(slots, layout.entries)
+    )
+
+
 def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool, home: Tensor | None = None,
                layout: SlabLayout | None = None, on_disk: bool = False) -> LayerStore:  # fmt: skip
     """Move every frozen tensor of `layer` into one host slab and point the slots at it.
@@ -85,6 +92,11 @@ def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool, home: Te
     A layer the loader already placed (`home`: its pinned slab or the cache file's map,
     with its `layout`) is taken as it is, without a copy, when its slots still view it."""
     slots = frozen_slots(layer, prefix=prefix)
+    if home is None and on_disk and layout is not None and _laid_out_as(slots, layout):
+        # a disk layer in parts: its slots map the files it is read from; nothing in RAM
+        return LayerStore(
+            index, slots, layout, torch.empty(0, dtype=torch.uint8), snapshot(slots), on_disk=True
+        )
     if home is not None and layout is not None and _already_in(slots, layout, home):
         home = home[: layout.nbytes]  # a page-aligned slab may be longer than its layout
         return LayerStore(index, slots, layout, home, layout.views(home), on_disk=on_disk)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -170,48 +171,41 @@ def _load(
     disk: list[int] = []
     layouts: list[SlabLayout | None] = [None] * n
     writer = SlabCacheWriter(target, expect) if target is not None and prepared is None else None
-    scratch: list[Tensor] = []
+    warm = _WarmReader(prepared, placer, pin, depth=max(ring, 2)) if prepared is not None else None
+    in_place = expect["settings"]["prequantized"]  # packed weights stay where the checkpoint has them
 
     def fill(i: int, lpath: str, layer: nn.Module) -> bool:
-        if prepared is None:
+        if warm is None:
             return False
         entry = prepared.layers[i]
-        size = entry.layout.nbytes
-        if placer.pinned_here(i, size, size):
-            slab = _aligned_pinned(size, pin)
-            prepared.read_into(i, slab)
-            if crc32(slab[:size]) != entry.crc:
-                raise _Stale(f"layer {i} fails its checksum")
-        else:  # disk tier: checked through a scratch buffer, then used through a map
-            if not scratch or scratch[0].numel() < size:
-                scratch[:] = [_aligned_pinned(size, False)]
-            prepared.read_into(i, scratch[0])
-            if crc32(scratch[0][:size]) != entry.crc:
-                raise _Stale(f"layer {i} fails its checksum")
-            slab = prepared.mapped(i)
+        slab = warm.take(i)  # pinned slab, or None for a disk layer (checked, then dropped)
+        if slab is None:  # disk tier: the slots map the bytes where they lie
             disk.append(i)
+            slab = prepared.mapped(i)  # one map of the cache file, or None for a layer in parts
         try:
-            restore_layer(layer, entry, slab)
+            restore_layer(layer, entry, entry.layout.views(slab) if slab is not None else prepared.views(i))
         except NarrowsError as e:  # written by another narrows/transformers layout of this layer
             raise _Stale(str(e)) from None
         homes[i], layouts[i] = slab, entry.layout
         return True
 
     def place(i: int, lpath: str, layer: nn.Module) -> None:
-        if prepared is not None:
+        if warm is not None:
             return
         slots = frozen_layer_slots(layer)
         layout = SlabLayout.of(slots)
+        sources = _file_sources(layer, slots) if in_place else None
         slab = _aligned_pinned(layout.nbytes, pin)
         assign(slots, layout.pack([s.tensor for s in slots], slab))
         entry = None
         if writer is not None:
             if i == 0:
                 writer.check_space(layout.nbytes * n)
-            entry = writer.add(layer, layout, slab)
+            entry = writer.add(layer, layout, slab, sources)
         if not placer.pinned_here(i, layout.nbytes, layout.nbytes):
-            slab = writer.mapped(entry)  # disk tier: the slots view the file just written; the RAM copy goes
-            assign(slots, layout.views(slab))
+            # disk tier: the slots map the bytes where they lie on disk; the RAM copy goes
+            slab = writer.home(entry)
+            assign(slots, layout.views(slab) if slab is not None else writer.views(entry))
             disk.append(i)
         homes[i], layouts[i] = slab, layout
 
@@ -232,6 +226,54 @@ def _load(
         print(f"narrows: host budget {format_bytes(budget)}: {tiers.notes[-1]}", flush=True)
     model.narrows_tiers = tiers
     return model
+
+
+def _file_sources(layer: nn.Module, slots) -> dict[int, tuple[str, int]]:
+    """Slab entries whose bytes the loader read verbatim from the checkpoint (it records
+    each read tensor's address as ``narrows_file_sources``): index -> (file, offset)."""
+    read = getattr(layer, "narrows_file_sources", None) or {}
+    out = {}
+    for k, s in enumerate(slots):
+        t = s.tensor
+        hit = read.get(t.data_ptr())
+        if hit is not None and t.is_contiguous() and hit[2] == t.numel() * t.element_size():
+            out[k] = (hit[0], hit[1])
+    return out
+
+
+class _WarmReader:
+    """Reads and checks the cached slabs a few layers ahead on worker threads (zlib and
+    file reads release the GIL), so a warm start is bound by the disk, not by one core."""
+
+    def __init__(self, prepared: PreparedCache, placer: _Placer, pin: bool, depth: int):
+        self.prepared, self.placer, self.pin, self.depth = prepared, placer, pin, depth
+        self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="narrows-warm")
+        self.jobs: dict[int, Future] = {}
+
+    def _job(self, i: int) -> tuple[Tensor | None, bool]:
+        entry = self.prepared.layers[i]
+        size = entry.layout.nbytes
+        pinned = self.placer.pinned_here(i, size, size)
+        buf = _aligned_pinned(size, self.pin and pinned)
+        self.prepared.read_into(i, buf)
+        return (buf if pinned else None), crc32(buf[:size]) == entry.crc
+
+    def take(self, i: int) -> Tensor | None:
+        if not self.jobs:  # the first layer decides the tiers (what is loaded by now counts as fixed)
+            size = self.prepared.layers[0].layout.nbytes
+            self.placer.pinned_here(0, size, size)
+            for j in range(min(self.depth, len(self.prepared.layers))):
+                self.jobs[j] = self.pool.submit(self._job, j)
+        slab, ok = self.jobs.pop(i).result()
+        nxt = i + self.depth
+        if nxt < len(self.prepared.layers):
+            self.jobs[nxt] = self.pool.submit(self._job, nxt)
+        if not ok:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            raise _Stale(f"layer {i} fails its checksum")
+        if nxt >= len(self.prepared.layers) and not self.jobs:
+            self.pool.shutdown(wait=False)
+        return slab
 
 
 def prepare(

@@ -32,7 +32,7 @@ class Tiers:
     """Per decoder layer: its home — a pinned host slab, or for a disk-tier layer the
     memory map of its slab in `cache` — and its slab layout."""
 
-    homes: list[Tensor]
+    homes: list[Tensor | None]  # None: a disk layer whose slots map its bytes where they lie (in parts)
     layouts: list[SlabLayout]
     disk: tuple[int, ...]
     cache: PreparedCache | None
@@ -52,10 +52,11 @@ class Tiers:
         return self.fixed_host_bytes + self.pinned_bytes + self.ring_bytes()
 
 
-def restore_layer(layer: nn.Module, entry: CacheLayer, slab: Tensor) -> None:
+def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) -> None:
     """Make a skeleton layer (meta parameters, plain ``nn.Linear``) the layer the cache
-    entry was written from, its every frozen tensor a view of `slab`."""
-    views = dict(zip((e.name for e in entry.layout.entries), entry.layout.views(slab)))
+    entry was written from, its every frozen tensor one of `tensors` (views of a slab, or
+    maps of the file), in the entry's order."""
+    views = dict(zip((e.name for e in entry.layout.entries), tensors))
     if entry.recipe:
         import bitsandbytes as bnb
         from bitsandbytes.functional import QuantState
@@ -142,6 +143,10 @@ class DiskReader:
 
     def _read(self, index: int, buffer: Tensor) -> None:
         entry = self.cache.layers[index]
+        if entry.parts is not None:  # in place in the checkpoint: many small, unaligned reads
+            entry.assemble(buffer, self.cache.path)
+            self.bytes_read += entry.layout.nbytes
+            return
         n = -(-entry.layout.nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT if self.direct else entry.layout.nbytes
         fd = os.open(self.cache.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         try:
