@@ -236,6 +236,7 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
 def me(args: argparse.Namespace, case: str, folder: Path, **kw: str) -> list[str]:
     cmd = [sys.executable, __file__, "--child", case, "--folder", str(folder), "--cache", str(args.work / "cache"),
            "--seq", str(args.seq), "--steps", str(args.steps), "--gpu-budget", args.gpu_budget]  # fmt: skip
+    cmd[cmd.index("--seq") + 1] = str(kw.pop("seq", args.seq))
     if kw.pop("profile", None) and args.profile:
         cmd += ["--profile", str(Path(args.profile) / f"profile_{case}_{folder.name}.txt")]
     for k, v in kw.items():
@@ -267,7 +268,9 @@ def disk_bandwidth(path: Path, nbytes: int = 4 * GIB) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="loader,ready,disk,finetune")
-    ap.add_argument("--config", default="qwen2.5-7b", help="bf16 sharded checkpoint of this shape")
+    ap.add_argument(
+        "--config", default="qwen2.5-7b", help="bf16 sharded checkpoint of this shape ('none': skip)"
+    )
     ap.add_argument("--bnb", help="also a pre-quantised NF4 checkpoint of this shape (ready/disk use it)")
     ap.add_argument(
         "--bnb-layers", type=int, help="decoder layers of the NF4 checkpoint (default: the config's)"
@@ -278,6 +281,7 @@ def main() -> None:
     ap.add_argument("--loader-cases", default="narrows,transformers,old,identical")
     ap.add_argument("--gpu-budget", default="6GiB")
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--disk-seqs", default="512", help="disk part: sequence lengths")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--work", type=Path, default=Path("/tmp/checkpoints"))
     ap.add_argument("--keep", action="store_true", help="keep the written folders")
@@ -308,9 +312,12 @@ def main() -> None:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
 
+    from stream_qlora import pinned_bandwidth
+
     result["disk_read_bw"] = disk_bandwidth(args.work)
+    result["pinned_h2d_bw"] = pinned_bandwidth()
     folders = []
-    if args.config and {"loader", "ready", "disk", "finetune"} & set(parts):
+    if args.config != "none" and {"loader", "ready", "disk", "finetune"} & set(parts):
         t = time.perf_counter()
         bf16 = write_bf16(args.config, args.work / f"{args.config}-bf16")
         result["bf16_folder"] = {"bytes": folder_bytes(bf16), "write_s": time.perf_counter() - t}
@@ -320,18 +327,34 @@ def main() -> None:
         bnb = write_bnb4(args.bnb, args.work / f"{args.bnb}-bnb4", args.bnb_layers)
         result["bnb_folder"] = {"bytes": folder_bytes(bnb), "write_s": time.perf_counter() - t}
         folders.append(("bnb4", bnb))
-    if "loader" in parts and args.config:
-        for case in args.loader_cases.split(","):
-            record("loader", case, measured(me(args, case, bf16)))
+    if "loader" in parts:
+        for kind, folder in folders:
+            cases = args.loader_cases.split(",") if kind == "bf16" else ["narrows", "transformers"]
+            for case in cases:
+                record("loader", f"{kind} {case}", measured(me(args, case, folder)))
+
+    def drop_caches() -> bool:
+        """Empty the page cache so that cold runs read from the disk (needs root)."""
+        try:
+            os.sync()
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            return True
+        except OSError:
+            return False
+
     for kind, folder in folders:
         if "ready" in parts:
+            result.setdefault("page_cache_dropped", []).append(drop_caches())
             shutil.rmtree(args.work / "cache", ignore_errors=True)
             record("ready", f"{kind} cold", measured(me(args, "ready", folder)))
             record("ready", f"{kind} warm", measured(me(args, "ready", folder, profile="1")))
         if "disk" in parts:
             for hb in args.host_budgets.split(","):
-                record("disk", f"{kind} host {hb}", measured(me(args, "ready", folder, host_budget=hb)))
-    if "finetune" in parts and args.config:
+                for seq in args.disk_seqs.split(","):
+                    drop_caches()
+                    row = measured(me(args, "ready", folder, host_budget=hb, seq=seq))
+                    record("disk", f"{kind} host {hb} seq {seq}", row)
+    if "finetune" in parts and args.config != "none":
         train, held = args.work / "train.jsonl", args.work / "held.jsonl"
         for path, n in ((train, 64), (held, 8)):  # the weights are random: any text will do
             path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?",
@@ -364,18 +387,23 @@ def table(result: dict) -> None:
     def s(v: float | None) -> str:
         return "–" if v is None else f"{v:.2f}"
 
-    print(f"\n{result['device']}; disk read {result['disk_read_bw'] / 1e9:.2f} GB/s (O_DIRECT, sequential)")
-    print(f"{'part':<9}{'case':<22}{'RSS GiB':>9}{'time -v':>9}{'VRAM GiB':>10}{'load s':>8}{'1st step s':>11}"
-          f"{'s/step':>8}{'disk/step GiB':>14}{'disk layers':>12}")  # fmt: skip
+    print(f"\n{result['device']}; disk read {result['disk_read_bw'] / 1e9:.2f} GB/s (O_DIRECT, sequential), "
+          f"pinned host→device {result['pinned_h2d_bw'] / 1e9:.1f} GB/s")  # fmt: skip
+    print(f"{'part':<9}{'case':<28}{'RSS GiB':>9}{'time -v':>9}{'VRAM GiB':>10}{'load s':>8}{'1st step s':>11}"
+          f"{'s/step':>8}{'floor s':>8}{'disk/step GiB':>14}{'disk layers':>12}")  # fmt: skip
     for r in result["rows"]:
         if r.get("error"):
-            print(f"{r['part']:<9}{r['label']:<22}failed: {r['error'].strip().splitlines()[-1][:80]}")
+            print(f"{r['part']:<9}{r['label']:<28}failed: {r['error'].strip().splitlines()[-1][:80]}")
             continue
         disk = r.get("disk_bytes_per_step")
+        if disk is not None:  # the transfer floor: the slower of the disk reads and the host→device copies
+            r["floor_s"] = max(
+                disk / result["disk_read_bw"], r["h2d_bytes_per_step"] / result["pinned_h2d_bw"]
+            )
         layers = f"{r['disk_layers']}/{r['layers']}" if "layers" in r else "–"
-        print(f"{r['part']:<9}{r['label']:<22}{g(r['peak_rss_sampled']):>9}{g(r['peak_rss_time_v']):>9}"
+        print(f"{r['part']:<9}{r['label']:<28}{g(r['peak_rss_sampled']):>9}{g(r['peak_rss_time_v']):>9}"
               f"{g(r.get('peak_vram')):>10}{s(r.get('load_s')):>8}{s(r.get('first_step_at_s')):>11}"
-              f"{s(r.get('s_per_step')):>8}{g(disk):>14}{layers:>12}")  # fmt: skip
+              f"{s(r.get('s_per_step')):>8}{s(r.get('floor_s')):>8}{g(disk):>14}{layers:>12}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -106,16 +106,20 @@ class CacheLayer:
         entries = self.layout.entries
         return max((off + entries[k].nbytes for k, f, off in self.parts if f is None), default=0)
 
-    def assemble(self, buffer: Tensor, cache_file: Path) -> None:
-        """Read the slab into `buffer` from wherever its parts are."""
+    def assemble(self, buffer: Tensor, cache_file: Path, *, drop: bool = False) -> None:
+        """Read the slab into `buffer` from wherever its parts are. `drop`: tell the kernel
+        the pages will not be needed again (the disk tier's reads should not quietly turn
+        into page cache that a smaller machine would not have)."""
         view = memoryview(buffer[: self.layout.nbytes].numpy())
         if self.parts is None:
-            _pread_into(cache_file, self.offset, view)
+            _pread_into(cache_file, self.offset, view, drop)
             return
         for k, file, off in self.parts:
             e = self.layout.entries[k]
             if e.nbytes:
-                _pread_into(Path(file) if file else cache_file, off, view[e.offset : e.offset + e.nbytes])
+                _pread_into(
+                    Path(file) if file else cache_file, off, view[e.offset : e.offset + e.nbytes], drop
+                )
 
     def views(self, cache_file: Path) -> list[Tensor]:
         """Memory maps of the slab's bytes where they lie on disk, one tensor per entry."""

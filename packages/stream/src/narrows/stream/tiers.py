@@ -143,8 +143,8 @@ class DiskReader:
 
     def _read(self, index: int, buffer: Tensor) -> None:
         entry = self.cache.layers[index]
-        if entry.parts is not None:  # in place in the checkpoint: many small, unaligned reads
-            entry.assemble(buffer, self.cache.path)
+        if entry.parts is not None:  # in place in the checkpoint: unaligned reads, page cache dropped after
+            entry.assemble(buffer, self.cache.path, drop=True)
             self.bytes_read += entry.layout.nbytes
             return
         n = -(-entry.layout.nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT if self.direct else entry.layout.nbytes
