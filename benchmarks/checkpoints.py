@@ -346,8 +346,13 @@ def main() -> None:
         if "ready" in parts:
             result.setdefault("page_cache_dropped", []).append(drop_caches())
             shutil.rmtree(args.work / "cache", ignore_errors=True)
-            record("ready", f"{kind} cold", measured(me(args, "ready", folder)))
-            record("ready", f"{kind} warm", measured(me(args, "ready", folder, profile="1")))
+            hb = args.host_budgets.split(",")[0]
+            record("ready", f"{kind} cold host {hb}", measured(me(args, "ready", folder, host_budget=hb)))
+            record(
+                "ready",
+                f"{kind} warm host {hb}",
+                measured(me(args, "ready", folder, host_budget=hb, profile="1")),
+            )
         if "disk" in parts:
             for hb in args.host_budgets.split(","):
                 for seq in args.disk_seqs.split(","):
