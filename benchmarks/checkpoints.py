@@ -56,15 +56,18 @@ def write_bnb4(config_name: str, folder: Path, layers: int | None = None) -> Pat
 
     if (folder / "config.json").is_file():
         return folder
-    config = load_config(config_name)
-    if layers:
-        config.num_hidden_layers = layers
+    spec = load_config(config_name).to_dict()
+    spec.pop("layer_types", None)  # derived from the depth, which changes here
+    config = type(load_config(config_name)).from_dict(
+        {**spec, "num_hidden_layers": layers or spec["num_hidden_layers"]}
+    )
     n = config.num_hidden_layers
-    one = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 1})
+    one = type(config).from_dict({**spec, "num_hidden_layers": 1})
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(dev):
         model = AutoModelForCausalLM.from_config(one, dtype=torch.bfloat16)
-    quantize_nf4(model, compute_dtype=torch.bfloat16, device="cuda")
+    quantize_nf4(model, compute_dtype=torch.bfloat16, device=dev)
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     layer = {
         k.removeprefix("model.layers.0."): v for k, v in state.items() if k.startswith("model.layers.0.")
@@ -77,7 +80,7 @@ def write_bnb4(config_name: str, folder: Path, layers: int | None = None) -> Pat
     total = len(shards) + 1
     for s, idx in enumerate(shards):
         name = f"model-{s + 1:05d}-of-{total:05d}.safetensors"
-        tensors = {f"model.layers.{i}.{k}": v for i in idx for k, v in layer.items()}
+        tensors = {f"model.layers.{i}.{k}": v.clone() for i in idx for k, v in layer.items()}
         save_file(tensors, folder / name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
     name = f"model-{total:05d}-of-{total:05d}.safetensors"
