@@ -199,8 +199,9 @@ def _load(
         assign(slots, layout.pack([s.tensor for s in slots], slab))
         entry = None
         if writer is not None:
-            if i == 0:
-                writer.check_space(layout.nbytes * n)
+            if i == 0:  # what the layers will take in the file (a layer read in place, almost nothing)
+                read_in_place = sum(layout.entries[k].nbytes for k in sources or ())
+                writer.check_space((layout.nbytes - read_in_place) * n)
             entry = writer.add(layer, layout, slab, sources)
         if not placer.pinned_here(i, layout.nbytes, layout.nbytes):
             # disk tier: the slots map the bytes where they lie on disk; the RAM copy goes
