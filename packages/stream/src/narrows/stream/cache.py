@@ -136,7 +136,7 @@ class CacheLayer:
         return out
 
 
-def _pread_into(path: Path, offset: int, view: memoryview) -> None:
+def _pread_into(path: Path, offset: int, view: memoryview, drop: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         got = 0
@@ -147,6 +147,8 @@ def _pread_into(path: Path, offset: int, view: memoryview) -> None:
                     f"{path} ended while reading a prepared slab; delete the cache to rebuild it"
                 )
             got += n
+        if drop and hasattr(os, "posix_fadvise"):  # the disk tier: keep the page cache out of it
+            os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
