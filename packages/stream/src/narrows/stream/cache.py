@@ -305,11 +305,25 @@ def map_region(path: Path, offset: int, nbytes: int) -> Tensor:
     """A read-only memory map of `nbytes` at `offset` (page-aligned) of a file, as a uint8
     tensor: a valid home for the slots of a disk-tier layer that costs no host memory
     until someone reads it. It stays valid when the file is renamed."""
-    import numpy as np
+    return _whole_file(Path(path), offset + nbytes)[offset : offset + nbytes]
 
-    array = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
-    with _quiet_readonly():
-        return torch.from_numpy(array)
+
+_MAPS: dict[tuple[str, int, int], Tensor] = {}
+
+
+def _whole_file(path: Path, at_least: int) -> Tensor:
+    """One read-only map per file (and size: a file still being written is mapped again as it
+    grows); thousands of per-tensor maps would each cost an open and a seek."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size)
+    mapped = _MAPS.get(key)
+    if mapped is None or mapped.numel() < at_least:
+        import numpy as np
+
+        with _quiet_readonly():
+            mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r"))
+        _MAPS[key] = mapped
+    return mapped
 
 
 class _quiet_readonly:

@@ -164,6 +164,9 @@ def _load(
     from transformers import AutoConfig
 
     n = AutoConfig.from_pretrained(folder.path).get_text_config().num_hidden_layers
+    if pin:  # the CUDA context's host memory belongs to what the budget must leave for the process
+        torch.cuda.init()
+        torch.empty(1, device="cuda")
     placer = _Placer(n, budget, ring, can_spill=target is not None)
     if not keep:  # prepare: every slab goes to the file only
         placer.pinned = set()
@@ -171,7 +174,7 @@ def _load(
     disk: list[int] = []
     layouts: list[SlabLayout | None] = [None] * n
     writer = SlabCacheWriter(target, expect) if target is not None and prepared is None else None
-    warm = _WarmReader(prepared, placer, pin, depth=max(ring, 2)) if prepared is not None else None
+    warm = _WarmReader(prepared, placer, pin, depth=2) if prepared is not None else None
     in_place = expect["settings"]["prequantized"]  # packed weights stay where the checkpoint has them
 
     def fill(i: int, lpath: str, layer: nn.Module) -> bool:

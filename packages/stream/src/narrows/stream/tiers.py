@@ -121,7 +121,8 @@ class DiskReader:
         self.pending: dict[int, tuple[Tensor, Future]] = {}
         self.returns: list[tuple[Tensor, object]] = []
         self.lock = threading.Lock()
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="narrows-disk")
+        # two reads in flight keep the disk's queue full while a third buffer is being copied
+        self.pool = ThreadPoolExecutor(max_workers=min(2, max(ring, 1)), thread_name_prefix="narrows-disk")
         self.bytes_read = 0
         self.direct = self._try_direct()
 
