@@ -97,13 +97,27 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
 
 
 def _aligned_pinned(nbytes: int, pin: bool) -> Tensor:
-    """A host buffer whose start is page-aligned (O_DIRECT needs it; cudaHostAlloc gives it)."""
-    nbytes = -(-nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT
+    """A page-aligned host buffer of exactly `nbytes` (rounded to a page), page-locked for
+    the GPU when `pin`.
+
+    torch's ``pin_memory=True`` goes through its caching host allocator, which rounds every
+    allocation up to a power of two: a 0.48 GB slab of a 72B layer would pin 0.54 GB, and
+    host memory would overrun the budget by that much per layer. So the buffer is an
+    anonymous mapping (page-aligned, as O_DIRECT needs) registered with CUDA
+    (``cudaHostRegister``), unregistered when the mapping is collected.
+    """
+    import mmap
+    import weakref
+
+    nbytes = max(FILE_ALIGNMENT, -(-nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT)
+    area = mmap.mmap(-1, nbytes)
+    buf = torch.frombuffer(area, dtype=torch.uint8)
     if pin:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    raw = torch.empty(nbytes + FILE_ALIGNMENT, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % FILE_ALIGNMENT
-    return raw[skip : skip + nbytes]
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:  # cannot pin: let torch do it
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        weakref.finalize(area, cudart.cudaHostUnregister, buf.data_ptr())
+    return buf
 
 
 class DiskReader:
