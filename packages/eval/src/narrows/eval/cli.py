@@ -21,7 +21,7 @@ def _run(args: argparse.Namespace) -> int:
 
     out = args.out or str(Path(args.adapter) / "eval")
     report = evaluate(args.model, args.adapter, [t for t in args.tasks.split(",") if t], out,
-                      gpu_budget=args.gpu_budget, quant=args.quant, dtype=args.dtype, device=args.device,
+                      gpu_budget=args.gpu_budget, host_budget=args.host_budget, quant=args.quant, dtype=args.dtype, device=args.device,
                       batch_size=args.batch_size, limit=args.limit, num_fewshot=args.num_fewshot,
                       include_path=args.include_path)  # fmt: skip
     print(report["paths"]["markdown"].read_text())
@@ -44,6 +44,9 @@ def register(sub) -> None:
         "--tasks", help="comma-separated: arc_easy, piqa, hellaswag, mmlu, lambada, gsm8k, or your own"
     )
     p.add_argument("--gpu-budget", help="stream the base within this much GPU memory (8GiB, fit, min)")
+    p.add_argument(
+        "--host-budget", help="host RAM the streamed base may hold (e.g. 24GiB); the rest is read from disk"
+    )
     p.add_argument("--quant", choices=["nf4"], help="quantise the base's decoder linears to NF4")
     p.add_argument(
         "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32"

@@ -27,11 +27,12 @@ def _none(value):
 class NarrowsLM(HFLM):
     """``--model_args``: ``pretrained`` (HF folder or .gguf), ``adapter`` (PEFT folder, e.g. a
     ``narrows finetune`` run), ``gpu_budget`` (stream the base: ``8GiB``, ``fit``, ``min``),
+    ``host_budget`` (host RAM for the streamed base, e.g. ``24GiB``; the rest is read from disk),
     ``quant`` (``nf4``), ``dtype`` (``auto``: bf16 on CUDA, fp32 on CPU), ``device``,
     ``batch_size``, ``max_length`` and the rest of HFLM's own arguments."""
 
     def __init__(self, pretrained, tokenizer=None, adapter: str | None = None, gpu_budget: str | None = None,
-                 quant: str | None = None, dtype: str = "auto", device: str | None = None,
+                 host_budget: str | None = None, quant: str | None = None, dtype: str = "auto", device: str | None = None,
                  batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
         device = _none(device)
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
@@ -43,6 +44,7 @@ class NarrowsLM(HFLM):
             dtype=dtype,
             quant=_none(quant),
             gpu_budget=_none(gpu_budget),
+            host_budget=_none(host_budget),
             device=device,
             seq_len=int(max_length or 2048),
             batch_size=int(batch_size) if str(batch_size).isdigit() else 1,

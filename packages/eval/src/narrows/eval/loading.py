@@ -58,6 +58,7 @@ def load_for_eval(
     dtype: str | torch.dtype = "auto",
     quant: str | None = None,
     gpu_budget: str | int | None = None,
+    host_budget: str | int | None = None,
     device: str | torch.device | None = None,
     seq_len: int = 2048,
     batch_size: int = 1,
@@ -81,12 +82,27 @@ def load_for_eval(
     adapter_dir = resolve_adapter(adapter) if adapter else None  # before the slow load
     if gpu_budget is not None:
         require("narrows.stream", "evaluation with gpu_budget (streaming the base)")
+    elif host_budget is not None:
+        raise NarrowsError("host_budget bounds the host copy of a streamed base: give gpu_budget too")
     if isinstance(pretrained, nn.Module):
         if tokenizer is None:
             raise NarrowsError(
                 "a model passed as an object needs its tokenizer: load_for_eval(model, tokenizer=...)"
             )
         model = pretrained
+    elif gpu_budget is not None:  # straight into host tiers: pinned within host_budget, the rest on disk
+        from transformers import AutoTokenizer
+
+        import narrows.stream as ns
+        from narrows.core import ensure_architecture
+        from narrows.core.models import resolve_model_path
+
+        folder = resolve_model_path(pretrained)
+        model = ns.from_pretrained(
+            folder, quant=quant, dtype=_dtype(dtype, dev), host_budget=host_budget, device=dev
+        )
+        ensure_architecture(model, "head")
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     else:
         model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev), quant=quant, device=dev)
     if quant == "nf4" and not getattr(model, "is_loaded_in_4bit", False):  # a model passed in memory

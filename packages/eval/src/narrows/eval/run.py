@@ -56,6 +56,7 @@ def evaluate(
     out: str | os.PathLike,
     *,
     gpu_budget: str | None = None,
+    host_budget: str | None = None,
     quant: str | None = None,
     dtype: str = "auto",
     device: str | None = None,
@@ -77,7 +78,8 @@ def evaluate(
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        lm = NarrowsLM(pretrained=str(model), adapter=adp, gpu_budget=gpu_budget, quant=quant, dtype=dtype,
+        lm = NarrowsLM(pretrained=str(model), adapter=adp, gpu_budget=gpu_budget, host_budget=host_budget,
+                       quant=quant, dtype=dtype,
                        device=device, batch_size=batch_size)  # fmt: skip
         results[which] = run_tasks(lm, names, manager, limit=limit, num_fewshot=num_fewshot)
         runs[which] = {"seconds": round(time.perf_counter() - start, 1),
