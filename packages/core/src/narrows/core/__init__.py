@@ -5,6 +5,7 @@
 - frozen slots and slabs: every frozen tensor (NF4 quantisation state included) as a
   re-pointable reference, and the packed layout that moves a layer in one copy
 - NF4 quantisation through bitsandbytes (optional extra ``narrows-core[nf4]``)
+- checkpoint folders read one decoder layer at a time (the full float model never exists)
 - the LM-head hook: the head's weight served in vocabulary chunks, resident or streamed
 - memory measurement and byte sizes
 - architecture checks: shrunk twins of unannounced architectures, checked before training
@@ -35,6 +36,9 @@ from .anatomy import (
     supported_architectures,
     unwrap_model,
 )
+
+# checkpoints, read one decoder layer at a time
+from .checkpoint import CheckpointFolder
 from .determinism import deterministic
 
 # errors
@@ -51,13 +55,14 @@ from .head import (
     loss_working_set,
     set_loss_working_set,
 )
+from .loader import load_blockwise
 from .logits import LogitMath
 
 # memory
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
 
 # NF4
-from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_nf4
+from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
 
 # frozen storage
 from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
@@ -82,6 +87,7 @@ __all__ = [
     "Anatomy",
     "ArchitectureCheckError",
     "ArchitectureSpec",
+    "CheckpointFolder",
     "FrozenSlot",
     "HeadSource",
     "LogitMath",
@@ -112,11 +118,13 @@ __all__ = [
     "head_source",
     "is_announced",
     "is_nf4_linear",
+    "load_blockwise",
     "loss_working_set",
     "measure_peaks",
     "nf4_rows",
     "parse_bytes",
     "pointed_at",
+    "quantize_layer_nf4",
     "quantize_nf4",
     "read_peaks",
     "register_adapter_type",

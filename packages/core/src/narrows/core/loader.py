@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ._env import require
-from .anatomy import anatomy_of
+from .anatomy import Anatomy, accepting_unannounced, anatomy_of
 from .checkpoint import BNB_STATS, CheckpointFolder
 from .errors import NarrowsError
 from .nf4 import quantize_layer_nf4
@@ -82,6 +82,13 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def _structure(model: nn.Module) -> Anatomy:
+    """Where the layers are. An unannounced architecture is loaded too: the caller checks it
+    on its shrunk twin before anything trains (``load_causal_lm`` does)."""
+    with accepting_unannounced():
+        return anatomy_of(model)
+
+
 def _skeleton(folder: CheckpointFolder, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -119,7 +126,7 @@ class _Mapping:
 def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
     """Checkpoint keys grouped by destination: [outside, layer 0, layer 1, ...], with the
     pre-quantised weights of each group apart; shapes checked against the model."""
-    anat = anatomy_of(model)
+    anat = _structure(model)
     prefixes = [p + "." for p in anat.layer_paths]
     groups: list[dict[str, str]] = [{} for _ in range(len(prefixes) + 1)]  # ckpt key -> model key
     quant: list[dict[str, str]] = [{} for _ in range(len(prefixes) + 1)]
@@ -301,7 +308,7 @@ def load_blockwise(
     model = _skeleton(folder, dtype)
     mapping = _Mapping(model)
     groups, quant_groups = _plan_groups(model, folder, mapping)
-    anat = anatomy_of(model)
+    anat = _structure(model)
 
     def keys_of(g: int) -> list[str]:
         return list(groups[g]) + [k for w in quant_groups[g] for k in _bnb_keys(folder, w)]

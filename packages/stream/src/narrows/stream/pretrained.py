@@ -198,7 +198,9 @@ def _load(
         slots = frozen_layer_slots(layer)
         layout = SlabLayout.of(slots)
         sources = _file_sources(layer, slots) if in_place else None
-        slab = _aligned_pinned(layout.nbytes, pin)
+        layer.__dict__.pop("narrows_file_sources", None)
+        pinned = placer.pinned_here(i, layout.nbytes, layout.nbytes)
+        slab = _aligned_pinned(layout.nbytes, pin and pinned)  # a disk layer's slab only passes through
         assign(slots, layout.pack([s.tensor for s in slots], slab))
         entry = None
         if writer is not None:
@@ -206,7 +208,7 @@ def _load(
                 read_in_place = sum(layout.entries[k].nbytes for k in sources or ())
                 writer.check_space((layout.nbytes - read_in_place) * n)
             entry = writer.add(layer, layout, slab, sources)
-        if not placer.pinned_here(i, layout.nbytes, layout.nbytes):
+        if not pinned:
             # disk tier: the slots map the bytes where they lie on disk; the RAM copy goes
             slab = writer.home(entry)
             assign(slots, layout.views(slab) if slab is not None else writer.views(entry))
