@@ -125,14 +125,17 @@ class CacheLayer:
         """Memory maps of the slab's bytes where they lie on disk, one tensor per entry."""
         if self.parts is None:
             return self.layout.views(map_region(cache_file, self.offset, self.layout.nbytes))
+        ends: dict[str | None, int] = {}  # each file is looked up once per layer, not once per tensor
+        for k, file, off in self.parts:
+            ends[file] = max(ends.get(file, 0), off + self.layout.entries[k].nbytes)
+        whole = {f: _whole_file(Path(f) if f else cache_file, end) for f, end in ends.items()}
         out: list[Tensor] = []
         for k, file, off in self.parts:
             e = self.layout.entries[k]
             if not e.nbytes:
                 out.append(torch.empty_strided(e.shape, e.stride, dtype=e.dtype))
                 continue
-            raw = map_region(Path(file) if file else cache_file, off, e.nbytes)
-            out.append(raw.view(e.dtype).as_strided(e.shape, e.stride))
+            out.append(whole[file][off : off + e.nbytes].view(e.dtype).as_strided(e.shape, e.stride))
         return out
 
 
