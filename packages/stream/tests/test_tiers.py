@@ -149,6 +149,16 @@ def boom(*args, **kwargs):
     raise AssertionError("a warm load must not quantise or write the cache again")
 
 
+def spy_quantisation(monkeypatch) -> list[int]:
+    """One entry per decoder layer the loader quantises from here on."""
+    quantised: list[int] = []
+    original = loader_module.quantize_layer_nf4
+    monkeypatch.setattr(
+        loader_module, "quantize_layer_nf4", lambda *a, **k: quantised.append(1) or original(*a, **k)
+    )
+    return quantised
+
+
 def spy_layer_reads(monkeypatch) -> list[str]:
     """Names of the decoder-layer tensors the loader reads from the checkpoint from now on (not
     the few-byte quant-state blobs of a pre-quantised checkpoint, which its header checks read)."""
@@ -307,11 +317,7 @@ def test_damaged_cache_is_rebuilt_not_used(damage, checkpoint, tmp_path, monkeyp
     DAMAGE[damage](path)
     capsys.readouterr()
 
-    quantised = []
-    original = loader_module.quantize_layer_nf4
-    monkeypatch.setattr(
-        loader_module, "quantize_layer_nf4", lambda *a, **k: quantised.append(1) or original(*a, **k)
-    )
+    quantised = spy_quantisation(monkeypatch)
     model = tiered(folder, "nf4", ref.slab, cache)
     assert "rebuilding" in capsys.readouterr().out
     assert len(quantised) == LAYERS
@@ -333,11 +339,7 @@ def test_cache_from_another_narrows_version_is_rebuilt(checkpoint, tmp_path, mon
     path = tiered(folder, "nf4", ref.slab, cache).narrows_tiers.cache.path
     capsys.readouterr()
     monkeypatch.setattr(nc, "__version__", "0.0.0-other")
-    quantised = []
-    original = loader_module.quantize_layer_nf4
-    monkeypatch.setattr(
-        loader_module, "quantize_layer_nf4", lambda *a, **k: quantised.append(1) or original(*a, **k)
-    )
+    quantised = spy_quantisation(monkeypatch)
     model = tiered(folder, "nf4", ref.slab, cache)
     assert "rebuilding" in capsys.readouterr().out
     assert len(quantised) == LAYERS

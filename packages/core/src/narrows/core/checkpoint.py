@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -184,6 +183,3 @@ class CheckpointFolder:
             "files": [[s.path.name, s.size, s.mtime_ns, s.header_sha256] for s in self.shards],
             "config_sha256": hashlib.sha256(json.dumps(self.config, sort_keys=True).encode()).hexdigest(),
         }
-
-    def source_bytes(self, names: Iterable[str]) -> int:
-        return sum(self.tensors[n].nbytes for n in names)

@@ -232,19 +232,11 @@ def _load_model(cfg: FinetuneConfig, path: str, dtype: torch.dtype, device: torc
 
     if cfg.gpu_budget == "off":
         return load_causal_lm(path, dtype=dtype, quant=cfg.quant, device=device)
-    from transformers import AutoTokenizer
-
     import narrows.stream
 
-    from .models import resolve_model_path
-    from .verify import ensure_architecture
-
-    folder = resolve_model_path(path)
     cache = False if cfg.cache == "off" else (cfg.cache or True)
-    model = narrows.stream.from_pretrained(folder, quant=cfg.quant, dtype=dtype, host_budget=cfg.host_budget,
-                                           cache=cache, device=device)  # fmt: skip
-    ensure_architecture(model, "head")
-    return model, AutoTokenizer.from_pretrained(folder)
+    return load_causal_lm(path, load=lambda folder: narrows.stream.from_pretrained(
+        folder, quant=cfg.quant, dtype=dtype, host_budget=cfg.host_budget, cache=cache, device=device))  # fmt: skip
 
 
 def _build(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -81,6 +82,7 @@ def load_causal_lm(
     quant: str | None = None,
     device: torch.device | str | None = None,
     on_layer: LayerCallback | None = None,
+    load: Callable[[Path], nn.Module] | None = None,
 ) -> tuple[nn.Module, object]:
     """(model, tokenizer) from a local HF folder or a ``.gguf`` file, checked for support.
 
@@ -88,11 +90,16 @@ def load_causal_lm(
     quantises each layer on `device` as it arrives, and a pre-quantised bitsandbytes NF4
     folder loads as stored, so host memory peaks near the final footprint, never at the
     float model. The model is on the CPU in `dtype`, in eval mode; callers move it.
+    `load(folder)` replaces that build (narrows-stream's ``from_pretrained``, which also
+    places each layer in a host tier); the checks and the tokenizer stay the same.
     """
     path = resolve_model_path(path)
     from transformers import AutoTokenizer
 
-    model = load_blockwise(path, dtype=dtype, quant=quant, device=device, on_layer=on_layer)
+    if load is None:
+        model = load_blockwise(path, dtype=dtype, quant=quant, device=device, on_layer=on_layer)
+    else:
+        model = load(path)
     ensure_architecture(model, "head")  # an unannounced architecture is checked on its twin first
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

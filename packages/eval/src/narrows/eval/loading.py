@@ -91,18 +91,10 @@ def load_for_eval(
             )
         model = pretrained
     elif gpu_budget is not None:  # straight into host tiers: pinned within host_budget, the rest on disk
-        from transformers import AutoTokenizer
-
         import narrows.stream as ns
-        from narrows.core import ensure_architecture
-        from narrows.core.models import resolve_model_path
 
-        folder = resolve_model_path(pretrained)
-        model = ns.from_pretrained(
-            folder, quant=quant, dtype=_dtype(dtype, dev), host_budget=host_budget, device=dev
-        )
-        ensure_architecture(model, "head")
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model, tokenizer = load_causal_lm(pretrained, load=lambda folder: ns.from_pretrained(
+            folder, quant=quant, dtype=_dtype(dtype, dev), host_budget=host_budget, device=dev))  # fmt: skip
     else:
         model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev), quant=quant, device=dev)
     if quant == "nf4" and not getattr(model, "is_loaded_in_4bit", False):  # a model passed in memory

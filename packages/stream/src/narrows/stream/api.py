@@ -185,10 +185,9 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      host_budget=tiers.host_budget if tiers else None)  # fmt: skip
 
 
-def _park(anat: Anatomy, pin: bool) -> list[LayerStore]:
+def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
     """Each layer's host store: where `from_pretrained` placed it (pinned slab or disk
     tier), taken without a copy; otherwise its frozen tensors packed into a new slab."""
-    tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
     stores = []
     for i, (path, layer) in enumerate(zip(anat.layer_paths, anat.layers)):
         if tiers is None:
@@ -352,8 +351,8 @@ def stream(
         p.data = p.data.to(dev)
 
     pin = dev.type == "cuda"
-    stores = _park(anat, pin)
     tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
+    stores = _park(anat, tiers, pin)
     disk = [s.index for s in stores if s.on_disk]
     reader = DiskReader(tiers.cache, disk, ring=tiers.ring_slabs, pin=pin) if disk else None
     engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident),

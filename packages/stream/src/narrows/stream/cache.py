@@ -159,7 +159,7 @@ def _pread_into(path: Path, offset: int, view: memoryview, drop: bool = False) -
 class SlabCacheWriter:
     """Appends layer slabs to a temporary file; `commit` writes the footer and renames it."""
 
-    def __init__(self, path: Path, meta: dict[str, Any], *, expected_bytes: int | None = None):
+    def __init__(self, path: Path, meta: dict[str, Any]):
         self.path = Path(path)
         self.meta = meta
         self.layers: list[CacheLayer] = []
@@ -170,8 +170,6 @@ class SlabCacheWriter:
         except OSError as e:
             raise NarrowsError(f"cannot write the prepared cache in {self.path.parent}: {e.strerror}. "
                                "Give a writable --cache folder.") from None  # fmt: skip
-        if expected_bytes is not None:
-            self.check_space(expected_bytes)
 
     def check_space(self, expected_bytes: int) -> None:
         free = shutil.disk_usage(self.path.parent).free

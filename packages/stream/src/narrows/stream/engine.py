@@ -36,7 +36,7 @@ class LayerStore:
     host: Tensor  # uint8 slab, authoritative
     host_views: list[Tensor]
     resident_views: list[Tensor] | None = None  # set when the layer stays on the device
-    on_disk: bool = False  # `host` maps the prepared cache file; the engine reads it through a DiskReader
+    on_disk: bool = False  # read through the engine's DiskReader; `host` is a file map (or empty, in parts)
 
     @property
     def nbytes(self) -> int:
@@ -119,8 +119,9 @@ class TransferEngine:
         for i in sorted(resident):
             s = stores[i]
             buf = s.layout.empty(device)
-            buf.copy_(self._source(i))
-            self._done_with_source(i, None)
+            source, ring = self._source(i)
+            buf.copy_(source)
+            self._done_with_source(ring, None)
             s.resident_views = s.layout.views(buf)
             assign(s.slots, s.resident_views)
             self.stats.bytes_h2d += s.nbytes
@@ -138,23 +139,24 @@ class TransferEngine:
         free = [s for s in self.pool if not s.in_use]
         return min(free, key=lambda s: s.last_used) if free else None
 
-    def _source(self, index: int) -> Tensor:
-        """The host bytes of layer `index`: its pinned slab, or a disk read in a ring buffer."""
+    def _source(self, index: int) -> tuple[Tensor, Tensor | None]:
+        """The host bytes of layer `index` — its pinned slab, or a disk read in a ring
+        buffer — and that ring buffer (None for a pinned layer)."""
         store = self.stores[index]
         if not store.on_disk:
-            return store.host
-        self._ring = self.reader.take(index)
+            return store.host, None
+        ring = self.reader.take(index)
         self.stats.bytes_disk += store.nbytes
-        return self._ring[: store.nbytes]
+        return ring[: store.nbytes], ring
 
-    def _done_with_source(self, index: int, event: object | None) -> None:
-        if self.stores[index].on_disk:
-            self.reader.give_back(self._ring, event)  # reusable once the copy has read it
+    def _done_with_source(self, ring: Tensor | None, event: object | None) -> None:
+        if ring is not None:
+            self.reader.give_back(ring, event)  # reusable once the copy has read it
 
     def _load(self, index: int, slab: DeviceSlab) -> None:
         store = self.stores[index]
         n = store.nbytes
-        source = self._source(index)
+        source, ring = self._source(index)
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slab.free is not None:
@@ -162,10 +164,10 @@ class TransferEngine:
                 slab.buffer[:n].copy_(source, non_blocking=True)
                 slab.ready = torch.cuda.Event()
                 slab.ready.record(self.copy_stream)
-            self._done_with_source(index, slab.ready)
+            self._done_with_source(ring, slab.ready)
         else:
             slab.buffer[:n].copy_(source)
-            self._done_with_source(index, None)
+            self._done_with_source(ring, None)
         slab.owner = index
         self._clock += 1
         slab.last_used = self._clock  # a fresh prefetch is not the next victim

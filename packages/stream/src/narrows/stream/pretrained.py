@@ -88,7 +88,7 @@ class _Placer:
         self.pinned: set[int] | None = None
         self.fixed = 0
 
-    def pinned_here(self, index: int, slab_bytes: int, source_bytes: int) -> bool:
+    def pinned_here(self, index: int, slab_bytes: int) -> bool:
         if self.pinned is None:  # first layer: everything outside the layers is loaded by now
             self.fixed = host_rss_bytes()  # the process, and what is loaded outside the layers
             if self.budget is None:
@@ -98,12 +98,12 @@ class _Placer:
                 count = min(self.n, max(0, allow // slab_bytes)) if allow > 0 else 0
                 if count < self.n:  # a disk tier: reserve its ring of read buffers
                     count = min(self.n, max(0, (allow - self.ring * slab_bytes) // slab_bytes))
-                minimum = self.fixed + HOST_MARGIN + self.ring * slab_bytes + 2 * source_bytes
+                minimum = self.fixed + HOST_MARGIN + (self.ring + 2) * slab_bytes
                 if count < self.n and (not self.can_spill or self.budget < minimum):
                     why = ("no prepared cache to hold a disk tier (cache=False)" if not self.can_spill
                            else f"the minimum is {format_bytes(minimum)}: what is loaded outside the layers and the "
                            f"process itself ({format_bytes(self.fixed)}), a margin of {format_bytes(HOST_MARGIN)}, "
-                           f"{self.ring} disk read buffers and two layers' source tensors while loading")  # fmt: skip
+                           f"{self.ring} disk read buffers and two slabs in flight while loading")  # fmt: skip
                     fix = (
                         "enable the cache so layers can spill to disk"
                         if not self.can_spill
@@ -199,7 +199,7 @@ def _load(
         layout = SlabLayout.of(slots)
         sources = _file_sources(layer, slots) if in_place else None
         layer.__dict__.pop("narrows_file_sources", None)
-        pinned = placer.pinned_here(i, layout.nbytes, layout.nbytes)
+        pinned = placer.pinned_here(i, layout.nbytes)
         slab = _aligned_pinned(layout.nbytes, pin and pinned)  # a disk layer's slab only passes through
         assign(slots, layout.pack([s.tensor for s in slots], slab))
         entry = None
@@ -259,7 +259,7 @@ class _WarmReader:
     def _job(self, i: int) -> tuple[Tensor | None, bool]:
         entry = self.prepared.layers[i]
         size = entry.layout.nbytes
-        pinned = self.placer.pinned_here(i, size, size)
+        pinned = self.placer.pinned_here(i, size)
         buf = _aligned_pinned(size, self.pin and pinned)
         self.prepared.read_into(i, buf)
         return (buf if pinned else None), crc32(buf[:size]) == entry.crc
@@ -267,7 +267,7 @@ class _WarmReader:
     def take(self, i: int) -> Tensor | None:
         if not self.jobs:  # the first layer decides the tiers (what is loaded by now counts as fixed)
             size = self.prepared.layers[0].layout.nbytes
-            self.placer.pinned_here(0, size, size)
+            self.placer.pinned_here(0, size)
             for j in range(min(self.depth, len(self.prepared.layers))):
                 self.jobs[j] = self.pool.submit(self._job, j)
         slab, ok = self.jobs.pop(i).result()
