@@ -293,6 +293,10 @@ def main() -> None:
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--host-budget", default="all", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--finetune-hosts", help="finetune part: host budgets (default: all and the first of --host-budgets)"
+    )
+    ap.add_argument("--finetune-gpu-budget", help="finetune part: its --gpu-budget (default: --gpu-budget)")
     ap.add_argument("--profile", help="write a cProfile of each warm load into this folder")
     args = ap.parse_args()
     if args.child:
@@ -362,25 +366,29 @@ def main() -> None:
                     drop_caches()
                     row = measured(me(args, "ready", folder, host_budget=hb, seq=seq))
                     record("disk", f"{kind} host {hb} seq {seq}", row)
-    if "finetune" in parts and args.config != "none":
+    if "finetune" in parts:
         train, held = args.work / "train.jsonl", args.work / "held.jsonl"
         for path, n in ((train, 64), (held, 8)):  # the weights are random: any text will do
             path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?",
                                                 "response": f"{i} + {i} = {2 * i}. " * 20}) + "\n"
                                     for i in range(n)))  # fmt: skip
-        for hb in ("all", args.host_budgets.split(",")[0]):
-            cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(bf16), "--data", str(train),
-                   "--eval-data", str(held), "--eval-rows", "4", "--quant", "nf4", "--gpu-budget", args.gpu_budget,
+        hosts = (args.finetune_hosts or f"all,{args.host_budgets.split(',')[0]}").split(",")
+        for (kind, folder), hb in ((f, hb) for f in folders for hb in hosts):
+            cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
+                   "--eval-data", str(held), "--eval-rows", "4", "--quant", "nf4", "--gpu-budget", args.finetune_gpu_budget or args.gpu_budget,
                    "--steps", "3", "--batch", "1", "--seq-len", str(args.seq), "--no-progress", "--exact-match", "0",
-                   "--cache", str(args.work / "cache"), "--out", str(args.work / f"run-{hb}")]  # fmt: skip
+                   "--cache", str(args.work / "cache"), "--out", str(args.work / f"run-{kind}-{hb}")]  # fmt: skip
             if hb != "all":
                 cmd += ["--host-budget", hb]
-            shutil.rmtree(args.work / f"run-{hb}", ignore_errors=True)
+            shutil.rmtree(args.work / f"run-{kind}-{hb}", ignore_errors=True)
             row = measured(cmd)
-            summary = args.work / f"run-{hb}" / "summary.json"
+            summary = args.work / f"run-{kind}-{hb}" / "summary.json"
             if summary.is_file():
                 row["summary"] = json.loads(summary.read_text())
-            record("finetune", f"host {hb}", row)
+            label = f"{kind} host {hb}"
+            record(
+                "finetune", label + (" (again: warm)" if any(r["label"] == label for r in rows) else ""), row
+            )
     if not args.keep:
         for _, folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
