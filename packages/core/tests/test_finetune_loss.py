@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import narrows.core.finetune as finetune_mod
+import narrows.core.finetune.job as finetune_mod
 from narrows.core.finetune import FinetuneConfig, finetune
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
@@ -46,7 +46,7 @@ def _step_one(tmp_path, monkeypatch) -> tuple[FinetuneConfig, list[dict], dict, 
     inputs: list[dict] = []
     at_step: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     built = {}
-    build = finetune_mod._build
+    build = finetune_mod.build_model
 
     def build_and_watch(*args, **kwargs):
         model = build(*args, **kwargs)
@@ -67,7 +67,7 @@ def _step_one(tmp_path, monkeypatch) -> tuple[FinetuneConfig, list[dict], dict, 
                 if p.requires_grad:
                     at_step[name] = (p.detach().clone(), p.grad.detach().clone())
 
-    monkeypatch.setattr(finetune_mod, "_build", build_and_watch)
+    monkeypatch.setattr(finetune_mod, "build_model", build_and_watch)
     handle = register_optimizer_step_pre_hook(before_step)
     try:
         finetune(cfg, progress=False)

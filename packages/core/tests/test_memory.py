@@ -23,6 +23,8 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.5 KiB"
     assert format_bytes(12 * 2**30) == "12 GiB"
+    assert format_bytes(1023.7 * 2**20) == "1 GiB"  # not "1e+03 MiB"
+    assert not [n for n in range(0, 1 << 24, 997) if "e+" in format_bytes(n * 1024.37)]
 
 
 def test_host_peak_sees_an_allocation():

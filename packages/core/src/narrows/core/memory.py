@@ -47,9 +47,9 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes in binary units, three significant figures: 1536 → '1.50 KiB'."""
+    """Bytes in binary units, three significant figures: 1536 → "1.5 KiB", never "1e+03 MiB"."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
+        if abs(n) < 999.5:  # three figures that round to 1000 read better as 0.977 of the next unit
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
     return f"{n:.3g} TiB"

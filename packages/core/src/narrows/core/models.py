@@ -69,6 +69,11 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
             raise NarrowsError(
                 f"{str(path)!r} is a file but not a .gguf; give a model folder or a GGUF file."
             )
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise NarrowsError(f"{str(path)!r} is named .gguf but is not a GGUF file (it starts with {magic!r}, "
+                               "not b'GGUF'); re-download or re-export it")  # fmt: skip
         path = gguf_as_folder(path)
     elif not (path / "config.json").is_file():
         raise NarrowsError(f"{str(path)!r} has no config.json; it is not a Hugging Face model folder.")

@@ -1,0 +1,27 @@
+"""`narrows finetune`: one LoRA / DoRA fine-tune with whatever narrows packages are installed.
+
+The main job, apart from core's protocol modules: `config` (what a run depends on),
+`rundir` (the run folder: lock, settings, checkpoints, metrics), `build` (inputs checked,
+model loaded and wrapped), `loop` (the training steps), `evaluate` (held-out loss, exact
+match), `report` (summary, adapter, plot), `job` (new and resumed runs) and `command`
+(the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
+"""
+
+from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead
+from .evaluate import eval_loss, exact_match
+from .job import finetune, resume
+from .report import format_summary
+from .rundir import RunFolder
+
+__all__ = [
+    "RESUMABLE",
+    "FinetuneConfig",
+    "LMHeadSpec",
+    "RunFolder",
+    "eval_loss",
+    "exact_match",
+    "finetune",
+    "format_summary",
+    "parse_lmhead",
+    "resume",
+]

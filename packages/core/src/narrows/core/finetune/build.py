@@ -1,0 +1,132 @@
+"""Inputs checked before the heavy work, then the model built: the user's checkpoint read
+block by block, PEFT's adapter on it, and the siblings asked for (narrows-dora for
+``--adapter dora``, narrows-stream for ``--gpu-budget``, narrows-lmhead for ``--lmhead``),
+each imported only when asked for."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._env import is_available
+from ..checkpoint import CheckpointFolder
+from ..data import Example, read_jsonl, tokenize_rows
+from ..errors import NarrowsError
+from ..memory import parse_bytes
+from .config import FinetuneConfig, parse_lmhead
+
+__all__ = ["build_model", "check_model_files", "load_data", "load_model", "run_dtype", "seed_all"]
+
+
+def seed_all(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_dtype(cfg: FinetuneConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def check_model_files(cfg: FinetuneConfig) -> Path:
+    """The model's HF folder, its safetensors headers read and checked (missing or cut
+    shards, unsupported quantisation) before any weight is; a GGUF file is converted once."""
+    from ..models import resolve_model_path
+
+    if cfg.model is None:
+        from ..bundled import smollm2_gguf
+
+        return resolve_model_path(smollm2_gguf())
+    folder = resolve_model_path(cfg.model)
+    CheckpointFolder(folder).check_quantization()
+    return folder
+
+
+def load_data(cfg: FinetuneConfig, tokenizer) -> tuple[list[Example], list[Example], list[dict]]:
+    """(train, eval, exact-match rows), every row checked before any training."""
+    if cfg.model is None:
+        from ..bundled import gsm8k_split
+
+        train_rows, held_out = gsm8k_split()
+        train = tokenize_rows(
+            ((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, cfg.seq_len
+        )
+        evals = tokenize_rows(((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])),
+                              tokenizer, cfg.seq_len)  # fmt: skip
+        return train, evals, held_out[cfg.eval_rows : cfg.eval_rows + cfg.exact_match]
+    train = tokenize_rows(read_jsonl(cfg.data), tokenizer, cfg.seq_len)  # type: ignore[arg-type]
+    evals = (
+        tokenize_rows(read_jsonl(cfg.eval_data), tokenizer, cfg.seq_len)[: cfg.eval_rows]
+        if cfg.eval_data
+        else []
+    )
+    return train, evals, []
+
+
+def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The frozen base: a streamed one goes straight into its host tiers (pinned RAM within
+    --host-budget, the rest on disk in the prepared-slab cache)."""
+    from ..models import load_causal_lm
+
+    if cfg.gpu_budget == "off":
+        return load_causal_lm(folder, dtype=dtype, quant=cfg.quant, device=device)[0]
+    import narrows.stream
+
+    cache = False if cfg.cache == "off" else (cfg.cache or True)
+    return load_causal_lm(folder, load=lambda f: narrows.stream.from_pretrained(
+        f, quant=cfg.quant, dtype=dtype, host_budget=cfg.host_budget, cache=cache, device=device))[0]  # fmt: skip
+
+
+def _targets(model: nn.Module, targets: str) -> str | list[str]:
+    if targets == "all-linear":
+        return targets
+    wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    missing = [t for t in wanted if t not in linear]
+    if missing or not wanted:
+        raise NarrowsError(f"--targets {targets!r}: no linear module named {missing or targets!r} in this model; "
+                           f"it has {sorted(linear)} (or use all-linear)")  # fmt: skip
+    return wanted
+
+
+def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
+    lmhead = cfg.lmhead
+    if lmhead == "auto":
+        lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
+    if lmhead != "off":
+        import narrows.lmhead
+
+        spec = parse_lmhead(lmhead)
+        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused)
+
+
+def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The PEFT model that trains: adapter (initialised from the run's seed), then DoRA,
+    streaming and the LM-head savings as asked."""
+    from peft import LoraConfig, get_peft_model
+
+    target_modules = _targets(model, cfg.targets)
+    seed_all(cfg.seed)  # the adapter's initialisation
+    lora = LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, lora_dropout=cfg.dropout,
+        target_modules=target_modules, use_dora=cfg.adapter == "dora", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    model = get_peft_model(model, lora)
+    if cfg.adapter == "dora":
+        import narrows.dora
+
+        narrows.dora.use_narrows_dora(model)
+    if cfg.gpu_budget == "off":
+        model.to(device)
+        _apply_lmhead(cfg, model)
+    else:
+        import narrows.stream
+
+        _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
+        budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
+        model = narrows.stream.stream(model, budget, device=device, batch_size=cfg.batch, seq_len=cfg.seq_len)
+    return model

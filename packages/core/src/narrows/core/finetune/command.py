@@ -1,0 +1,87 @@
+"""``narrows finetune``: its flags, and the dispatch to a new run or a resumed one."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from ..errors import NarrowsError
+from .config import RESUMABLE, FinetuneConfig
+
+__all__ = ["add_parser"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .job import finetune, resume
+    from .report import format_summary
+
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if args.resume:
+        if (
+            args.out is not None
+            and Path(args.out).expanduser().resolve() != Path(args.resume).expanduser().resolve()
+        ):
+            raise NarrowsError(f"--resume {args.resume} continues that folder; --out {args.out} names another: "
+                               "drop --out")  # fmt: skip
+        summary = resume(args.resume, given, override=args.override, progress=not args.no_progress)
+        out = args.resume
+    else:
+        if args.override:
+            raise NarrowsError("--override applies to --resume only")
+        cfg = FinetuneConfig(**given)
+        summary = finetune(cfg, progress=not args.no_progress)
+        out = cfg.out
+    print(format_summary(summary))
+    plot = "loss.png" if summary.get("loss_png") else "(no loss.png: pip install 'narrows-core[plot]')"
+    print(f"adapter (PEFT format), metrics.jsonl, summary.json, {plot} in {out}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a LoRA/DoRA adapter (no arguments: SmolLM2-135M-Instruct on GSM8K, runs on a laptop CPU)",
+        description="Fine-tune a LoRA or DoRA adapter with the narrows packages that are installed. With no "
+        "arguments: SmolLM2-135M-Instruct on GSM8K worked answers (both bundled through narrows-core[default]).",
+    )
+    a = p.add_argument
+    a("--model", help="local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    a("--data", help="training JSONL: messages, prompt/response or text rows")
+    a("--eval-data", help="held-out JSONL for the eval loss")
+    a("--adapter", choices=["lora", "dora"], help="lora (default) or dora (needs narrows-dora)")
+    a("--rank", type=int, help="adapter rank (default 16)")
+    a("--alpha", type=float, help="LoRA alpha (default 2 x rank)")
+    a("--dropout", type=float, help="adapter dropout (default 0)")
+    a("--targets", help="all-linear (default) or module names, e.g. q_proj,v_proj")
+    a("--quant", choices=["none", "nf4"], help="nf4: QLoRA/QDoRA base (needs narrows-core[nf4])")
+    a("--gpu-budget", help="off (default), fit, or a size like 12GiB: stream the base (needs narrows-stream)")
+    a("--host-budget", help="host RAM the streamed base may hold, e.g. 24GiB (default: 85%% of available); "
+      "layers beyond it are read from disk (the prepared cache)")  # fmt: skip
+    a("--cache", help="folder of the prepared-slab cache of a streamed base (default: $NARROWS_CACHE/slabs; "
+      "off: none, everything must fit --host-budget)")  # fmt: skip
+    a("--lmhead", help="auto (default: mask,chunked when narrows-lmhead is installed), off, or e.g. "
+      "mask,chunked,topk=1000 (needs narrows-lmhead)")  # fmt: skip
+    a("--steps", type=int, help="optimizer steps (default 40); with --resume: where the run now ends")
+    a("--batch", type=int, help="sequences per micro-batch (default 4)")
+    a("--grad-accum", type=int, help="micro-batches per step (default 1)")
+    a("--seq-len", type=int, help="tokens per sequence, longer rows are truncated (default 512)")
+    a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
+    a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
+    a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")
+    a("--save-every", type=int, help="checkpoint every N steps (default 10)")
+    a("--eval-rows", type=int, help="held-out rows for the eval loss (default 32)")
+    a("--exact-match", type=int, help="held-out GSM8K problems generated and scored (default 8; 0: off)")
+    a("--deterministic", action="store_true", default=None,
+      help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace): on CUDA the "
+      "condition for streamed == resident bit for bit; the CPU is deterministic anyway")  # fmt: skip
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="auto: bf16 on CUDA, fp32 on CPU")
+    a("--out", help="run folder, new or empty (default runs/default)")
+    a("--resume", metavar="RUN", help="continue the run in this folder from its newest intact checkpoint; "
+      f"flags given with it may change {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)}, "
+      "any other is refused (see --override)")  # fmt: skip
+    a("--override", action="store_true", help="with --resume: apply flags that change what the run trains "
+      "(e.g. --lr), recorded in the run's config.json history")  # fmt: skip
+    a("--no-progress", action="store_true", help="one line per step instead of a progress bar")
+    p.set_defaults(func=_run)

@@ -1,0 +1,190 @@
+"""What a run depends on (`FinetuneConfig`, saved in the run folder), its checks, and
+which of its fields a resumed run may change without leaving the trajectory it started."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from .._env import require
+from ..errors import NarrowsError
+from ..memory import parse_bytes
+
+__all__ = [
+    "ADAPTERS",
+    "QUANTS",
+    "RESUMABLE",
+    "FinetuneConfig",
+    "LMHeadSpec",
+    "parse_lmhead",
+    "resume_changes",
+]
+
+ADAPTERS = ("lora", "dora")
+QUANTS = ("none", "nf4")
+
+# Fields a resumed run may change, and what changing each does. Everything else would train
+# another model than the one the checkpoints hold, so it is refused unless overridden.
+RESUMABLE = {
+    "steps": "the run ends at the new step count; the learning-rate schedule decays over it from here on",
+    "save_every": "checkpoints are written at the new interval",
+    "exact_match": "only the final report changes",
+    "gpu_budget": "where the frozen base lives; streamed training computes what resident training does",
+    "host_budget": "where the frozen base lives; the numbers trained are the same",
+    "cache": "where the prepared slabs live; the numbers trained are the same",
+}
+
+
+@dataclass
+class FinetuneConfig:
+    """Everything a run depends on; saved in the run folder's ``config.json``."""
+
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    data: str | None = None  # None with model None: GSM8K train split
+    eval_data: str | None = None
+    adapter: str = "lora"
+    rank: int = 16
+    alpha: float | None = None  # None: 2 * rank
+    dropout: float = 0.0
+    targets: str = "all-linear"
+    quant: str = "none"
+    gpu_budget: str = "off"  # off | fit | a size such as 12GiB
+    host_budget: str | None = (
+        None  # host RAM for a streamed base (default: 85% of available); the rest on disk
+    )
+    cache: str | None = None  # prepared-slab cache folder (default $NARROWS_CACHE/slabs); "off": none
+    lmhead: str = (
+        "auto"  # auto: mask,chunked when narrows-lmhead is installed; off; or e.g. mask,chunked,topk=1000
+    )
+    steps: int = 40
+    batch: int = 4
+    grad_accum: int = 1
+    seq_len: int = 512
+    lr: float = 5e-4
+    warmup: int | None = None  # None: 5% of the steps
+    seed: int = 0
+    save_every: int = 10
+    eval_rows: int = 32  # held-out rows used for the eval loss
+    exact_match: int = 8  # held-out problems generated and scored (embedded default only)
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
+    deterministic: bool = False  # deterministic kernels: on CUDA, what makes runs reproducible bit for bit
+    out: str = "runs/default"
+
+    @classmethod
+    def from_dict(cls, fields: dict, where: str) -> FinetuneConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise NarrowsError(
+                f"{where}: unknown settings {unknown}; it was written by another narrows version"
+            )
+        return cls(**fields)
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+
+    def check(self) -> None:
+        """Refuse a bad configuration before anything is loaded."""
+        if self.adapter not in ADAPTERS:
+            raise NarrowsError(f"--adapter must be one of {ADAPTERS}, got {self.adapter!r}")
+        if self.quant not in QUANTS:
+            raise NarrowsError(f"--quant must be one of {QUANTS}, got {self.quant!r}")
+        for name in ("rank", "steps", "batch", "grad_accum", "seq_len", "save_every"):
+            if getattr(self, name) < 1:
+                raise NarrowsError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        for name in ("eval_rows", "exact_match", "seed"):
+            if getattr(self, name) < 0:
+                raise NarrowsError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise NarrowsError(f"--lr must be a positive number (e.g. 5e-4), got {self.lr}")
+        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
+            raise NarrowsError(f"--warmup must be between 0 and --steps ({self.steps}), got {self.warmup}")
+        if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
+            raise NarrowsError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise NarrowsError(f"--alpha must be a positive number, got {self.alpha}")
+        if not self.targets.strip(", "):
+            raise NarrowsError("--targets is empty; give all-linear or module names such as q_proj,v_proj")
+        if self.model is None and self.data is not None:
+            raise NarrowsError(
+                "--data needs --model too (the embedded default model comes with its own data)"
+            )
+        if self.model is not None and self.data is None:
+            raise NarrowsError(
+                "--model needs --data (a JSONL file of messages, prompt/response or text rows)"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise NarrowsError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.adapter == "dora":
+            require("narrows.dora", "--adapter dora")
+        if self.quant == "nf4":
+            require("bitsandbytes", "--quant nf4")
+        if self.gpu_budget != "off":
+            require("narrows.stream", "--gpu-budget")
+            if self.gpu_budget != "fit":
+                size("--gpu-budget", self.gpu_budget)
+        if self.host_budget is not None:
+            if self.gpu_budget == "off":
+                raise NarrowsError("--host-budget bounds the host copy of a streamed base: add --gpu-budget "
+                                   "(e.g. --gpu-budget 12GiB), or drop --host-budget")  # fmt: skip
+            size("--host-budget", self.host_budget)
+        if self.cache is not None and self.gpu_budget == "off":
+            raise NarrowsError(
+                "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
+            )
+        if self.lmhead not in ("auto", "off"):
+            require("narrows.lmhead", "--lmhead")
+            parse_lmhead(self.lmhead)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def size(flag: str, text: str) -> int:
+    """A byte size given on the command line; a malformed one is a NarrowsError naming the flag."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise NarrowsError(f"{flag} {text}: {e}") from None
+
+
+def resume_changes(saved: FinetuneConfig, given: dict[str, object]) -> tuple[dict, dict]:
+    """Split the flags given with ``--resume`` into (allowed, refused) changes of the saved
+    config, each ``{field: (old, new)}``; flags equal to the saved values are no change."""
+    allowed, refused = {}, {}
+    for name, new in given.items():
+        old = getattr(saved, name)
+        if new is None or new == old:
+            continue
+        (allowed if name in RESUMABLE else refused)[name] = (old, new)
+    return allowed, refused
+
+
+@dataclass(frozen=True)
+class LMHeadSpec:
+    mask: bool = False
+    chunked: bool = False
+    topk: int | None = None
+    fused: str = "auto"  # narrows-lmhead's dispatch to a fused kernel library (auto | off | cce)
+
+
+def parse_lmhead(text: str) -> LMHeadSpec:
+    """``"mask,chunked,topk=1000,fused=off"`` -> LMHeadSpec; unknown parts are an error."""
+    spec: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part in ("mask", "chunked"):
+            spec[part] = True
+        elif part.startswith("topk="):
+            try:
+                spec["topk"] = int(part[5:])
+            except ValueError:
+                raise NarrowsError(f"--lmhead {text!r}: topk needs an integer, e.g. topk=1000") from None
+        elif part.startswith("fused=") and part[6:] in ("auto", "off", "cce"):
+            spec["fused"] = part[6:]
+        else:
+            raise NarrowsError(f"--lmhead {text!r}: unknown part {part!r}; use mask, chunked, topk=K and/or "
+                               "fused=auto|off|cce")  # fmt: skip
+    return LMHeadSpec(**spec)  # type: ignore[arg-type]

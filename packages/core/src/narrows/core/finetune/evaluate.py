@@ -1,0 +1,63 @@
+"""What the run measures besides its training loss: the held-out loss and, for the
+embedded GSM8K default, exact-match accuracy of generated answers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..data import Example, collate
+
+__all__ = ["eval_loss", "exact_match", "to_device"]
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def eval_loss(
+    model: nn.Module, examples: list[Example], batch: int, pad_id: int, device: torch.device
+) -> float:
+    """Mean cross-entropy per trainable token over `examples`, full softmax, eval mode."""
+    if not examples:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch):
+        chunk = examples[i : i + batch]
+        n = sum(e.trainable for e in chunk)
+        out = model(**to_device(collate(chunk, pad_id), device))
+        total += float(out.loss) * n
+        count += n
+    model.train(was_training)
+    return total / count
+
+
+@torch.no_grad()
+def exact_match(
+    model: nn.Module, tokenizer, rows: list[dict], device: torch.device, max_new_tokens: int = 200
+) -> float:
+    """Share of GSM8K problems whose generated final answer (after ####) is right.
+
+    Greedy, all problems in one left-padded batch (one generate call, not one per problem).
+    """
+    from ..bundled import gsm8k_answer
+
+    if not rows:
+        return float("nan")
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    try:
+        prompts = [tokenizer.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True)
+                   for r in rows]  # fmt: skip
+        enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(device)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+        texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return sum(gsm8k_answer(t) == r["answer"] for t, r in zip(texts, rows)) / len(rows)

@@ -1,0 +1,145 @@
+"""One fine-tune from start to end, or resumed: the folder claimed first, every input
+checked before the model is loaded, then load, build, train, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import torch
+
+from ..errors import NarrowsError
+from ..files import atomic_write
+from .build import build_model, check_model_files, load_data, load_model, run_dtype
+from .config import RESUMABLE, FinetuneConfig, resume_changes
+from .evaluate import eval_loss
+from .loop import Progress, train
+from .report import plot_losses, save_adapter, summarize
+from .rundir import RunFolder
+
+__all__ = ["finetune", "resume"]
+
+
+def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict:
+    """Run one new fine-tune into ``cfg.out``; returns the summary also saved as summary.json."""
+    cfg.check()
+    run = RunFolder(cfg.out)
+    run.claim_new()
+    try:
+        return _run(cfg, run, resuming=False, entry={"started": _now()}, progress=progress)
+    finally:
+        run.release()
+
+
+def resume(
+    folder: str, changes: dict | None = None, *, override: bool = False, progress: bool = True
+) -> dict:
+    """Continue the run in `folder` from its newest intact checkpoint.
+
+    `changes` maps settings to new values. Those in `RESUMABLE` (e.g. ``steps`` to extend)
+    are applied; any other would train a different model than the checkpoints hold and is
+    refused, unless `override`. Either way the change is recorded in the run's history.
+    """
+    run = RunFolder(folder)
+    run.claim_existing()
+    try:
+        saved, history = run.read_config()
+        allowed, refused = resume_changes(saved, {k: v for k, v in (changes or {}).items() if k != "out"})
+        if refused and not override:
+            listed = ", ".join(f"--{k.replace('_', '-')} {old} → {new}" for k, (old, new) in refused.items())
+            raise NarrowsError(
+                f"--resume {folder}: {listed} would change what the run trains, so it would no longer continue "
+                f"the run it resumes; drop {'it' if len(refused) == 1 else 'them'}, start a new run with --out, "
+                f"or add --override to apply and record the change (only {', '.join(RESUMABLE)} may change freely)"
+            )
+        cfg = dataclasses.replace(saved, out=str(run.root))
+        if "steps" in allowed and saved.warmup is None:
+            cfg.warmup = saved.warmup_steps  # the warmup stays what it was; only the decay stretches
+        for k, (_, new) in {**allowed, **refused}.items():
+            setattr(cfg, k, new)
+        cfg.check()
+        saved_steps = run.saved_steps()
+        if saved_steps and int(saved_steps[0].name[5:]) > cfg.steps:
+            raise NarrowsError(f"--resume {folder}: the run is at step {int(saved_steps[0].name[5:])} already; "
+                               f"--steps {cfg.steps} would end it before that")  # fmt: skip
+        entry = {"resumed": _now(), "changed": {k: list(v) for k, v in {**allowed, **refused}.items()}}
+        if refused:
+            entry["override"] = True
+        for k, (old, new) in {**allowed, **refused}.items():
+            why = RESUMABLE.get(k, "overridden: the run no longer continues the trajectory it started")
+            print(f"narrows: --{k.replace('_', '-')} {old} → {new}: {why}", file=sys.stderr, flush=True)
+        return _run(cfg, run, resuming=True, entry=entry, progress=progress, history=history)
+    finally:
+        run.release()
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _run(cfg: FinetuneConfig, run: RunFolder, *, resuming: bool, entry: dict, progress: bool,
+         history: list[dict] | None = None) -> dict:  # fmt: skip
+    from .. import __version__
+
+    gone = run.clean_leftovers()
+    if gone:
+        print(
+            f"narrows: removed what an interrupted run left in {run.root}: {', '.join(gone)}", file=sys.stderr
+        )
+    if cfg.deterministic:  # before the first GPU kernel, so cuBLAS starts with its fixed workspace
+        from ..determinism import deterministic
+
+        deterministic()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = run_dtype(cfg, device)
+    t_setup = time.perf_counter()
+
+    folder = check_model_files(cfg)  # headers, before any weight
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    train_set, evals, em_rows = load_data(cfg, tokenizer)  # every row, before the model
+    model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+    )
+    from transformers import get_cosine_schedule_with_warmup
+
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
+
+    step, rows = 0, []
+    if resuming:
+        step = run.restore(model, optimizer, scheduler)
+        if step > cfg.steps:
+            raise NarrowsError(f"--resume {run.root}: the run is at step {step} already; --steps {cfg.steps} "
+                               "would end it before that (give more steps, or use the run as it is)")  # fmt: skip
+        rows = run.trim_metrics(step)
+    entry.update(step=step, narrows=__version__, argv=sys.argv[1:])
+    run.write_config(cfg, [*(history or []), entry])
+    setup_s = time.perf_counter() - t_setup
+
+    state = Progress(step=step, history=rows)
+    if evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
+        row = {"step": 0, "eval_loss": eval_loss(model, evals, cfg.batch, pad_id, device)}
+        run.log(row)
+        state.history.append(row)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
+    train(cfg, run, model, optimizer, scheduler, train_set, evals, pad_id, device, state, bar)
+
+    summary = summarize(cfg, model, tokenizer, state.history, em_rows, device, dtype, state.tokens, setup_s,
+                        state.seconds)  # fmt: skip
+    run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root))
+    summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
+    text = json.dumps(summary, indent=2)
+    run.guard(
+        run.root / "summary.json",
+        lambda: atomic_write(run.root / "summary.json", lambda p: p.write_text(text)),
+    )
+    return summary

@@ -1,0 +1,92 @@
+"""The training loop a transformers + PEFT user writes: AdamW steps of `grad_accum`
+micro-batches, the loss normalised over the whole step's trainable tokens, a metrics row
+per step (timed after the device has finished the step's work) and a checkpoint every
+``save_every`` steps. The data order depends only on (seed, micro-batch index), so a
+resumed run continues bit-identically."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..data import Example, collate, micro_batches
+from ..errors import NarrowsError
+from ..memory import format_bytes, read_peaks, reset_peaks
+from .config import FinetuneConfig
+from .evaluate import eval_loss, to_device
+from .rundir import RunFolder
+
+__all__ = ["Progress", "train"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Progress:
+    step: int
+    history: list[dict]
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, scheduler, train_set: list[Example],
+          evals: list[Example], pad_id: int, device: torch.device, progress: Progress, bar) -> None:  # fmt: skip
+    """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes."""
+    model.train()
+    batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * cfg.grad_accum)
+    t_train = time.perf_counter()
+    try:
+        while progress.step < cfg.steps:
+            reset_peaks(device, host=False)  # the host peak stays whole-process (loading included)
+            _sync(device)
+            t0 = time.perf_counter()
+            micro = [next(batches) for _ in range(cfg.grad_accum)]
+            n_items = sum(e.trainable for mb in micro for e in mb)
+            loss_sum = 0.0
+            for mb in micro:
+                out = model(**to_device(collate(mb, pad_id), device), num_items_in_batch=n_items)
+                out.loss.backward()
+                loss_sum += float(out.loss.detach())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)  # the step's asynchronous work counts in this step's time
+            dt = time.perf_counter() - t0
+            progress.step += 1
+            step = progress.step
+            tokens = sum(len(e.input_ids) for mb in micro for e in mb)
+            progress.tokens += tokens
+            peaks = read_peaks(device)
+            peak = peaks.cuda_allocated if device.type == "cuda" else peaks.host_rss
+            row = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / dt,
+                   "step_s": dt, "peak_bytes": peak}  # fmt: skip
+            if step == cfg.steps and evals:
+                row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
+            run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
+            progress.history.append(row)
+            if step % cfg.save_every == 0 or step == cfg.steps:
+                run.save_checkpoint(step, model, optimizer, scheduler)
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{tokens / dt:.0f}", peak=format_bytes(peak))
+                bar.update(1)
+            else:
+                print(f"step {step}/{cfg.steps} loss {loss_sum:.4f} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
+                      flush=True)  # fmt: skip
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        last = run.saved_steps()
+        raise NarrowsError(
+            f"interrupted at step {progress.step}; the last checkpoint ({last[0].name if last else 'none yet'}) "
+            f"is intact: continue with: narrows finetune --resume {run.root}"
+        ) from None
+    finally:
+        progress.seconds += time.perf_counter() - t_train
+    if bar is not None:
+        bar.close()

