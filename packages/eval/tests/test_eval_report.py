@@ -32,3 +32,14 @@ def test_narrows_eval_refuses_a_missing_adapter_before_loading(tiny_folder, tmp_
         ["eval", "--model", str(tiny_folder), "--adapter", str(tmp_path / "missing"), "--tasks", "arc_easy"]
     )
     assert rc == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_narrows_eval_on_an_unfinished_run_says_how_to_finish_it(tiny_folder, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000004").mkdir(parents=True)
+    (run / "checkpoints" / "step-000002").mkdir()
+    (run / "config.json").write_text("{}")
+    rc = main(["eval", "--model", str(tiny_folder), "--adapter", str(run), "--tasks", "arc_easy"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("narrows: error:"), err
+    assert "has not finished" in err and "step-000004" in err and f"narrows finetune --resume {run}" in err

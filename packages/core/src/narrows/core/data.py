@@ -111,8 +111,16 @@ def encode_row(row: dict, tokenizer, seq_len: int, where: str = "row") -> Exampl
             raise DataError(f"{where}: 'messages' must be a list of {{role, content}} objects")
         ids, labels = _chat(tokenizer, row["messages"], where)
     elif "prompt" in row or "response" in row:
-        if not (isinstance(row.get("prompt"), str) and isinstance(row.get("response"), str)):
-            raise DataError(f"{where}: a prompt/response row needs both 'prompt' and 'response' as strings")
+        for field in ("prompt", "response"):
+            if field not in row:
+                hint = (
+                    " ('completion' is read as 'response' by other tools: rename it)"
+                    if "completion" in row
+                    else ""
+                )
+                raise DataError(f"{where}: a prompt/response row has no {field!r} field{hint}")
+            if not isinstance(row[field], str):
+                raise DataError(f"{where}: field {field!r} must be a string, got {type(row[field]).__name__}")
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         prompt, answer = _ids(tokenizer, row["prompt"]), _ids(tokenizer, row["response"]) + eos
         ids, labels = prompt + answer, [IGNORE] * len(prompt) + answer
