@@ -3,9 +3,14 @@
 Compose forward and backward (with the magnitude gradient) at 20 activation shapes (rows x
 d_out), bf16 and fp32: median of CUDA-event timings for eager and fused, the speedup, and
 the fused kernels' achieved bandwidth against the device's measured copy bandwidth (a
-large device-to-device copy in the same run). Norm: the row norm of W + s·B·A at
-8192 x 8192 for ranks 384/512/768, narrows' factored norm vs PEFT's dense one (its
-`get_weight_norm` of the `B @ A` it builds through an identity), time and working set.
+large device-to-device copy in the same run). Two pairs of kernels: `fwd_*`/`bwd_*` time
+`compose_forward`/`compose_backward` (inference and the paths below the training
+crossover), `train_fwd_*`/`train_bwd_*` time what training runs on CUDA above the
+crossover, `compose_forward_dual` (the output and `inner = s·lora + base`) and
+`compose_backward_inner` (the backward from `inner` alone), each against its eager twin.
+Norm: the row norm of W + s·B·A at 8192 x 8192 for ranks 384/512/768, narrows' factored
+norm vs PEFT's dense one (its `get_weight_norm` of the `B @ A` it builds through an
+identity), time and working set.
 
     python benchmarks/dora_kernels.py --out results/dora_kernels.json
 """
@@ -45,8 +50,13 @@ def copy_bandwidth() -> float:
 
 
 def compose_shape(dname: str, m: int, n: int, reps: int, bandwidth: float) -> dict:
-    from narrows.dora.compose import _backward_eager, _formula
-    from narrows.dora.kernels import compose_backward, compose_forward
+    from narrows.dora.compose import _backward_eager, _backward_inner_eager, _formula, _formula_dual
+    from narrows.dora.kernels import (
+        compose_backward,
+        compose_backward_inner,
+        compose_forward,
+        compose_forward_dual,
+    )
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dname]
     base = torch.randn(m, n, device="cuda").to(dtype)
@@ -64,6 +74,17 @@ def compose_shape(dname: str, m: int, n: int, reps: int, bandwidth: float) -> di
     # bytes the fused kernels must move: forward reads 2 and writes 1; backward reads 3, writes 2
     r["fwd_fused_bw_frac"] = 3 * size / (r["fwd_fused_ms"] / 1e3) / bandwidth
     r["bwd_fused_bw_frac"] = 5 * size / (r["bwd_fused_ms"] / 1e3) / bandwidth
+    # the training tier: forward writes out and inner; backward reads grad and inner
+    inner = compose_forward_dual(base, lora, g, 0.5)[1]
+    r["train_fwd_eager_ms"] = median_ms(lambda: _formula_dual(base, lora, g, 0.5), reps)
+    r["train_fwd_fused_ms"] = median_ms(lambda: compose_forward_dual(base, lora, g, 0.5), reps)
+    r["train_bwd_eager_ms"] = median_ms(lambda: _backward_inner_eager(grad, inner, g, 0.5, lora.dtype), reps)
+    r["train_bwd_fused_ms"] = median_ms(lambda: compose_backward_inner(grad, inner, g, 0.5, lora.dtype), reps)
+    r["train_fwd_speedup"] = r["train_fwd_eager_ms"] / r["train_fwd_fused_ms"]
+    r["train_bwd_speedup"] = r["train_bwd_eager_ms"] / r["train_bwd_fused_ms"]
+    # forward reads 2 and writes 2; backward reads 2 (grad, inner) and writes 2
+    r["train_fwd_fused_bw_frac"] = 4 * size / (r["train_fwd_fused_ms"] / 1e3) / bandwidth
+    r["train_bwd_fused_bw_frac"] = 4 * size / (r["train_bwd_fused_ms"] / 1e3) / bandwidth
     print(json.dumps(r), flush=True)
     return r
 
@@ -144,6 +165,10 @@ def main() -> None:
         fwd, bwd = geomean(r["fwd_speedup"] for r in sel), geomean(r["bwd_speedup"] for r in sel)
         print(f"{dname}: geometric mean speedup fwd {fwd:.2f}x, bwd {bwd:.2f}x; "
               f"largest shape fwd {100 * sel[-1]['fwd_fused_bw_frac']:.0f}% of copy bandwidth")  # fmt: skip
+        fwd, bwd = geomean(r["train_fwd_speedup"] for r in sel), geomean(r["train_bwd_speedup"] for r in sel)
+        print(f"{dname} training tier (dual forward, backward from inner): geometric mean speedup fwd {fwd:.2f}x, "
+              f"bwd {bwd:.2f}x; largest shape fwd {100 * sel[-1]['train_fwd_fused_bw_frac']:.0f}%, "
+              f"bwd {100 * sel[-1]['train_bwd_fused_bw_frac']:.0f}% of copy bandwidth")  # fmt: skip
     print(f"\n{'A,B':>5}{'rank':>5}{'PEFT ms':>9}{'ours ms':>9}{'x':>6}{'cached':>8}{'x':>6}"
           f"{'PEFT MiB':>10}{'ours MiB':>10}{'ratio':>7}{'cached':>8}{'ratio':>7}")  # fmt: skip
     for r in norms:
