@@ -54,7 +54,11 @@ def test_killed_and_resumed_on_cuda_ends_equal(tmp_path, stream):
     proc = _cli(*args, "--out", str(cut), wait=False)
     deadline = time.time() + 600
     while time.time() < deadline:  # kill once a checkpoint exists and training went past it
-        if (cut / "checkpoints" / "latest").exists() and (cut / "metrics.jsonl").exists() and len(_metrics(cut)) >= 8:
+        if (
+            (cut / "checkpoints" / "latest").exists()
+            and (cut / "metrics.jsonl").exists()
+            and len(_metrics(cut)) >= 8
+        ):
             break
         time.sleep(0.002)
     assert proc.poll() is None, "the run ended before it could be killed"
@@ -68,4 +72,6 @@ def test_killed_and_resumed_on_cuda_ends_equal(tmp_path, stream):
     assert a.keys() == b.keys() and a
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert [(m["step"], m.get("loss")) for m in _metrics(whole)] == [(m["step"], m.get("loss")) for m in _metrics(cut)]
+    assert [(m["step"], m.get("loss")) for m in _metrics(whole)] == [
+        (m["step"], m.get("loss")) for m in _metrics(cut)
+    ]

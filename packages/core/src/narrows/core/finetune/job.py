@@ -56,7 +56,8 @@ def resume(
             )
         cfg = dataclasses.replace(saved, out=str(run.root))
         if "steps" in allowed and saved.warmup is None:
-            cfg.warmup = saved.warmup_steps  # the warmup stays what it was; only the decay stretches
+            # the warmup stays what it was (a shorter run ends it early); only the decay stretches
+            cfg.warmup = min(saved.warmup_steps, int(allowed["steps"][1]))
         for k, (_, new) in {**allowed, **refused}.items():
             setattr(cfg, k, new)
         cfg.check()

@@ -52,7 +52,7 @@ class RunFolder:
         self.metrics = self.root / "metrics.jsonl"
         self.lock_path = self.root / ".lock"
         self._fd: int | None = None
-        self._created = False
+        self._created: list[Path] = []  # folders claim_new made (--out and missing parents)
 
     # --- ownership ---------------------------------------------------------------------
 
@@ -60,7 +60,7 @@ class RunFolder:
         """Take the folder for a new run: it must not exist, or be empty."""
         self._refuse_unless_empty()
         try:
-            self._created = not self.root.exists()
+            self._created = [p for p in (self.root, *self.root.parents) if not p.exists()]
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise NarrowsError(
@@ -132,8 +132,9 @@ class RunFolder:
         self.lock_path.unlink(missing_ok=True)  # before unlocking: see _lock's inode check
         if self._created and not self.config.exists():
             shutil.rmtree(self.checkpoints, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                self.root.rmdir()
+            with contextlib.suppress(OSError):  # the folders this run made, innermost first, while empty
+                for folder in self._created:
+                    folder.rmdir()
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

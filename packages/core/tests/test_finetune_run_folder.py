@@ -1,0 +1,489 @@
+"""The run folder of `narrows finetune`: the real CLI in subprocesses.
+
+One run per folder at a time (the ``.lock`` flock, taken over after a kill), never into a
+folder that holds something else, nothing left behind by a refused run, bad input refused
+before loading, damaged checkpoints set aside, a full disk reported with the way back, a
+killed run's temporary files removed, and what ``--resume`` may change.
+
+Every refusal is exit code 2 with ``narrows: error:`` on stderr. Each process imports torch,
+transformers and peft, which dominates its time: independent commands run two at a time,
+and the children keep their bytecode in a cache outside the tree (this environment may set
+PYTHONDONTWRITEBYTECODE, which makes every child compile everything again).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from narrows.core.errors import NarrowsError
+from narrows.core.finetune.rundir import RunFolder, _Hashing
+from narrows.core.testing import tiny_model_folder, write_jsonl
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
+    for a in range(6)
+    for b in range(4)
+]
+PYCACHE = Path(tempfile.gettempdir()) / f"narrows-test-pycache-{os.getuid()}"
+FAST = 30  # seconds a refusal before loading may take
+
+# `narrows finetune` in a process whose torch.save fails from its second call on, as on a
+# full disk: the first checkpoint is written, the second is not
+DISK_FULL = """
+import errno, sys, torch
+import narrows.core.cli
+real, calls = torch.save, []
+def save(*args, **kwargs):
+    calls.append(1)
+    if len(calls) >= 2:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(*args, **kwargs)
+torch.save = save
+sys.exit(narrows.core.cli.main(sys.argv[1:]))
+"""
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(PYCACHE))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def cli(*args, wait=True, script=None):
+    """`narrows finetune ARGS` in a subprocess; the result carries `.seconds`."""
+    head = ["-c", script] if script else ["-m", "narrows.core.cli"]
+    cmd = [sys.executable, *head, "finetune", *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+def cli_all(*commands):
+    """Independent commands, two at a time (each is mostly single-threaded imports)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda args: cli(*args), commands))
+
+
+def refused(r, *, notices=False) -> str:
+    """The stderr of a refusal: exit 2, one `narrows: error:` line and no traceback. With
+    `notices`, lines (warnings, `narrows:` notices) may come before the error line."""
+    err = r.stderr
+    assert r.returncode == 2, (r.stdout, err)
+    assert "Traceback" not in err, err
+    if notices:
+        assert err.strip().splitlines()[-1].startswith("narrows: error: "), err
+    else:
+        assert err.startswith("narrows: error: "), err
+    assert err.count("narrows: error:") == 1, err
+    return err
+
+
+def ok(r) -> str:
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    return r.stderr
+
+
+def wait_for(what, timeout=300, proc=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = what()
+        if found:
+            return found
+        assert proc is None or proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def lock_holder(out: Path):
+    try:
+        return json.loads((out / ".lock").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def trajectory(out: Path) -> list[tuple]:
+    """(step, loss, lr) of each row: what a run computed, without its timings."""
+    return [(r["step"], r.get("loss"), r.get("lr")) for r in metrics(out)]
+
+
+def config(out: Path) -> dict:
+    return json.loads((out / "config.json").read_text())
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_same_adapter(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "adapter_model.safetensors"), load_file(b / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and wa
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def flip_middle_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def cut_to_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run-folder")
+    model = tiny_model_folder(root / "model")
+    data = write_jsonl(root / "train.jsonl", ROWS[:20])
+    args = ["--model", model, "--data", data, "--rank", "4", "--batch", "2", "--seq-len", "64", "--no-progress",
+            "--lmhead", "off"]  # fmt: skip
+    return SimpleNamespace(root=root, model=model, data=data, args=args)
+
+
+@pytest.fixture(scope="module")
+def finished(job):
+    """Two finished runs, never modified by a test (copy them): `six` (6 steps, checkpoints
+    step-000004 and step-000006) and `four` (4 steps)."""
+    six, four = job.root / "six", job.root / "four"
+    for r in cli_all([*job.args, "--steps", "6", "--save-every", "2", "--out", six],
+                     [*job.args, "--steps", "4", "--save-every", "2", "--out", four]):  # fmt: skip
+        ok(r)
+    assert sorted(p.name for p in (six / "checkpoints").iterdir()) == ["latest", "step-000004", "step-000006"]
+    return SimpleNamespace(six=six, four=four)
+
+
+def copy_run(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# --- 1. one run per folder ------------------------------------------------------------------
+
+
+def test_a_second_run_is_refused_while_the_first_holds_the_folder_and_a_killed_runs_lock_is_taken_over(
+    job, tmp_path
+):
+    out = tmp_path / "run"
+    first = cli(*job.args, "--steps", "200", "--warmup", "1", "--save-every", "2", "--out", out, wait=False)
+    try:
+        holder = wait_for(lambda: lock_holder(out), proc=first)
+        assert holder["pid"] == first.pid
+        first.send_signal(signal.SIGSTOP)  # it holds the lock, and stays where it is meanwhile
+        try:
+            second = cli(*job.args, "--steps", "4", "--out", out)
+        finally:
+            first.send_signal(signal.SIGCONT)
+        err = refused(second)
+        assert second.seconds < 15  # refused at once, before anything is loaded
+        assert f"{out} is in use by another narrows run (pid {first.pid} on " in err
+        assert "another --out" in err
+        assert lock_holder(out)["pid"] == first.pid  # the refused run left the lock alone
+
+        # let it checkpoint and train on, then kill it: the kernel drops its flock
+        wait_for(lambda: (out / "checkpoints" / "latest").exists() and len(metrics(out)) >= 3, proc=first)
+    finally:
+        first.kill()
+        first.communicate()
+    assert first.returncode == -signal.SIGKILL
+    assert lock_holder(out)["pid"] == first.pid  # its name stays in the file; its lock does not
+    at = max(int(p.name[5:]) for p in RunFolder(out).saved_steps())
+    steps = max(6, at + 2)
+    err = ok(cli("--resume", out, "--steps", steps, "--no-progress"))
+    assert f"taking over the lock left by pid {first.pid} on " in err
+    assert [r["step"] for r in metrics(out)] == list(range(1, steps + 1))  # no step twice, none missing
+    assert (out / "adapter_model.safetensors").is_file()
+    assert not (out / ".lock").exists()  # a run that ended lets go of the folder
+
+
+# --- 2. a folder that holds something else ----------------------------------------------------
+
+
+def test_only_a_new_or_empty_folder_takes_a_new_run(job, finished, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "README.md").write_text("# my notes\n")
+    (mine / "summary.json").write_text('{"mine": true}\n')
+    (mine / "metrics.jsonl").write_text('{"step": 1, "accuracy": 0.5}\n')
+    before = snapshot(mine)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done_before = snapshot(finished.four)
+
+    r_mine, r_empty, r_done = cli_all(
+        [*job.args, "--steps", "4", "--out", mine],
+        [*job.args, "--steps", "4", "--out", empty],
+        [*job.args, "--steps", "4", "--out", finished.four],
+    )
+    err = refused(r_mine)
+    assert f"--out {mine} is not empty and is not a narrows run" in err
+    assert "README.md, metrics.jsonl, summary.json" in err and "pick another --out" in err
+    assert snapshot(mine) == before  # every file as it was
+    assert sorted(p.name for p in mine.iterdir()) == [
+        "README.md",
+        "metrics.jsonl",
+        "summary.json",
+    ]  # no .lock
+
+    ok(r_empty)
+    assert [r["step"] for r in metrics(empty)] == [1, 2, 3, 4]
+    assert (empty / "adapter_model.safetensors").is_file() and not (empty / ".lock").exists()
+
+    err = refused(r_done)
+    assert f"{finished.four} already holds a run" in err and f"--resume {finished.four}" in err
+    assert snapshot(finished.four) == done_before
+    assert not (finished.four / ".lock").exists()
+
+
+# --- 3. a refused run leaves nothing --------------------------------------------------------------
+
+
+def test_a_refused_run_leaves_no_folder_behind(job, tmp_path):
+    targets, untrainable = tmp_path / "targets", tmp_path / "untrainable"
+    r_targets, r_untrainable = cli_all(
+        [*job.args, "--steps", "4", "--targets", "q_proj,wq", "--out", targets],
+        [*job.args, "--steps", "4", "--seq-len", "8", "--out", untrainable],
+    )
+    assert "--targets 'q_proj,wq': no linear module named ['wq']" in refused(r_targets)
+    assert "no trainable token" in refused(r_untrainable)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_refused_run_leaves_no_parent_folder_behind(job, tmp_path):
+    model = shutil.copytree(job.model, tmp_path / "model")
+    cut_to_half(model / "model.safetensors")  # refused after the folder was claimed
+    args = [a if a != job.model else model for a in job.args]
+    refused(cli(*args, "--steps", "4", "--out", tmp_path / "new" / "deeper" / "run"))
+    assert not (tmp_path / "new").exists()
+
+
+# --- 4. bad input, refused before loading ------------------------------------------------------
+
+
+def test_bad_input_is_refused_fast_before_loading(job, tmp_path):
+    model = shutil.copytree(job.model, tmp_path / "model")
+    cut_to_half(model / "model.safetensors")
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"PK\x03\x04 not a gguf at all" * 8)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder\n")
+    base = job.args[4:]  # everything but --model and --data
+    data = ["--data", job.data]
+    runs = tmp_path / "runs"  # made here: a refused run removes the --out it created, not its parents
+    runs.mkdir()
+    cases = {
+        "truncated": (["--model", model, *data, *base], [str(model / "model.safetensors"), "truncated"]),
+        "gguf": (["--model", gguf, *data, *base], [str(gguf), "is not a GGUF file"]),
+        "gpu-budget": ([*job.args, "--gpu-budget", "lots"], ["--gpu-budget"]),
+        "lr": ([*job.args, "--lr=-1e-3"], ["--lr must be a positive number"]),
+        "warmup": (
+            [*job.args, "--warmup", "50", "--steps", "4"],
+            ["--warmup must be between 0 and --steps (4)"],
+        ),
+        "dropout": ([*job.args, "--dropout", "1.5"], ["--dropout must be in [0, 1)", "1.5"]),
+    }
+    commands = [[*args, "--steps", "4", "--out", runs / name] for name, (args, _) in cases.items()]
+    commands.append([*job.args, "--steps", "4", "--out", a_file / "run"])
+    expected = [*(said for _, said in cases.values()), [f"--out {a_file / 'run'}: cannot create it"]]
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        commands.append([*job.args, "--steps", "4", "--out", locked / "run"])
+        expected.append([f"--out {locked / 'run'}: cannot create it"])
+    try:
+        results = cli_all(*commands)
+    finally:
+        if os.geteuid() != 0:
+            locked.chmod(0o700)
+    for command, r, said in zip(commands, results, expected, strict=True):
+        err = refused(r)
+        for part in said:
+            assert part in err, (command, err)
+        assert r.seconds < FAST, (command, r.seconds)
+    assert list(runs.iterdir()) == []  # nothing was written for a refused run
+    assert a_file.read_text() == "not a folder\n"
+
+
+# --- 5. damaged checkpoints -----------------------------------------------------------------------
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_it_used(finished, tmp_path):
+    flipped = copy_run(finished.six, tmp_path / "flipped")
+    flip_middle_byte(flipped / "checkpoints" / "step-000006" / "state.pt")
+    cut = copy_run(finished.six, tmp_path / "cut")
+    cut_to_half(cut / "checkpoints" / "step-000006" / "state.pt")
+    every = copy_run(finished.six, tmp_path / "every")
+    for step in ("step-000004", "step-000006"):
+        flip_middle_byte(every / "checkpoints" / step / "state.pt")
+
+    r_flipped, r_cut, r_every = cli_all(
+        *(["--resume", run, "--no-progress"] for run in (flipped, cut, every))
+    )
+    for run, r, why in ((flipped, r_flipped, "fails its sha256"), (cut, r_cut, "bytes")):
+        err = ok(r)
+        assert f"checkpoint {run / 'checkpoints' / 'step-000006'} is damaged" in err and why in err
+        assert "step-000006.damaged" in err
+        assert (run / "checkpoints" / "step-000006.damaged" / "state.pt").is_file()
+        assert_same_adapter(finished.six, run)  # steps 5 and 6 trained again from step 4
+        assert trajectory(run) == trajectory(finished.six)
+    assert "state.pt fails its sha256" in r_flipped.stderr
+    assert "state.pt has " in r_cut.stderr and " bytes, " in r_cut.stderr
+
+    err = refused(r_every, notices=True)
+    assert f"every checkpoint of {every} is damaged" in err and "--out" in err
+    assert sorted(p.name for p in (every / "checkpoints").glob("step-*")) == [
+        "step-000004.damaged",
+        "step-000006.damaged",
+    ]
+
+
+# --- 6. a full disk ---------------------------------------------------------------------------------
+
+
+def test_a_full_disk_stops_the_run_with_the_way_back_and_resume_finishes_it(job, finished, tmp_path):
+    out = tmp_path / "run"
+    args = [*job.args, "--steps", "6", "--save-every", "2"]
+    r = cli(*args, "--out", out, script=DISK_FULL)
+    err = refused(r, notices=True)  # after transformers' warnings
+    checkpoints = out / "checkpoints"
+    assert f"no space left on the device of {checkpoints} writing step-000004" in err
+    assert f"the last checkpoint, {checkpoints / 'step-000002'}, is intact" in err
+    assert f"--resume {out}" in err
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step-000002"]  # no .step-*.tmp
+    assert not (out / "adapter_model.safetensors").exists()
+
+    ok(cli("--resume", out, "--no-progress"))
+    assert_same_adapter(finished.six, out)
+    assert trajectory(out) == trajectory(finished.six)
+
+
+def test_a_full_disk_under_torch_save_keeps_its_errno_and_becomes_a_narrows_error(tmp_path):
+    class Full:
+        def __init__(self):
+            self.written = 0
+
+        def write(self, b):
+            if self.written > 1000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(b)
+            return len(b)
+
+        def flush(self):
+            pass
+
+    out = _Hashing(Full())
+    with pytest.raises(RuntimeError):  # torch's own, which has no errno
+        torch.save({"w": torch.zeros(10_000)}, out)
+    assert out.error is not None and out.error.errno == errno.ENOSPC
+    assert out.bytes > 1000
+
+    run = RunFolder(tmp_path / "run")
+    run.root.mkdir()
+
+    def write():
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(NarrowsError) as e:
+        run.guard(run.metrics, write, need=1234)
+    said = str(e.value)
+    assert f"no space left on the device of {run.root} writing metrics.jsonl" in said
+    assert "needs about 1.21 KiB" in said and f"--resume {run.root}" in said
+
+    def other():
+        raise OSError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(PermissionError):  # any other error is not a full disk
+        run.guard(run.metrics, other, need=1234)
+
+
+# --- 7. what a killed run left ----------------------------------------------------------------------
+
+
+def test_resume_removes_what_an_interrupted_run_left(finished, tmp_path):
+    run = copy_run(finished.four, tmp_path / "run")
+    half_checkpoint = run / "checkpoints" / ".step-000009.abc.tmp"
+    half_checkpoint.mkdir()
+    (half_checkpoint / "state.pt").write_bytes(b"\0" * 100)
+    half_metrics = run / ".metrics.jsonl.xyz.tmp"
+    half_metrics.write_text('{"step": 1')
+
+    err = ok(cli("--resume", run, "--steps", "6", "--no-progress"))
+    assert f"removed what an interrupted run left in {run}" in err
+    assert "checkpoints/.step-000009.abc.tmp" in err and ".metrics.jsonl.xyz.tmp" in err
+    assert not half_checkpoint.exists() and not half_metrics.exists()
+    assert not list(run.rglob("*.tmp"))
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+
+
+# --- 8. what --resume may change ---------------------------------------------------------------------
+
+
+def test_resume_changes_only_what_keeps_the_run_and_records_every_change(finished, tmp_path):
+    run = copy_run(finished.four, tmp_path / "run")
+    kept = {name: (run / name).read_bytes() for name in ("config.json", "metrics.jsonl")}
+    six_before = snapshot(finished.six)
+    r_lr, r_out, r_back = cli_all(
+        ["--resume", run, "--steps", "6", "--lr", "1e-3", "--no-progress"],
+        ["--resume", run, "--out", tmp_path / "other", "--no-progress"],
+        ["--resume", finished.six, "--steps", "2", "--no-progress"],
+    )
+    err = refused(r_lr)
+    assert f"--resume {run}: --lr 0.0005 → 0.001 would change what the run trains" in err
+    assert "--override" in err and "--out" in err
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    err = refused(r_out)
+    assert f"--resume {run}" in err and f"--out {tmp_path / 'other'}" in err and "drop --out" in err
+    assert not (tmp_path / "other").exists()
+    err = refused(r_back)
+    assert "the run is at step 6 already" in err and "--steps 2" in err
+    assert snapshot(finished.six) == six_before
+    for r in (r_lr, r_out, r_back):
+        assert r.seconds < FAST
+
+    err = ok(cli("--resume", run, "--steps", "6", "--no-progress"))
+    assert "--steps 4 → 6" in err
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
+    saved = config(run)
+    assert saved["config"]["steps"] == 6 and len(saved["history"]) == 2
+    assert saved["history"][1]["changed"] == {"steps": [4, 6]} and saved["history"][1]["step"] == 4
+    assert "override" not in saved["history"][1]
+
+    err = ok(cli("--resume", run, "--lr", "1e-3", "--override", "--steps", "8", "--no-progress"))
+    assert "--lr 0.0005 → 0.001: overridden" in err
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+    saved = config(run)
+    assert saved["config"]["steps"] == 8 and saved["config"]["lr"] == 1e-3
+    assert len(saved["history"]) == 3 and saved["history"][2]["override"] is True
+    assert saved["history"][2]["changed"] == {"lr": [5e-4, 1e-3], "steps": [6, 8]}
+
+
+def test_resume_may_shorten_a_run_below_its_default_warmup(finished, tmp_path):
+    run = copy_run(finished.four, tmp_path / "run")
+    saved = config(run)  # what a `--steps 200` run killed after its step-4 checkpoint holds
+    saved["config"]["steps"] = 200
+    (run / "config.json").write_text(json.dumps(saved))
+    ok(cli("--resume", run, "--steps", "6", "--no-progress"))
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]
