@@ -290,12 +290,17 @@ def test_bad_input_is_refused_fast_before_loading(job, tmp_path):
     gguf.write_bytes(b"PK\x03\x04 not a gguf at all" * 8)
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder\n")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], '{"messages": [}'])
     base = job.args[4:]  # everything but --model and --data
     data = ["--data", job.data]
     runs = tmp_path / "runs"  # made here: a refused run removes the --out it created, not its parents
     runs.mkdir()
     cases = {
-        "truncated": (["--model", model, *data, *base], [str(model / "model.safetensors"), "truncated"]),
+        # with data that is bad too: the model's headers are checked first, before any row is read
+        "truncated": (
+            ["--model", model, "--data", bad, *base],
+            [str(model / "model.safetensors"), "truncated"],
+        ),
         "gguf": (["--model", gguf, *data, *base], [str(gguf), "is not a GGUF file"]),
         "gpu-budget": ([*job.args, "--gpu-budget", "lots"], ["--gpu-budget"]),
         "lr": ([*job.args, "--lr=-1e-3"], ["--lr must be a positive number"]),

@@ -451,7 +451,7 @@ def test_too_little_free_space_is_refused_before_writing(checkpoint, tmp_path, m
     with pytest.raises(NarrowsError) as err:
         tiered(folder, None, ref.slab, cache)
     assert f"needs about {format_bytes(LAYERS * ref.slab)}" in str(err.value)
-    assert "1000 B free" in str(err.value)
+    assert f"{format_bytes(1000)} free" in str(err.value)
     assert added == [] and leftovers(cache) == []
 
 
