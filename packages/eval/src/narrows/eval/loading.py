@@ -37,9 +37,11 @@ def resolve_adapter(path: str | os.PathLike) -> Path:
     if not p.exists():
         raise NarrowsError(f"adapter path {str(p)!r} does not exist: give a run folder of `narrows finetune` or a "
                            "folder written by PEFT's save_pretrained")  # fmt: skip
-    steps = sorted((p / "checkpoints").glob("step-*[0-9]"))
     if (p / "config.json").is_file() and (p / "checkpoints").is_dir():  # a `narrows finetune` run folder
-        newest = f"its newest checkpoint is {steps[-1].name}" if steps else "it has no checkpoint yet"
+        from narrows.core.finetune import RunFolder
+
+        steps = RunFolder(p).saved_steps()
+        newest = f"its newest checkpoint is {steps[0].name}" if steps else "it has no checkpoint yet"
         raise NarrowsError(f"{str(p)!r} is a `narrows finetune` run that has not finished ({newest}), so it holds no "
                            f"adapter yet; finish it with: narrows finetune --resume {p}")  # fmt: skip
     raise NarrowsError(f"{str(p)!r} holds no adapter_config.json: it is not a PEFT adapter folder")

@@ -61,9 +61,9 @@ def resume(
         for k, (_, new) in {**allowed, **refused}.items():
             setattr(cfg, k, new)
         cfg.check()
-        saved_steps = run.saved_steps()
-        if saved_steps and int(saved_steps[0].name[5:]) > cfg.steps:
-            raise NarrowsError(f"--resume {folder}: the run is at step {int(saved_steps[0].name[5:])} already; "
+        newest = run.newest_step()
+        if newest > cfg.steps:
+            raise NarrowsError(f"--resume {folder}: the run is at step {newest} already; "
                                f"--steps {cfg.steps} would end it before that")  # fmt: skip
         entry = {"resumed": _now(), "changed": {k: list(v) for k, v in {**allowed, **refused}.items()}}
         if refused:
@@ -113,10 +113,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, *, resuming: bool, entry: dict, pr
 
     step, rows = 0, []
     if resuming:
-        step = run.restore(model, optimizer, scheduler)
-        if step > cfg.steps:
-            raise NarrowsError(f"--resume {run.root}: the run is at step {step} already; --steps {cfg.steps} "
-                               "would end it before that (give more steps, or use the run as it is)")  # fmt: skip
+        step = run.restore(model, optimizer, scheduler)  # at most the newest step, checked in resume()
         rows = run.trim_metrics(step)
     entry.update(step=step, narrows=__version__, argv=sys.argv[1:])
     run.write_config(cfg, [*(history or []), entry])

@@ -170,7 +170,12 @@ class RunFolder:
     def saved_steps(self) -> list[Path]:
         """Checkpoint folders, newest first."""
         found = [p for p in self.checkpoints.glob("step-*") if _STEP.fullmatch(p.name) and p.is_dir()]
-        return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+        return sorted(found, key=_step_of, reverse=True)
+
+    def newest_step(self) -> int:
+        """The step of the newest checkpoint folder (0: none), from its name alone."""
+        saved = self.saved_steps()
+        return _step_of(saved[0]) if saved else 0
 
     def save_checkpoint(self, step: int, model: nn.Module, optimizer, scheduler) -> Path:
         from peft import get_peft_model_state_dict
@@ -203,6 +208,7 @@ class RunFolder:
                         raise
                 meta = {"step": step, "bytes": out.bytes, "sha256": out.digest.hexdigest()}
                 (tmp / "meta.json").write_text(json.dumps(meta))
+            # for people and tools; restore() scans the step folders themselves
             atomic_write(self.checkpoints / "latest", lambda p: p.write_text(name))
 
         self.guard(path, write, _tensor_bytes(state))
@@ -313,6 +319,10 @@ def _tensor_bytes(obj) -> int:
     return 0
 
 
+def _step_of(path: Path) -> int:
+    return int(_STEP.fullmatch(path.name)[1])
+
+
 def _holder(fd: int, missing: str = "holder unknown") -> str:
     try:
         who = json.loads(os.pread(fd, 4096, 0) or b"null")
@@ -336,11 +346,9 @@ def _damage(path: Path) -> str | None:
     size = state.stat().st_size
     if size != meta["bytes"]:
         return f"state.pt has {size} bytes, {meta['bytes']} were written"
-    digest = hashlib.sha256()
-    with open(state, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    if digest.hexdigest() != meta["sha256"]:
+    from ..models import file_sha256
+
+    if file_sha256(state) != meta["sha256"]:
         return "state.pt fails its sha256"
     return None
 
