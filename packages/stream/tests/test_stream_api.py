@@ -23,15 +23,23 @@ def test_plan_moves_nothing_and_reports():
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_predicted_transfer_is_the_measured_steady_state(prefetch):
+    """Weights both ways of a step, and every layer's saved input out and back (the
+    smallest footprint offloads them all): what the plan predicts is what moves."""
     model = build(num_hidden_layers=7)
-    ns.stream(model, device="cpu", prefetch=prefetch)
+    ns.stream(model, device="cpu", prefetch=prefetch, batch_size=2, seq_len=12)  # tiny_batch's shape
     handle = model.narrows_stream
-    moved = []
+    assert handle.plan.offloaded == tuple(range(7))
+    moved, out = [], []
     for seed in range(3):
-        before = handle.stats.bytes_h2d
+        s = handle.stats
+        before = (s.bytes_h2d + s.act_h2d, s.act_d2h)
         model(**tiny_batch(seed=seed)).loss.backward()
-        moved.append(handle.stats.bytes_h2d - before)
+        moved.append(s.bytes_h2d + s.act_h2d - before[0])
+        out.append(s.act_d2h - before[1])
     assert moved[1] == moved[2] == handle.plan.h2d_bytes_per_step
+    assert out[1] == out[2] == handle.plan.d2h_bytes_per_step > 0
+    # only the last layer's input is fetched without a prefetch (and layer 0's in the self-check)
+    assert handle.stats.act_waits == 1 + 3
 
 
 def test_budget_too_small_names_the_minimum():
@@ -47,7 +55,7 @@ def test_fit_on_cpu_keeps_everything_resident_and_sizes_parse():
     model = build(num_hidden_layers=8)
     assert ns.plan(model, "fit", device="cpu").resident == tuple(range(8))
     assert ns.plan(model, "64GiB", device="cpu").pool_slabs == 0
-    p = ns.plan(model, None, device="cpu")
+    p = ns.plan(model, None, device="cpu", offload="off")
     spread = ns.plan(model, p.predicted_peak + 3 * max(p.layer_bytes), device="cpu").resident
     assert (
         len(spread) == 3 and spread == tuple(sorted(spread)) and spread[0] > 0

@@ -15,6 +15,7 @@ from .engine import TransferStats
 from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
 from .plan import Plan
 from .pretrained import default_host_budget, from_pretrained, prepare
+from .tiling import tile_sequence
 from .twincheck import check_stream as _check_stream
 
 _register_check("stream", _check_stream)
@@ -33,4 +34,5 @@ __all__ = [
     "plan",
     "prepare",
     "stream",
+    "tile_sequence",
 ]

@@ -34,11 +34,13 @@ from narrows.core import deterministic as set_deterministic
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
 from .head import StreamedHead
-from .plan import Plan, Shapes, make_plan
+from .offload import ActivationOffload
+from .plan import OFFLOAD_MODES, Plan, Shapes, make_plan
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
 from .sideouts import SideOutputs
 from .tiers import DiskReader, Tiers
+from .tiling import tile_sequence
 
 log = logging.getLogger("narrows.stream")
 
@@ -55,6 +57,7 @@ class StreamHandle:
     device: torch.device
     host_embedding: bool  # embedding rows are gathered on the host
     head: StreamedHead | None = None  # set when the LM head is streamed in vocabulary chunks
+    offload: ActivationOffload | None = None  # saved layer inputs in host memory
 
     @property
     def stats(self):
@@ -74,6 +77,9 @@ class StreamHandle:
             "measured_peak": measured,
             "peak_ratio": measured / self.plan.predicted_peak if measured else None,
             "predicted_h2d_per_step": self.plan.h2d_bytes_per_step,
+            "predicted_d2h_per_step": self.plan.d2h_bytes_per_step,
+            "offloaded_layers": len(self.plan.offloaded),
+            "tile_tokens": self.plan.tile_tokens,
             "head_streamed": self.head is not None,
             **self.stats.as_dict(),
         }
@@ -154,10 +160,24 @@ def _check_head(anat: Anatomy, head: str) -> bool:
     return True
 
 
+def _check_long_context(offload: str, seq_tile: int | str | None) -> int | str | None:
+    """The tile option as the planner takes it; refuses what it cannot be."""
+    if offload not in OFFLOAD_MODES:
+        raise StreamSetupError(f"offload={offload!r}: use 'auto' (default: saved layer inputs go to host memory "
+                               "only when the budget needs it), 'off' or 'all'")  # fmt: skip
+    if seq_tile in (None, "off"):
+        return None
+    if seq_tile == "auto" or (isinstance(seq_tile, int) and not isinstance(seq_tile, bool) and seq_tile > 0):
+        return seq_tile
+    raise StreamSetupError(f"seq_tile={seq_tile!r}: use None (default: never tile), 'auto' (tile the MLP over the "
+                           "sequence only when the budget needs it) or a tile size in tokens, e.g. 4096")  # fmt: skip
+
+
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
-         head_rows: int | None = None) -> Plan:  # fmt: skip
+         head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None) -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything."""
+    tile = _check_long_context(offload, seq_tile)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
     dev = _resolve_device(device)
@@ -182,7 +202,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch,
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
-                     host_budget=tiers.host_budget if tiers else None)  # fmt: skip
+                     host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile)  # fmt: skip
 
 
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
@@ -261,7 +281,8 @@ def _check_args(index: int, args: tuple, kwargs: dict) -> None:
     walk(kwargs)
 
 
-def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine) -> Callable[..., Any]:
+def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine,
+                   offload: ActivationOffload) -> Callable[..., Any]:  # fmt: skip
     original = layer.forward
     params = tuple(p for p in layer.parameters() if p.requires_grad)
     side = SideOutputs(layer, index)
@@ -274,7 +295,7 @@ def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine) -> Call
         if torch.is_grad_enabled() and kwargs.get("past_key_values") is not None:
             kwargs["past_key_values"] = None  # a cache would be written twice by the recompute
         _check_args(index, args, kwargs)
-        return streamed_call(LayerCall(index, original, args, kwargs, engine, params, side), hidden)
+        return streamed_call(LayerCall(index, original, args, kwargs, engine, params, side, offload), hidden)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward
@@ -293,6 +314,8 @@ def stream(
     check: bool = True,
     inference: bool = False,
     deterministic: bool = False,
+    offload: str = "auto",
+    seq_tile: int | str | None = None,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -313,6 +336,14 @@ def stream(
     `inference=True` streams a model for forward passes only (evaluation): nothing needs
     to train, and the self-check (which compares gradients) is skipped. Under ``no_grad``
     each layer then runs as a plain prefetched forward either way.
+    `offload`: where each layer's saved input waits for its backward. "auto" (default)
+    keeps it on the device while the budget allows and moves the rest to host memory
+    (bit-identical either way; with no budget, all of them move); "off" never moves one;
+    "all" moves every one. `seq_tile`: None (default) never tiles; "auto" runs the MLPs
+    over sequence tiles only when the budget cannot hold the whole-sequence working set;
+    a number of tokens always does. Tiled training is `torch.equal` to the same tiling
+    resident (`narrows.stream.tile_sequence`) and equal to untiled training up to
+    summation order.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
@@ -338,8 +369,10 @@ def stream(
             "narrows.stream.stream() place what belongs on the GPU."
         )
     the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
-                    head=head, head_rows=head_rows)  # fmt: skip
+                    head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile)  # fmt: skip
     stream_head = _check_head(anat, head)
+    if the_plan.tile_tokens is not None:
+        tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
 
     _no_checkpointing(model)
     anat.model.config.use_cache = anat.config.use_cache = False  # the recompute would write a KV cache twice
@@ -358,8 +391,9 @@ def stream(
     engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident),
                             reader=reader)  # fmt: skip
 
+    acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
     for i, layer in enumerate(anat.layers):
-        layer.forward = _layer_forward(i, layer, engine)
+        layer.forward = _layer_forward(i, layer, engine, acts)
 
     streamed_head = None
     if stream_head:
@@ -381,8 +415,8 @@ def stream(
 
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
-        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head)
+        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts)
     if check and not inference:
-        self_check(model, anat, engine)
+        self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)
     return model

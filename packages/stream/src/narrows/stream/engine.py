@@ -60,10 +60,14 @@ class TransferStats:
     waits: int = 0  # acquires that had to issue the copy themselves (prefetch missed)
     bytes_h2d: int = 0
     bytes_disk: int = 0  # read from the disk tier
+    act_d2h: int = 0  # saved layer inputs offloaded to host memory (bytes)
+    act_h2d: int = 0  # and brought back for backward (bytes)
+    act_waits: int = 0  # saved inputs fetched without a prefetch
 
     def as_dict(self) -> dict[str, object]:
         return {"loads": self.loads, "hits": self.hits, "waits": self.waits, "bytes_h2d": self.bytes_h2d,
-                "bytes_disk": self.bytes_disk}  # fmt: skip
+                "bytes_disk": self.bytes_disk, "act_d2h": self.act_d2h, "act_h2d": self.act_h2d,
+                "act_waits": self.act_waits}  # fmt: skip
 
 
 def _already_in(slots: list[FrozenSlot], layout: SlabLayout, home: Tensor) -> bool:

@@ -3,11 +3,17 @@ for good, how many device slabs to prefetch into, and what peak and transfer to 
 
 Costs the budget must hold whatever the plan (the "fixed" part): non-layer frozen tensors
 placed on the device (final norm, head, a tied embedding), the trainable parameters with
-their gradients and AdamW state, the saved layer inputs (one hidden-state tensor per
-layer), the transient working set of one layer's recompute, and the logits of the loss.
-What is left buys device slabs: one to compute in, one more per prefetched layer, then
-resident layers — spread evenly through the stack, so every streamed layer's copy can hide
-behind the compute of its neighbours (seed 004's partial residency).
+their gradients and AdamW state, the transient working set of one layer's recompute, and
+the logits of the loss. Then the saved layer inputs (one hidden-state tensor per layer):
+on the device, or offloaded to host memory with two in flight on the device.
+
+The minimum is one device slab, every saved input offloaded (when offloading is allowed)
+and, only when that is still too much and tiling was asked for, the MLP run in sequence
+tiles (the largest tile that fits). What the budget has beyond it buys, in this order:
+device slabs for prefetch, saved inputs kept on the device (the last layers first: their
+backward comes first), then resident layers — spread evenly through the stack, so every
+streamed layer's copy can hide behind the compute of its neighbours (seed 004's partial
+residency).
 """
 
 from __future__ import annotations
@@ -53,6 +59,10 @@ class Plan:
     disk_bytes_per_step: int = 0
     predicted_host_bytes: int | None = None  # host RSS with the base in its tiers
     host_budget: int | None = None
+    offloaded: tuple[int, ...] = ()  # layers whose saved input goes to host memory
+    host_activation_bytes: int = 0  # host memory those inputs take (page-locked on CUDA)
+    d2h_bytes_per_step: int = 0
+    tile_tokens: int | None = None  # the MLP runs in sequence tiles of this many tokens
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -72,11 +82,17 @@ class Plan:
             ("resident layers", f"{len(self.resident)} of {n}" + (f": {list(self.resident)}" if 0 < len(self.resident) < n else "")),
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
             ("fixed on device", format_bytes(self.fixed_bytes)),
-            ("saved activations", format_bytes(self.activation_bytes)),
+            ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
+                f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
+                if self.offloaded else "")),
+            ("sequence tiling", "off" if self.tile_tokens is None else
+             f"MLP in tiles of {self.tile_tokens} tokens (equal to untiled training up to summation order)"),
             ("layer + loss working set", format_bytes(self.work_bytes)),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("host→device per step", format_bytes(self.h2d_bytes_per_step)),
         ]  # fmt: skip
+        if self.d2h_bytes_per_step:
+            rows.append(("device→host per step", format_bytes(self.d2h_bytes_per_step)))
         if self.predicted_host_bytes is not None:
             budget = "" if self.host_budget is None else f" (budget {format_bytes(self.host_budget)})"
             rows.append(("predicted host RSS", format_bytes(self.predicted_host_bytes) + budget))
@@ -86,23 +102,30 @@ class Plan:
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
+def input_bytes(s: Shapes) -> int:
+    """One layer's saved input: a [batch, seq, hidden] tensor."""
+    return s.batch * s.seq * s.hidden * s.act_bytes
+
+
 def activation_bytes(s: Shapes) -> int:
-    """Saved layer inputs: one [batch, seq, hidden] tensor per layer."""
-    return s.layers * s.batch * s.seq * s.hidden * s.act_bytes
+    """Saved layer inputs when every one stays on the device."""
+    return s.layers * input_bytes(s)
 
 
-def work_bytes(s: Shapes) -> int:
+def work_bytes(s: Shapes, tile: int | None = None) -> int:
     """Transient working set: the larger of one layer's recompute graph and the loss.
 
     A layer's graph holds about ten hidden-sized and four intermediate-sized activations
-    (norms, q/k/v/o, residuals; gate, up, act, product), plus the attention probabilities
-    when attention is eager. The loss holds logits in the activation dtype, their fp32
+    (norms, q/k/v/o, residuals; gate, up, act, product — the latter for one tile of
+    `tile` tokens when the MLP is tiled), plus the attention probabilities when attention
+    is eager. The loss holds logits in the activation dtype, their fp32
     upcast, the log-softmax and the gradient (fp32), and the gradient cast back. (Measured
     on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
     never builds the logits (narrows-lmhead) reports its own figure instead.
     """
     tokens = s.batch * s.seq
-    layer = tokens * (10 * s.hidden + 4 * s.intermediate) * s.act_bytes
+    mlp_tokens = tokens if tile is None else min(tokens, tile)
+    layer = (tokens * 10 * s.hidden + mlp_tokens * 4 * s.intermediate) * s.act_bytes
     if s.eager_attention:
         layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
     loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
@@ -118,6 +141,31 @@ def spread(count: int, total: int) -> tuple[int, ...]:
     return tuple(sorted({int((i + 0.5) * total / count) for i in range(count)}))
 
 
+OFFLOAD_MODES = ("auto", "off", "all")
+MIN_TILE = 512  # tokens: below this a tile's matmuls stop using the device well
+DEFAULT_TILE = 4096  # the tile at the smallest footprint: its MLP working set is small beside the rest
+
+
+def _page(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def tile_choices(tile: int | str | None, tokens: int, budget: int | None) -> list[int | None]:
+    """Tile sizes to try, most preferred first: untiled unless asked; with "auto", untiled
+    then powers of two downwards (the smallest footprint takes `DEFAULT_TILE`)."""
+    if isinstance(tile, int):
+        return [tile if tile < tokens else None]
+    if tile != "auto":
+        return [None]
+    if budget is None:
+        return [DEFAULT_TILE if tokens > DEFAULT_TILE else None]
+    sizes, t = [], 1 << max(0, (tokens - 1).bit_length() - 1)  # the largest power of two below tokens
+    while t >= MIN_TILE:
+        sizes.append(t)
+        t //= 2
+    return [None, *sizes]
+
+
 def make_plan(
     layer_bytes: Sequence[int],
     *,
@@ -130,55 +178,70 @@ def make_plan(
     disk: Sequence[int] = (),
     host_bytes: int | None = None,
     host_budget: int | None = None,
+    offload: str = "auto",
+    tile: int | str | None = None,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
     `head_h2d_bytes`: what a streamed LM head adds to the transfer per step. `disk`: the
     layers whose host copy is on disk; they are the first made resident, since a resident
     layer is read once instead of twice a step. `host_bytes`/`host_budget`: the host tiers'
-    predicted footprint and its budget, for the report."""
+    predicted footprint and its budget, for the report. `offload`: "auto" (saved inputs
+    stay on the device while the budget allows), "off" (never offloaded) or "all".
+    `tile`: None (never tiled), "auto" (tiled only when the budget needs it) or a tile
+    size in tokens (always)."""
+    if offload not in OFFLOAD_MODES:
+        raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_MODES)}")
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
     slab = max(layer_bytes)
-    act, work = activation_bytes(shapes), work_bytes(shapes)
-    base = fixed_bytes + act + work
+    a = input_bytes(shapes)
+    tokens = shapes.batch * shapes.seq
 
-    def footprint(resident: tuple[int, ...], slabs: int) -> int:
-        return base + slabs * slab + sum(layer_bytes[i] for i in resident)
+    def saved(kept: int) -> int:  # kept inputs, and two offloaded ones in flight
+        return (kept + min(2, n - kept)) * a
 
+    def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None) -> int:
+        return fixed_bytes + saved(kept) + work_bytes(shapes, t) + slabs * slab + sum(layer_bytes[i] for i in resident)
+
+    least_kept = n if offload == "off" else 0
+    choices = tile_choices(tile, tokens, budget)
     if budget is None:
-        resident, prefetch = (), max(prefetch, 0)
+        resident, prefetch, kept, t = (), max(prefetch, 0), least_kept, choices[0]
+    elif offload != "all" and footprint(tuple(range(n)), 0, n, choices[0]) <= budget:
+        resident, prefetch, kept, t = tuple(range(n)), 0, n, choices[0]
     else:
-        minimum = footprint((), 1)
-        if budget < minimum:
-            raise BudgetTooSmallError(
-                f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "
-                f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed_bytes)}: head, norm, "
-                f"adapters with gradients and optimizer state), saved activations ({format_bytes(act)}) and the "
-                f"working set ({format_bytes(work)}). Give at least {format_bytes(minimum)}, or shorten "
-                f"the sequence / batch (activations scale with both)."
-            )
-        if footprint(tuple(range(n)), 0) <= budget:
-            resident, prefetch = tuple(range(n)), 0
-        else:
-            while prefetch > 0 and footprint((), prefetch + 1) > budget:
-                prefetch -= 1
-            count = min(n - 1, (budget - footprint((), prefetch + 1)) // slab)
-            resident = _choose(count, n, disk)
-            while resident and footprint(resident, prefetch + 1) > budget:
-                resident = _choose(len(resident) - 1, n, disk)
+        fitting = [c for c in choices if footprint((), 1, least_kept, c) <= budget]
+        if not fitting:
+            raise BudgetTooSmallError(_too_small(budget, footprint((), 1, least_kept, choices[-1]), slab, fixed_bytes,
+                                                 saved(least_kept), work_bytes(shapes, choices[-1]), offload, tile,
+                                                 footprint((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None))  # fmt: skip
+        t = fitting[0]
+        while prefetch > 0 and footprint((), prefetch + 1, least_kept, t) > budget:
+            prefetch -= 1
+        kept = least_kept
+        if offload == "auto":
+            while kept < n and footprint((), prefetch + 1, kept + 1, t) <= budget:
+                kept += 1
+        count = min(n - 1, (budget - footprint((), prefetch + 1, kept, t)) // slab)
+        resident = _choose(count, n, disk)
+        while resident and footprint(resident, prefetch + 1, kept, t) > budget:
+            resident = _choose(len(resident) - 1, n, disk)
     streamed = [i for i in range(n) if i not in set(resident)]
+    offloaded = tuple(range(n - kept))  # the first layers: the last ones' backward comes first
     slabs = prefetch + 1 if streamed else 0
     # each streamed layer is loaded for forward and again for backward, except the ones the
     # pool still holds at the turns: the last layers at forward→backward, the first layers
     # at backward→next forward (steady state of a training loop)
     held = min(slabs, len(streamed))
-    kept = streamed[-held:] + streamed[:held] if held else []
-    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept) + head_h2d_bytes
+    kept_slabs = streamed[-held:] + streamed[:held] if held else []
+    moved_out = len(offloaded) * a
+    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept_slabs) + head_h2d_bytes
     on_disk = set(disk)
     disk_read = 2 * sum(layer_bytes[i] for i in streamed if i in on_disk) - sum(
-        layer_bytes[i] for i in kept if i in on_disk
+        layer_bytes[i] for i in kept_slabs if i in on_disk
     )
+    host_act = len(offloaded) * _page(a)
     return Plan(
         device=device,
         budget=budget,
@@ -187,14 +250,35 @@ def make_plan(
         pool_slabs=slabs,
         prefetch=prefetch if streamed else 0,
         fixed_bytes=fixed_bytes,
-        activation_bytes=act,
-        work_bytes=work,
-        predicted_peak=footprint(resident, slabs),
-        h2d_bytes_per_step=h2d,
+        activation_bytes=saved(kept),
+        work_bytes=work_bytes(shapes, t),
+        predicted_peak=footprint(resident, slabs, kept, t),
+        h2d_bytes_per_step=h2d + moved_out,
         disk=tuple(sorted(on_disk)),
         disk_bytes_per_step=disk_read,
-        predicted_host_bytes=host_bytes,
+        predicted_host_bytes=None if host_bytes is None else host_bytes + host_act,
         host_budget=host_budget,
+        offloaded=offloaded,
+        host_activation_bytes=host_act,
+        d2h_bytes_per_step=moved_out,
+        tile_tokens=t,
+    )
+
+
+def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, work: int, offload: str,
+               tile: int | str | None, tiled_minimum: int | None) -> str:  # fmt: skip
+    hints = []
+    if offload == "off":
+        hints.append("allow offloading the saved layer inputs to host memory (offload='auto')")
+    if tile is None and tiled_minimum is not None and tiled_minimum < minimum:
+        hints.append(f"tile the MLP over the sequence (seq_tile='auto'; equal to untiled training up to summation "
+                     f"order), which needs {format_bytes(tiled_minimum)}")  # fmt: skip
+    hints.append("shorten the sequence / batch (activations scale with both)")
+    return (
+        f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "
+        f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed)}: head, norm, "
+        f"adapters with gradients and optimizer state), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
+        f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
     )
 
 

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from . import rng
 from .engine import TransferEngine
+from .offload import ActivationOffload
 from .sideouts import SideOutputs
 
 
@@ -36,6 +37,7 @@ class LayerCall:
     engine: TransferEngine
     params: tuple[nn.Parameter, ...]
     side: SideOutputs
+    offload: ActivationOffload | None = None
     state: rng.RngState | None = None
 
 
@@ -57,14 +59,16 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
         call.state = rng.capture(hidden.device)
+        # the input goes to host memory while the layer computes (when the plan says so)
+        saved = call.offload.save(call.index, hidden) if call.offload is not None else None
         # resident training runs the layer with grad on: same mode, same kernels
         with call.engine.using(call.index, then=call.index + 1), torch.enable_grad(), \
                 call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
             out = _run(call, h).detach()
         side = call.side.take_stand_ins()
-        ctx.call, ctx.n_side = call, len(side)
-        ctx.save_for_backward(hidden)
+        ctx.call, ctx.n_side, ctx.offloaded = call, len(side), saved
+        ctx.save_for_backward(hidden if saved is None else None)
         ctx.set_materialize_grads(False)
         return (out, *side)
 
@@ -74,8 +78,12 @@ class StreamedLayer(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         need_h = ctx.needs_input_grad[1]
         need_p = ctx.needs_input_grad[2:]
+        if ctx.offloaded is not None:
+            hidden, ctx.offloaded = call.offload.fetch(ctx.offloaded), None
         with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad(), \
                 call.side.collecting(forward=False):  # fmt: skip
+            if call.offload is not None:
+                call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)
             out = _run(call, h)
             side = call.side.originals

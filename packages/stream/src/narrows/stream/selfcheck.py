@@ -1,4 +1,5 @@
-"""Start-up self-check: one layer run streamed (autograd node, RNG replay, slab transfer)
+"""Start-up self-check: one layer run streamed (autograd node, RNG replay, slab transfer,
+the saved input's trip to host memory when the plan offloads it)
 against the same layer run as resident training would, forward and backward, compared
 with `torch.equal` — cheap (one layer, a few tokens) and needs no full residency."""
 
@@ -12,6 +13,7 @@ from torch import nn
 from narrows.core import Anatomy
 
 from .engine import TransferEngine
+from .offload import ActivationOffload
 from .errors import SelfCheckError
 from .remat import LayerCall, StreamedLayer
 from .sideouts import SideOutputs
@@ -48,7 +50,7 @@ def _capture_layer_inputs(model: nn.Module, anat: Anatomy, device: torch.device)
     return hidden, tuple(args[1:]), kwargs
 
 
-def self_check(model: nn.Module, anat: Anatomy, engine: TransferEngine) -> None:
+def self_check(model: nn.Module, anat: Anatomy, engine: TransferEngine, offload: ActivationOffload | None = None) -> None:
     device = engine.device
     layer = anat.layers[0]
     original = layer.forward.__wrapped__
@@ -69,7 +71,7 @@ def self_check(model: nn.Module, anat: Anatomy, engine: TransferEngine) -> None:
         torch.manual_seed(1234)
         with torch.enable_grad():
             h = x.clone().requires_grad_(True)
-            call = LayerCall(0, original, args, kwargs, engine, params, SideOutputs(layer, 0))
+            call = LayerCall(0, original, args, kwargs, engine, params, SideOutputs(layer, 0), offload)
             out = StreamedLayer.apply(call, h, *params)[0]
             got = [out.detach(), *torch.autograd.grad(out, [h, *params], grad_out, allow_unused=True)]
 
