@@ -37,7 +37,9 @@ def test_partial_residency_and_prefetch_depth(prefetch):
     p = ns.plan(build(**cfg), None, device="cpu", prefetch=prefetch, offload="off")
     budget = p.predicted_peak + p.layer_bytes[0]  # room for exactly one resident layer
     streamed_model = build(**cfg)
-    streamed = train(streamed_model, stream_kwargs={"gpu_budget": budget, "prefetch": prefetch, "offload": "off"})
+    streamed = train(
+        streamed_model, stream_kwargs={"gpu_budget": budget, "prefetch": prefetch, "offload": "off"}
+    )
     plan = streamed_model.narrows_stream.plan
     assert len(plan.resident) == 1 and plan.prefetch == prefetch and plan.pool_slabs == prefetch + 1
     stats = streamed_model.narrows_stream.stats

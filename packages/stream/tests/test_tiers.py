@@ -211,8 +211,14 @@ def test_streamed_from_disk_tier_equals_resident(arch, quant, ring, checkpoint, 
     plan = model.narrows_stream.plan
     assert plan.resident == () and plan.disk_bytes_per_step > 0
     # the base's tiers (RSS reported as 0) and the offloaded saved inputs
-    assert plan.predicted_host_bytes - plan.host_activation_bytes == (ring + PINNED) * ref.slab == plan.host_budget
-    assert plan.host_activation_bytes == len(plan.offloaded) * -(-plan.activation_bytes // 2 // 4096) * 4096 > 0
+    assert (
+        plan.predicted_host_bytes - plan.host_activation_bytes
+        == (ring + PINNED) * ref.slab
+        == plan.host_budget
+    )
+    assert (
+        plan.host_activation_bytes == len(plan.offloaded) * -(-plan.activation_bytes // 2 // 4096) * 4096 > 0
+    )
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])

@@ -202,7 +202,13 @@ def make_plan(
         return (kept + min(2, n - kept)) * a
 
     def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None) -> int:
-        return fixed_bytes + saved(kept) + work_bytes(shapes, t) + slabs * slab + sum(layer_bytes[i] for i in resident)
+        return (
+            fixed_bytes
+            + saved(kept)
+            + work_bytes(shapes, t)
+            + slabs * slab
+            + sum(layer_bytes[i] for i in resident)
+        )
 
     least_kept = n if offload == "off" else 0
     choices = tile_choices(tile, tokens, budget)

@@ -13,8 +13,8 @@ from torch import nn
 from narrows.core import Anatomy
 
 from .engine import TransferEngine
-from .offload import ActivationOffload
 from .errors import SelfCheckError
+from .offload import ActivationOffload
 from .remat import LayerCall, StreamedLayer
 from .sideouts import SideOutputs
 
@@ -50,7 +50,9 @@ def _capture_layer_inputs(model: nn.Module, anat: Anatomy, device: torch.device)
     return hidden, tuple(args[1:]), kwargs
 
 
-def self_check(model: nn.Module, anat: Anatomy, engine: TransferEngine, offload: ActivationOffload | None = None) -> None:
+def self_check(
+    model: nn.Module, anat: Anatomy, engine: TransferEngine, offload: ActivationOffload | None = None
+) -> None:
     device = engine.device
     layer = anat.layers[0]
     original = layer.forward.__wrapped__

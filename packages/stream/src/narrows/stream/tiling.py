@@ -99,7 +99,9 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def _refuse_hooks(mlp: nn.Module, index: int) -> None:
-    hooked = [type(m).__name__ for m in mlp.modules() if m is not mlp and (m._forward_hooks or m._forward_pre_hooks)]
+    hooked = [
+        type(m).__name__ for m in mlp.modules() if m is not mlp and (m._forward_hooks or m._forward_pre_hooks)
+    ]
     if hooked:
         raise StreamSetupError(
             f"sequence tiling cannot run the MLP of decoder layer {index}: its {hooked[0]} has forward hooks "
@@ -152,7 +154,9 @@ def tile_sequence(model: nn.Module, tokens: int) -> nn.Module:
     anat = anatomy_of(model)
     mlps = [_mlp_of(layer, i) for i, layer in enumerate(anat.layers)]
     for i, mlp in enumerate(mlps):
-        original = getattr(mlp.forward, "__wrapped__", None) if hasattr(mlp.forward, "narrows_tile_tokens") else None
+        original = (
+            getattr(mlp.forward, "__wrapped__", None) if hasattr(mlp.forward, "narrows_tile_tokens") else None
+        )
         if original is not None:
             mlp.forward = original  # retiling: replace the previous tile size
         mlp.forward = _tiled_forward(mlp, i, tokens)
