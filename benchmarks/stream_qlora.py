@@ -8,9 +8,14 @@ the pinned bandwidth measured in the same run). Modes run in fresh subprocesses.
 
 Modes: stream-min (every layer streamed, smallest footprint), stream-<size> (planner with
 that budget), either with "-head" (LM head streamed in vocabulary chunks too) and/or
-"-lmhead" (narrows.lmhead's masked, chunked exact loss: no full logits), e.g.
-stream-min-head-lmhead; resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing: the
-resident reference), resident (no checkpointing). Ratios are against resident-ckpt.
+"-lmhead" (narrows.lmhead's masked, chunked exact loss: no full logits), "-tile" (the
+planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
+inputs never offloaded: offload="off"), e.g. stream-min-head-lmhead-tile; resident-ckpt
+(everything on the GPU, PEFT + HF gradient checkpointing: the resident reference),
+resident (no checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in
+pinned host memory (transformers' own `offload=True`, or torch's `save_on_cpu` around
+its checkpoint where that transformers has no such option). Ratios (`vs_resident`) are
+against resident-ckpt-lmhead when it ran, else resident-ckpt.
 """
 
 from __future__ import annotations
@@ -45,6 +50,32 @@ def pinned_bandwidth(nbytes: int = 1 << 30, reps: int = 5) -> float:
     return nbytes * reps / (start.elapsed_time(end) / 1e3)
 
 
+def checkpointing(model, *, offload: bool) -> None:
+    """HF gradient checkpointing, its inputs in pinned host memory when `offload`."""
+    kwargs = {"use_reentrant": False}
+    if not offload:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return
+    try:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, offload=True)
+        print("offload: transformers' gradient_checkpointing offload=True", file=sys.stderr)
+    except TypeError:  # a transformers without the option: what it does, by hand
+        import functools
+
+        from torch.autograd.graph import save_on_cpu
+        from torch.utils.checkpoint import checkpoint
+
+        def offloaded(function, *args, **kw):
+            with save_on_cpu(pin_memory=True):
+                return checkpoint(function, *args, **kw)
+
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base._set_gradient_checkpointing(
+            enable=True, gradient_checkpointing_func=functools.partial(offloaded, **kwargs)
+        )
+        print("offload: save_on_cpu(pin_memory=True) around HF's checkpoint", file=sys.stderr)
+
+
 def run_one(args: argparse.Namespace) -> dict:
     from _models import add_lora, load_config, random_nf4_model
 
@@ -69,11 +100,13 @@ def run_one(args: argparse.Namespace) -> dict:
     if mode.startswith("stream"):
         budget = None if parts[1] == "min" else parts[1]
         head = "stream" if "head" in parts else "resident"
-        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head)
+        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
+                  seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto")  # fmt: skip
         plan = model.narrows_stream.plan
+        print(plan, file=sys.stderr)
     else:
         if mode.startswith("resident-ckpt"):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing(model, offload="offload" in parts)
             model.enable_input_require_grads()
         model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -120,6 +153,11 @@ def run_one(args: argparse.Namespace) -> dict:
             prefetch=plan.prefetch,
             h2d_bytes_per_step_planned=plan.h2d_bytes_per_step,
             h2d_bytes_per_step=moved,
+            offloaded_layers=len(plan.offloaded),
+            host_activation_bytes=plan.host_activation_bytes,
+            d2h_bytes_per_step=plan.d2h_bytes_per_step,
+            tile_tokens=plan.tile_tokens,
+            act_waits=model.narrows_stream.stats.act_waits,
         )
     return out
 
@@ -156,15 +194,20 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    ref = next((r for r in rows if r["mode"] == "resident-ckpt" and "error" not in r), None)
+    ok = {r["mode"]: r for r in rows if "error" not in r}
+    ref = ok.get("resident-ckpt-lmhead") or ok.get("resident-ckpt")
+    for r in rows:
+        if ref and "error" not in r:
+            r["vs_resident"] = r["s_per_step"] / ref["s_per_step"]
+            r["reference"] = ref["mode"]
     gib = 2**30
     print(f"\n{args.model}, seq {args.seq}, batch 1, LoRA r16 x7, NF4; pinned H2D {bw / 1e9:.1f} GB/s")
     print(
-        f"{'mode':<16}{'peak GiB':>10}{'s/step':>9}{'tok/s':>9}{'floor s':>9}{'vs ref time':>12}{'vs ref mem':>11}  resident"
+        f"{'mode':<30}{'peak GiB':>10}{'RSS GiB':>9}{'s/step':>9}{'tok/s':>9}{'floor s':>9}{'vs ref time':>12}{'vs ref mem':>11}  resident"
     )
     for r in rows:
         if "error" in r:
-            print(f"{r['mode']:<16}  {r['error'][:90]}")
+            print(f"{r['mode']:<30}  {r['error'][:90]}")
             continue
         floor = r.get("transfer_floor_s")
         t_ratio = r["s_per_step"] / ref["s_per_step"] if ref else float("nan")
@@ -172,7 +215,7 @@ def main() -> None:
             r["peak_allocated"] / ref["peak_allocated"] if ref and ref["peak_allocated"] else float("nan")
         )
         res = f"{r['resident_layers']}/{r['layers']}" if "layers" in r else "all"
-        print(f"{r['mode']:<16}{r['peak_allocated'] / gib:>10.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
+        print(f"{r['mode']:<30}{r['peak_allocated'] / gib:>10.2f}{(r['host_rss_peak'] or 0) / gib:>9.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
               f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}  {res}")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,

@@ -157,8 +157,8 @@ def test_partial_residency_is_exact(prefetch, llama_resident):
     """A budget with room for two resident layers beyond the slabs: layers 1 and 4 stay on
     the device, 0, 2, 3 and 5 stream (prefetching past a resident layer) — still exact."""
     model = _model("llama")
-    p = ns.plan(model, None, device=DEVICE, seq_len=LLAMA_SEQ, prefetch=prefetch)
-    budget = p.predicted_peak + 2 * max(p.layer_bytes)  # room for exactly two resident layers
+    p = ns.plan(model, None, device=DEVICE, seq_len=LLAMA_SEQ, prefetch=prefetch, offload="off")
+    budget = p.predicted_peak + 2 * max(p.layer_bytes)  # every saved input kept, two resident layers
     streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"gpu_budget": budget, "prefetch": prefetch})
     _check_streamed(model, resident=(1, 4), prefetch=prefetch)
     assert_identical(llama_resident, streamed)
@@ -193,6 +193,55 @@ def test_slow_copies_are_waited_for_and_the_gate_catches_a_missing_wait(llama_re
     else:
         with pytest.raises(AssertionError):
             assert_identical(llama_resident, streamed)
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["event-waited", "wait-dropped"])
+def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(llama_resident, wait):
+    """Every layer's saved input goes to pinned host memory and back (offload="all"), each
+    host→device copy delayed as on a slow link: with the compute stream waiting for it,
+    exact; without that wait the recompute reads a half-copied input and the run differs."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("no copy stream to race on this device")
+
+    def slow_fetches(model):
+        offload = model.narrows_stream.offload
+        start = offload._start_fetch
+
+        def delayed(saved):
+            with torch.cuda.stream(offload.copy_stream):
+                torch.cuda._sleep(40_000_000)
+            start(saved)
+
+        def fetch_without_wait(saved):
+            if saved.fetched is None:
+                delayed(saved)
+            out, saved.fetched = saved.fetched, None
+            return out
+
+        offload._start_fetch = delayed
+        if not wait:
+            offload.fetch = fetch_without_wait
+
+    model = _model("llama")
+    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"offload": "all"}, tamper=slow_fetches)
+    stats = model.narrows_stream.stats
+    assert model.narrows_stream.plan.offloaded == tuple(range(LLAMA["num_hidden_layers"]))
+    assert stats.act_d2h == stats.act_h2d > 0
+    if wait:
+        assert_identical(llama_resident, streamed)
+    else:
+        with pytest.raises(AssertionError):
+            assert_identical(llama_resident, streamed)
+
+
+def test_sequence_tiles_streamed_equal_the_same_tiles_resident():
+    """The MLP in tiles of 384 tokens (not a divisor of 1024), every input offloaded, LoRA
+    dropout, gradient accumulation: streamed == the same tiling resident, bit for bit."""
+    resident = _reference(_train(ns.tile_sequence(_model("llama"), 384), seq=LLAMA_SEQ))
+    model = _model("llama")
+    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"seq_tile": 384, "offload": "all"})
+    assert model.narrows_stream.plan.tile_tokens == 384
+    assert_identical(resident, streamed)
 
 
 # ---- 2. deterministic SDPA parity --------------------------------------------------------

@@ -116,7 +116,8 @@ class ActivationOffload:
         else:
             host.copy_(hidden)
         self.stats.act_d2h += nbytes
-        self.live.setdefault(index, []).append(weakref.ref(saved))
+        # entries of graphs dropped without a backward are dead references: pruned here
+        self.live[index] = [r for r in self.live.get(index, []) if r() is not None] + [weakref.ref(saved)]
         # a graph dropped without backward still returns its buffer
         weakref.finalize(saved, self._give_back, saved.buffer)
         return saved

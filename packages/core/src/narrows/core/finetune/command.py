@@ -67,6 +67,8 @@ def add_parser(sub) -> None:
     a("--batch", type=int, help="sequences per micro-batch (default 4)")
     a("--grad-accum", type=int, help="micro-batches per step (default 1)")
     a("--seq-len", type=int, help="tokens per sequence, longer rows are truncated (default 512)")
+    a("--seq-tile", help="off (default), auto (the planner tiles the MLP over the sequence only when --gpu-budget "
+      "needs it) or tokens per tile, e.g. 2048; equal to untiled training up to summation order (needs narrows-stream)")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")

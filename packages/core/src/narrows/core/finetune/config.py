@@ -61,6 +61,7 @@ class FinetuneConfig:
     batch: int = 4
     grad_accum: int = 1
     seq_len: int = 512
+    seq_tile: str = "off"  # off | auto (when the GPU budget needs it) | tokens per MLP tile
     lr: float = 5e-4
     warmup: int | None = None  # None: 5% of the steps
     seed: int = 0
@@ -137,6 +138,25 @@ class FinetuneConfig:
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)
+        self.tile()
+
+    def tile(self) -> int | str | None:
+        """``--seq-tile`` as narrows-stream takes it: None, "auto" or tokens per tile."""
+        value = self.seq_tile
+        if value == "off":
+            return None
+        if value == "auto":
+            if self.gpu_budget == "off":
+                raise NarrowsError("--seq-tile auto lets the planner of a streamed base decide: add --gpu-budget "
+                                   "(e.g. --gpu-budget 6GiB), or give a tile size such as --seq-tile 2048")  # fmt: skip
+            require("narrows.stream", "--seq-tile")
+            return value
+        if not value.isdigit() or int(value) < 1:
+            raise NarrowsError(
+                f"--seq-tile must be off, auto or a number of tokens such as 2048, got {value!r}"
+            )
+        require("narrows.stream", "--seq-tile")
+        return int(value)
 
 
 def _flag(name: str) -> str:

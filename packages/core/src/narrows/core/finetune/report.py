@@ -47,7 +47,8 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
                              "predicted_peak": plan.predicted_peak, "h2d_bytes_per_step": plan.h2d_bytes_per_step,
                              "disk_layers": len(plan.disk), "disk_bytes_per_step": plan.disk_bytes_per_step,
                              "predicted_host_bytes": plan.predicted_host_bytes, "host_budget": plan.host_budget,
-                             "host_rss_peak": host_rss_high_water()}  # fmt: skip
+                             "host_rss_peak": host_rss_high_water(), "offloaded_layers": len(plan.offloaded),
+                             "host_activation_bytes": plan.host_activation_bytes, "tile_tokens": plan.tile_tokens}  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
@@ -122,6 +123,10 @@ def format_summary(summary: dict) -> str:
         rows.append(("streamed base", f"{st['resident_layers']}/{st['layers']} layers resident, "
                      f"{format_bytes(st['h2d_bytes_per_step'])} host→device per step, "
                      f"predicted peak {format_bytes(st['predicted_peak'])}"))  # fmt: skip
+        if "offloaded_layers" in st:
+            rows.append(("saved layer inputs", f"{st['offloaded_layers']}/{st['layers']} in host memory "
+                         f"({format_bytes(st['host_activation_bytes'])}), the rest on the device; MLP "
+                         + (f"in sequence tiles of {st['tile_tokens']} tokens" if st["tile_tokens"] else "untiled")))  # fmt: skip
         if st.get("predicted_host_bytes") is not None:
             disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
                     if st["disk_layers"] else "no disk tier")  # fmt: skip
