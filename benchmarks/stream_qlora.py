@@ -76,6 +76,34 @@ def checkpointing(model, *, offload: bool) -> None:
         print("offload: save_on_cpu(pin_memory=True) around HF's checkpoint", file=sys.stderr)
 
 
+def peak_breakdown(snapshot: dict, top: int = 25) -> str:
+    """What was allocated at the moment of the peak, grouped by the innermost frame of
+    the allocating call that is not in torch itself (from a memory-history snapshot)."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for trace in snapshot["device_traces"]:
+        for ev in trace:
+            if ev["action"] == "alloc":
+                frames = [f for f in ev.get("frames", []) if "/torch/" not in f["filename"]]
+                where = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames[:3])
+                live[ev["addr"]] = (ev["size"], where)
+                total += ev["size"]
+                if total > peak:
+                    peak, at_peak = total, dict(live)
+            elif ev["action"] in ("free_requested",) and ev["addr"] in live:
+                total -= live.pop(ev["addr"])[0]
+    groups: dict[str, list[int]] = {}
+    for size, where in at_peak.values():
+        groups.setdefault(where, []).append(size)
+    rows = sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]
+    lines = [
+        f"peak {peak / 2**30:.2f} GiB over the traced steps (allocations live before tracing not counted)"
+    ]
+    lines += [f"{sum(v) / 2**20:>9.1f} MiB  x{len(v):<4} {k}" for k, v in rows]
+    return "\n".join(lines)
+
+
 def run_one(args: argparse.Namespace) -> dict:
     from _models import add_lora, load_config, random_nf4_model
 
@@ -125,6 +153,8 @@ def run_one(args: argparse.Namespace) -> dict:
     for _ in range(args.warmup):
         step()
     loads0 = model.narrows_stream.stats.bytes_h2d if plan else 0
+    if args.trace and cuda:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     reset_peaks(device)
     if cuda:
         torch.cuda.synchronize()
@@ -134,6 +164,9 @@ def run_one(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / args.steps
     peaks = read_peaks(device)
+    if args.trace and cuda:
+        print(peak_breakdown(torch.cuda.memory._snapshot()), file=sys.stderr)
+        torch.cuda.memory._record_memory_history(enabled=None)
     out = {
         "mode": mode,
         "build_s": round(build_s, 1),
@@ -172,6 +205,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
     ap.add_argument("--attn", default="sdpa", help="attention implementation (eager: deterministic backward)")
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--trace", action="store_true", help="print what is allocated at the peak (with --run-one)"
+    )
     args = ap.parse_args()
     if args.run_one:
         try:

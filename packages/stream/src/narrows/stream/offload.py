@@ -49,6 +49,7 @@ class Offloaded:
     written: object | None = None  # torch.cuda.Event: device→host copy finished
     fetched: Tensor | None = None  # the device copy, once its host→device copy is queued
     ready: object | None = None  # torch.cuda.Event: host→device copy finished
+    release: weakref.finalize | None = None  # hands the buffer back (once)
     __weakref__: object = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -118,20 +119,22 @@ class ActivationOffload:
         self.stats.act_d2h += nbytes
         # entries of graphs dropped without a backward are dead references: pruned here
         self.live[index] = [r for r in self.live.get(index, []) if r() is not None] + [weakref.ref(saved)]
-        # a graph dropped without backward still returns its buffer
-        weakref.finalize(saved, self._give_back, saved.buffer)
+        # handed back when the backward has its copy, or when a graph is dropped without one
+        saved.release = weakref.finalize(saved, self._give_back, saved.buffer)
         return saved
 
     def _start_fetch(self, saved: Offloaded) -> None:
         host = saved.host()
         if self.cuda:
-            dev = torch.empty(saved.shape, dtype=saved.dtype, device=self.device)
             with torch.cuda.stream(self.copy_stream):
+                # allocated on the copy stream: a block the compute stream freed but still has
+                # queued readers for is never handed to this copy
+                dev = torch.empty(saved.shape, dtype=saved.dtype, device=self.device)
                 self.copy_stream.wait_event(saved.written)
                 dev.copy_(host, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(self.copy_stream)
-            dev.record_stream(self.copy_stream)
+            dev.record_stream(torch.cuda.current_stream(self.device))  # the recompute reads it there
             saved.buffer.last_read = saved.ready
         else:
             dev = torch.empty(saved.shape, dtype=saved.dtype, device=self.device).copy_(host)
@@ -150,13 +153,22 @@ class ActivationOffload:
             return
 
     def fetch(self, saved: Offloaded) -> Tensor:
-        """The saved input on the device, for the backward that is about to use it."""
+        """The saved input on the device, for the backward that is about to use it. Its
+        host buffer goes back to the pool (reused once this copy has read it), so a saved
+        input is fetched once: a second backward through the same graph is refused."""
+        if not saved.release.alive and saved.fetched is None:
+            raise RuntimeError(
+                f"narrows.stream: layer {saved.index}'s saved input was offloaded to host memory and has been used "
+                "by a backward already; backward through the graph a second time (retain_graph=True) needs "
+                "stream(..., offload='off')"
+            )
         if saved.fetched is None:
             self._start_fetch(saved)
             self.stats.act_waits += 1
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(saved.ready)
         out, saved.fetched = saved.fetched, None
+        saved.release()
         refs = self.live.get(saved.index, [])
         self.live[saved.index] = [r for r in refs if r() is not None and r() is not saved]
         return out

@@ -156,7 +156,7 @@ def tile_choices(tile: int | str | None, tokens: int, budget: int | None) -> lis
     """Tile sizes to try, most preferred first: untiled unless asked; with "auto", untiled
     then powers of two downwards (the smallest footprint takes `DEFAULT_TILE`)."""
     if isinstance(tile, int):
-        return [tile if tile < tokens else None]
+        return [tile]  # asked for: a batch no longer than a tile runs as one tile anyway
     if tile != "auto":
         return [None]
     if budget is None:
@@ -216,8 +216,8 @@ def make_plan(
     choices = tile_choices(tile, tokens, budget)
     if budget is None:
         resident, prefetch, kept, t = (), max(prefetch, 0), least_kept, choices[0]
-    elif offload != "all" and footprint(tuple(range(n)), 0, n, choices[0]) <= budget:
-        resident, prefetch, kept, t = tuple(range(n)), 0, n, choices[0]
+    elif footprint(tuple(range(n)), 0, 0 if offload == "all" else n, choices[0]) <= budget:
+        resident, prefetch, kept, t = tuple(range(n)), 0, 0 if offload == "all" else n, choices[0]
     else:
         fitting = [c for c in choices if footprint((), 1, least_kept, c) <= budget]
         if not fitting:

@@ -79,7 +79,7 @@ class StreamedLayer(torch.autograd.Function):
         need_h = ctx.needs_input_grad[1]
         need_p = ctx.needs_input_grad[2:]
         if ctx.offloaded is not None:
-            hidden, ctx.offloaded = call.offload.fetch(ctx.offloaded), None
+            hidden = call.offload.fetch(ctx.offloaded)
         with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad(), \
                 call.side.collecting(forward=False):  # fmt: skip
             if call.offload is not None:

@@ -148,7 +148,7 @@ def tile_sequence(model: nn.Module, tokens: int) -> nn.Module:
     """Run every decoder layer's MLP over sequence tiles of `tokens` tokens (batch ×
     positions) in forward and backward. Equal up to summation order to the untiled model,
     `torch.equal` to the same tiling anywhere (resident or streamed). Returns the model."""
-    if not isinstance(tokens, int) or tokens < 1:
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise StreamSetupError(f"seq_tile must be a positive number of tokens, not {tokens!r}")
     ensure_architecture(model, "head")
     anat = anatomy_of(model)
