@@ -154,7 +154,7 @@ def run_one(args: argparse.Namespace) -> dict:
         step()
     loads0 = model.narrows_stream.stats.bytes_h2d if plan else 0
     if args.trace and cuda:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     reset_peaks(device)
     if cuda:
         torch.cuda.synchronize()

@@ -115,19 +115,20 @@ def activation_bytes(s: Shapes) -> int:
 def work_bytes(s: Shapes, tile: int | None = None) -> int:
     """Transient working set: the larger of one layer's recompute graph and the loss.
 
-    A layer's recompute and backward hold about sixteen hidden-sized tensors (q/k/v/o,
-    residuals, the norms' fp32 upcasts, attention's gradient accumulators) and six
-    intermediate-sized ones (gate, up, act, product and two gradients — for one tile of
-    `tile` tokens when the MLP is tiled), plus the attention probabilities when attention
-    is eager. (Measured on the H100, Qwen2.5-7B shape at 4K and 16K tokens: ten and four
-    under-predicted the peak by a third.) The loss holds logits in the activation dtype, their fp32
+    A layer's recompute and backward hold about twenty-six hidden-sized tensors (q/k/v/o,
+    residuals, the norms' fp32 upcasts, attention's gradient accumulators, and the loss's
+    gradient waiting beside them) and six intermediate-sized ones (gate, up, act, product
+    and two gradients — for one tile of `tile` tokens when the MLP is tiled), plus the
+    attention probabilities when attention is eager. (Fitted to H100 peaks of the
+    Qwen2.5-7B shape from 4K to 64K tokens, tiled and untiled: within 6% of each, over
+    rather than under at 16K and beyond.) The loss holds logits in the activation dtype, their fp32
     upcast, the log-softmax and the gradient (fp32), and the gradient cast back. (Measured
     on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
     never builds the logits (narrows-lmhead) reports its own figure instead.
     """
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
-    layer = (tokens * 16 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
+    layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
     if s.eager_attention:
         layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
     loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
