@@ -152,7 +152,12 @@ def run_one(args: argparse.Namespace) -> dict:
 
     for _ in range(args.warmup):
         step()
-    loads0 = model.narrows_stream.stats.bytes_h2d if plan else 0
+
+    def moved_h2d() -> int:  # weights, the streamed head and the saved inputs brought back
+        stats = model.narrows_stream.stats
+        return stats.bytes_h2d + stats.act_h2d
+
+    loads0 = moved_h2d() if plan else 0
     if args.trace and cuda:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     reset_peaks(device)
@@ -178,7 +183,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "final_loss": losses[-1],
     }
     if plan is not None:
-        moved = (model.narrows_stream.stats.bytes_h2d - loads0) / args.steps
+        moved = (moved_h2d() - loads0) / args.steps
         out.update(
             predicted_peak=plan.predicted_peak,
             resident_layers=len(plan.resident),
@@ -229,6 +234,7 @@ def main() -> None:
             row["transfer_floor_s"] = row["h2d_bytes_per_step"] / bw
         rows.append(row)
         print(json.dumps(row), flush=True)
+        write(args, bw, rows)  # after every mode: a run cut short keeps what it measured
 
     ok = {r["mode"]: r for r in rows if "error" not in r}
     ref = ok.get("resident-ckpt-lmhead") or ok.get("resident-ckpt")
@@ -253,9 +259,14 @@ def main() -> None:
         res = f"{r['resident_layers']}/{r['layers']}" if "layers" in r else "all"
         print(f"{r['mode']:<30}{r['peak_allocated'] / gib:>10.2f}{(r['host_rss_peak'] or 0) / gib:>9.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
               f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}  {res}")  # fmt: skip
+    write(args, bw, rows)
+
+
+def write(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,
-                                          "pinned_bw": bw, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                                          "warmup": args.warmup, "pinned_bw": bw, "device": device,
                                           "rows": rows}, indent=2))  # fmt: skip
 
 
