@@ -1,4 +1,4 @@
-"""narrows-dora's DoRA layers streamed by narrows-stream: bit-identical to resident."""
+"""narrows-dora's DoRA layers streamed by narrows-stream: bit-identical to resident (tiled: to the same tiling resident)."""
 
 import pytest
 import torch
@@ -33,3 +33,17 @@ def test_streamed_dora_layers_of_narrows_equal_resident(arch):
         return m
 
     assert_equal(run(build(), grad_accum=2), run(ns.stream(build(), device="cpu"), grad_accum=2))
+
+
+def test_narrows_dora_in_sequence_tiles_with_offloaded_inputs_equals_the_same_tiles_resident():
+    """narrows-dora's fused DoRA inside MLP tiles (tile 5 does not divide the batch's 12
+    positions), every saved input in host memory: equal to the same tiling resident."""
+
+    def build():
+        m = with_adapter(tiny_model("llama"), "dora", dropout=0.05).train()
+        nd.use_narrows_dora(m)
+        return m
+
+    streamed = ns.stream(build(), device="cpu", seq_tile=5, offload="all")
+    assert streamed.narrows_stream.plan.tile_tokens == 5
+    assert_equal(run(ns.tile_sequence(build(), 5), grad_accum=2), run(streamed, grad_accum=2))
