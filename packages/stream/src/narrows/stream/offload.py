@@ -89,11 +89,6 @@ class ActivationOffload:
     def _give_back(self, buf: _Buffer) -> None:
         self.free.append(buf)
 
-    @property
-    def host_bytes(self) -> int:
-        """Host memory the pool holds right now (free buffers only: the rest are in use)."""
-        return sum(b.data.numel() for b in self.free)
-
     # ---- what the autograd node calls -------------------------------------------------
     def save(self, index: int, hidden: Tensor) -> Offloaded | None:
         """Start copying layer `index`'s input to host memory; None when the plan keeps it

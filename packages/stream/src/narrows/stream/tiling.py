@@ -154,18 +154,14 @@ def tile_sequence(model: nn.Module, tokens: int) -> nn.Module:
     anat = anatomy_of(model)
     mlps = [_mlp_of(layer, i) for i, layer in enumerate(anat.layers)]
     for i, mlp in enumerate(mlps):
-        original = (
-            getattr(mlp.forward, "__wrapped__", None) if hasattr(mlp.forward, "narrows_tile_tokens") else None
-        )
-        if original is not None:
-            mlp.forward = original  # retiling: replace the previous tile size
+        if hasattr(mlp.forward, "narrows_tile_tokens"):
+            mlp.forward = mlp.forward.__wrapped__  # retiling: replace the previous tile size
         mlp.forward = _tiled_forward(mlp, i, tokens)
     return model
 
 
 def tiled_mlps(model: nn.Module) -> int | None:
     """The tile size the model's MLPs run with, or None when they are not tiled."""
-    anat = anatomy_of(model)
-    sizes = {getattr(getattr(layer, "mlp", None), "forward", None) for layer in anat.layers}
-    tokens = {getattr(f, "narrows_tile_tokens", None) for f in sizes}
+    forwards = [getattr(getattr(layer, "mlp", None), "forward", None) for layer in anatomy_of(model).layers]
+    tokens = {getattr(f, "narrows_tile_tokens", None) for f in forwards}
     return tokens.pop() if len(tokens) == 1 else None

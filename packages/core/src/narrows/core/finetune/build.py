@@ -120,18 +120,19 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         import narrows.dora
 
         narrows.dora.use_narrows_dora(model)
+    tile = cfg.tile()
     if cfg.gpu_budget == "off":
         model.to(device)
         _apply_lmhead(cfg, model)
-        if cfg.tile() is not None:
+        if tile is not None:
             import narrows.stream
 
-            narrows.stream.tile_sequence(model, cfg.tile())
+            narrows.stream.tile_sequence(model, tile)
     else:
         import narrows.stream
 
         _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
         model = narrows.stream.stream(model, budget, device=device, batch_size=cfg.batch, seq_len=cfg.seq_len,
-                                      seq_tile=cfg.tile())  # fmt: skip
+                                      seq_tile=tile)  # fmt: skip
     return model
