@@ -205,7 +205,7 @@ def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(ll
 
     def slow_fetches(model):
         offload = model.narrows_stream.offload
-        start = offload._start_fetch
+        start = offload.start_fetch
 
         def delayed(saved):
             with torch.cuda.stream(offload.copy_stream):
@@ -218,7 +218,7 @@ def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(ll
             out, saved.fetched = saved.fetched, None
             return out
 
-        offload._start_fetch = delayed
+        offload.start_fetch = delayed
         if not wait:
             offload.fetch = fetch_without_wait
 

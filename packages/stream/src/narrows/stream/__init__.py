@@ -15,6 +15,7 @@ from .engine import TransferStats
 from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
 from .plan import Plan
 from .pretrained import default_host_budget, from_pretrained, prepare
+from .stepmode import StepStats, StepTrainer
 from .tiling import tile_sequence
 from .twincheck import check_stream as _check_stream
 
@@ -25,6 +26,8 @@ __all__ = [
     "BudgetTooSmallError",
     "Plan",
     "SelfCheckError",
+    "StepStats",
+    "StepTrainer",
     "StreamHandle",
     "StreamSetupError",
     "TransferStats",

@@ -35,7 +35,7 @@ from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .plan import OFFLOAD_MODES, Plan, Shapes, make_plan
+from .plan import OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Shapes, make_plan
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
 from .sideouts import SideOutputs
@@ -80,6 +80,7 @@ class StreamHandle:
             "predicted_d2h_per_step": self.plan.d2h_bytes_per_step,
             "offloaded_layers": len(self.plan.offloaded),
             "tile_tokens": self.plan.tile_tokens,
+            "whole_layers": len(self.plan.whole),
             "head_streamed": self.head is not None,
             **self.stats.as_dict(),
         }
@@ -160,8 +161,13 @@ def _check_head(anat: Anatomy, head: str) -> bool:
     return True
 
 
-def _check_long_context(offload: str, seq_tile: int | str | None) -> int | str | None:
+def _check_long_context(
+    offload: str, seq_tile: int | str | None, recompute: str = "auto"
+) -> int | str | None:
     """The tile option as the planner takes it; refuses what it cannot be."""
+    if recompute not in RECOMPUTE_MODES:
+        raise StreamSetupError(f"recompute={recompute!r}: use 'auto' (default: resident layers run without "
+                               "recompute while the budget holds their activations) or 'all'")  # fmt: skip
     if offload not in OFFLOAD_MODES:
         raise StreamSetupError(f"offload={offload!r}: use 'auto' (default: saved layer inputs go to host memory "
                                "only when the budget needs it), 'off' or 'all'")  # fmt: skip
@@ -175,9 +181,10 @@ def _check_long_context(offload: str, seq_tile: int | str | None) -> int | str |
 
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
-         head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None) -> Plan:  # fmt: skip
+         head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
+         recompute: str = "auto") -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything."""
-    tile = _check_long_context(offload, seq_tile)
+    tile = _check_long_context(offload, seq_tile, recompute)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
     dev = _resolve_device(device)
@@ -202,7 +209,8 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch,
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
-                     host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile)  # fmt: skip
+                     host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile,
+                     recompute=recompute)  # fmt: skip
 
 
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
@@ -297,7 +305,7 @@ def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine,
         _check_args(index, args, kwargs)
         return streamed_call(LayerCall(index, original, args, kwargs, engine, params, side, offload), hidden)
 
-    forward.__wrapped__ = original  # type: ignore[attr-defined]
+    forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]
     return forward
 
 
@@ -316,6 +324,7 @@ def stream(
     deterministic: bool = False,
     offload: str = "auto",
     seq_tile: int | str | None = None,
+    recompute: str = "auto",
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -343,7 +352,10 @@ def stream(
     over sequence tiles only when the budget cannot hold the whole-sequence working set;
     a number of tokens always does. Tiled training is `torch.equal` to the same tiling
     resident (`narrows.stream.tile_sequence`) and equal to untiled training up to
-    summation order.
+    summation order. `recompute`: "auto" (default) runs resident layers *whole* — as
+    resident training runs them, activations saved, no recompute — while the budget holds
+    their activations (with every layer whole, a step is plain PEFT training without
+    checkpointing); "all" recomputes every layer in backward.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
@@ -369,7 +381,8 @@ def stream(
             "narrows.stream.stream() place what belongs on the GPU."
         )
     the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
-                    head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile)  # fmt: skip
+                    head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile,
+                    recompute=recompute)  # fmt: skip
     stream_head = _check_head(anat, head)
     if the_plan.tile_tokens is not None:
         tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
@@ -393,7 +406,8 @@ def stream(
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
     for i, layer in enumerate(anat.layers):
-        layer.forward = _layer_forward(i, layer, engine, acts)
+        if i not in the_plan.whole:  # a whole layer runs untouched, as in resident training
+            layer.forward = _layer_forward(i, layer, engine, acts)
 
     streamed_head = None
     if stream_head:

@@ -118,7 +118,8 @@ class ActivationOffload:
         saved.release = weakref.finalize(saved, self._give_back, saved.buffer)
         return saved
 
-    def _start_fetch(self, saved: Offloaded) -> None:
+    def start_fetch(self, saved: Offloaded) -> None:
+        """Start the host→device copy of `saved` (`fetch` waits for it)."""
         host = saved.host()
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
@@ -144,7 +145,7 @@ class ActivationOffload:
             if saved is None or saved.fetched is not None:
                 refs.pop()  # collected, or already on its way
                 continue
-            self._start_fetch(saved)
+            self.start_fetch(saved)
             return
 
     def fetch(self, saved: Offloaded) -> Tensor:
@@ -158,7 +159,7 @@ class ActivationOffload:
                 "stream(..., offload='off')"
             )
         if saved.fetched is None:
-            self._start_fetch(saved)
+            self.start_fetch(saved)
             self.stats.act_waits += 1
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(saved.ready)

@@ -13,7 +13,14 @@ tiles (the largest tile that fits). What the budget has beyond it buys, in this 
 device slabs for prefetch, saved inputs kept on the device (the last layers first: their
 backward comes first), then resident layers — spread evenly through the stack, so every
 streamed layer's copy can hide behind the compute of its neighbours (seed 004's partial
-residency).
+residency) — or resident layers kept *whole*: run as resident training runs them, every
+activation saved, no recompute. A whole layer saves a quarter of its step time (the
+recompute forward) for the memory of its activations; a resident layer saves the copy
+time its neighbours' compute cannot hide. A small step-time model (`step_seconds`)
+picks the mix. Whole layers are the last layers: the streamed layer before them is still
+in its device slab when backward turns, so no copy has to be started from inside their
+plain autograd backward. With every layer whole a step is plain PEFT training without
+checkpointing.
 """
 
 from __future__ import annotations
@@ -63,6 +70,11 @@ class Plan:
     host_activation_bytes: int = 0  # host memory those inputs take (page-locked on CUDA)
     d2h_bytes_per_step: int = 0
     tile_tokens: int | None = None  # the MLP runs in sequence tiles of this many tokens
+    whole: tuple[int, ...] = ()  # resident layers run without recompute, activations saved
+
+    @property
+    def recomputed(self) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self.layer_bytes)) if i not in set(self.whole))
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -80,6 +92,8 @@ class Plan:
             ("budget", "none (smallest footprint)" if self.budget is None else format_bytes(self.budget)),
             ("layers", f"{n} ({format_bytes(sum(self.layer_bytes))} frozen, largest {format_bytes(max(self.layer_bytes))})"),
             ("resident layers", f"{len(self.resident)} of {n}" + (f": {list(self.resident)}" if 0 < len(self.resident) < n else "")),
+            ("kept whole", f"{len(self.whole)} of {n} layers run without recompute" + (
+                f": {list(self.whole)}" if 0 < len(self.whole) < n else "")),
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
             ("fixed on device", format_bytes(self.fixed_bytes)),
             ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
@@ -110,6 +124,22 @@ def input_bytes(s: Shapes) -> int:
 def activation_bytes(s: Shapes) -> int:
     """Saved layer inputs when every one stays on the device."""
     return s.layers * input_bytes(s)
+
+
+def whole_bytes(s: Shapes) -> int:
+    """What one layer run whole (no recompute) keeps for its backward.
+
+    About eighteen hidden-sized and five intermediate-sized tensors per token (the input,
+    the norms' outputs and statistics, q/k/v/o and the attention output, the MLP's gate,
+    up, activation and product, and the inputs the adapters save), plus the attention
+    probabilities when attention is eager. (Fitted to H100 peaks of resident PEFT without
+    checkpointing against with it: 316 KB per token per layer at the Qwen2.5-7B shape at
+    512 and 4096 tokens, 455 KB at 32B; this predicts 316 and 461.)"""
+    tokens = s.batch * s.seq
+    kept = tokens * (18 * s.hidden + 5 * s.intermediate) * s.act_bytes
+    if s.eager_attention:
+        kept += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
+    return kept
 
 
 def work_bytes(s: Shapes, tile: int | None = None) -> int:
@@ -145,6 +175,7 @@ def spread(count: int, total: int) -> tuple[int, ...]:
 
 
 OFFLOAD_MODES = ("auto", "off", "all")
+RECOMPUTE_MODES = ("auto", "all")
 MIN_TILE = 512  # tokens: below this a tile's matmuls stop using the device well
 DEFAULT_TILE = 2048  # the tile at the smallest footprint: its MLP working set is small beside the rest
 
@@ -183,6 +214,7 @@ def make_plan(
     host_budget: int | None = None,
     offload: str = "auto",
     tile: int | str | None = None,
+    recompute: str = "auto",
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -192,28 +224,34 @@ def make_plan(
     predicted footprint and its budget, for the report. `offload`: "auto" (saved inputs
     stay on the device while the budget allows), "off" (never offloaded) or "all".
     `tile`: None (never tiled), "auto" (tiled only when the budget needs it) or a tile
-    size in tokens (always)."""
+    size in tokens (always). `recompute`: "auto" (resident layers are kept whole while
+    the budget allows) or "all" (every layer is recomputed in backward)."""
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_MODES)}")
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
     slab = max(layer_bytes)
     a = input_bytes(shapes)
     tokens = shapes.batch * shapes.seq
 
-    def saved(kept: int) -> int:  # kept inputs, and two offloaded ones in flight
-        return (kept + min(2, n - kept)) * a
+    kept_whole = whole_bytes(shapes)
 
-    def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None) -> int:
+    def saved(kept: int, whole: int = 0) -> int:  # kept inputs, two offloaded ones in flight, whole layers
+        return (kept - whole + min(2, n - kept)) * a + whole * kept_whole
+
+    def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
         return (
             fixed_bytes
-            + saved(kept)
+            + saved(kept, whole)
             + work_bytes(shapes, t)
             + slabs * slab
             + sum(layer_bytes[i] for i in resident)
         )
 
     least_kept = n if offload == "off" else 0
+    depth = prefetch
     choices = tile_choices(tile, tokens, budget)
     if budget is None:
         resident, prefetch, kept, t = (), max(prefetch, 0), least_kept, choices[0]
@@ -232,13 +270,28 @@ def make_plan(
         if offload == "auto":
             while kept < n and footprint((), prefetch + 1, kept + 1, t) <= budget:
                 kept += 1
-        count = min(n - 1, (budget - footprint((), prefetch + 1, kept, t)) // slab)
-        resident = _choose(count, n, disk)
-        while resident and footprint(resident, prefetch + 1, kept, t) > budget:
-            resident = _choose(len(resident) - 1, n, disk)
+        resident, depth = (), prefetch
+    whole: tuple[int, ...] = ()
+    if budget is not None:
+        # residency against whole layers: each of the w whole layers (the last ones) is
+        # resident too; the rest of the budget buys resident layers, spread. The mix with
+        # the least predicted step time wins (ties: more resident).
+        allow = recompute == "auto" and t is None and kept == n
+        best = None
+        for w in range(n + 1 if allow else 1):
+            mix = _most_resident(w, n, disk, lambda r, w=w: footprint(r, depth + 1 if len(r) < n else 0,
+                                                                        kept, t, w) <= budget)  # fmt: skip
+            if mix is None:
+                break
+            key = (step_seconds(layer_bytes, shapes, len(mix), w), -len(mix))
+            if best is None or key < best[0]:
+                best = key, mix, tuple(range(n - w, n))
+        if best is not None:
+            _, resident, whole = best
+        prefetch = depth if len(resident) < n else 0
     streamed = [i for i in range(n) if i not in set(resident)]
-    offloaded = tuple(range(n - kept))  # the first layers: the last ones' backward comes first
     slabs = prefetch + 1 if streamed else 0
+    offloaded = tuple(range(n - kept))  # the first layers: the last ones' backward comes first
     # each streamed layer is loaded for forward and again for backward, except the ones the
     # pool still holds at the turns: the last layers at forward→backward, the first layers
     # at backward→next forward (steady state of a training loop)
@@ -259,9 +312,9 @@ def make_plan(
         pool_slabs=slabs,
         prefetch=prefetch if streamed else 0,
         fixed_bytes=fixed_bytes,
-        activation_bytes=saved(kept),
+        activation_bytes=saved(kept, len(whole)),
         work_bytes=work_bytes(shapes, t),
-        predicted_peak=footprint(resident, slabs, kept, t),
+        predicted_peak=footprint(resident, slabs, kept, t, len(whole)),
         h2d_bytes_per_step=h2d + moved_out,
         disk=tuple(sorted(on_disk)),
         disk_bytes_per_step=disk_read,
@@ -271,6 +324,7 @@ def make_plan(
         host_activation_bytes=host_act,
         d2h_bytes_per_step=moved_out,
         tile_tokens=t,
+        whole=whole,
     )
 
 
@@ -289,6 +343,51 @@ def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, wor
         f"adapters with gradients and optimizer state), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
         f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
     )
+
+
+def _most_resident(whole: int, n: int, disk: Sequence[int], fits) -> tuple[int, ...] | None:
+    """The largest resident set holding the last `whole` layers that `fits` (None if even
+    those alone do not): the whole layers plus resident layers chosen among the others."""
+    tail = tuple(range(n - whole, n))
+    if fits(tuple(range(n))):
+        return tuple(range(n))  # no streamed layer left: no device slabs either
+    if not fits(tail):
+        return None
+    lo, hi = 0, n - whole - 1  # binary search: below all-resident, fits() is monotone
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(_choose(mid, n - whole, disk) + tail):
+            lo = mid
+        else:
+            hi = mid - 1
+    return _choose(lo, n - whole, disk) + tail
+
+
+# The step-time model that ranks plans (not a prediction the report shows): fitted to the
+# H100 (PCIe gen5, bitsandbytes-style NF4 dequantisation per forward) at the Qwen2.5 shapes.
+H2D_RATE = 40e9  # bytes/s host→device from pinned memory (measured 35–55)
+MATMUL_RATE = 400e12  # flop/s a layer's matmuls reach at a few thousand tokens
+DEQUANT_RATE = 65e9  # parameters/s: NF4 weights dequantised per forward (the batch-1 floor)
+
+
+def layer_seconds(nbytes: int, s: Shapes) -> tuple[float, float]:
+    """One layer's forward compute time and one host→device copy of it, predicted."""
+    params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+    compute = 2 * s.batch * s.seq * params / MATMUL_RATE
+    if nbytes < params:  # below a byte per parameter: quantised, dequantised on every use
+        compute += params / DEQUANT_RATE
+    return compute, nbytes / H2D_RATE
+
+
+def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int) -> float:
+    """Predicted time of one step's layers with `resident` resident layers of which
+    `whole` run without recompute: forward, backward (twice the forward), the recompute
+    of every other layer, and what a streamed layer's copies cannot hide — behind the
+    previous layer's forward, and behind the next layer's backward and recompute."""
+    n = len(layer_bytes)
+    f, c = layer_seconds(max(layer_bytes), s)
+    exposed = max(0.0, c - f) + max(0.0, c - 3 * f)
+    return n * 3 * f + (n - whole) * f + (n - resident) * exposed
 
 
 def _choose(count: int, n: int, disk: Sequence[int]) -> tuple[int, ...]:

@@ -102,6 +102,13 @@ class StreamedLayer(torch.autograd.Function):
         return (None, grad_h, *grad_params)
 
 
+def layer_original(layer: nn.Module) -> Callable[..., Any]:
+    """The layer's own forward: under narrows' wrapper, or the layer's (a whole layer is
+    not wrapped). Not ``__wrapped__``: transformers' decorators set that to the unbound
+    function."""
+    return getattr(layer.forward, "narrows_original", layer.forward)
+
+
 def streamed_call(call: LayerCall, hidden: Tensor) -> Tensor:
     """Run one layer streamed: through the autograd node when something upstream or inside
     needs a gradient, else (evaluation, no_grad) as a plain prefetched forward."""

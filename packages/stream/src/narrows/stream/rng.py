@@ -35,3 +35,17 @@ def replay(state: RngState) -> Iterator[None]:
         if state.cuda is not None:
             torch.cuda.set_rng_state(state.cuda, state.device_index)
         yield
+
+
+def capture_like(state: RngState) -> RngState:
+    """The current state of the generators `state` holds."""
+    if state.device_index is None:
+        return RngState(torch.get_rng_state(), None, None)
+    return RngState(torch.get_rng_state(), torch.cuda.get_rng_state(state.device_index), state.device_index)
+
+
+def restore(state: RngState) -> None:
+    """Set the global generators to `state` (no fork: the stream continues from there)."""
+    torch.set_rng_state(state.cpu)
+    if state.cuda is not None:
+        torch.cuda.set_rng_state(state.cuda, state.device_index)

@@ -15,7 +15,7 @@ from narrows.core import Anatomy
 from .engine import TransferEngine
 from .errors import SelfCheckError
 from .offload import ActivationOffload
-from .remat import LayerCall, StreamedLayer
+from .remat import LayerCall, StreamedLayer, layer_original
 from .sideouts import SideOutputs
 
 
@@ -55,7 +55,7 @@ def self_check(
 ) -> None:
     device = engine.device
     layer = anat.layers[0]
-    original = layer.forward.__wrapped__
+    original = layer_original(layer)
     params = tuple(p for p in layer.parameters() if p.requires_grad)
     devices = [device.index] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):  # leave the user's RNG alone

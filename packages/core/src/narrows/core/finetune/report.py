@@ -48,7 +48,8 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
                              "disk_layers": len(plan.disk), "disk_bytes_per_step": plan.disk_bytes_per_step,
                              "predicted_host_bytes": plan.predicted_host_bytes, "host_budget": plan.host_budget,
                              "host_rss_peak": host_rss_high_water(), "offloaded_layers": len(plan.offloaded),
-                             "host_activation_bytes": plan.host_activation_bytes, "tile_tokens": plan.tile_tokens}  # fmt: skip
+                             "host_activation_bytes": plan.host_activation_bytes, "tile_tokens": plan.tile_tokens,
+                             "whole_layers": len(plan.whole)}  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)

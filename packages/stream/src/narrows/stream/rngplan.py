@@ -1,0 +1,78 @@
+"""Where the global RNG stands at the start of each micro-batch of a step, before the
+micro-batches before it have run.
+
+Block-major accumulation runs layer 0 of every micro-batch before layer 1 of any. In the
+sequential order it must reproduce, micro-batch k starts where micro-batch k-1's forward
+left the generator (the backward consumes nothing: recomputes replay saved states). So
+the start of micro-batch k is predicted by replaying the *random* operations one
+micro-batch of that shape performed — the ops PyTorch tags `nondeterministic_seeded`
+(dropout's bernoulli, native_dropout, rand…), recorded once with a dispatch mode and
+re-run on empty tensors of the same shapes, which advances the generator exactly as the
+originals did, whatever the backend's generator. A prediction is only trusted after the
+fact: the step compares each micro-batch's actual end state with the predicted start of
+the next, and a mismatch makes the caller redo the step in sequential order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+from . import rng
+
+__all__ = ["RandomOps", "record_random_ops", "same_state"]
+
+
+@dataclass(frozen=True)
+class _Empty:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    def make(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
+def _spec(x: Any) -> Any:
+    return _Empty(tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
+
+
+def _make(x: Any) -> Any:
+    return x.make() if isinstance(x, _Empty) else x
+
+
+class RandomOps(TorchDispatchMode):
+    """Records every seeded op that draws from the global generators (not ops given a
+    generator of their own) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple, dict]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and kwargs.get("generator") is None:
+            self.ops.append((func, tree_map(_spec, args), tree_map(_spec, kwargs)))
+        return func(*args, **kwargs)
+
+    def advance(self, state: rng.RngState) -> rng.RngState:
+        """The generator state after these ops ran from `state` (the global one untouched)."""
+        with rng.replay(state):
+            for func, args, kwargs in self.ops:
+                func(*tree_map(_make, args), **tree_map(_make, kwargs))
+            return rng.capture_like(state)
+
+
+def record_random_ops() -> RandomOps:
+    return RandomOps()
+
+
+def same_state(a: rng.RngState, b: rng.RngState) -> bool:
+    return torch.equal(a.cpu, b.cpu) and (
+        (a.cuda is None and b.cuda is None)
+        or (a.cuda is not None and b.cuda is not None and torch.equal(a.cuda, b.cuda))
+    )

@@ -1,0 +1,360 @@
+"""Step mode: one optimizer step over G micro-batches with every streamed layer loaded
+once for the forward of all G and once for their backward (block-major accumulation).
+
+Sequential gradient accumulation loads each streamed layer 2·G times a step; here it is
+2 times, so the host→device floor of a step no longer grows with G. Per micro-batch k
+and layer L the layer runs on its own saved input, so the step keeps every layer
+boundary of every micro-batch — in pinned host memory (the offload machinery of
+`offload.py`), brought back one ahead of its backward.
+
+What makes it the *same* training as sequential accumulation:
+
+* every layer call is the one resident training makes: same grad mode, same arguments
+  (captured per micro-batch from the model's own forward), same kernels;
+* each adapter parameter's gradient is summed over micro-batches in micro-batch order —
+  one autograd.grad per (micro-batch, layer) whose result is added to ``.grad`` as
+  autograd's accumulation would;
+* each (micro-batch, layer) forward starts from the RNG state the sequential order gives
+  it: layer L+1 from where layer L left off, and the first layer of micro-batch k from
+  where micro-batch k-1's forward would have left the generator, predicted and then
+  checked (`rngplan.py`). An unpredictable step is redone sequentially — never trained
+  through with different dropout masks.
+
+The loss is computed by the model's own forward (its head and loss function), re-run on
+the last layer's output; the decoder's layers must be chained directly
+(``h = layer(h, ...)``), which the capture checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import anatomy_of, measure_peaks, trainable_parameters
+
+from .rng import RngState, capture, replay, restore
+from .errors import StreamSetupError
+from .offload import ActivationOffload, Offloaded
+from .remat import layer_original
+from .rngplan import RandomOps, same_state
+
+log = logging.getLogger("narrows.stream")
+
+__all__ = ["StepStats", "StepTrainer"]
+
+
+class _Captured(Exception):
+    pass
+
+
+@dataclass
+class StepStats:
+    """What one `StepTrainer.step` did."""
+
+    loss: float  # mean of the micro-batch losses
+    grad_norm: float | None  # total norm before clipping (None without max_grad_norm)
+    mode: str  # "block-major", or "sequential" and why
+    micro_batches: int
+    tokens: int
+    seconds: float
+    peak_allocated: int | None  # device bytes (CUDA)
+    bytes_h2d: int  # frozen weights copied to the device this step
+
+
+@dataclass
+class _Micro:
+    batch: dict[str, Any]
+    args: list[tuple] = field(default_factory=list)  # per layer, hidden states removed
+    kwargs: list[dict] = field(default_factory=list)
+    saved: list[Tensor | Offloaded | None] = field(default_factory=list)  # each layer's input
+    states: list[RngState] = field(default_factory=list)  # RNG at each layer's start
+    out: Tensor | None = None
+    grad: Tensor | None = None  # gradient w.r.t. the boundary being differentiated
+    loss: Tensor | None = None
+
+
+def _signature(batch: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, Tensor)))
+
+
+class StepTrainer:
+    """One optimizer step per call over `grad_accum` micro-batches, block-major.
+
+    `model` is a PEFT model streamed with `narrows.stream.stream` (or a plain one, which
+    is streamed here with `stream_kwargs`). `optimizer`: an optimizer over the model's
+    trainable parameters, or a callable building one from them. After each step the
+    optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
+    given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
+    maps (model output, batch) to the micro-batch loss (default: ``output.loss``).
+
+    The result is `torch.equal` to resident sequential accumulation::
+
+        for batch in batches: (model(**batch).loss / G).backward()
+        clip_grad_norm_(params, max_grad_norm); optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer], *,
+                 grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
+                 loss_fn: Callable[[Any, dict], Tensor] | None = None, **stream_kwargs: Any):  # fmt: skip
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
+        if getattr(model, "narrows_stream", None) is None:
+            from .api import stream
+
+            stream(model, **stream_kwargs)
+        elif stream_kwargs:
+            raise StreamSetupError("the model is already streamed: pass stream options to stream(), not here")
+        self.model = model
+        self.handle = model.narrows_stream
+        self.anat = anatomy_of(model)
+        self.params = list(trainable_parameters(model).values())
+        if any(p.requires_grad for p in self.anat.embed.parameters()):
+            raise StreamSetupError("step mode needs a frozen embedding (it differentiates from the first layer's "
+                                   "input); train the embedding with the transparent mode (a plain loss.backward())")  # fmt: skip
+        self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(self.params)
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn or (lambda out, batch: out.loss)
+        self.device = self.handle.device
+        self.engine = self.handle.engine
+        n = self.anat.num_layers
+        self.offload = ActivationOffload(self.device, set(range(n)), copy_stream=self.engine.copy_stream,
+                                         stats=self.engine.stats)  # fmt: skip
+        self.layer_params = [
+            tuple(p for p in layer.parameters() if p.requires_grad) for layer in self.anat.layers
+        ]
+        self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
+        self.unpredictable: set[tuple] = set()
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self, batches: Sequence[dict[str, Any]]) -> StepStats:
+        """Forward and backward of `grad_accum` micro-batches, then the optimizer step."""
+        if len(batches) != self.grad_accum:
+            raise ValueError(f"step() takes {self.grad_accum} micro-batches (grad_accum), got {len(batches)}")
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError("step(): gradients are already set; a step starts from none (zero_grad(set_to_none=True))")  # fmt: skip
+        batches = [
+            {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in b.items()} for b in batches
+        ]
+        self.model.train()
+        t0 = time.perf_counter()
+        h2d = self.engine.stats.bytes_h2d
+        with measure_peaks(self.device) as peaks:
+            mode, losses = self._accumulate(batches)
+            grad_norm = None
+            if self.max_grad_norm is not None:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+        return StepStats(loss=sum(float(v) for v in losses) / len(losses), grad_norm=grad_norm, mode=mode,
+                         micro_batches=len(batches), tokens=tokens, seconds=time.perf_counter() - t0,
+                         peak_allocated=getattr(peaks, "cuda_allocated", None),
+                         bytes_h2d=self.engine.stats.bytes_h2d - h2d)  # fmt: skip
+
+    def _accumulate(self, batches: list[dict[str, Any]]) -> tuple[str, list[Tensor]]:
+        sigs = [_signature(b) for b in batches]
+        if len(batches) == 1:
+            return "sequential (one micro-batch)", self._sequential(batches, sigs)
+        if any(s in self.unpredictable for s in sigs):
+            return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
+        if any(s not in self.random_ops for s in sigs) and self._draws_random():
+            return "sequential (learning this shape's RNG draws)", self._sequential(batches, sigs)
+        start = capture(self.device)
+        starts = [start]
+        for s in sigs[:-1]:
+            ops = self.random_ops.get(s)
+            starts.append(ops.advance(starts[-1]) if ops else starts[-1])
+        ends, losses = self._block_major(batches, starts)
+        if all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
+            restore(ends[-1])
+            return "block-major", losses
+        # a micro-batch drew differently than predicted: start over, in sequential order
+        for p in self.params:
+            p.grad = None
+        restore(start)
+        known = [s for s in sigs if s in self.random_ops]
+        self.unpredictable.update(known)
+        log.warning("narrows.stream step mode: the RNG draws of a micro-batch were not predictable; this shape now "
+                    "runs in sequential order (exact, %d× the weight transfer)", self.grad_accum)  # fmt: skip
+        return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
+
+    def _draws_random(self) -> bool:
+        """Whether any module that draws random numbers in training is active (dropout)."""
+        return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in self.model.modules()) \
+            or any(getattr(self.anat.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "embd_pdrop"))  # fmt: skip
+
+    # ---- sequential order (transparent mode), learning each shape's RNG draws ---------
+    def _sequential(self, batches: list[dict[str, Any]], sigs: list[tuple]) -> list[Tensor]:
+        losses = []
+        for batch, sig in zip(batches, sigs):
+            recorder = RandomOps()
+            with recorder:
+                loss = self.loss_fn(self.model(**batch), batch) / self.grad_accum
+            if sig not in self.unpredictable:
+                self.random_ops[sig] = recorder
+            loss.backward()
+            losses.append(loss.detach() * self.grad_accum)
+        return losses
+
+    # ---- block-major order ------------------------------------------------------------
+    def _capture(self, micro: _Micro) -> None:
+        """Run the model up to its first layer's input and every layer's arguments: the
+        layers are skipped (identity) and the forward stops after the last one."""
+        layers = self.anat.layers
+        n = len(layers)
+        saved_forwards = [layer.forward for layer in layers]
+        prev: list[Tensor | None] = [None]
+
+        def capture(index: int) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                hidden = args[0] if args else kwargs.pop("hidden_states")
+                args = args[1:]
+                if index > 0 and hidden is not prev[0]:
+                    raise StreamSetupError(
+                        f"step mode: the model changes the hidden states between layers {index - 1} and {index}; "
+                        "block-major accumulation needs layers chained directly — train it with loss.backward()")  # fmt: skip
+                if index == 0:
+                    micro.saved.append(hidden)
+                if kwargs.get("past_key_values") is not None:
+                    kwargs["past_key_values"] = None
+                micro.args.append(args)
+                micro.kwargs.append(kwargs)
+                prev[0] = hidden
+                if index == n - 1:
+                    raise _Captured
+                return hidden
+
+            return forward
+
+        for i, layer in enumerate(layers):
+            layer.forward = capture(i)
+        try:
+            with torch.no_grad():
+                self.model(**micro.batch)
+        except _Captured:
+            pass
+        finally:
+            for layer, f in zip(layers, saved_forwards):
+                layer.forward = f
+        if len(micro.args) != n:
+            raise StreamSetupError("step mode: the model did not call every decoder layer once in order")
+
+    def _head(self, micro: _Micro, end_state: RngState) -> Tensor:
+        """The model's forward again, every layer replaced by its computed output: the
+        final norm, the head and the loss run as in resident training, from the RNG state
+        the last layer left."""
+        layers = self.anat.layers
+        n = len(layers)
+        saved_forwards = [layer.forward for layer in layers]
+        leaf = micro.out.detach().requires_grad_(True)
+
+        def replaced(index: int) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                if index < n - 1:
+                    return args[0] if args else kwargs["hidden_states"]
+                restore(end_state)
+                return leaf
+
+            return forward
+
+        for i, layer in enumerate(layers):
+            layer.forward = replaced(i)
+        try:
+            loss = self.loss_fn(self.model(**micro.batch), micro.batch)
+        finally:
+            for layer, f in zip(layers, saved_forwards):
+                layer.forward = f
+        (loss / self.grad_accum).backward()
+        micro.grad = leaf.grad
+        micro.out = None
+        return loss.detach()
+
+    def _load_input(self, micro: _Micro, index: int) -> Tensor:
+        x = micro.saved[index]
+        micro.saved[index] = None
+        return self.offload.fetch(x) if isinstance(x, Offloaded) else x
+
+    def _block_major(
+        self, batches: list[dict[str, Any]], starts: list[RngState]
+    ) -> tuple[list, list[Tensor]]:
+        layers = self.anat.layers
+        n = len(layers)
+        micros = [_Micro(b) for b in batches]
+        for micro, start in zip(micros, starts):
+            restore(start)
+            self._capture(micro)
+            micro.states.append(capture(self.device))
+        needs = [micros[0].saved[0].requires_grad]
+        for params in self.layer_params:
+            needs.append(needs[-1] or bool(params))
+
+        # forward: layer by layer, every micro-batch through it
+        for i, layer in enumerate(layers):
+            fn = layer_original(layer)
+            with self.engine.using(i, then=i + 1), torch.enable_grad():
+                for micro in micros:
+                    restore(micro.states[i])
+                    x = micro.saved[i]
+                    h = x.detach().requires_grad_(needs[i])
+                    out = fn(h, *micro.args[i], **micro.kwargs[i]).detach()
+                    micro.states.append(capture(self.device))
+                    micro.saved[i] = self.offload.save(i, x) or x
+                    if i + 1 < n:
+                        micro.saved.append(out)
+                    else:
+                        micro.out = out
+
+        # the loss of each micro-batch, in order; it leaves the generator where the next begins
+        losses, ends = [], []
+        for micro in micros:
+            losses.append(self._head(micro, micro.states[n]))
+            ends.append(capture(self.device))
+
+        # backward: layer by layer from the last, micro-batches in order within each
+        order = [(i, k) for i in reversed(range(n)) for k in range(len(micros))]
+        nxt = 0
+        for i in reversed(range(n)):
+            fn, params = layer_original(layers[i]), self.layer_params[i]
+            with self.engine.using(i, then=i - 1):
+                for k, micro in enumerate(micros):
+                    nxt = self._prefetch_inputs(micros, order, nxt, (i, k))
+                    x = self._load_input(micro, i)
+                    with replay(micro.states[i]), torch.enable_grad():
+                        h = x.detach().requires_grad_(needs[i])
+                        out = fn(h, *micro.args[i], **micro.kwargs[i])
+                        wrt = ([h] if needs[i] else []) + list(params)
+                        grads = (
+                            list(torch.autograd.grad(out, wrt, micro.grad, allow_unused=True)) if wrt else []
+                        )
+                    micro.grad = grads.pop(0) if needs[i] else None
+                    for p, g in zip(params, grads):
+                        if g is None:
+                            continue
+                        if p.grad is None:
+                            p.grad = g
+                        else:
+                            p.grad += g
+        return ends, losses
+
+    def _prefetch_inputs(self, micros: list[_Micro], order: list[tuple[int, int]], nxt: int,
+                         now: tuple[int, int]) -> int:  # fmt: skip
+        """Start bringing back the saved input after `now` in backward order (one ahead)."""
+        pos = order.index(now, nxt)
+        if pos + 1 < len(order):
+            i, k = order[pos + 1]
+            x = micros[k].saved[i]
+            if isinstance(x, Offloaded) and x.fetched is None:
+                self.offload.start_fetch(x)
+        return pos

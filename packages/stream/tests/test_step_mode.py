@@ -1,0 +1,231 @@
+"""Step mode (`StepTrainer`): block-major gradient accumulation is `torch.equal` to
+resident sequential accumulation — with dropout, clipping, a scheduler — and loads each
+streamed layer once per forward and once per backward whatever G is. Each gate has a
+fault-injected twin that proves it can fail."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import assert_identical, build
+
+import narrows.stream as ns
+from narrows.core.testing import tiny_batch
+from narrows.stream import rng
+from narrows.stream.errors import StreamSetupError
+
+G = 3
+STEPS = 3
+
+
+def _batches(step: int, g: int = G) -> list[dict]:
+    return [tiny_batch(seed=100 * step + k) for k in range(g)]
+
+
+def _optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _scheduler(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+
+
+def _record(params, opt, losses):
+    return {
+        "loss": losses,
+        "weight": [p.detach().clone() for p in params],
+        "adam": [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)],
+    }
+
+
+@functools.cache
+def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G):
+    """Plain sequential accumulation on the resident model: the reference."""
+    model = build(arch, dropout=dropout, base=base)
+    torch.manual_seed(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(params)
+    sched = _scheduler(opt)
+    losses, grads = [], []
+    for step in range(STEPS):
+        for batch in _batches(step, g):
+            loss = model(**batch).loss
+            (loss / g).backward()
+            losses.append(loss.detach())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        grads += [p.grad.clone() for p in params]  # as the optimizer sees them
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return {**_record(params, opt, losses), "grad": grads}
+
+
+def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, **stream_kwargs):
+    model = build(arch, dropout=dropout, base=base)
+    torch.manual_seed(0)
+    stream_kwargs.setdefault("offload", "off")
+    ns.stream(model, device="cpu", **stream_kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = _optimizer(params)
+    trainer = ns.StepTrainer(model, opt, grad_accum=g, max_grad_norm=clip, scheduler=_scheduler(opt),
+                             loss_fn=lambda out, batch: _keep(out.loss))  # fmt: skip
+    losses, grads, stats = [], [], []
+    real_step = opt.step
+
+    def capture_grads():
+        grads.extend(p.grad.clone() for p in params)
+
+    opt.step = lambda *a, **k: (capture_grads(), real_step(*a, **k))[1]
+    for step in range(STEPS):
+        _seen.clear()
+        stats.append(trainer.step(_batches(step, g)))
+        losses += [x.detach() for x in _seen[-g:]]  # a redone step computed them twice
+    return model, stats, {**_record(params, opt, losses), "grad": grads}
+
+
+_seen: list[torch.Tensor] = []
+
+
+def _keep(loss):
+    _seen.append(loss)
+    return loss
+
+
+def test_block_major_is_identical_to_sequential_accumulation_without_dropout():
+    model, stats, got = stepped(dropout=0.0)
+    assert [s.mode for s in stats] == ["block-major"] * STEPS
+    assert_identical(resident(dropout=0.0), got)
+
+
+def test_block_major_with_dropout_learns_the_rng_draws_then_reproduces_them():
+    """The first step runs in sequential order and records each micro-batch's random
+    draws; later steps run block-major from predicted RNG states — bit-identical."""
+    model, stats, got = stepped(dropout=0.05)
+    assert stats[0].mode.startswith("sequential (learning")
+    assert [s.mode for s in stats[1:]] == ["block-major"] * (STEPS - 1)
+    assert_identical(resident(dropout=0.05), got)
+
+
+def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):
+    """Fault injection: predictions that skip the draws (each micro-batch assumed to
+    start where the previous one did) are caught by the end-state check; the step is
+    redone sequentially and the run is still identical."""
+    from narrows.stream import rngplan
+
+    monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
+    model, stats, got = stepped(dropout=0.05)
+    assert stats[1].mode == "sequential (RNG draws not predictable)"
+    assert_identical(resident(dropout=0.05), got)
+
+
+def test_without_the_end_state_check_wrong_predictions_change_training(monkeypatch):
+    """The twin of the above with the check disabled too: training differs — so the
+    check is what keeps the run exact."""
+    from narrows.stream import rngplan, stepmode
+
+    monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
+    monkeypatch.setattr(stepmode, "same_state", lambda a, b: True)
+    _, stats, got = stepped(dropout=0.05)
+    assert stats[1].mode == "block-major"
+    with pytest.raises(AssertionError):
+        assert_identical(resident(dropout=0.05), got)
+
+
+def test_dropping_the_per_layer_rng_replay_changes_training(monkeypatch):
+    """Fault injection: the backward recompute without the saved RNG state draws new
+    dropout masks, and the gradients differ."""
+    from contextlib import nullcontext
+
+    from narrows.stream import stepmode
+
+    monkeypatch.setattr(stepmode, "replay", lambda state: nullcontext())
+    _, stats, got = stepped(dropout=0.05)
+    with pytest.raises(AssertionError):
+        assert_identical(resident(dropout=0.05), got)
+
+
+def test_gradient_summation_order_matters(monkeypatch):
+    """Fault injection: accumulating the micro-batches' gradients in reverse order is
+    caught (floating-point addition is not associative)."""
+    from narrows.stream import stepmode
+
+    original = stepmode.StepTrainer._block_major
+
+    def reversed_order(self, batches, starts):
+        ends, losses = original(self, batches[::-1], starts)  # wrong RNG too; order is the point
+        return ends, losses
+
+    monkeypatch.setattr(stepmode.StepTrainer, "_block_major", reversed_order)
+    _, _, got = stepped(dropout=0.0)
+    with pytest.raises(AssertionError):
+        assert_identical(resident(dropout=0.0), got)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_block_major_on_other_architectures(arch):
+    """Gemma2 alternates sliding-window and global masks per layer: each layer's own
+    arguments are captured and replayed."""
+    _, stats, got = stepped(arch, dropout=0.05)
+    assert stats[-1].mode == "block-major"
+    assert_identical(resident(arch, dropout=0.05), got)
+
+
+def test_block_major_with_offloaded_boundaries_and_partial_residency():
+    """Every layer boundary offloaded to host memory, the smallest footprint (every
+    layer streamed): still identical."""
+    model, stats, got = stepped(dropout=0.05, offload="all")
+    assert model.narrows_stream.stats.act_d2h > 0
+    assert_identical(resident(dropout=0.05), got)
+
+
+@pytest.mark.bnb
+def test_block_major_on_nf4():
+    pytest.importorskip("bitsandbytes")
+    _, stats, got = stepped(dropout=0.05, base="nf4")
+    assert stats[-1].mode == "block-major"
+    assert_identical(resident(dropout=0.05, base="nf4"), got)
+
+
+@pytest.mark.parametrize("g", [1, 2, 4])
+def test_each_layer_is_loaded_once_per_pass_whatever_g(g):
+    """Streamed layers cross the link once for the forward of all G micro-batches and
+    once for their backward: the bytes per block-major step do not grow with G."""
+    model, stats, _ = stepped(dropout=0.0, g=g, prefetch=0)
+    layer_bytes = model.narrows_stream.plan.layer_bytes
+    per_step = stats[-1].bytes_h2d
+    assert per_step <= 2 * sum(layer_bytes)
+    if g > 1:
+        assert stats[-1].mode == "block-major"
+        assert per_step >= 2 * sum(layer_bytes) - 2 * max(layer_bytes)  # all but the slab held at the turns
+
+
+def test_step_refuses_bad_input():
+    model = build(dropout=0.0)
+    ns.stream(model, device="cpu")
+    trainer = ns.StepTrainer(model, _optimizer, grad_accum=2)
+    with pytest.raises(ValueError, match="takes 2 micro-batches"):
+        trainer.step(_batches(0, 3))
+    with pytest.raises(StreamSetupError, match="grad_accum"):
+        ns.StepTrainer(model, _optimizer, grad_accum=0)
+    first = next(p for p in model.parameters() if p.requires_grad)
+    first.grad = torch.zeros_like(first)
+    with pytest.raises(RuntimeError, match="already set"):
+        trainer.step(_batches(0, 2))
+
+
+def test_streams_a_plain_model_itself():
+    model = build(dropout=0.0)
+    trainer = ns.StepTrainer(model, _optimizer, grad_accum=2, device="cpu", gpu_budget=None)
+    assert model.narrows_stream.plan.resident == ()
+    stats = trainer.step(_batches(0, 2))
+    assert stats.mode == "block-major" and stats.tokens == 2 * 24 and stats.loss > 0
+
+
+def test_rng_restore_and_capture_round_trip():
+    state = rng.capture(torch.device("cpu"))
+    torch.rand(5)
+    rng.restore(state)
+    assert torch.equal(rng.capture(torch.device("cpu")).cpu, state.cpu)
