@@ -95,7 +95,7 @@ def _keep(loss):
 
 
 def test_block_major_is_identical_to_sequential_accumulation_without_dropout():
-    model, stats, got = stepped(dropout=0.0)
+    _, stats, got = stepped(dropout=0.0)
     assert [s.mode for s in stats] == ["block-major"] * STEPS
     assert_identical(resident(dropout=0.0), got)
 
@@ -103,7 +103,7 @@ def test_block_major_is_identical_to_sequential_accumulation_without_dropout():
 def test_block_major_with_dropout_learns_the_rng_draws_then_reproduces_them():
     """The first step runs in sequential order and records each micro-batch's random
     draws; later steps run block-major from predicted RNG states — bit-identical."""
-    model, stats, got = stepped(dropout=0.05)
+    _, stats, got = stepped(dropout=0.05)
     assert stats[0].mode.startswith("sequential (learning")
     assert [s.mode for s in stats[1:]] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=0.05), got)
@@ -116,7 +116,7 @@ def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):
     from narrows.stream import rngplan
 
     monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
-    model, stats, got = stepped(dropout=0.05)
+    _, stats, got = stepped(dropout=0.05)
     assert stats[1].mode == "sequential (RNG draws not predictable)"
     assert_identical(resident(dropout=0.05), got)
 
@@ -142,7 +142,7 @@ def test_dropping_the_per_layer_rng_replay_changes_training(monkeypatch):
     from narrows.stream import stepmode
 
     monkeypatch.setattr(stepmode, "replay", lambda state: nullcontext())
-    _, stats, got = stepped(dropout=0.05)
+    _, _, got = stepped(dropout=0.05)
     with pytest.raises(AssertionError):
         assert_identical(resident(dropout=0.05), got)
 
@@ -173,10 +173,10 @@ def test_block_major_on_other_architectures(arch):
     assert_identical(resident(arch, dropout=0.05), got)
 
 
-def test_block_major_with_offloaded_boundaries_and_partial_residency():
+def test_block_major_with_every_layer_streamed_and_its_inputs_offloaded():
     """Every layer boundary offloaded to host memory, the smallest footprint (every
     layer streamed): still identical."""
-    model, stats, got = stepped(dropout=0.05, offload="all")
+    model, _, got = stepped(dropout=0.05, offload="all")
     assert model.narrows_stream.stats.act_d2h > 0
     assert_identical(resident(dropout=0.05), got)
 

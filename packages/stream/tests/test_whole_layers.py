@@ -7,15 +7,14 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 from helpers import assert_identical, build, train
 
 import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
 from narrows.stream import api
-from narrows.stream.plan import input_bytes, step_seconds, whole_bytes
 from narrows.stream.errors import StreamSetupError
+from narrows.stream.plan import input_bytes, step_seconds, whole_bytes
 
 SHAPE = {"batch_size": 2, "seq_len": 12, "device": "cpu"}  # tiny_batch(): 2 rows of 12 positions
 SIZE = {"batch_size": 2, "seq_len": 12}
@@ -38,7 +37,7 @@ def _budgets(model, **kw):
 def _mixed_budget() -> int:
     """A budget whose plan has streamed and whole layers at once."""
     for p in _budgets(_model()):
-        if 1 < len(p.whole) and len(p.resident) < N - 1:
+        if len(p.whole) > 1 and len(p.resident) < N - 1:
             return p.budget
     raise AssertionError("no budget gives a mixed plan")
 
@@ -66,7 +65,7 @@ def test_planner_spends_a_growing_budget_on_a_faster_step():
         assert set(p.whole) <= set(p.resident)
         assert p.whole == tuple(range(N - len(p.whole), N))
         assert not p.whole or not p.offloaded
-    assert any(0 < len(p.whole) and len(p.resident) < N for p in plans)
+    assert any(len(p.whole) > 0 and len(p.resident) < N for p in plans)
     fit = ns.plan(model, "fit", **SHAPE)
     assert fit.whole == tuple(range(N)) and "6 of 6 layers run without recompute" in str(fit)
     assert ns.plan(model, "fit", **SHAPE, recompute="all").whole == ()

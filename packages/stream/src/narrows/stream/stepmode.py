@@ -38,10 +38,10 @@ from torch import Tensor, nn
 
 from narrows.core import anatomy_of, measure_peaks, trainable_parameters
 
-from .rng import RngState, capture, replay, restore
 from .errors import StreamSetupError
 from .offload import ActivationOffload, Offloaded
 from .remat import layer_original
+from .rng import RngState, capture, replay, restore
 from .rngplan import RandomOps, same_state
 
 log = logging.getLogger("narrows.stream")
