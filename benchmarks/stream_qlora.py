@@ -10,12 +10,16 @@ Modes: stream-min (every layer streamed, smallest footprint), stream-<size> (pla
 that budget), either with "-head" (LM head streamed in vocabulary chunks too) and/or
 "-lmhead" (narrows.lmhead's masked, chunked exact loss: no full logits), "-tile" (the
 planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
-inputs never offloaded: offload="off"), e.g. stream-min-head-lmhead-tile; resident-ckpt
-(everything on the GPU, PEFT + HF gradient checkpointing: the resident reference),
-resident (no checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in
-pinned host memory (transformers' own `offload=True`, or torch's `save_on_cpu` around
-its checkpoint where that transformers has no such option). Ratios (`vs_resident`) are
-against resident-ckpt-lmhead when it ran, else resident-ckpt.
+inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, none kept
+whole: recompute="all"), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
+plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches);
+resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
+checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
+memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
+checkpoint where that transformers has no such option). With --grad-accum G every mode
+makes one optimizer step of G micro-batches (the others accumulate sequentially).
+Ratios: `vs_resident` against the fastest resident mode of the run; for a mode with a
+budget, `vs_best_peft_fitting` against the fastest resident mode whose peak fits it.
 """
 
 from __future__ import annotations
@@ -125,11 +129,12 @@ def run_one(args: argparse.Namespace) -> dict:
         import narrows.lmhead as lmh
 
         lmh.apply(model)
-    if mode.startswith("stream"):
+    if mode.startswith(("stream", "step")):
         budget = None if parts[1] == "min" else parts[1]
         head = "stream" if "head" in parts else "resident"
         ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
-                  seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto")  # fmt: skip
+                  seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
+                  recompute="all" if "recompute" in parts else "auto")  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     else:
@@ -142,13 +147,24 @@ def run_one(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
 
+    g = args.grad_accum
+    trainer = ns.StepTrainer(model, opt, grad_accum=g) if mode.startswith("step") else None
+
     def step() -> float:
-        ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        batches = []
+        for _ in range(g):
+            ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
+            batches.append({"input_ids": ids, "labels": ids})
+        if trainer is not None:
+            return trainer.step(batches).loss
+        total = 0.0
+        for batch in batches:
+            loss = model(**batch).loss
+            (loss / g).backward()
+            total += loss.item() / g
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return total
 
     for _ in range(args.warmup):
         step()
@@ -174,9 +190,10 @@ def run_one(args: argparse.Namespace) -> dict:
         torch.cuda.memory._record_memory_history(enabled=None)
     out = {
         "mode": mode,
+        "grad_accum": g,
         "build_s": round(build_s, 1),
         "s_per_step": dt,
-        "tokens_per_s": args.seq / dt,
+        "tokens_per_s": args.seq * g / dt,
         "peak_allocated": peaks.cuda_allocated,
         "peak_reserved": peaks.cuda_reserved,
         "host_rss_peak": peaks.host_rss,
@@ -196,6 +213,7 @@ def run_one(args: argparse.Namespace) -> dict:
             d2h_bytes_per_step=plan.d2h_bytes_per_step,
             tile_tokens=plan.tile_tokens,
             act_waits=model.narrows_stream.stats.act_waits,
+            whole_layers=len(plan.whole),
         )
     return out
 
@@ -206,6 +224,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (G)")
     ap.add_argument("--modes", default="stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident")
     ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
     ap.add_argument("--attn", default="sdpa", help="attention implementation (eager: deterministic backward)")
@@ -225,7 +244,8 @@ def main() -> None:
     rows = []
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn]  # fmt: skip
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
+               "--grad-accum", str(args.grad_accum)]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
@@ -236,16 +256,25 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         write(args, bw, rows)  # after every mode: a run cut short keeps what it measured
 
-    ok = {r["mode"]: r for r in rows if "error" not in r}
-    ref = ok.get("resident-ckpt-lmhead") or ok.get("resident-ckpt")
-    for r in rows:
-        if ref and "error" not in r:
+    ok = [r for r in rows if "error" not in r]
+    peft = [r for r in ok if r["mode"].startswith("resident")]
+    ref = min(peft, key=lambda r: r["s_per_step"], default=None)  # the fastest resident PEFT run
+    for r in ok:
+        if ref:
             r["vs_resident"] = r["s_per_step"] / ref["s_per_step"]
             r["reference"] = ref["mode"]
+        budget = _budget_of(r["mode"])
+        if budget is not None:  # the best plain PEFT configuration that fits the same budget
+            fits = [p for p in peft if p["peak_allocated"] <= budget]
+            best = min(fits, key=lambda p: p["s_per_step"], default=None)
+            r["best_peft_fitting"] = best["mode"] if best else None
+            r["vs_best_peft_fitting"] = r["s_per_step"] / best["s_per_step"] if best else None
     gib = 2**30
-    print(f"\n{args.model}, seq {args.seq}, batch 1, LoRA r16 x7, NF4; pinned H2D {bw / 1e9:.1f} GB/s")
     print(
-        f"{'mode':<30}{'peak GiB':>10}{'RSS GiB':>9}{'s/step':>9}{'tok/s':>9}{'floor s':>9}{'vs ref time':>12}{'vs ref mem':>11}  resident"
+        f"\n{args.model}, seq {args.seq}, batch 1, G {args.grad_accum}, LoRA r16 x7, NF4; pinned H2D {bw / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'mode':<30}{'peak GiB':>10}{'RSS GiB':>9}{'s/step':>9}{'tok/s':>9}{'floor s':>9}{'vs ref time':>12}{'vs ref mem':>11}{'vs fitting PEFT':>16}  resident"
     )
     for r in rows:
         if "error" in r:
@@ -256,16 +285,27 @@ def main() -> None:
         m_ratio = (
             r["peak_allocated"] / ref["peak_allocated"] if ref and ref["peak_allocated"] else float("nan")
         )
-        res = f"{r['resident_layers']}/{r['layers']}" if "layers" in r else "all"
+        res = f"{r['resident_layers']}/{r['layers']} ({r['whole_layers']} whole)" if "layers" in r else "all"
+        fitting = r.get("vs_best_peft_fitting")
+        fitting = "" if "best_peft_fitting" not in r else "none fits" if fitting is None else f"{fitting:.2f}"
         print(f"{r['mode']:<30}{r['peak_allocated'] / gib:>10.2f}{(r['host_rss_peak'] or 0) / gib:>9.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
-              f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}  {res}")  # fmt: skip
+              f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}{fitting:>16}  {res}")  # fmt: skip
     write(args, bw, rows)
+
+
+def _budget_of(mode: str) -> int | None:
+    """The GPU budget a stream/step mode ran under (None: the smallest footprint)."""
+    parts = mode.split("-")
+    if parts[0] in ("stream", "step") and parts[1].endswith("GiB"):
+        return int(float(parts[1][:-3]) * 2**30)
+    return None
 
 
 def write(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,
+                                          "grad_accum": args.grad_accum,
                                           "warmup": args.warmup, "pinned_bw": bw, "device": device,
                                           "rows": rows}, indent=2))  # fmt: skip
 

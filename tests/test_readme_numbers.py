@@ -84,6 +84,8 @@ NOT_MEASURED = [
     r"batch 1\b",  # benchmark setting
     r"\bseq \d+",  # sequence lengths are settings
     r"evaluation on 4 rows",  # narrows finetune --eval-rows 4 (benchmarks/checkpoints.py)
+    r"(?:B|PEFT), \d+ GiB",  # a budget sweep's budget: "Qwen2.5-7B, 16 GiB |" (mode stream-16GiB)
+    r"the \d+ GiB plan",  # the same budget in prose
 ]
 
 UNITS = r"GiB|MiB|GB/s|GB|tokens/s|ms|s/step|s|%|×|x"

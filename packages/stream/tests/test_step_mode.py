@@ -41,9 +41,9 @@ def _record(params, opt, losses):
 
 
 @functools.cache
-def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G):
+def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu"):
     """Plain sequential accumulation on the resident model: the reference."""
-    model = build(arch, dropout=dropout, base=base)
+    model = build(arch, dropout=dropout, base=base).to(device)
     torch.manual_seed(0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
@@ -51,7 +51,7 @@ def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G):
     losses, grads = [], []
     for step in range(STEPS):
         for batch in _batches(step, g):
-            loss = model(**batch).loss
+            loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             (loss / g).backward()
             losses.append(loss.detach())
         if clip is not None:
@@ -63,11 +63,11 @@ def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G):
     return {**_record(params, opt, losses), "grad": grads}
 
 
-def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, **stream_kwargs):
+def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", **stream_kwargs):
     model = build(arch, dropout=dropout, base=base)
     torch.manual_seed(0)
     stream_kwargs.setdefault("offload", "off")
-    ns.stream(model, device="cpu", **stream_kwargs)
+    ns.stream(model, device=device, **stream_kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
     trainer = ns.StepTrainer(model, opt, grad_accum=g, max_grad_norm=clip, scheduler=_scheduler(opt),
@@ -229,3 +229,29 @@ def test_rng_restore_and_capture_round_trip():
     torch.rand(5)
     rng.restore(state)
     assert torch.equal(rng.capture(torch.device("cpu")).cpu, state.cpu)
+
+
+@pytest.mark.gpu
+def test_block_major_on_cuda_with_dropout_and_offloaded_boundaries():
+    """On the GPU: Philox dropout states predicted by replay, boundaries through pinned
+    host memory on their own streams, deterministic kernels — still bit-identical."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import os
+
+    from narrows.core import deterministic
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic(True)
+    _, stats, got = stepped(dropout=0.05, device="cuda", offload="all")
+    assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+    assert_identical(resident(dropout=0.05, device="cuda"), got)
+
+
+def test_fully_resident_plans_accumulate_sequentially():
+    """With every layer resident nothing crosses the link: the step runs in sequential
+    order, where the planner's whole layers skip their recompute."""
+    model, stats, got = stepped(dropout=0.05, gpu_budget="fit")
+    assert model.narrows_stream.plan.whole
+    assert {s.mode for s in stats} == {"sequential (every layer resident)"}
+    assert_identical(resident(dropout=0.05), got)

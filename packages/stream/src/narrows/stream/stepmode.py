@@ -167,6 +167,9 @@ class StepTrainer:
         sigs = [_signature(b) for b in batches]
         if len(batches) == 1:
             return "sequential (one micro-batch)", self._sequential(batches, sigs)
+        if not self.handle.plan.streamed:
+            # nothing crosses the link: block-major would only give up the whole layers
+            return "sequential (every layer resident)", self._sequential(batches, sigs)
         if any(s in self.unpredictable for s in sigs):
             return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
         if any(s not in self.random_ops for s in sigs) and self._draws_random():
