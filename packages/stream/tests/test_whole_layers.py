@@ -148,3 +148,21 @@ def test_whole_layers_run_once_and_the_others_twice():
     whole = set(model.narrows_stream.plan.whole)
     assert calls == [1 if i in whole else 2 for i in range(N)]
     assert model.narrows_stream.stats.waits <= 1  # the first layer's first load; the rest prefetched
+
+
+def test_disk_tier_layers_and_whole_layers_never_collide():
+    """Disk-tier layers are made resident first; whole layers are the last ones; a layer
+    in both is counted once."""
+    from narrows.stream.plan import make_plan
+
+    model = _model()
+    base = ns.plan(model, "fit", **SHAPE)
+    shapes = api._shapes(anatomy_of(model), 2, 12)
+    seen_whole_disk = False
+    for p in _budgets(model):
+        q = make_plan(base.layer_bytes, fixed_bytes=base.fixed_bytes, shapes=shapes, budget=p.budget,
+                      device="cpu", disk=(1, N - 1))  # fmt: skip
+        assert len(set(q.resident)) == len(q.resident) and set(q.whole) <= set(q.resident)
+        assert q.predicted_peak <= q.budget
+        seen_whole_disk |= N - 1 in q.whole and len(q.resident) < N
+    assert seen_whole_disk

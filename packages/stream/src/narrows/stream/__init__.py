@@ -2,8 +2,12 @@
 
 ``narrows.stream.stream(model, gpu_budget="12GiB")`` parks every decoder layer's frozen
 storage (NF4 quantisation state included) in one host slab per layer and streams it to the
-GPU with prefetch; backward recomputes each layer under its saved RNG state. Training is
+GPU with prefetch; backward recomputes each layer under its saved RNG state (resident
+layers the budget can afford run whole, without the recompute). Training is
 bit-identical (`torch.equal`) to the same model trained fully resident.
+``StepTrainer(model, optimizer, grad_accum=G)`` runs each optimizer step block-major: every
+streamed layer crosses the link once for the forward of all G micro-batches and once for
+their backward, `torch.equal` to sequential accumulation.
 """
 
 from importlib.metadata import version as _version

@@ -73,10 +73,6 @@ class Plan:
     whole: tuple[int, ...] = ()  # resident layers run without recompute, activations saved
 
     @property
-    def recomputed(self) -> tuple[int, ...]:
-        return tuple(i for i in range(len(self.layer_bytes)) if i not in set(self.whole))
-
-    @property
     def streamed(self) -> tuple[int, ...]:
         return tuple(i for i in range(len(self.layer_bytes)) if i not in set(self.resident))
 
@@ -353,14 +349,15 @@ def _most_resident(whole: int, n: int, disk: Sequence[int], fits) -> tuple[int, 
         return tuple(range(n))  # no streamed layer left: no device slabs either
     if not fits(tail):
         return None
+    head_disk = [i for i in disk if i < n - whole]  # disk layers among the ones not whole
     lo, hi = 0, n - whole - 1  # binary search: below all-resident, fits() is monotone
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(_choose(mid, n - whole, disk) + tail):
+        if fits(_choose(mid, n - whole, head_disk) + tail):
             lo = mid
         else:
             hi = mid - 1
-    return _choose(lo, n - whole, disk) + tail
+    return _choose(lo, n - whole, head_disk) + tail
 
 
 # The step-time model that ranks plans (not a prediction the report shows): fitted to the
