@@ -76,7 +76,6 @@ class _Micro:
     states: list[RngState] = field(default_factory=list)  # RNG at each layer's start
     out: Tensor | None = None
     grad: Tensor | None = None  # gradient w.r.t. the boundary being differentiated
-    loss: Tensor | None = None
 
 
 def _signature(batch: dict[str, Any]) -> tuple:
