@@ -161,10 +161,10 @@ def run_one(args: argparse.Namespace) -> dict:
         for batch in batches:
             loss = model(**batch).loss
             (loss / g).backward()
-            total += loss.item() / g
+            total = total + loss.detach() / g  # no device sync per micro-batch
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return total
+        return float(total)
 
     for _ in range(args.warmup):
         step()

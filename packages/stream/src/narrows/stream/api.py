@@ -161,10 +161,11 @@ def _check_head(anat: Anatomy, head: str) -> bool:
     return True
 
 
-def _check_long_context(
+def _check_layer_options(
     offload: str, seq_tile: int | str | None, recompute: str = "auto"
 ) -> int | str | None:
-    """The tile option as the planner takes it; refuses what it cannot be."""
+    """The tile option as the planner takes it; refuses recompute, offload and tile
+    values it cannot take."""
     if recompute not in RECOMPUTE_MODES:
         raise StreamSetupError(f"recompute={recompute!r}: use 'auto' (default: resident layers run without "
                                "recompute while the budget holds their activations) or 'all'")  # fmt: skip
@@ -184,7 +185,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
          recompute: str = "auto") -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything."""
-    tile = _check_long_context(offload, seq_tile, recompute)
+    tile = _check_layer_options(offload, seq_tile, recompute)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
     dev = _resolve_device(device)

@@ -13,7 +13,8 @@ training.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,21 @@ def layer_original(layer: nn.Module) -> Callable[..., Any]:
     not wrapped). Not ``__wrapped__``: transformers' decorators set that to the unbound
     function."""
     return getattr(layer.forward, "narrows_original", layer.forward)
+
+
+@contextmanager
+def replaced_forwards(
+    layers: Sequence[nn.Module], make: Callable[[int], Callable[..., Any]]
+) -> Iterator[None]:
+    """Each layer's forward replaced by ``make(index)`` for the block, put back after."""
+    saved = [layer.forward for layer in layers]
+    for i, layer in enumerate(layers):
+        layer.forward = make(i)
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, saved):
+            layer.forward = forward
 
 
 def streamed_call(call: LayerCall, hidden: Tensor) -> Tensor:

@@ -31,17 +31,8 @@ def replay(state: RngState) -> Iterator[None]:
     """Run the block with the RNG as it was at `capture`, leaving the global RNG untouched."""
     devices = [state.device_index] if state.device_index is not None else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.set_rng_state(state.cpu)
-        if state.cuda is not None:
-            torch.cuda.set_rng_state(state.cuda, state.device_index)
+        restore(state)
         yield
-
-
-def capture_like(state: RngState) -> RngState:
-    """The current state of the generators `state` holds."""
-    if state.device_index is None:
-        return RngState(torch.get_rng_state(), None, None)
-    return RngState(torch.get_rng_state(), torch.cuda.get_rng_state(state.device_index), state.device_index)
 
 
 def restore(state: RngState) -> None:

@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from . import rng
 
-__all__ = ["RandomOps", "record_random_ops", "same_state"]
+__all__ = ["RandomOps", "same_state"]
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,8 @@ class RandomOps(TorchDispatchMode):
         with rng.replay(state):
             for func, args, kwargs in self.ops:
                 func(*tree_map(_make, args), **tree_map(_make, kwargs))
-            return rng.capture_like(state)
-
-
-def record_random_ops() -> RandomOps:
-    return RandomOps()
+            index = state.device_index
+            return rng.capture(torch.device("cpu") if index is None else torch.device("cuda", index))
 
 
 def same_state(a: rng.RngState, b: rng.RngState) -> bool:

@@ -15,7 +15,7 @@ from narrows.core import Anatomy
 from .engine import TransferEngine
 from .errors import SelfCheckError
 from .offload import ActivationOffload
-from .remat import LayerCall, StreamedLayer, layer_original
+from .remat import LayerCall, StreamedLayer, layer_original, replaced_forwards
 from .sideouts import SideOutputs
 
 
@@ -26,23 +26,18 @@ class _Captured(Exception):
 def _capture_layer_inputs(model: nn.Module, anat: Anatomy, device: torch.device) -> tuple[Any, tuple, dict]:
     """The arguments the model passes to its first layer for a short input (the model
     stops there: nothing past the embedding runs)."""
-    layer = anat.layers[0]
-    streamed_forward = layer.forward
     got: dict[str, Any] = {}
 
     def capture(*args: Any, **kwargs: Any) -> None:
         got["args"], got["kwargs"] = args, kwargs
         raise _Captured
 
-    layer.forward = capture
     ids = (torch.arange(8, device=device) * 7 + 3).remainder(anat.config.vocab_size).unsqueeze(0)
     try:
-        with torch.no_grad():
+        with replaced_forwards(anat.layers[:1], lambda i: capture), torch.no_grad():
             model(input_ids=ids)
     except _Captured:
         pass
-    finally:
-        layer.forward = streamed_forward
     if "args" not in got:
         raise SelfCheckError("self-check: the model never called its first decoder layer")
     args, kwargs = got["args"], dict(got["kwargs"])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ from narrows.core import anatomy_of, measure_peaks, trainable_parameters
 
 from .errors import StreamSetupError
 from .offload import ActivationOffload, Offloaded
-from .remat import layer_original
+from .remat import layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
 from .rngplan import RandomOps, same_state
 
@@ -200,11 +201,17 @@ class StepTrainer:
     # ---- sequential order (transparent mode), learning each shape's RNG draws ---------
     def _sequential(self, batches: list[dict[str, Any]], sigs: list[tuple]) -> list[Tensor]:
         losses = []
+        learn = len(batches) > 1 and bool(self.handle.plan.streamed)  # block-major can follow
         for batch, sig in zip(batches, sigs):
-            recorder = RandomOps()
-            with recorder:
+            # the dispatch mode costs host time on every op: only while a shape is learnt
+            recorder = (
+                RandomOps()
+                if learn and sig not in self.random_ops and sig not in self.unpredictable
+                else None
+            )
+            with recorder or nullcontext():
                 loss = self.loss_fn(self.model(**batch), batch) / self.grad_accum
-            if sig not in self.unpredictable:
+            if recorder is not None:
                 self.random_ops[sig] = recorder
             loss.backward()
             losses.append(loss.detach() * self.grad_accum)
@@ -214,9 +221,7 @@ class StepTrainer:
     def _capture(self, micro: _Micro) -> None:
         """Run the model up to its first layer's input and every layer's arguments: the
         layers are skipped (identity) and the forward stops after the last one."""
-        layers = self.anat.layers
-        n = len(layers)
-        saved_forwards = [layer.forward for layer in layers]
+        n = self.anat.num_layers
         prev: list[Tensor | None] = [None]
 
         def capture(index: int) -> Callable[..., Any]:
@@ -240,16 +245,11 @@ class StepTrainer:
 
             return forward
 
-        for i, layer in enumerate(layers):
-            layer.forward = capture(i)
         try:
-            with torch.no_grad():
+            with replaced_forwards(self.anat.layers, capture), torch.no_grad():
                 self.model(**micro.batch)
         except _Captured:
             pass
-        finally:
-            for layer, f in zip(layers, saved_forwards):
-                layer.forward = f
         if len(micro.args) != n:
             raise StreamSetupError("step mode: the model did not call every decoder layer once in order")
 
@@ -257,9 +257,7 @@ class StepTrainer:
         """The model's forward again, every layer replaced by its computed output: the
         final norm, the head and the loss run as in resident training, from the RNG state
         the last layer left."""
-        layers = self.anat.layers
-        n = len(layers)
-        saved_forwards = [layer.forward for layer in layers]
+        n = self.anat.num_layers
         leaf = micro.out.detach().requires_grad_(True)
 
         def replaced(index: int) -> Callable[..., Any]:
@@ -271,13 +269,8 @@ class StepTrainer:
 
             return forward
 
-        for i, layer in enumerate(layers):
-            layer.forward = replaced(i)
-        try:
+        with replaced_forwards(self.anat.layers, replaced):
             loss = self.loss_fn(self.model(**micro.batch), micro.batch)
-        finally:
-            for layer, f in zip(layers, saved_forwards):
-                layer.forward = f
         (loss / self.grad_accum).backward()
         micro.grad = leaf.grad
         micro.out = None
@@ -325,13 +318,11 @@ class StepTrainer:
             ends.append(capture(self.device))
 
         # backward: layer by layer from the last, micro-batches in order within each
-        order = [(i, k) for i in reversed(range(n)) for k in range(len(micros))]
-        nxt = 0
         for i in reversed(range(n)):
             fn, params = layer_original(layers[i]), self.layer_params[i]
             with self.engine.using(i, then=i - 1):
                 for k, micro in enumerate(micros):
-                    nxt = self._prefetch_inputs(micros, order, nxt, (i, k))
+                    self._prefetch_next_input(micros, i, k)
                     x = self._load_input(micro, i)
                     with replay(micro.states[i]), torch.enable_grad():
                         h = x.detach().requires_grad_(needs[i])
@@ -350,13 +341,10 @@ class StepTrainer:
                             p.grad += g
         return ends, losses
 
-    def _prefetch_inputs(self, micros: list[_Micro], order: list[tuple[int, int]], nxt: int,
-                         now: tuple[int, int]) -> int:  # fmt: skip
-        """Start bringing back the saved input after `now` in backward order (one ahead)."""
-        pos = order.index(now, nxt)
-        if pos + 1 < len(order):
-            i, k = order[pos + 1]
-            x = micros[k].saved[i]
-            if isinstance(x, Offloaded) and x.fetched is None:
-                self.offload.start_fetch(x)
-        return pos
+    def _prefetch_next_input(self, micros: list[_Micro], i: int, k: int) -> None:
+        """Start bringing back the saved input the backward needs after layer `i` of
+        micro-batch `k`: the next micro-batch's, or the first one's of layer i-1."""
+        i, k = (i, k + 1) if k + 1 < len(micros) else (i - 1, 0)
+        x = micros[k].saved[i] if i >= 0 else None
+        if isinstance(x, Offloaded) and x.fetched is None:
+            self.offload.start_fetch(x)
