@@ -33,6 +33,7 @@ from narrows.core import deterministic as set_deterministic
 
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
+from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
 from .plan import OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Shapes, make_plan
@@ -58,6 +59,7 @@ class StreamHandle:
     host_embedding: bool  # embedding rows are gathered on the host
     head: StreamedHead | None = None  # set when the LM head is streamed in vocabulary chunks
     offload: ActivationOffload | None = None  # saved layer inputs in host memory
+    graphs: LayerGraphs | None = None  # CUDA graphs of the layers narrows runs
 
     @property
     def stats(self):
@@ -83,6 +85,8 @@ class StreamHandle:
             "whole_layers": len(self.plan.whole),
             "head_streamed": self.head is not None,
             **self.stats.as_dict(),
+            "graphs": self.graphs.stats.as_dict() if self.graphs is not None else None,
+            "graph_pool_bytes": self.graphs.pool_bytes() if self.graphs is not None else 0,
         }
 
 
@@ -290,8 +294,8 @@ def _check_args(index: int, args: tuple, kwargs: dict) -> None:
     walk(kwargs)
 
 
-def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine,
-                   offload: ActivationOffload) -> Callable[..., Any]:  # fmt: skip
+def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload: ActivationOffload,
+                   graphs: LayerGraphs | None = None) -> Callable[..., Any]:  # fmt: skip
     original = layer.forward
     params = tuple(p for p in layer.parameters() if p.requires_grad)
     side = SideOutputs(layer, index)
@@ -304,7 +308,8 @@ def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine,
         if torch.is_grad_enabled() and kwargs.get("past_key_values") is not None:
             kwargs["past_key_values"] = None  # a cache would be written twice by the recompute
         _check_args(index, args, kwargs)
-        return streamed_call(LayerCall(index, original, args, kwargs, engine, params, side, offload), hidden)
+        call = LayerCall(index, original, args, kwargs, engine, params, side, offload, graphs=graphs)
+        return streamed_call(call, hidden)
 
     forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]
     return forward
@@ -326,6 +331,7 @@ def stream(
     offload: str = "auto",
     seq_tile: int | str | None = None,
     recompute: str = "auto",
+    graphs: bool | str = "auto",
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -356,11 +362,21 @@ def stream(
     summation order. `recompute`: "auto" (default) runs resident layers *whole* — as
     resident training runs them, activations saved, no recompute — while the budget holds
     their activations (with every layer whole, a step is plain PEFT training without
-    checkpointing); "all" recomputes every layer in backward.
+    checkpointing); "all" recomputes every layer in backward. `graphs`: "auto" (default)
+    replays each layer narrows runs itself (streamed or recomputed) as CUDA graphs — its
+    forward, and its recompute with its backward — the same kernels on the same inputs, so
+    still bit-identical, without the host's per-kernel cost; a layer that cannot be
+    captured runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why).
+    False runs every layer eagerly. On a CPU there are no graphs (True runs the same
+    buffer path eagerly, for tests).
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
         raise StreamSetupError("this model is already streamed")
+    if graphs not in (True, False, "auto"):
+        raise StreamSetupError(
+            f"graphs={graphs!r}: use 'auto' (default: CUDA graphs on a GPU), True or False"
+        )
     if deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")
@@ -406,9 +422,11 @@ def stream(
                             reader=reader)  # fmt: skip
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
+    use_graphs = graphs is True or (graphs == "auto" and dev.type == "cuda")
+    layer_graphs = LayerGraphs(dev) if use_graphs else None
     for i, layer in enumerate(anat.layers):
         if i not in the_plan.whole:  # a whole layer runs untouched, as in resident training
-            layer.forward = _layer_forward(i, layer, engine, acts)
+            layer.forward = _layer_forward(i, layer, engine, acts, layer_graphs)
 
     streamed_head = None
     if stream_head:
@@ -430,7 +448,8 @@ def stream(
 
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
-        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts)
+        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
+                                        layer_graphs)  # fmt: skip
     if check and not inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

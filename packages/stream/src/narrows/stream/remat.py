@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from . import rng
 from .engine import TransferEngine
+from .graphs import LayerGraphs
 from .offload import ActivationOffload
 from .sideouts import SideOutputs
 
@@ -40,16 +41,21 @@ class LayerCall:
     side: SideOutputs
     offload: ActivationOffload | None = None
     state: rng.RngState | None = None
+    graphs: LayerGraphs | None = None  # CUDA graphs for the forward and the recompute
+
+    def run(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        """The layer's own forward, refusing anything but one hidden-states tensor."""
+        out = self.fn(hidden, *args, **kwargs)
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"narrows.stream expects a decoder layer to return its hidden states as one tensor "
+                f"(transformers 5.x layers do); layer {self.index} returned {type(out).__name__}"
+            )
+        return out
 
 
 def _run(call: LayerCall, hidden: Tensor) -> Tensor:
-    out = call.fn(hidden, *call.args, **call.kwargs)
-    if not isinstance(out, Tensor):
-        raise TypeError(
-            f"narrows.stream expects a decoder layer to return its hidden states as one tensor "
-            f"(transformers 5.x layers do); layer {call.index} returned {type(out).__name__}"
-        )
-    return out
+    return call.run(hidden, *call.args, **call.kwargs)
 
 
 class StreamedLayer(torch.autograd.Function):
@@ -66,7 +72,10 @@ class StreamedLayer(torch.autograd.Function):
         with call.engine.using(call.index, then=call.index + 1), torch.enable_grad(), \
                 call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
-            out = _run(call, h).detach()
+            if call.graphs is not None:
+                out = call.graphs.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs)
+            else:
+                out = _run(call, h).detach()
         side = call.side.take_stand_ins()
         ctx.call, ctx.n_side, ctx.offloaded = call, len(side), saved
         ctx.save_for_backward(hidden if saved is None else None)
@@ -86,6 +95,12 @@ class StreamedLayer(torch.autograd.Function):
             if call.offload is not None:
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)
+            params = [p for p, n in zip(call.params, need_p) if n]
+            if call.graphs is not None and ctx.n_side == 0 and grad_out is not None:
+                grads = call.graphs.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
+                                             grad_out, params)  # fmt: skip
+                grad_h = grads.pop(0) if need_h else None
+                return (None, grad_h, *[grads.pop(0) if n else None for n in need_p])
             out = _run(call, h)
             side = call.side.originals
             if len(side) != ctx.n_side:

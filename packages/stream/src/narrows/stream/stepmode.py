@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from narrows.core import anatomy_of, measure_peaks, trainable_parameters
 
 from .errors import StreamSetupError
+from .graphs import eager_backward, eager_forward
 from .offload import ActivationOffload, Offloaded
 from .remat import layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
@@ -209,7 +210,8 @@ class StepTrainer:
                 if learn and sig not in self.random_ops and sig not in self.unpredictable
                 else None
             )
-            with recorder or nullcontext():
+            graphs = self.handle.graphs if recorder is not None else None
+            with recorder or nullcontext(), graphs.paused() if graphs is not None else nullcontext():
                 loss = self.loss_fn(self.model(**batch), batch) / self.grad_accum
             if recorder is not None:
                 self.random_ops[sig] = recorder
@@ -303,7 +305,7 @@ class StepTrainer:
                     restore(micro.states[i])
                     x = micro.saved[i]
                     h = x.detach().requires_grad_(needs[i])
-                    out = fn(h, *micro.args[i], **micro.kwargs[i]).detach()
+                    out = self._forward(i, fn, h, micro)
                     micro.states.append(capture(self.device))
                     micro.saved[i] = self.offload.save(i, x) or x
                     if i + 1 < n:
@@ -324,13 +326,9 @@ class StepTrainer:
                 for k, micro in enumerate(micros):
                     self._prefetch_next_input(micros, i, k)
                     x = self._load_input(micro, i)
-                    with replay(micro.states[i]), torch.enable_grad():
+                    with replay(micro.states[i]):
                         h = x.detach().requires_grad_(needs[i])
-                        out = fn(h, *micro.args[i], **micro.kwargs[i])
-                        wrt = ([h] if needs[i] else []) + list(params)
-                        grads = (
-                            list(torch.autograd.grad(out, wrt, micro.grad, allow_unused=True)) if wrt else []
-                        )
+                        grads = self._backward(i, fn, h, micro, params)
                     micro.grad = grads.pop(0) if needs[i] else None
                     for p, g in zip(params, grads):
                         if g is None:
@@ -340,6 +338,19 @@ class StepTrainer:
                         else:
                             p.grad += g
         return ends, losses
+
+    def _forward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro) -> Tensor:
+        graphs, args, kwargs = self.handle.graphs, micro.args[i], micro.kwargs[i]
+        if graphs is None:
+            return eager_forward(fn, h, args, kwargs)
+        return graphs.forward(i, self.anat.layers[i], fn, h, args, kwargs)
+
+    def _backward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro,
+                  params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
+        graphs, args, kwargs = self.handle.graphs, micro.args[i], micro.kwargs[i]
+        if graphs is None:
+            return eager_backward(fn, h, args, kwargs, micro.grad, params)
+        return graphs.backward(i, self.anat.layers[i], fn, h, args, kwargs, micro.grad, params)
 
     def _prefetch_next_input(self, micros: list[_Micro], i: int, k: int) -> None:
         """Start bringing back the saved input the backward needs after layer `i` of

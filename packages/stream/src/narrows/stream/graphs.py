@@ -1,0 +1,301 @@
+"""CUDA graphs for the layers narrows runs itself: a streamed or recomputed layer's
+forward, and its recompute-and-differentiate in backward, each replayed as one graph.
+
+Why: at a few hundred tokens per micro-batch a QLoRA layer is bound by the host — Python,
+dispatch and one launch per kernel — not by the GPU (the H100 sat idle two thirds of a
+7B step). A graph replays the same kernels with one launch.
+
+Why it stays exact: a replay runs the kernels the eager run chose, on the same inputs;
+dropout inside a graph draws from the generator's (seed, offset) read at replay, so the
+RNG state the caller restores (`rng.replay`) gives the masks eager would have drawn.
+Results are cloned out of the graph's buffers before autograd sees them (accumulation
+would otherwise keep a gradient that the next replay overwrites).
+
+Memory: every tensor a capture creates is freed when the capture ends, except what it
+writes into buffers allocated outside the graphs' shared pool (inputs, outputs,
+gradients — one set per signature, shared by all layers). So the pool holds only scratch,
+which any replay may overwrite: graphs run one at a time on one stream and nothing lives
+in the pool between replays. The pool is sized by the largest single capture (one
+layer's forward-and-backward working set), the memory the eager recompute needed anyway.
+
+A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
+may land in any device slab), by what is differentiated, and by the shapes, dtypes and
+strides of its tensor arguments and the values of the others. A layer that cannot be
+captured (forward hooks, a host sync in its forward, an argument that is not a tensor or
+a plain value) runs eagerly, with the reason kept in `refused`.
+
+On a CPU there are no graphs; `LayerGraphs(emulate=True)` runs the same static-buffer
+path with the body called again in place of a replay, so CPU tests cover the plumbing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("narrows.stream")
+
+__all__ = ["GraphStats", "LayerGraphs", "eager_backward", "eager_forward"]
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def eager_forward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
+    """The layer's forward as resident training runs it (grad on: the same kernels)."""
+    with torch.enable_grad():
+        out = fn(hidden, *args, **kwargs)
+    if not isinstance(out, Tensor):
+        raise TypeError(
+            "narrows.stream expects a decoder layer to return its hidden states as one tensor "
+            f"(transformers 5.x layers do); got {type(out).__name__}"
+        )
+    return out.detach()
+
+
+def eager_backward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict, grad_out: Tensor,
+                   params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
+    """Recompute the layer and differentiate it: gradients of `hidden` (when it requires
+    grad) and of `params`, in that order."""
+    with torch.enable_grad():
+        out = fn(hidden, *args, **kwargs)
+        wrt = ([hidden] if hidden.requires_grad else []) + list(params)
+        return list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True)) if wrt else []
+
+
+@dataclass
+class GraphStats:
+    captured: int = 0  # graphs captured
+    replays: int = 0
+    eager: int = 0  # layer runs that could not use a graph
+    refused: dict[int, str] = field(default_factory=dict)  # layer → why it runs eagerly
+
+    def as_dict(self) -> dict[str, object]:
+        return {"captured": self.captured, "replays": self.replays, "eager": self.eager,
+                "refused": {str(k): v for k, v in self.refused.items()}}  # fmt: skip
+
+
+@dataclass
+class _Graph:
+    replay: Callable[[], None]
+    ins: list[Tensor]  # static buffers the live tensors are copied into, in leaf order
+    outs: list[Tensor | None]  # static results (None: a gradient that does not exist)
+
+
+def _take(result: Tensor | None) -> Tensor | None:
+    """A result out of its graph buffer: the next replay overwrites the buffer."""
+    return None if result is None else result.clone()
+
+
+_fork = torch.random.fork_rng  # the warm-up and capture leave the global RNG where it was
+
+
+def _hooked(layer: nn.Module) -> bool:
+    from torch.nn.modules import module as m
+
+    if m._global_forward_hooks or m._global_forward_pre_hooks:
+        return True
+    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in layer.modules())
+
+
+class LayerGraphs:
+    """Captures and replays one graph per layer call signature (see the module doc)."""
+
+    def __init__(self, device: torch.device, *, emulate: bool = False):
+        self.device = device
+        self.emulate = emulate or device.type != "cuda"
+        self.stats = GraphStats()
+        self._graphs: dict[tuple, _Graph] = {}
+        self._buffers: dict[tuple, Tensor] = {}
+        self._paused = False
+        if not self.emulate:
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Every layer eager for the block: a dispatch mode that records ops (step mode
+        learning a shape's random draws) sees nothing of a replay."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    # ---- what the layers call ---------------------------------------------------------
+    def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
+                kwargs: dict) -> Tensor:  # fmt: skip
+        """`eager_forward`, through a graph when the layer can be captured."""
+        leaves = [hidden, *pytree.tree_leaves((args, kwargs))]
+        key = self._key("fwd", index, layer, leaves, args, kwargs, hidden.requires_grad)
+        if key is None:
+            return eager_forward(fn, hidden, args, kwargs)
+
+        def body(ins: list[Tensor]) -> list[Tensor | None]:
+            h, a, k = self._rebuild(ins, args, kwargs, hidden.requires_grad)
+            return [eager_forward(fn, h, a, k)]
+
+        return self._run(key, index, body, leaves)[0]
+
+    def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
+                 kwargs: dict, grad_out: Tensor, params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
+        """`eager_backward`, through a graph when the layer can be captured."""
+        leaves = [hidden, *pytree.tree_leaves((args, kwargs)), grad_out]
+        extra = (hidden.requires_grad, tuple(id(p) for p in params))
+        key = None if grad_out is None else self._key("bwd", index, layer, leaves, args, kwargs, extra)
+        if key is None:
+            return eager_backward(fn, hidden, args, kwargs, grad_out, params)
+
+        def body(ins: list[Tensor]) -> list[Tensor | None]:
+            h, a, k = self._rebuild(ins[:-1], args, kwargs, hidden.requires_grad)
+            return eager_backward(fn, h, a, k, ins[-1], params)
+
+        return self._run(key, index, body, leaves)
+
+    # ---- capture and replay -----------------------------------------------------------
+    @staticmethod
+    def _rebuild(
+        ins: list[Tensor], args: tuple, kwargs: dict, requires_grad: bool
+    ) -> tuple[Tensor, tuple, dict]:
+        """The call's arguments with every tensor replaced by its static buffer."""
+        rest = iter(ins[1:])
+        a, k = pytree.tree_map(lambda x: next(rest) if isinstance(x, Tensor) else x, (args, kwargs))
+        return ins[0].detach().requires_grad_(requires_grad), a, k
+
+    def _key(self, kind: str, index: int, layer: nn.Module, leaves: list[Any], args: tuple, kwargs: dict,
+             extra: object) -> tuple | None:  # fmt: skip
+        if self._paused:
+            return None
+        if index in self.stats.refused:
+            self.stats.eager += 1
+            return None
+        why = None
+        if _hooked(layer):
+            why = "forward hooks inside the layer (a replay would not call them)"
+        sig = []
+        for x in leaves:
+            if isinstance(x, Tensor):
+                if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+                    why = why or "an argument whose elements overlap in memory (an expanded tensor)"
+                sig.append((tuple(x.shape), x.stride(), x.dtype, x.device))
+            elif isinstance(x, _PLAIN):
+                sig.append((type(x), x))
+            else:
+                why = (
+                    why
+                    or f"an argument of type {type(x).__name__} (only tensors and plain values are captured)"
+                )
+        if why is not None:
+            self._refuse(index, why)
+            self.stats.eager += 1
+            return None
+        spec = pytree.tree_structure((args, kwargs))
+        first = next((p for p in layer.parameters() if not p.requires_grad), None)
+        where = first.data_ptr() if first is not None else 0
+        return (kind, index, where, extra, str(spec), tuple(sig))
+
+    def _refuse(self, index: int, why: str) -> None:
+        if index not in self.stats.refused:
+            log.warning("narrows.stream: layer %d runs without CUDA graphs: %s", index, why)
+        self.stats.refused[index] = why
+
+    def _run(self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]],
+             leaves: list[Any]) -> list[Tensor | None]:  # fmt: skip
+        live = [x for x in leaves if isinstance(x, Tensor)]
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, index, body, live)
+            if graph is None:
+                self.stats.eager += 1
+                return body(live)
+        for buf, x in zip(graph.ins, live):
+            if buf.data_ptr() != x.data_ptr():
+                buf.copy_(x)
+        graph.replay()
+        self.stats.replays += 1
+        return [_take(o) for o in graph.outs]
+
+    def _static_ins(self, live: list[Tensor]) -> list[Tensor]:
+        """One buffer per (position, layout), shared by every graph: replays are serial."""
+        ins = []
+        for j, x in enumerate(live):
+            k = ("in", j, tuple(x.shape), x.stride(), x.dtype)
+            if k not in self._buffers:
+                self._buffers[k] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            ins.append(self._buffers[k])
+        return ins
+
+    def _static_outs(self, results: list[Tensor | None]) -> list[Tensor | None]:
+        outs = []
+        for j, r in enumerate(results):
+            if r is None:
+                outs.append(None)
+                continue
+            k = ("out", j, tuple(r.shape), r.stride(), r.dtype)
+            if k not in self._buffers:
+                self._buffers[k] = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=r.device)
+            outs.append(self._buffers[k])
+        return outs
+
+    def _capture(self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]],
+                 live: list[Tensor]) -> _Graph | None:  # fmt: skip
+        ins = self._static_ins(live)
+        # the warm-up and the capture draw random numbers too: the global RNG must not move
+        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
+            if not self.emulate else []  # fmt: skip
+        with _fork(devices=devices, device_type="cuda"):
+            if self.emulate:
+                for buf, x in zip(ins, live):
+                    buf.copy_(x)
+                outs = self._static_outs(body(ins))
+
+                def replay() -> None:
+                    for o, r in zip(outs, body(ins)):
+                        if o is not None:
+                            o.copy_(r)
+
+                graph = _Graph(replay, ins, outs)
+            else:
+                graph = self._cuda_capture(index, body, live, ins)
+        if graph is not None:
+            self._graphs[key] = graph
+            self.stats.captured += 1
+        return graph
+
+    def _cuda_capture(self, index: int, body: Callable[[list[Tensor]], list[Tensor | None]], live: list[Tensor],
+                      ins: list[Tensor]) -> _Graph | None:  # fmt: skip
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.stream(self.stream):
+                for buf, x in zip(ins, live):
+                    buf.copy_(x)
+                outs = self._static_outs(body(ins))  # warm-up: lazy initialisation stays out of the graph
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(
+                    g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                ):
+                    for o, r in zip(outs, body(ins)):
+                        if o is not None:
+                            o.copy_(r)
+        except Exception as e:  # a host sync, an op graphs cannot hold: run this layer eagerly
+            torch.cuda.synchronize(self.device)
+            self._refuse(index, f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            return None
+        finally:
+            current.wait_stream(self.stream)
+        return _Graph(g.replay, ins, outs)
+
+    def pool_bytes(self) -> int:
+        """Device memory the graphs' shared scratch pool holds (0 when emulated)."""
+        if self.emulate:
+            return 0
+        pool = tuple(self.pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", ())) == pool)  # fmt: skip

@@ -1,0 +1,126 @@
+"""CUDA graphs for the layers narrows runs (`graphs=`): on a CPU the same static-buffer
+path runs with the body called again in place of a replay, so these tests cover the
+plumbing — keys, buffers, results taken out of them, the RNG left untouched by capture —
+and the GPU test covers real graphs. Each gate has a fault-injected twin."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import assert_identical, build, train
+
+import narrows.stream as ns
+from narrows.stream import graphs
+from narrows.stream.errors import StreamSetupError
+
+N = 4
+
+
+def _model(base="float", dropout=0.05):
+    return build(num_hidden_layers=N, dropout=dropout, base=base)
+
+
+@functools.cache
+def _resident(base="float", dropout=0.05, steps=2):
+    return train(_model(base, dropout), steps=steps, grad_accum=2)
+
+
+def _graphed(base="float", dropout=0.05, steps=2, **kw):
+    model = _model(base, dropout)
+    kw.setdefault("gpu_budget", None)
+    record = train(model, steps=steps, grad_accum=2, stream_kwargs={"graphs": True, **kw})
+    return model, record
+
+
+@pytest.mark.parametrize("base", ["float", "nf4"])
+def test_graphed_layers_train_identically_to_resident(base):
+    """Every streamed layer's forward and recompute-backward go through graph buffers;
+    losses, gradients, weights and AdamW state are `torch.equal` to resident training."""
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    model, got = _graphed(base)
+    assert_identical(_resident(base), got)
+    stats = model.narrows_stream.graphs.stats
+    assert stats.captured > 0 and stats.replays > 0 and not stats.refused and stats.eager == 0
+    # one graph per (layer, device slab, kind, signature): a third step captures nothing new
+    more, _ = _graphed(base, steps=3)
+    assert more.narrows_stream.graphs.stats.captured == stats.captured
+
+
+def test_results_left_in_graph_buffers_break_parity(monkeypatch):
+    """Fault injection: without taking results out of the shared buffers, the next
+    layer's replay overwrites the input a layer saved for its backward."""
+    monkeypatch.setattr(graphs, "_take", lambda result: result)
+    with pytest.raises((AssertionError, RuntimeError)):  # autograd may notice the overwrite itself
+        _, got = _graphed(offload="off")  # saved inputs stay where the layers left them
+        assert_identical(_resident(), got)
+
+
+def test_capture_draws_no_random_numbers_from_the_run(monkeypatch):
+    """Fault injection: a warm-up that is not forked moves the generator, so dropout
+    masks after it differ from resident training."""
+    import contextlib
+
+    monkeypatch.setattr(graphs, "_fork", lambda **kw: contextlib.nullcontext())
+    _, got = _graphed()
+    with pytest.raises(AssertionError):
+        assert_identical(_resident(), got)
+
+
+def test_a_hooked_layer_runs_eagerly_and_still_identically():
+    """A replay would not call Python hooks: a layer with one runs eagerly, says why."""
+    model = _model()
+    seen = []
+    model.base_model.model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: seen.append(1))
+    got = train(model, steps=2, grad_accum=2, stream_kwargs={"graphs": True, "gpu_budget": None})
+    assert_identical(_resident(), got)
+    stats = model.narrows_stream.graphs.stats
+    assert "hooks" in stats.refused[1] and set(stats.refused) == {1}
+    assert len(seen) == 4  # once per micro-batch forward: the hook saw every call
+    assert model.narrows_stream.report()["graphs"]["refused"] == {"1": stats.refused[1]}
+
+
+def test_step_mode_through_graphs_is_identical():
+    """Block-major accumulation runs each (layer, micro-batch) through the graphs too."""
+    from test_step_mode import resident, stepped
+
+    model, stats, got = stepped(dropout=0.05, graphs=True, gpu_budget=None)
+    assert [s.mode for s in stats[1:]] == ["block-major"] * (len(stats) - 1)
+    assert_identical(resident(dropout=0.05), got)
+    assert model.narrows_stream.graphs.stats.replays > 0
+
+
+def test_bad_graphs_option_is_refused():
+    with pytest.raises(StreamSetupError, match="graphs="):
+        ns.stream(_model(), device="cpu", graphs="yes")
+
+
+def test_no_graphs_on_cpu_by_default():
+    model = _model()
+    ns.stream(model, device="cpu", gpu_budget=None)
+    assert model.narrows_stream.graphs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("base", ["float", "nf4"])
+def test_cuda_graphs_are_identical_to_resident_eager(base):
+    """Real CUDA graphs (the default on a GPU), dropout drawn inside them: `torch.equal` to
+    resident eager training on the same GPU with deterministic kernels. A layer whose
+    forward syncs with the host cannot be captured and runs eagerly, still identical."""
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from narrows.core import deterministic
+
+    deterministic(True)
+    ref = train(_model(base).to("cuda"), steps=2, grad_accum=2, device="cuda")
+    model = _model(base)
+    mlp = model.base_model.model.model.layers[2].mlp
+    plain = mlp.forward
+    mlp.forward = lambda x: plain(x) + 0 * float(x.sum().item() == 0)  # a host sync: not capturable
+    got = train(model, steps=2, grad_accum=2, device="cuda", stream_kwargs={"gpu_budget": None})
+    assert_identical(ref, got)
+    stats = model.narrows_stream.graphs.stats
+    assert stats.replays > 0 and set(stats.refused) == {2} and "capture failed" in stats.refused[2]
