@@ -276,18 +276,33 @@ class LayerGraphs:
             with torch.cuda.stream(self.stream):
                 for buf, x in zip(ins, live):
                     buf.copy_(x)
-                outs = self._static_outs(body(ins))  # warm-up: lazy initialisation stays out of the graph
+                # warm-up: lazy initialisation stays out of the graph, and a forward that
+                # waits for the host (which no graph can hold) shows itself here
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    outs = self._static_outs(body(ins))
+                except RuntimeError as e:
+                    if "synchroniz" not in str(e):
+                        raise
+                    self._refuse(index, "its forward waits for the host (a graph cannot hold a sync)")
+                    return None
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(
-                    g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-                ):
-                    for o, r in zip(outs, body(ins)):
-                        if o is not None:
-                            o.copy_(r)
-        except Exception as e:  # a host sync, an op graphs cannot hold: run this layer eagerly
-            torch.cuda.synchronize(self.device)
-            self._refuse(index, f"capture failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-            return None
+                try:
+                    with torch.cuda.graph(
+                        g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                    ):
+                        for o, r in zip(outs, body(ins)):
+                            if o is not None:
+                                o.copy_(r)
+                except Exception as e:
+                    # a failed capture leaves the CUDA generator and the pool unusable: stop here
+                    raise RuntimeError(
+                        f"narrows.stream: capturing layer {index} as a CUDA graph failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}). Stream with graphs=False to run every layer eagerly."
+                    ) from e
         finally:
             current.wait_stream(self.stream)
         return _Graph(g.replay, ins, outs)
