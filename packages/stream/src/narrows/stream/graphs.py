@@ -96,6 +96,24 @@ def _take(result: Tensor | None) -> Tensor | None:
 _fork = torch.random.fork_rng  # the warm-up and capture leave the global RNG where it was
 
 
+@contextmanager
+def _swapped(layer: nn.Module, params: Sequence[Tensor], aliases: Sequence[Tensor]) -> Iterator[None]:
+    """`layer`'s parameters `params` replaced by `aliases` for the block."""
+    by_id = {id(p): a for p, a in zip(params, aliases)}
+    saved = []
+    for module in layer.modules():
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in by_id:
+                saved.append((module, name, p))
+    try:
+        for module, name, p in saved:
+            module._parameters[name] = by_id[id(p)]
+        yield
+    finally:
+        for module, name, p in saved:
+            module._parameters[name] = p
+
+
 def _hooked(layer: nn.Module) -> bool:
     from torch.nn.modules import module as m
 
@@ -154,7 +172,11 @@ class LayerGraphs:
 
         def body(ins: list[Tensor]) -> list[Tensor | None]:
             h, a, k = self._rebuild(ins[:-1], args, kwargs, hidden.requires_grad)
-            return eager_backward(fn, h, a, k, ins[-1], params)
+            # fresh leaves over the parameters' storage: the parameters' own gradient
+            # accumulators belong to the outer graph's stream, which a capture cannot touch
+            aliases = [p.detach().requires_grad_() for p in params]
+            with _swapped(layer, params, aliases):
+                return eager_backward(fn, h, a, k, ins[-1], aliases)
 
         return self._run(key, index, body, leaves)
 
