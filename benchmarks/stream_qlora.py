@@ -11,7 +11,7 @@ that budget), either with "-head" (LM head streamed in vocabulary chunks too) an
 "-lmhead" (narrows.lmhead's masked, chunked exact loss: no full logits), "-tile" (the
 planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
 inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, none kept
-whole: recompute="all") or "-eager" (no CUDA graphs: graphs=False), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
+whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
 checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
@@ -135,7 +135,7 @@ def run_one(args: argparse.Namespace) -> dict:
         ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
                   recompute="all" if "recompute" in parts else "auto",
-                  graphs=False if "eager" in parts else "auto")  # fmt: skip
+                  graphs="graphs" in parts)  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     else:

@@ -331,7 +331,7 @@ def stream(
     offload: str = "auto",
     seq_tile: int | str | None = None,
     recompute: str = "auto",
-    graphs: bool | str = "auto",
+    graphs: bool = False,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -362,21 +362,19 @@ def stream(
     summation order. `recompute`: "auto" (default) runs resident layers *whole* — as
     resident training runs them, activations saved, no recompute — while the budget holds
     their activations (with every layer whole, a step is plain PEFT training without
-    checkpointing); "all" recomputes every layer in backward. `graphs`: "auto" (default)
-    replays each layer narrows runs itself (streamed or recomputed) as CUDA graphs — its
-    forward, and its recompute with its backward — the same kernels on the same inputs, so
-    still bit-identical, without the host's per-kernel cost; a layer that cannot be
-    captured runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why).
-    False runs every layer eagerly. On a CPU there are no graphs (True runs the same
-    buffer path eagerly, for tests).
+    checkpointing); "all" recomputes every layer in backward. `graphs=True` replays each
+    layer narrows runs itself (streamed or recomputed) as CUDA graphs — its forward, and
+    its recompute with its backward — the same kernels on the same inputs, so still
+    bit-identical, without the host's per-kernel cost; a layer whose forward waits for
+    the host runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why). Off by
+    default: the planner does not yet count the device memory graphs add. On a CPU
+    there are no graphs (True runs the same buffer path eagerly, for tests).
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
         raise StreamSetupError("this model is already streamed")
-    if graphs not in (True, False, "auto"):
-        raise StreamSetupError(
-            f"graphs={graphs!r}: use 'auto' (default: CUDA graphs on a GPU), True or False"
-        )
+    if not isinstance(graphs, bool):
+        raise StreamSetupError(f"graphs={graphs!r}: use True (CUDA graphs) or False (default: eager layers)")
     if deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")
@@ -422,8 +420,7 @@ def stream(
                             reader=reader)  # fmt: skip
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
-    use_graphs = graphs is True or (graphs == "auto" and dev.type == "cuda")
-    layer_graphs = LayerGraphs(dev) if use_graphs else None
+    layer_graphs = LayerGraphs(dev) if graphs else None
     for i, layer in enumerate(anat.layers):
         if i not in the_plan.whole:  # a whole layer runs untouched, as in resident training
             layer.forward = _layer_forward(i, layer, engine, acts, layer_graphs)
