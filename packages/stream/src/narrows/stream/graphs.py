@@ -93,6 +93,13 @@ class _Graph:
     outs: list[Tensor | None]  # static results (None: a gradient that does not exist)
 
 
+def _fill(buffers: Sequence[Tensor | None], values: Sequence[Tensor | None]) -> None:
+    """Copy each value into its static buffer (a missing gradient has neither)."""
+    for buf, value in zip(buffers, values):
+        if buf is not None and buf.data_ptr() != value.data_ptr():
+            buf.copy_(value)
+
+
 def _take(result: Tensor | None) -> Tensor | None:
     """A result out of its graph buffer: the next replay overwrites the buffer."""
     return None if result is None else result.clone()
@@ -241,53 +248,33 @@ class LayerGraphs:
             if graph is None:
                 self.stats.eager += 1
                 return body(live)
-        for buf, x in zip(graph.ins, live):
-            if buf.data_ptr() != x.data_ptr():
-                buf.copy_(x)
+        _fill(graph.ins, live)
         graph.replay()
         self.stats.replays += 1
         return [_take(o) for o in graph.outs]
 
-    def _static_ins(self, live: list[Tensor]) -> list[Tensor]:
-        """One buffer per (position, layout), shared by every graph: replays are serial."""
-        ins = []
-        for j, x in enumerate(live):
-            k = ("in", j, tuple(x.shape), x.stride(), x.dtype)
-            if k not in self._buffers:
+    def _static(self, role: str, tensors: list[Tensor | None]) -> list[Tensor | None]:
+        """One buffer per (role, position, layout), shared by every graph: replays are
+        serial. None (a gradient that does not exist) stays None."""
+        bufs: list[Tensor | None] = []
+        for j, x in enumerate(tensors):
+            k = (role, j, tuple(x.shape), x.stride(), x.dtype) if x is not None else None
+            if k is not None and k not in self._buffers:
                 self._buffers[k] = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-            ins.append(self._buffers[k])
-        return ins
-
-    def _static_outs(self, results: list[Tensor | None]) -> list[Tensor | None]:
-        outs = []
-        for j, r in enumerate(results):
-            if r is None:
-                outs.append(None)
-                continue
-            k = ("out", j, tuple(r.shape), r.stride(), r.dtype)
-            if k not in self._buffers:
-                self._buffers[k] = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=r.device)
-            outs.append(self._buffers[k])
-        return outs
+            bufs.append(self._buffers[k] if k is not None else None)
+        return bufs
 
     def _capture(self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]],
                  live: list[Tensor]) -> _Graph | None:  # fmt: skip
-        ins = self._static_ins(live)
+        ins = self._static("in", live)
         # the warm-up and the capture draw random numbers too: the global RNG must not move
         devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
             if not self.emulate else []  # fmt: skip
         with _fork(devices=devices, device_type="cuda"):
             if self.emulate:
-                for buf, x in zip(ins, live):
-                    buf.copy_(x)
-                outs = self._static_outs(body(ins))
-
-                def replay() -> None:
-                    for o, r in zip(outs, body(ins)):
-                        if o is not None:
-                            o.copy_(r)
-
-                graph = _Graph(replay, ins, outs)
+                _fill(ins, live)
+                outs = self._static("out", body(ins))
+                graph = _Graph(lambda: _fill(outs, body(ins)), ins, outs)
             else:
                 graph = self._cuda_capture(index, body, live, ins)
         if graph is not None:
@@ -301,14 +288,13 @@ class LayerGraphs:
         self.stream.wait_stream(current)
         try:
             with torch.cuda.stream(self.stream):
-                for buf, x in zip(ins, live):
-                    buf.copy_(x)
+                _fill(ins, live)
                 # warm-up: lazy initialisation stays out of the graph, and a forward that
                 # waits for the host (which no graph can hold) shows itself here
                 mode = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    outs = self._static_outs(body(ins))
+                    outs = self._static("out", body(ins))
                 except RuntimeError as e:
                     if "synchroniz" not in str(e):
                         raise
@@ -321,9 +307,7 @@ class LayerGraphs:
                     with torch.cuda.graph(
                         g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
                     ):
-                        for o, r in zip(outs, body(ins)):
-                            if o is not None:
-                                o.copy_(r)
+                        _fill(outs, body(ins))
                 except Exception as e:
                     # a failed capture leaves the CUDA generator and the pool unusable: stop here
                     raise RuntimeError(

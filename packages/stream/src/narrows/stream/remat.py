@@ -99,20 +99,19 @@ class StreamedLayer(torch.autograd.Function):
             if call.graphs is not None and ctx.n_side == 0 and grad_out is not None:
                 grads = call.graphs.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
                                              grad_out, params)  # fmt: skip
-                grad_h = grads.pop(0) if need_h else None
-                return (None, grad_h, *[grads.pop(0) if n else None for n in need_p])
-            out = _run(call, h)
-            side = call.side.originals
-            if len(side) != ctx.n_side:
-                raise RuntimeError(
-                    f"narrows.stream: layer {call.index} produced {len(side)} hooked tensors in its backward "
-                    f"recompute but {ctx.n_side} in its forward; the layer is not deterministic under replay"
-                )
-            pairs = [(t, g) for t, g in zip((out, *side), (grad_out, *grad_side)) if g is not None]
-            wrt = ([h] if need_h else []) + [p for p, n in zip(call.params, need_p) if n]
-            outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
-            grads = list(torch.autograd.grad(outs, wrt, gouts, allow_unused=True)) if wrt and outs else []
-            grads = grads or [None] * len(wrt)
+            else:
+                out = _run(call, h)
+                side = call.side.originals
+                if len(side) != ctx.n_side:
+                    raise RuntimeError(
+                        f"narrows.stream: layer {call.index} produced {len(side)} hooked tensors in its backward "
+                        f"recompute but {ctx.n_side} in its forward; the layer is not deterministic under replay"
+                    )
+                pairs = [(t, g) for t, g in zip((out, *side), (grad_out, *grad_side)) if g is not None]
+                wrt = ([h] if need_h else []) + params
+                outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
+                grads = list(torch.autograd.grad(outs, wrt, gouts, allow_unused=True)) if wrt and outs else []
+                grads = grads or [None] * len(wrt)
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)
