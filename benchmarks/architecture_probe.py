@@ -3,15 +3,19 @@ random models on the CPU, PEFT LoRA r8 on all linear layers with dropout 0.05 (w
 allows it), gradient accumulation 2, 5 AdamW steps; streamed vs resident compared with
 `torch.equal` on every loss, gradient and final weight; narrows-lmhead's training loss
 against the model's own; PEFT DoRA streamed on the architectures named in --dora.
-Prints a table and writes JSON.
+Prints a table and writes JSON. With --device cuda the same comparison runs on the GPU
+(deterministic algorithms on), and --graphs streams with CUDA graphs: each row then says
+how many layer graphs were captured and which layers ran eagerly, and why.
 
     python benchmarks/architecture_probe.py --out probe.json [--arch phi3,cohere] [--dora phi3,cohere]
+    python benchmarks/architecture_probe.py --device cuda --graphs --dora "" --out probe_graphs.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -38,21 +42,29 @@ def build(arch: str, dora: bool, dropout: float):
     return model.train()
 
 
+DEVICE, GRAPHS = "cpu", False
+STATS: dict[str, object] = {}
+
+
 def train(model, streamed: bool) -> list[torch.Tensor]:
+    model.to(DEVICE)
     if streamed:
-        ns.stream(model, device="cpu")
+        ns.stream(model, device=DEVICE, **({"graphs": True} if GRAPHS else {}))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     torch.manual_seed(0)
     out = []
     for step in range(5):
         for micro in range(2):
-            loss = model(**tiny_batch(seed=10 * step + micro)).loss / 2
+            batch = {k: v.to(DEVICE) for k, v in tiny_batch(seed=10 * step + micro).items()}
+            loss = model(**batch).loss / 2
             loss.backward()
             out.append(loss.detach())
         out += [p.grad.clone() for p in params if p.grad is not None]
         opt.step()
         opt.zero_grad()
+    if streamed and GRAPHS:
+        STATS.update(model.narrows_stream.graphs.stats.as_dict())
     return out + [p.detach().clone() for p in params]
 
 
@@ -64,17 +76,21 @@ def parity(arch: str, dora: bool) -> dict:
         dropout = 0.0
     a, b = train(build(arch, dora, dropout), False), train(build(arch, dora, dropout), True)
     diffs = [float((x - y).abs().max()) for x, y in zip(a, b) if not torch.equal(x, y)]
-    return {
+    row = {
         "dropout": dropout,
         "tensors": len(a),
         "differing": len(diffs),
         "max_diff": max(diffs, default=0.0),
     }
+    if GRAPHS:
+        row["graphs"] = dict(STATS)
+    return row
 
 
 def lmhead_vs_model(arch: str) -> dict:
     model = build(arch, False, 0.0)
-    batch = tiny_batch()
+    model.to(DEVICE)
+    batch = {k: v.to(DEVICE) for k, v in tiny_batch().items()}
     own = model(**batch).loss.item()
     lmh.apply(model)
     ours = model(**batch).loss.item()
@@ -92,7 +108,14 @@ def main() -> None:
     ap.add_argument("--arch", default=",".join(NEW))
     ap.add_argument("--dora", default="phi3,cohere")
     ap.add_argument("--out", default="architecture_probe.json")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--graphs", action="store_true", help="stream with CUDA graphs (graphs=True)")
     args = ap.parse_args()
+    global DEVICE, GRAPHS
+    DEVICE, GRAPHS = args.device, args.graphs
+    if DEVICE.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     rows = []
     for arch in args.arch.split(","):
         t = time.perf_counter()
@@ -105,13 +128,16 @@ def main() -> None:
         rows.append(row)
         lo, lm = row["lora"], row["lmhead"]
         dora = row.get("dora")
+        graphed = lo.get("graphs")
         print(f"{arch:12} layers {anat.num_layers} tied {anat.tied!s:5} | LoRA dropout {lo['dropout']}: "
               f"{lo['tensors'] - lo['differing']}/{lo['tensors']} equal | lmhead {lm['lmhead_loss']:.6f} vs model "
               f"{lm['model_loss']:.6f} (rel {lm['rel_diff']:.1e}), eval {lm['eval_loss']:.6f}"
-              + (f" | DoRA {dora['tensors'] - dora['differing']}/{dora['tensors']} equal" if dora else ""),
+              + (f" | DoRA {dora['tensors'] - dora['differing']}/{dora['tensors']} equal" if dora else "")
+              + (f" | graphs {graphed['captured']} captured, eager layers {graphed['refused'] or 'none'}"
+                 if graphed else ""),
               flush=True)  # fmt: skip
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump({"torch": torch.__version__, "device": DEVICE, "graphs": GRAPHS, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

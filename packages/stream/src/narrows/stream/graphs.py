@@ -17,9 +17,8 @@ gradients — one set per signature, shared by all layers). So the pool holds on
 which any replay may overwrite: graphs run one at a time on one stream and nothing lives
 in the pool between replays. The pool is sized by the largest single capture (one
 layer's forward-and-backward working set), the memory the eager recompute needed anyway.
-Measured on the H100, each captured graph still keeps more device memory outside the
-pool (about 40 MB per graph at 7B, 120 MB at 32B) that is not yet explained nor counted
-by the planner: the reason `stream(graphs=...)` is off by default.
+Copies into the static buffers run without grad: a recorded copy would hang each call's
+autograd graph on the long-lived buffer and keep every step's activations alive.
 
 A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
 may land in any device slab), by what is differentiated, and by the shapes, dtypes and
@@ -94,10 +93,13 @@ class _Graph:
 
 
 def _fill(buffers: Sequence[Tensor | None], values: Sequence[Tensor | None]) -> None:
-    """Copy each value into its static buffer (a missing gradient has neither)."""
-    for buf, value in zip(buffers, values):
-        if buf is not None and buf.data_ptr() != value.data_ptr():
-            buf.copy_(value)
+    """Copy each value into its static buffer (a missing gradient has neither). Without
+    grad: a differentiable copy would hang each call's autograd graph on the long-lived
+    buffer, chaining every step's graph (and its saved tensors) to the next."""
+    with torch.no_grad():
+        for buf, value in zip(buffers, values):
+            if buf is not None and buf.data_ptr() != value.data_ptr():
+                buf.copy_(value)
 
 
 def _take(result: Tensor | None) -> Tensor | None:
