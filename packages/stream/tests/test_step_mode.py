@@ -36,7 +36,7 @@ def _record(params, opt, losses):
     return {
         "loss": losses,
         "weight": [p.detach().clone() for p in params],
-        "adam": [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)],
+        "adam": [v.clone() for p in params for v in opt.state[p].values() if torch.is_tensor(v)],
     }
 
 

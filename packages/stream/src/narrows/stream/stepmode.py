@@ -41,6 +41,7 @@ from narrows.core import anatomy_of, measure_peaks, trainable_parameters
 
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
+from .hostopt import HostOptimizer
 from .offload import ActivationOffload, Offloaded
 from .remat import layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
@@ -93,6 +94,9 @@ class StepTrainer:
     optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
     given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
     maps (model output, batch) to the micro-batch loss (default: ``output.loss``).
+    `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
+    layer as soon as its gradients are complete (see `hostopt`): same result, less device
+    memory.
 
     The result is `torch.equal` to resident sequential accumulation::
 
@@ -102,7 +106,8 @@ class StepTrainer:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer], *,
                  grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
-                 loss_fn: Callable[[Any, dict], Tensor] | None = None, **stream_kwargs: Any):  # fmt: skip
+                 loss_fn: Callable[[Any, dict], Tensor] | None = None, offload_optimizer: bool = False,
+                 **stream_kwargs: Any):  # fmt: skip
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
         if getattr(model, "narrows_stream", None) is None:
@@ -131,6 +136,15 @@ class StepTrainer:
         self.layer_params = [
             tuple(p for p in layer.parameters() if p.requires_grad) for layer in self.anat.layers
         ]
+        in_layers = {id(p) for params in self.layer_params for p in params}
+        self.other_params = tuple(p for p in self.params if id(p) not in in_layers)  # e.g. a trained head
+        if not isinstance(offload_optimizer, bool):
+            raise StreamSetupError(f"offload_optimizer={offload_optimizer!r}: use True or False")
+        self.host_optimizer = (
+            HostOptimizer(self.optimizer, self.params, self.device, max_grad_norm)
+            if offload_optimizer
+            else None
+        )
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
 
@@ -148,11 +162,16 @@ class StepTrainer:
         t0 = time.perf_counter()
         h2d = self.engine.stats.bytes_h2d
         with measure_peaks(self.device) as peaks:
+            if self.host_optimizer is not None:
+                self.host_optimizer.to_host(self.params)  # a state loaded onto the device
             mode, losses = self._accumulate(batches)
-            grad_norm = None
-            if self.max_grad_norm is not None:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-            self.optimizer.step()
+            if self.host_optimizer is not None:  # what the backward has not updated yet
+                grad_norm = self.host_optimizer.finish([*self.layer_params, self.other_params])
+            else:
+                grad_norm = None
+                if self.max_grad_norm is not None:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+                self.optimizer.step()
             if self.scheduler is not None:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -181,7 +200,7 @@ class StepTrainer:
             ops = self.random_ops.get(s)
             starts.append(ops.advance(starts[-1]) if ops else starts[-1])
         ends, losses = self._block_major(batches, starts)
-        if all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
+        if ends is not None:
             restore(ends[-1])
             return "block-major", losses
         # a micro-batch drew differently than predicted: start over, in sequential order
@@ -285,7 +304,9 @@ class StepTrainer:
 
     def _block_major(
         self, batches: list[dict[str, Any]], starts: list[RngState]
-    ) -> tuple[list, list[Tensor]]:
+    ) -> tuple[list | None, list[Tensor]]:
+        """The step block-major; the RNG state each micro-batch's loss left (None when one
+        is not where the next micro-batch was predicted to start: nothing updated yet)."""
         layers = self.anat.layers
         n = len(layers)
         micros = [_Micro(b) for b in batches]
@@ -318,6 +339,9 @@ class StepTrainer:
         for micro in micros:
             losses.append(self._head(micro, micro.states[n]))
             ends.append(capture(self.device))
+        # checked before any backward: with the optimizer on the host, layers update during it
+        if not all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
+            return None, losses
 
         # backward: layer by layer from the last, micro-batches in order within each
         for i in reversed(range(n)):
@@ -337,6 +361,8 @@ class StepTrainer:
                             p.grad = g
                         else:
                             p.grad += g
+            if self.host_optimizer is not None:  # layer i's gradients are complete
+                self.host_optimizer.ready(params + (self.other_params if i == n - 1 else ()))
         return ends, losses
 
     def _forward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro) -> Tensor:

@@ -1,0 +1,158 @@
+"""Step mode with the optimizer state in host memory (`offload_optimizer=True`): each
+layer updated as soon as its gradients are complete, or, with clipping, after the total
+norm — `torch.equal` to resident sequential accumulation followed by `clip_grad_norm_`
+and one `optimizer.step()`. Each gate has a fault-injected twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_identical, build
+from test_step_mode import STEPS, _batches, _optimizer, _record, _scheduler, resident
+
+import narrows.stream as ns
+from narrows.stream.errors import StreamSetupError
+from narrows.stream.hostopt import HostOptimizer
+
+G = 3
+
+
+def _trainer(clip, dropout, optimizer=_optimizer, device="cpu", **stream_kwargs):
+    model = build("llama", dropout=dropout)
+    torch.manual_seed(0)
+    stream_kwargs.setdefault("offload", "off")
+    ns.stream(model, device=device, **stream_kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(params)
+    trainer = ns.StepTrainer(model, opt, grad_accum=G, max_grad_norm=clip, scheduler=_scheduler(opt),
+                             offload_optimizer=True)  # fmt: skip
+    return model, params, opt, trainer
+
+
+def hosted(clip=0.5, dropout=0.05, steps=range(STEPS), trainer=None, device="cpu", **stream_kwargs):
+    model, params, opt, trainer = trainer or _trainer(clip, dropout, device=device, **stream_kwargs)
+    losses, stats = [], []
+    for step in steps:
+        st = trainer.step(_batches(step, G))
+        stats.append(st)
+        losses.append(st.loss)
+    return trainer, stats, _record(params, opt, [])
+
+
+def _reference(clip, dropout, device="cpu"):
+    ref = resident(dropout=dropout, clip=clip, g=G, device=device)
+    return {k: ref[k] for k in ("weight", "adam")}
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_host_optimizer_is_identical_to_resident(clip):
+    """Dropout on: the first step learns the RNG draws in sequential order (the update
+    runs after it, group by group), the others run block-major."""
+    trainer, stats, got = hosted(clip=clip)
+    assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+    assert_identical(_reference(clip, 0.05), got)
+    if clip is not None:
+        assert all(s.grad_norm > clip for s in stats)  # clipping really scaled the gradients
+
+
+def test_without_clipping_each_layer_updates_during_backward():
+    """Each optimizer.step() of a block-major step sees exactly one layer's gradients, last
+    layer first, while the earlier layers have none yet."""
+    model, params, opt, trainer = _trainer(None, 0.0)
+    layers = trainer.layer_params
+    seen: list[list[int]] = []
+    real = opt.step
+
+    def step(*a, **k):
+        seen.append([i for i, ps in enumerate(layers) if any(p.grad is not None for p in ps)])
+        return real(*a, **k)
+
+    opt.step = step
+    hosted(clip=None, dropout=0.0, trainer=(model, params, opt, trainer))
+    n = len(layers)
+    assert seen == [[i] for i in reversed(range(n))] * STEPS
+
+
+def test_state_waits_in_host_buffers_between_steps():
+    """Between steps every per-element state tensor is the host buffer narrows allocated
+    once; during an update it is a device copy (on a CPU run, a copy all the same)."""
+    model, params, opt, trainer = _trainer(0.5, 0.0)
+    during = []
+    real = opt.step
+
+    def step(*a, **k):
+        out = real(*a, **k)
+        during.extend(opt.state[p]["exp_avg"] for p in params if p.grad is not None)
+        return out
+
+    opt.step = step
+    hosted(dropout=0.0, trainer=(model, params, opt, trainer))
+    buffers = trainer.host_optimizer._host
+    for p in params:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert opt.state[p][k] is buffers[(id(p), k)]
+    assert during and not any(t is buffers[(id(p), "exp_avg")] for t in during for p in params)
+
+
+def test_clipping_needs_every_gradient_first(monkeypatch):
+    """Fault injection: updating each layer when its gradients are complete although
+    clipping was asked for (the total norm is not known yet) changes training."""
+    monkeypatch.setattr(HostOptimizer, "ready", lambda self, params: HostOptimizer._update(
+        self, [p for p in params if p.grad is not None]))  # fmt: skip
+    _, _, got = hosted(clip=0.5, dropout=0.0)
+    with pytest.raises(AssertionError):
+        assert_identical(_reference(0.5, 0.0), got)
+
+
+def test_resume_from_a_checkpoint_is_exact():
+    """Stop after two steps, keep adapters, optimizer, scheduler and RNG state; a fresh
+    model and trainer that load them end the third step where an uninterrupted run does."""
+    trainer, _, _ = hosted(steps=range(2))
+    model, params = trainer.model, trainer.params
+    saved = {
+        "weights": [p.detach().clone() for p in params],
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    fresh = _trainer(0.5, 0.05)
+    _, params2, opt2, trainer2 = fresh
+    with torch.no_grad():
+        for p, w in zip(params2, saved["weights"]):
+            p.copy_(w)
+    opt2.load_state_dict(saved["optimizer"])
+    trainer2.scheduler.load_state_dict(saved["scheduler"])
+    torch.set_rng_state(saved["rng"])
+    _, stats, got = hosted(steps=[2], trainer=fresh)
+    assert stats[0].mode.startswith("sequential (learning")  # a new trainer learns the draws again
+    assert_identical(_reference(0.5, 0.05), got)
+
+
+def test_an_optimizer_that_reads_more_than_its_parameter_is_refused():
+    class Custom(torch.optim.AdamW):  # not torch's own: narrows cannot know what it reads
+        pass
+
+    with pytest.raises(StreamSetupError, match="one layer at a time"):
+        _trainer(None, 0.0, optimizer=lambda ps: Custom(ps))
+    with pytest.raises(StreamSetupError, match="one layer at a time"):
+        _trainer(None, 0.0, optimizer=lambda ps: torch.optim.LBFGS(ps))
+
+
+@pytest.mark.gpu
+def test_host_optimizer_on_cuda():
+    """On the GPU: the state between steps is in pinned host memory, every gradient and
+    update on the device; still bit-identical (deterministic kernels)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    import os
+
+    from narrows.core import deterministic
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic(True)
+    for clip in (None, 0.5):
+        trainer, stats, got = hosted(clip=clip, device="cuda", offload="all")
+        assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+        assert_identical(_reference(clip, 0.05, device="cuda"), got)
+        for st in trainer.optimizer.state.values():
+            assert st["exp_avg"].device.type == "cpu" and st["exp_avg"].is_pinned()
