@@ -12,7 +12,8 @@ that budget), either with "-head" (LM head streamed in vocabulary chunks too) an
 planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
 inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, none kept
 whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
-plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches);
+plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
+"-hostopt": AdamW state in host memory, each layer updated when its gradients are complete);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
 checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
 memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
@@ -149,7 +150,11 @@ def run_one(args: argparse.Namespace) -> dict:
     vocab = model.config.vocab_size
 
     g = args.grad_accum
-    trainer = ns.StepTrainer(model, opt, grad_accum=g) if mode.startswith("step") else None
+    trainer = (
+        ns.StepTrainer(model, opt, grad_accum=g, offload_optimizer="hostopt" in mode.split("-"))
+        if mode.startswith("step")
+        else None
+    )
 
     def step() -> float:
         batches = []

@@ -30,7 +30,7 @@ def _trainer(clip, dropout, optimizer=_optimizer, device="cpu", **stream_kwargs)
 
 
 def hosted(clip=0.5, dropout=0.05, steps=range(STEPS), trainer=None, device="cpu", **stream_kwargs):
-    model, params, opt, trainer = trainer or _trainer(clip, dropout, device=device, **stream_kwargs)
+    _, params, opt, trainer = trainer or _trainer(clip, dropout, device=device, **stream_kwargs)
     losses, stats = [], []
     for step in steps:
         st = trainer.step(_batches(step, G))
@@ -48,7 +48,7 @@ def _reference(clip, dropout, device="cpu"):
 def test_host_optimizer_is_identical_to_resident(clip):
     """Dropout on: the first step learns the RNG draws in sequential order (the update
     runs after it, group by group), the others run block-major."""
-    trainer, stats, got = hosted(clip=clip)
+    _, stats, got = hosted(clip=clip)
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(_reference(clip, 0.05), got)
     if clip is not None:
@@ -108,7 +108,7 @@ def test_resume_from_a_checkpoint_is_exact():
     """Stop after two steps, keep adapters, optimizer, scheduler and RNG state; a fresh
     model and trainer that load them end the third step where an uninterrupted run does."""
     trainer, _, _ = hosted(steps=range(2))
-    model, params = trainer.model, trainer.params
+    params = trainer.params
     saved = {
         "weights": [p.detach().clone() for p in params],
         "optimizer": trainer.optimizer.state_dict(),
