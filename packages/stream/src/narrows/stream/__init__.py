@@ -25,11 +25,21 @@ from .twincheck import check_stream as _check_stream
 
 _register_check("stream", _check_stream)
 
+
+def __getattr__(name: str):
+    if name == "StepModeTrainer":  # transformers.Trainer (and accelerate) load only when asked for
+        from .hf import StepModeTrainer
+
+        return StepModeTrainer
+    raise AttributeError(f"module 'narrows.stream' has no attribute {name!r}")
+
+
 __version__ = _version("narrows-stream")
 __all__ = [
     "BudgetTooSmallError",
     "Plan",
     "SelfCheckError",
+    "StepModeTrainer",
     "StepStats",
     "StepTrainer",
     "StreamHandle",

@@ -61,6 +61,7 @@ class StepStats:
     """What one `StepTrainer.step` did."""
 
     loss: float  # mean of the micro-batch losses
+    losses: list[float]  # each micro-batch's loss as `loss_fn` returned it, in order
     grad_norm: float | None  # total norm before clipping (None without max_grad_norm)
     mode: str  # "block-major", or "sequential" and why
     micro_batches: int
@@ -94,6 +95,8 @@ class StepTrainer:
     optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
     given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
     maps (model output, batch) to the micro-batch loss (default: ``output.loss``).
+    `scale_loss=False`: `loss_fn`'s loss is already normalised over the whole step (e.g.
+    transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
     `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
     layer as soon as its gradients are complete (see `hostopt`): same result, less device
     memory.
@@ -104,9 +107,10 @@ class StepTrainer:
         clip_grad_norm_(params, max_grad_norm); optimizer.step(); scheduler.step(); optimizer.zero_grad()
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer], *,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
                  grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
-                 loss_fn: Callable[[Any, dict], Tensor] | None = None, offload_optimizer: bool = False,
+                 loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
+                 offload_optimizer: bool = False,
                  **stream_kwargs: Any):  # fmt: skip
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
@@ -123,8 +127,11 @@ class StepTrainer:
         if any(p.requires_grad for p in self.anat.embed.parameters()):
             raise StreamSetupError("step mode needs a frozen embedding (it differentiates from the first layer's "
                                    "input); train the embedding with the transparent mode (a plain loss.backward())")  # fmt: skip
-        self.optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(self.params)
+        # None: only `accumulate` (a caller that steps the optimizer itself, as transformers.Trainer does)
+        self.optimizer = optimizer if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) \
+            else optimizer(self.params)  # fmt: skip
         self.grad_accum = grad_accum
+        self.divisor = grad_accum if scale_loss else 1  # what each micro-batch's loss is divided by
         self.max_grad_norm = max_grad_norm
         self.scheduler = scheduler
         self.loss_fn = loss_fn or (lambda out, batch: out.loss)
@@ -140,6 +147,8 @@ class StepTrainer:
         self.other_params = tuple(p for p in self.params if id(p) not in in_layers)  # e.g. a trained head
         if not isinstance(offload_optimizer, bool):
             raise StreamSetupError(f"offload_optimizer={offload_optimizer!r}: use True or False")
+        if offload_optimizer and self.optimizer is None:
+            raise StreamSetupError("offload_optimizer=True needs the optimizer: pass it to StepTrainer")
         self.host_optimizer = (
             HostOptimizer(self.optimizer, self.params, self.device, max_grad_norm)
             if offload_optimizer
@@ -151,20 +160,16 @@ class StepTrainer:
     # ---- one step ---------------------------------------------------------------------
     def step(self, batches: Sequence[dict[str, Any]]) -> StepStats:
         """Forward and backward of `grad_accum` micro-batches, then the optimizer step."""
+        if self.optimizer is None:
+            raise RuntimeError("step() needs the optimizer: pass it to StepTrainer (or call accumulate())")
         if len(batches) != self.grad_accum:
             raise ValueError(f"step() takes {self.grad_accum} micro-batches (grad_accum), got {len(batches)}")
-        if any(p.grad is not None for p in self.params):
-            raise RuntimeError("step(): gradients are already set; a step starts from none (zero_grad(set_to_none=True))")  # fmt: skip
-        batches = [
-            {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in b.items()} for b in batches
-        ]
-        self.model.train()
         t0 = time.perf_counter()
         h2d = self.engine.stats.bytes_h2d
         with measure_peaks(self.device) as peaks:
             if self.host_optimizer is not None:
                 self.host_optimizer.to_host(self.params)  # a state loaded onto the device
-            mode, losses = self._accumulate(batches)
+            mode, losses = self.accumulate(batches)
             if self.host_optimizer is not None:  # what the backward has not updated yet
                 grad_norm = self.host_optimizer.finish([*self.layer_params, self.other_params])
             else:
@@ -178,10 +183,33 @@ class StepTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
-        return StepStats(loss=sum(float(v) for v in losses) / len(losses), grad_norm=grad_norm, mode=mode,
+        values = [float(v) for v in losses]
+        return StepStats(loss=sum(values) / len(values), losses=values, grad_norm=grad_norm, mode=mode,
                          micro_batches=len(batches), tokens=tokens, seconds=time.perf_counter() - t0,
                          peak_allocated=getattr(peaks, "cuda_allocated", None),
                          bytes_h2d=self.engine.stats.bytes_h2d - h2d)  # fmt: skip
+
+    def accumulate(
+        self, batches: Sequence[dict[str, Any]], divisor: float | None = None
+    ) -> tuple[str, list[Tensor]]:
+        """Forward and backward of `batches` with their gradients left in ``.grad`` as
+        ``for b in batches: (loss_fn(model(**b), b) / divisor).backward()`` leaves them
+        (default divisor: `grad_accum`, or 1 with ``scale_loss=False``); no optimizer step.
+        Returns how the step ran ("block-major", or "sequential" and why) and each
+        micro-batch's loss as `loss_fn` returned it."""
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError(
+                "gradients are already set; a step starts from none (zero_grad(set_to_none=True))"
+            )
+        batches = [
+            {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in b.items()} for b in batches
+        ]
+        self.model.train()
+        kept, self.divisor = self.divisor, self.divisor if divisor is None else divisor
+        try:
+            return self._accumulate(batches)
+        finally:
+            self.divisor = kept
 
     def _accumulate(self, batches: list[dict[str, Any]]) -> tuple[str, list[Tensor]]:
         sigs = [_signature(b) for b in batches]
@@ -210,7 +238,7 @@ class StepTrainer:
         known = [s for s in sigs if s in self.random_ops]
         self.unpredictable.update(known)
         log.warning("narrows.stream step mode: the RNG draws of a micro-batch were not predictable; this shape now "
-                    "runs in sequential order (exact, %d× the weight transfer)", self.grad_accum)  # fmt: skip
+                    "runs in sequential order (exact, %d× the weight transfer)", len(batches))  # fmt: skip
         return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
 
     def _draws_random(self) -> bool:
@@ -231,11 +259,11 @@ class StepTrainer:
             )
             graphs = self.handle.graphs if recorder is not None else None
             with recorder or nullcontext(), graphs.paused() if graphs is not None else nullcontext():
-                loss = self.loss_fn(self.model(**batch), batch) / self.grad_accum
+                loss = self.loss_fn(self.model(**batch), batch)
             if recorder is not None:
                 self.random_ops[sig] = recorder
-            loss.backward()
-            losses.append(loss.detach() * self.grad_accum)
+            (loss / self.divisor).backward()
+            losses.append(loss.detach())
         return losses
 
     # ---- block-major order ------------------------------------------------------------
@@ -292,7 +320,7 @@ class StepTrainer:
 
         with replaced_forwards(self.anat.layers, replaced):
             loss = self.loss_fn(self.model(**micro.batch), micro.batch)
-        (loss / self.grad_accum).backward()
+        (loss / self.divisor).backward()
         micro.grad = leaf.grad
         micro.out = None
         return loss.detach()

@@ -33,6 +33,9 @@ RESUMABLE = {
     "gpu_budget": "where the frozen base lives; streamed training computes what resident training does",
     "host_budget": "where the frozen base lives; the numbers trained are the same",
     "cache": "where the prepared slabs live; the numbers trained are the same",
+    "step_mode": "the order the step's layers and micro-batches run in; the numbers trained are the same",
+    "cuda_graphs": "how the layers' kernels are launched; the numbers trained are the same",
+    "offload_optimizer": "where the optimizer state waits between steps; the numbers trained are the same",
 }
 
 
@@ -62,6 +65,9 @@ class FinetuneConfig:
     grad_accum: int = 1
     seq_len: int = 512
     seq_tile: str = "off"  # off | auto (when the GPU budget needs it) | tokens per MLP tile
+    step_mode: bool = False  # block-major accumulation (narrows.stream.StepTrainer) over the streamed base
+    cuda_graphs: bool = False  # the layers narrows-stream runs replayed as CUDA graphs
+    offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
     lr: float = 5e-4
     warmup: int | None = None  # None: 5% of the steps
     seed: int = 0
@@ -135,6 +141,13 @@ class FinetuneConfig:
             raise NarrowsError(
                 "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
             )
+        for flag, on in (("step-mode", self.step_mode), ("cuda-graphs", self.cuda_graphs)):
+            if on and self.gpu_budget == "off":
+                raise NarrowsError(f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
+                                   f"(e.g. --gpu-budget 12GiB), or drop --{flag}")  # fmt: skip
+        if self.offload_optimizer and not self.step_mode:
+            raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step: add --step-mode, "
+                               "or drop --offload-optimizer")  # fmt: skip
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)

@@ -2,7 +2,9 @@
 micro-batches, the loss normalised over the whole step's trainable tokens, a metrics row
 per step (timed after the device has finished the step's work) and a checkpoint every
 ``save_every`` steps. The data order depends only on (seed, micro-batch index), so a
-resumed run continues bit-identically."""
+resumed run continues bit-identically. With ``--step-mode`` narrows-stream's StepTrainer
+runs the same step block-major (the same numbers, each streamed layer loaded once per
+pass)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,13 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
     """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes."""
     model.train()
     batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * cfg.grad_accum)
+    stepper = None
+    if cfg.step_mode:
+        import narrows.stream
+
+        # the loss is already normalised over the step's tokens (num_items_in_batch)
+        stepper = narrows.stream.StepTrainer(model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler,
+                                             scale_loss=False, offload_optimizer=cfg.offload_optimizer)  # fmt: skip
     t_train = time.perf_counter()
     try:
         while progress.step < cfg.steps:
@@ -49,13 +58,19 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             micro = [next(batches) for _ in range(cfg.grad_accum)]
             n_items = sum(e.trainable for mb in micro for e in mb)
             loss_sum = 0.0
-            for mb in micro:
-                out = model(**to_device(collate(mb, pad_id), device), num_items_in_batch=n_items)
-                out.loss.backward()
-                loss_sum += float(out.loss.detach())
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            if stepper is not None:
+                stats = stepper.step([{**to_device(collate(mb, pad_id), device), "num_items_in_batch": n_items}
+                                      for mb in micro])  # fmt: skip
+                for value in stats.losses:
+                    loss_sum += value
+            else:
+                for mb in micro:
+                    out = model(**to_device(collate(mb, pad_id), device), num_items_in_batch=n_items)
+                    out.loss.backward()
+                    loss_sum += float(out.loss.detach())
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             _sync(device)  # the step's asynchronous work counts in this step's time
             dt = time.perf_counter() - t0
             progress.step += 1
@@ -66,6 +81,8 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             peak = peaks.cuda_allocated if device.type == "cuda" else peaks.host_rss
             row = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / dt,
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
+            if stepper is not None:
+                row["accumulation"] = stats.mode  # block-major, or sequential and why
             if step == cfg.steps and evals:
                 row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
