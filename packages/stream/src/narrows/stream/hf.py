@@ -66,7 +66,7 @@ class StepModeTrainer(Trainer):
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)  # its loss comes with the step's last micro-batch
         batches, self._waiting = self._waiting, []
-        scaled = self.loss_is_scaled_for_ga
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # absent from older transformers
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         divisor = 1 if scaled else self.current_gradient_accumulation_steps
