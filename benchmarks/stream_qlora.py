@@ -226,6 +226,11 @@ def run_one(args: argparse.Namespace) -> dict:
             pool = graphs.pool_bytes()
             out.update(graphs=graphs.stats.as_dict(), graph_pool_bytes=pool,
                        peak_allocated=peaks.cuda_allocated + pool, peak_allocated_outside_graphs=peaks.cuda_allocated)  # fmt: skip
+        if args.profile:  # one more step, after the timed ones: the overlap audit
+            with model.narrows_stream.profiling() as prof:
+                step()
+            print(f"{mode}: one step profiled\n{prof}", file=sys.stderr)
+            out["profile"] = prof.as_dict()
     return out
 
 
@@ -239,6 +244,11 @@ def main() -> None:
     ap.add_argument("--modes", default="stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident")
     ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
     ap.add_argument("--attn", default="sdpa", help="attention implementation (eager: deterministic backward)")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed steps, profile one more: per-layer compute, copy and exposed copy time",
+    )
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     ap.add_argument(
         "--trace", action="store_true", help="print what is allocated at the peak (with --run-one)"
@@ -256,7 +266,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
-               "--grad-accum", str(args.grad_accum)]  # fmt: skip
+               "--grad-accum", str(args.grad_accum), *(["--profile"] if args.profile else [])]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

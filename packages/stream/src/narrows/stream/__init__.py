@@ -17,8 +17,9 @@ from narrows.core import register_architecture_check as _register_check
 from .api import StreamHandle, plan, stream
 from .engine import TransferStats
 from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
-from .plan import Plan
+from .plan import Plan, Rates
 from .pretrained import default_host_budget, from_pretrained, prepare
+from .profile import LayerTimes, Profile
 from .stepmode import StepStats, StepTrainer
 from .tiling import tile_sequence
 from .twincheck import check_stream as _check_stream
@@ -37,7 +38,10 @@ def __getattr__(name: str):
 __version__ = _version("narrows-stream")
 __all__ = [
     "BudgetTooSmallError",
+    "LayerTimes",
     "Plan",
+    "Profile",
+    "Rates",
     "SelfCheckError",
     "StepModeTrainer",
     "StepStats",

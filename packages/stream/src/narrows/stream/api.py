@@ -3,8 +3,10 @@ decoder layers streamed from host memory, and the handle it leaves on the model.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,8 @@ from .errors import StreamSetupError
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .plan import OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Shapes, make_plan
+from .plan import OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Rates, Shapes, make_plan
+from .profile import Profile
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
 from .sideouts import SideOutputs
@@ -60,6 +63,20 @@ class StreamHandle:
     head: StreamedHead | None = None  # set when the LM head is streamed in vocabulary chunks
     offload: ActivationOffload | None = None  # saved layer inputs in host memory
     graphs: LayerGraphs | None = None  # CUDA graphs of the layers narrows runs
+    replan: Callable[[Rates], Plan] | None = None  # the same plan made with other rates
+
+    @contextmanager
+    def profiling(self) -> Iterator[Profile]:
+        """``with model.narrows_stream.profiling() as prof: train_step()`` — each layer's
+        compute, copy and exposed copy time; ``print(prof)`` after the block, with what
+        the planner would change given the measured rates (see `profile`)."""
+        prof = Profile(self.device, self.plan, self.replan)
+        self.engine.profiler = prof
+        try:
+            yield prof
+        finally:
+            self.engine.profiler = None
+            prof.finish()
 
     @property
     def stats(self):
@@ -187,8 +204,9 @@ def _check_layer_options(
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
-         recompute: str = "auto") -> Plan:  # fmt: skip
-    """What `stream` would do with this budget, without moving anything."""
+         recompute: str = "auto", rates: Rates | None = None) -> Plan:  # fmt: skip
+    """What `stream` would do with this budget, without moving anything (`rates`: what
+    the step-time model takes for the machine; default: fitted to the H100)."""
     tile = _check_layer_options(offload, seq_tile, recompute)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
@@ -215,7 +233,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
                      host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile,
-                     recompute=recompute)  # fmt: skip
+                     recompute=recompute, rates=rates)  # fmt: skip
 
 
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
@@ -445,8 +463,11 @@ def stream(
 
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
+        replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
+                                   prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
+                                   seq_tile=seq_tile, recompute=recompute)  # fmt: skip
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        layer_graphs)  # fmt: skip
+                                        layer_graphs, lambda rates, replan=replan: replan(rates=rates))  # fmt: skip
     if check and not inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

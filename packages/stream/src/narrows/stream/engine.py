@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from narrows.core import FrozenSlot, SlabLayout, assign, frozen_slots, snapshot
 
+from .profile import Profile
 from .tiers import DiskReader
 
 
@@ -134,6 +135,7 @@ class TransferEngine:
         self.pool = [DeviceSlab(torch.empty(slab_bytes, dtype=torch.uint8, device=device))
                      for _ in range(pool_size if streamed else 0)]  # fmt: skip
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.profiler: Profile | None = None  # set while `StreamHandle.profiling` runs
 
     # ---- slab bookkeeping -------------------------------------------------------------
     def _holding(self, index: int) -> DeviceSlab | None:
@@ -161,17 +163,22 @@ class TransferEngine:
         store = self.stores[index]
         n = store.nbytes
         source, ring = self._source(index)
+        prof = self.profiler
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 if slab.free is not None:
                     self.copy_stream.wait_event(slab.free)  # the previous user is done reading
+                start = prof.stamp(self.copy_stream) if prof is not None else None
                 slab.buffer[:n].copy_(source, non_blocking=True)
-                slab.ready = torch.cuda.Event()
+                slab.ready = torch.cuda.Event(enable_timing=prof is not None)
                 slab.ready.record(self.copy_stream)
             self._done_with_source(ring, slab.ready)
         else:
+            start = prof.stamp() if prof is not None else None
             slab.buffer[:n].copy_(source)
             self._done_with_source(ring, None)
+        if prof is not None:
+            prof.copied(index, n, start, slab.ready if self.cuda else prof.stamp())
         slab.owner = index
         self._clock += 1
         slab.last_used = self._clock  # a fresh prefetch is not the next victim
@@ -220,7 +227,19 @@ class TransferEngine:
     @contextmanager
     def using(self, index: int, *, then: int | None = None) -> Iterator[None]:
         """Layer `index` on the device for the block (prefetching layer `then` meanwhile)."""
+        prof = self.profiler
+        arrive = prof.stamp() if prof is not None else None  # before any wait for the copy
         self.acquire(index)
+        if prof is not None:
+            slab = self._holding(index)
+            kind = (
+                "forward"
+                if then is not None and then > index
+                else "backward"
+                if then is not None
+                else "other"
+            )
+            use = prof.begin(index, kind, arrive, slab.ready if slab is not None else None)
         if then is not None:
             self._read_ahead(then, 1 if then >= index else -1)
             self.prefetch(then)
@@ -228,6 +247,8 @@ class TransferEngine:
             yield
         finally:
             self.release(index)
+            if prof is not None:
+                prof.end(use)
 
     def _read_ahead(self, start: int, step: int) -> None:
         """Ask the disk reader for the next disk layers in the direction of travel."""

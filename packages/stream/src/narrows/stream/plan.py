@@ -211,6 +211,7 @@ def make_plan(
     offload: str = "auto",
     tile: int | str | None = None,
     recompute: str = "auto",
+    rates: Rates | None = None,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -221,7 +222,8 @@ def make_plan(
     stay on the device while the budget allows), "off" (never offloaded) or "all".
     `tile`: None (never tiled), "auto" (tiled only when the budget needs it) or a tile
     size in tokens (always). `recompute`: "auto" (resident layers are kept whole while
-    the budget allows) or "all" (every layer is recomputed in backward)."""
+    the budget allows) or "all" (every layer is recomputed in backward). `rates`: the
+    machine's transfer and compute times for the step-time model (default: fitted)."""
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_MODES)}")
     if recompute not in RECOMPUTE_MODES:
@@ -279,7 +281,7 @@ def make_plan(
                                                                         kept, t, w) <= budget)  # fmt: skip
             if mix is None:
                 break
-            key = (step_seconds(layer_bytes, shapes, len(mix), w), -len(mix))
+            key = (step_seconds(layer_bytes, shapes, len(mix), w, rates), -len(mix))
             if best is None or key < best[0]:
                 best = key, mix, tuple(range(n - w, n))
         if best is not None:
@@ -367,22 +369,35 @@ MATMUL_RATE = 400e12  # flop/s a layer's matmuls reach at a few thousand tokens
 DEQUANT_RATE = 65e9  # parameters/s: NF4 weights dequantised per forward (the batch-1 floor)
 
 
-def layer_seconds(nbytes: int, s: Shapes) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Rates:
+    """What the step-time model takes for the machine: the fitted defaults, or what a
+    profile measured (`narrows.stream.Profile.rates`)."""
+
+    h2d: float = H2D_RATE  # bytes/s host→device
+    forward_s: float | None = None  # one layer's forward; None: from the matmul and dequantisation rates
+
+
+def layer_seconds(nbytes: int, s: Shapes, rates: Rates | None = None) -> tuple[float, float]:
     """One layer's forward compute time and one host→device copy of it, predicted."""
+    rates = rates or Rates()
     params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
     compute = 2 * s.batch * s.seq * params / MATMUL_RATE
     if nbytes < params:  # below a byte per parameter: quantised, dequantised on every use
         compute += params / DEQUANT_RATE
-    return compute, nbytes / H2D_RATE
+    if rates.forward_s is not None:
+        compute = rates.forward_s
+    return compute, nbytes / rates.h2d
 
 
-def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int) -> float:
+def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int,
+                 rates: Rates | None = None) -> float:  # fmt: skip
     """Predicted time of one step's layers with `resident` resident layers of which
     `whole` run without recompute: forward, backward (twice the forward), the recompute
     of every other layer, and what a streamed layer's copies cannot hide — behind the
     previous layer's forward, and behind the next layer's backward and recompute."""
     n = len(layer_bytes)
-    f, c = layer_seconds(max(layer_bytes), s)
+    f, c = layer_seconds(max(layer_bytes), s, rates)
     exposed = max(0.0, c - f) + max(0.0, c - 3 * f)
     return n * 3 * f + (n - whole) * f + (n - resident) * exposed
 
