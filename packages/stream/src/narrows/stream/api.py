@@ -461,13 +461,14 @@ def stream(
 
         anat.embed.forward = embed
 
+    # the same plan with other rates (a profile's): the budget as this plan resolved it
+    replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
+                               prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
+                               seq_tile=seq_tile, recompute=recompute)  # fmt: skip
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
-        replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
-                                   prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
-                                   seq_tile=seq_tile, recompute=recompute)  # fmt: skip
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        layer_graphs, lambda rates, replan=replan: replan(rates=rates))  # fmt: skip
+                                        layer_graphs, lambda rates: replan(rates=rates))  # fmt: skip
     if check and not inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

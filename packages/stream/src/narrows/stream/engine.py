@@ -232,13 +232,7 @@ class TransferEngine:
         self.acquire(index)
         if prof is not None:
             slab = self._holding(index)
-            kind = (
-                "forward"
-                if then is not None and then > index
-                else "backward"
-                if then is not None
-                else "other"
-            )
+            kind = "other" if then is None else "forward" if then > index else "backward"
             use = prof.begin(index, kind, arrive, slab.ready if slab is not None else None)
         if then is not None:
             self._read_ahead(then, 1 if then >= index else -1)
