@@ -12,6 +12,8 @@
 #   DORA="args;args"                  dora_model.py runs, one per ';'-separated argument list
 #   EVAL="args"                       eval_streamed.py arguments
 #   KERNELS="args"                    dora_kernels.py arguments
+#   GA=8, PROFILE=1                   stream_qlora.py: micro-batches per step; one profiled step per mode
+#   PROBE="args"                      architecture_probe.py arguments (e.g. --device cuda --graphs --dora "")
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/.gpu/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 NARROWS_CACHE=/tmp/narrows-cache
@@ -25,7 +27,8 @@ fi
 for spec in ${BENCH:-}; do
   IFS=: read -r model seq modes <<<"$spec"
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/stream_qlora.py --model "$model" --seq "$seq" --steps ${STEPS:-10} \
-    --modes "$modes" --attn ${ATTN:-sdpa} --out "$OUT/stream_${model}_${seq}_${ATTN:-sdpa}.json" 2>&1 | grep -v -i "warn" | tee -a "$OUT/bench.log" | tail -14
+    --modes "$modes" --attn ${ATTN:-sdpa} --grad-accum ${GA:-1} ${PROFILE:+--profile} \
+    --out "$OUT/stream_${model}_${seq}_g${GA:-1}_${ATTN:-sdpa}.json" 2>&1 | grep -v -i "warn" | tee -a "$OUT/bench.log" | tail -14
 done
 if [[ -n ${LMHEAD:-} ]]; then
   timeout ${LMHEAD_TIMEOUT:-400} python3 benchmarks/lmhead_memory.py $LMHEAD --out "$OUT/lmhead_memory.json" \
@@ -48,6 +51,10 @@ done
 if [[ -n ${EVAL:-} ]]; then
   timeout ${EVAL_TIMEOUT:-500} python3 benchmarks/eval_streamed.py $EVAL --out "$OUT/eval_streamed.json" 2>&1 \
     | grep -v -i "warn" | tee "$OUT/eval_streamed.log" | tail -20
+fi
+if [[ -n ${PROBE:-} ]]; then
+  timeout ${PROBE_TIMEOUT:-300} python3 benchmarks/architecture_probe.py $PROBE --out "$OUT/architecture_probe.json" 2>&1 \
+    | grep -v -i "warn" | tee "$OUT/architecture_probe.log" | tail -25
 fi
 if [[ -n ${KERNELS+x} ]]; then
   timeout ${KERNELS_TIMEOUT:-400} python3 benchmarks/dora_kernels.py $KERNELS --out "$OUT/dora_kernels.json" 2>&1 \
