@@ -21,10 +21,10 @@ Copies into the static buffers run without grad: a recorded copy would hang each
 autograd graph on the long-lived buffer and keep every step's activations alive.
 
 A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
-may land in any device slab), by what is differentiated, and by the shapes, dtypes and
-strides of its tensor arguments and the values of the others. A layer that cannot be
-captured (forward hooks, a host sync in its forward, an argument that is not a tensor or
-a plain value) runs eagerly, with the reason kept in `refused`; a host sync is found
+may land in any device slab), by what is differentiated, by the shapes, dtypes and
+strides of its tensor arguments, the values of the others, and by the autocast
+settings. A layer that cannot be captured (forward hooks, a host sync in its forward, an
+argument that is not a tensor or a plain value) runs eagerly, with the reason kept in `refused`; a host sync is found
 in the warm-up, run under CUDA's sync check. A capture that fails anyway raises: it
 leaves the CUDA generator unusable.
 
@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
+
+from .ambient import autocast_state
 
 log = logging.getLogger("narrows.stream")
 
@@ -234,7 +236,7 @@ class LayerGraphs:
         spec = pytree.tree_structure((args, kwargs))
         first = next((p for p in layer.parameters() if not p.requires_grad), None)
         where = first.data_ptr() if first is not None else 0
-        return (kind, index, where, extra, str(spec), tuple(sig))
+        return (kind, index, where, extra, str(spec), tuple(sig), autocast_state(self.device))
 
     def _refuse(self, index: int, why: str) -> None:
         if index not in self.stats.refused:

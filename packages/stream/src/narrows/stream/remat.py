@@ -3,7 +3,8 @@
 Forward: bring the layer's frozen storage to the device, run the layer exactly as resident
 training would (same grad mode, so the same kernels), keep only its input and the RNG
 state captured just before, hand the storage back. Backward: bring it again, replay the
-RNG inside `fork_rng`, recompute the layer, and differentiate it with respect to its input
+RNG inside `fork_rng` and the forward's autocast settings (`ambient.py`), recompute the
+layer, and differentiate it with respect to its input
 and its adapter parameters only. Frozen weights never see a gradient.
 
 Tensors the layer's submodules hand to forward hooks (MoE router logits for the aux loss)
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from . import rng
+from .ambient import AutocastState, autocast_as, autocast_state
 from .engine import TransferEngine
 from .graphs import LayerGraphs
 from .offload import ActivationOffload
@@ -41,6 +43,7 @@ class LayerCall:
     side: SideOutputs
     offload: ActivationOffload | None = None
     state: rng.RngState | None = None
+    autocast: AutocastState | None = None  # the forward's autocast settings, for the recompute
     graphs: LayerGraphs | None = None  # CUDA graphs for the forward and the recompute
 
     def run(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -66,6 +69,7 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
         call.state = rng.capture(hidden.device)
+        call.autocast = autocast_state(hidden.device)
         # the input goes to host memory while the layer computes (when the plan says so)
         saved = call.offload.save(call.index, hidden) if call.offload is not None else None
         # resident training runs the layer with grad on: same mode, same kernels
@@ -91,7 +95,7 @@ class StreamedLayer(torch.autograd.Function):
         if ctx.offloaded is not None:
             hidden = call.offload.fetch(ctx.offloaded)
         with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad(), \
-                call.side.collecting(forward=False):  # fmt: skip
+                autocast_as(call.autocast), call.side.collecting(forward=False):  # fmt: skip
             if call.offload is not None:
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from narrows.core import anatomy_of, measure_peaks, trainable_parameters
 
+from .ambient import autocast_active, autocast_state
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer
@@ -200,6 +201,12 @@ class StepTrainer:
         if any(p.grad is not None for p in self.params):
             raise RuntimeError(
                 "gradients are already set; a step starts from none (zero_grad(set_to_none=True))"
+            )
+        if autocast_active(autocast_state(self.device)):
+            raise StreamSetupError(
+                "step mode does not yet run under torch.autocast exactly (its layer calls and their backward "
+                "happen outside the model's forward); load the model in the dtype to train in, or stream "
+                "without StepTrainer (transparent mode replays autocast in every recompute)"
             )
         batches = [
             {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in b.items()} for b in batches

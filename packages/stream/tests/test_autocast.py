@@ -1,0 +1,70 @@
+"""Streaming under ``torch.autocast``: the backward recompute replays the forward's
+autocast settings, so streamed training stays `torch.equal` to resident training under
+the same autocast (CPU bf16 here). Without the replay the recompute runs in full
+precision — the fault twin shows the gradients then differ."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from helpers import assert_identical, build
+
+import narrows.stream as ns
+from narrows.core.testing import tiny_batch
+from narrows.stream import remat
+from narrows.stream.errors import StreamSetupError
+
+
+def _train(streamed: bool, **stream_kwargs) -> dict:
+    model = build(num_hidden_layers=3, dropout=0.05)
+    if streamed:
+        ns.stream(model, None, device="cpu", **stream_kwargs)
+    torch.manual_seed(0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    record = {"loss": [], "grad": []}
+    for step in range(2):
+        for micro in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(**tiny_batch(seed=10 * step + micro)).loss / 2
+            loss.backward()
+            record["loss"].append(loss.detach())
+        record["grad"] += [p.grad.clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+    record["weight"] = [p.detach().clone() for p in params]
+    return record
+
+
+def test_streamed_under_autocast_is_identical_to_resident():
+    assert_identical(_train(False), _train(True))
+
+
+def test_recompute_without_the_forwards_autocast_differs(monkeypatch):
+    monkeypatch.setattr(remat, "autocast_as", lambda state: contextlib.nullcontext())
+    with pytest.raises(AssertionError):
+        assert_identical(_train(False), _train(True))
+
+
+def test_graphs_under_autocast_are_identical_and_keyed_by_it():
+    assert_identical(_train(False), _train(True, graphs=True))
+    model = build(num_hidden_layers=3, dropout=0.0)
+    ns.stream(model, None, device="cpu", graphs=True)
+    model(**tiny_batch()).loss.backward()
+    plain = model.narrows_stream.graphs.stats.captured
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**tiny_batch()).loss
+    loss.backward()
+    assert (
+        model.narrows_stream.graphs.stats.captured == 2 * plain
+    )  # other graphs, not the full-precision ones
+
+
+def test_step_mode_refuses_autocast():
+    model = build(num_hidden_layers=3, dropout=0.0)
+    ns.stream(model, None, device="cpu")
+    trainer = ns.StepTrainer(model, lambda ps: torch.optim.AdamW(ps), grad_accum=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(StreamSetupError, match="autocast"):
+        trainer.step([tiny_batch(seed=0), tiny_batch(seed=1)])
