@@ -85,3 +85,36 @@ def test_remove_restores_the_model_forward_and_double_apply_is_refused():
         lmh.apply(model)
     lmh.remove(model).train()
     assert model(**batch()).logits is not None
+
+
+def _autocast_grads(lmhead: bool):
+    model = with_adapter(tiny_model("llama"), "lora").train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    if lmhead:
+        lmh.apply(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch()).loss
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+def test_under_autocast_the_backward_recomputes_as_the_forward_ran(monkeypatch):
+    """Under bf16 autocast the chunked loss's backward recomputes the logits, and takes
+    their gradient matmuls, under the forward's autocast settings — as HF's loss under
+    autocast differentiates them. Without that (the fault twin) the softmax comes from
+    fp32 logits the forward never saw, and the adapter gradients move by about 1e-2."""
+    import contextlib
+
+    from narrows.lmhead import chunked
+
+    ref_loss, ref_grads = _autocast_grads(False)
+    loss, grads = _autocast_grads(True)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, **TOL)
+    monkeypatch.setattr(chunked, "autocast_as", lambda state: contextlib.nullcontext())
+    _, bad = _autocast_grads(True)
+    assert max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(bad, ref_grads)) > 1e-3

@@ -12,15 +12,18 @@ import torch
 from helpers import assert_identical, build
 
 import narrows.stream as ns
+from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
-from narrows.stream import remat
+from narrows.stream import remat, tiling
 from narrows.stream.errors import StreamSetupError
 
 
-def _train(streamed: bool, **stream_kwargs) -> dict:
+def _train(streamed: bool, tile: int | None = None, **stream_kwargs) -> dict:
     model = build(num_hidden_layers=3, dropout=0.05)
     if streamed:
-        ns.stream(model, None, device="cpu", **stream_kwargs)
+        ns.stream(model, None, device="cpu", seq_tile=tile, **stream_kwargs)
+    elif tile is not None:
+        ns.tile_sequence(model, tile)
     torch.manual_seed(0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -68,3 +71,31 @@ def test_step_mode_refuses_autocast():
     trainer = ns.StepTrainer(model, lambda ps: torch.optim.AdamW(ps), grad_accum=2)
     with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(StreamSetupError, match="autocast"):
         trainer.step([tiny_batch(seed=0), tiny_batch(seed=1)])
+
+
+def test_tiled_mlp_under_autocast_streamed_is_identical_to_resident():
+    assert_identical(_train(False, tile=4), _train(True, tile=4))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_mlp_tiles_recompute_under_the_forwards_autocast(monkeypatch, fault):
+    """Every call of a tiled MLP's projection — forward and backward recompute — runs
+    under bf16 autocast; the fault twin (no replay) recomputes in full precision."""
+    if fault:
+        monkeypatch.setattr(tiling, "autocast_as", lambda state: contextlib.nullcontext())
+    model = build(num_hidden_layers=2, dropout=0.0)
+    ns.tile_sequence(model, 4)
+    down = anatomy_of(model).layers[0].mlp.down_proj
+    seen, forward = [], down.forward
+
+    def recording(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return forward(*args, **kwargs)
+
+    down.forward = recording
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**tiny_batch()).loss
+    n_forward = len(seen)
+    loss.backward()
+    assert n_forward > 0 and len(seen) == 2 * n_forward  # each tile recomputed once
+    assert all(seen) != fault

@@ -38,6 +38,7 @@ from .anatomy import (
 )
 
 # checkpoints, read one decoder layer at a time
+from .autocast import AutocastState, autocast_active, autocast_as, autocast_state
 from .checkpoint import CheckpointFolder
 from .determinism import deterministic
 
@@ -87,6 +88,7 @@ __all__ = [
     "Anatomy",
     "ArchitectureCheckError",
     "ArchitectureSpec",
+    "AutocastState",
     "CheckpointFolder",
     "FrozenSlot",
     "HeadSource",
@@ -108,6 +110,9 @@ __all__ = [
     "anatomy_of",
     "assign",
     "attach_head_source",
+    "autocast_active",
+    "autocast_as",
+    "autocast_state",
     "chunked_logits",
     "copies",
     "deterministic",

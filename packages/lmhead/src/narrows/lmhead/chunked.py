@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, LogitMath, ResidentHead
+from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, LogitMath, ResidentHead, autocast_as, autocast_state
 
 __all__ = [
     "DEFAULT_TILE_BYTES",
@@ -92,6 +92,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, targets, token_weights, lse)
         ctx.source, ctx.math, ctx.head_rows, ctx.tile_bytes = source, math, head_rows, tile_bytes
         ctx.weight_dtype = None if weight is None else weight.dtype
+        ctx.autocast = autocast_state(dev)  # the backward recomputes the logits as this forward did
         return ((lse - tgt) * token_weights).sum()
 
     @staticmethod
@@ -107,34 +108,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
             else None
         )
         acc, acc_rows = None, None
-        for sl, w, b, ts in _tiles(source, hidden.shape[0], ctx.head_rows, ctx.tile_bytes):
-            h = hidden[ts]
-            z = _tile_logits(h, w, b, math)
-            dfinal = math.derivative(z)  # d final logit / d raw logit (scale, softcap)
-            dz = z.sub_(lse[ts, None]).exp_()  # softmax, in place of the logits
-            local = targets[ts] - sl.start
-            rows = torch.nonzero((local >= 0) & (local < dz.shape[1]))[:, 0]
-            dz[rows, local[rows]] -= 1.0
-            dz.mul_(tw[ts, None])
-            if dfinal is not None:
-                dz.mul_(dfinal)
-            dz = dz.to(w.dtype)  # HF's backward hands the logits gradient on in the head dtype
-            if gh is not None:
-                if isinstance(source, ResidentHead):  # token-outer: finish this chunk, then store it
-                    if acc_rows != ts:
-                        if acc is not None:
-                            gh[acc_rows] = acc.to(gh.dtype)
-                        acc = torch.zeros(
-                            ts.stop - ts.start, hidden.shape[1], dtype=torch.float32, device=h.device
-                        )
-                        acc_rows = ts
-                    acc += dz @ w
-                else:  # vocabulary-outer: one fp32 accumulator for all tokens
-                    if acc is None:
-                        acc = torch.zeros(hidden.shape, dtype=torch.float32, device=h.device)
-                    acc[ts] += dz @ w
-            if gw is not None:
-                gw[sl] += dz.t() @ h
+        # under the forward's autocast settings: the logits its log-sum-exp came from, and the
+        # matmuls in the precision resident autocast training differentiates them in
+        with autocast_as(ctx.autocast):
+            for sl, w, b, ts in _tiles(source, hidden.shape[0], ctx.head_rows, ctx.tile_bytes):
+                h = hidden[ts]
+                z = _tile_logits(h, w, b, math)
+                dfinal = math.derivative(z)  # d final logit / d raw logit (scale, softcap)
+                dz = z.sub_(lse[ts, None]).exp_()  # softmax, in place of the logits
+                local = targets[ts] - sl.start
+                rows = torch.nonzero((local >= 0) & (local < dz.shape[1]))[:, 0]
+                dz[rows, local[rows]] -= 1.0
+                dz.mul_(tw[ts, None])
+                if dfinal is not None:
+                    dz.mul_(dfinal)
+                dz = dz.to(w.dtype)  # HF's backward hands the logits gradient on in the head dtype
+                if gh is not None:
+                    if isinstance(source, ResidentHead):  # token-outer: finish this chunk, then store it
+                        if acc_rows != ts:
+                            if acc is not None:
+                                gh[acc_rows] = acc.to(gh.dtype)
+                            acc = torch.zeros(
+                                ts.stop - ts.start, hidden.shape[1], dtype=torch.float32, device=h.device
+                            )
+                            acc_rows = ts
+                        acc += dz @ w
+                    else:  # vocabulary-outer: one fp32 accumulator for all tokens
+                        if acc is None:
+                            acc = torch.zeros(hidden.shape, dtype=torch.float32, device=h.device)
+                        acc[ts] += dz @ w
+                if gw is not None:
+                    gw[sl] += dz.t() @ h
         if gh is not None:
             gh[acc_rows if isinstance(source, ResidentHead) else slice(None)] = acc.to(gh.dtype)
         gw = None if gw is None else gw.to(ctx.weight_dtype)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from .ambient import autocast_state
+from narrows.core import autocast_state
 
 log = logging.getLogger("narrows.stream")
 

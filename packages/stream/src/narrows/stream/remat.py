@@ -3,7 +3,7 @@
 Forward: bring the layer's frozen storage to the device, run the layer exactly as resident
 training would (same grad mode, so the same kernels), keep only its input and the RNG
 state captured just before, hand the storage back. Backward: bring it again, replay the
-RNG inside `fork_rng` and the forward's autocast settings (`ambient.py`), recompute the
+RNG inside `fork_rng` and the forward's autocast settings (`narrows.core.autocast`), recompute the
 layer, and differentiate it with respect to its input
 and its adapter parameters only. Frozen weights never see a gradient.
 
@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from narrows.core import AutocastState, autocast_as, autocast_state
+
 from . import rng
-from .ambient import AutocastState, autocast_as, autocast_state
 from .engine import TransferEngine
 from .graphs import LayerGraphs
 from .offload import ActivationOffload

@@ -37,9 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import anatomy_of, measure_peaks, trainable_parameters
+from narrows.core import anatomy_of, autocast_active, autocast_state, measure_peaks, trainable_parameters
 
-from .ambient import autocast_active, autocast_state
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer

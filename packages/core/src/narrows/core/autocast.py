@@ -1,13 +1,12 @@
-"""Autocast: ambient state a layer's recompute must run under, as its forward did.
+"""Autocast settings a recompute must run under, as the forward it repeats did.
 
-Why: under ``torch.autocast`` the forward's matmuls run in the autocast dtype and resident
-training saves those results for backward. The recompute runs inside the backward, where
-the caller's autocast context is no longer active; replayed without it, the layer would
-be recomputed in full precision and every gradient below it would differ (measured on a
-tiny model under CPU bf16 autocast: 1e-3). So the forward records the autocast settings of
-its device type and of the CPU, and the recompute enters them again — what
-`torch.utils.checkpoint` does too. A CUDA graph captured under one setting is another
-graph than one captured under another, so the settings are part of a graph's key.
+Why: under ``torch.autocast`` a forward's matmuls run in the autocast dtype, and resident
+training differentiates those results. Every recompute narrows does in a backward (a
+streamed layer, an MLP tile, a logits tile) runs where the caller's autocast context is
+no longer active; without it the recompute is in full precision and the gradients differ
+(measured on a tiny streamed model under CPU bf16 autocast: 1e-3). So each forward
+records the settings of its device type and of the CPU (`autocast_state`) and its
+recompute enters them again (`autocast_as`) — what `torch.utils.checkpoint` does too.
 """
 
 from __future__ import annotations
