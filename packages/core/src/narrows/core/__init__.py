@@ -26,6 +26,9 @@ from .adapters import (
     registered_adapter_types,
 )
 
+# checkpoints, read one decoder layer at a time
+from .ambient import Ambient, ambient_as, ambient_state
+
 # anatomy
 from .anatomy import (
     Anatomy,
@@ -36,9 +39,6 @@ from .anatomy import (
     supported_architectures,
     unwrap_model,
 )
-
-# checkpoints, read one decoder layer at a time
-from .autocast import AutocastState, autocast_active, autocast_as, autocast_state
 from .checkpoint import CheckpointFolder
 from .determinism import deterministic
 
@@ -85,10 +85,10 @@ __all__ = [
     "SLAB_ALIGNMENT",
     "AdapterType",
     "AdapterView",
+    "Ambient",
     "Anatomy",
     "ArchitectureCheckError",
     "ArchitectureSpec",
-    "AutocastState",
     "CheckpointFolder",
     "FrozenSlot",
     "HeadSource",
@@ -107,12 +107,11 @@ __all__ = [
     "adapter_type_of",
     "adapter_view",
     "adapter_views",
+    "ambient_as",
+    "ambient_state",
     "anatomy_of",
     "assign",
     "attach_head_source",
-    "autocast_active",
-    "autocast_as",
-    "autocast_state",
     "chunked_logits",
     "copies",
     "deterministic",

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, LogitMath, ResidentHead, autocast_as, autocast_state
+from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, LogitMath, ResidentHead, ambient_as, ambient_state
 
 __all__ = [
     "DEFAULT_TILE_BYTES",
@@ -92,7 +92,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(hidden, targets, token_weights, lse)
         ctx.source, ctx.math, ctx.head_rows, ctx.tile_bytes = source, math, head_rows, tile_bytes
         ctx.weight_dtype = None if weight is None else weight.dtype
-        ctx.autocast = autocast_state(dev)  # the backward recomputes the logits as this forward did
+        ctx.ambient = ambient_state(dev)  # the backward recomputes the logits as this forward did
         return ((lse - tgt) * token_weights).sum()
 
     @staticmethod
@@ -110,7 +110,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc, acc_rows = None, None
         # under the forward's autocast settings: the logits its log-sum-exp came from, and the
         # matmuls in the precision resident autocast training differentiates them in
-        with autocast_as(ctx.autocast):
+        with ambient_as(ctx.ambient):
             for sl, w, b, ts in _tiles(source, hidden.shape[0], ctx.head_rows, ctx.tile_bytes):
                 h = hidden[ts]
                 z = _tile_logits(h, w, b, math)

@@ -22,8 +22,8 @@ autograd graph on the long-lived buffer and keep every step's activations alive.
 
 A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
 may land in any device slab), by what is differentiated, by the shapes, dtypes and
-strides of its tensor arguments, the values of the others, and by the autocast
-settings. A layer that cannot be captured (forward hooks, a host sync in its forward, an
+strides of its tensor arguments, the values of the others, and by the autocast and
+attention settings. A layer that cannot be captured (forward hooks, a host sync in its forward, an
 argument that is not a tensor or a plain value) runs eagerly, with the reason kept in `refused`; a host sync is found
 in the warm-up, run under CUDA's sync check. A capture that fails anyway raises: it
 leaves the CUDA generator unusable.
@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from narrows.core import autocast_state
+from narrows.core import ambient_state
 
 log = logging.getLogger("narrows.stream")
 
@@ -236,7 +236,7 @@ class LayerGraphs:
         spec = pytree.tree_structure((args, kwargs))
         first = next((p for p in layer.parameters() if not p.requires_grad), None)
         where = first.data_ptr() if first is not None else 0
-        return (kind, index, where, extra, str(spec), tuple(sig), autocast_state(self.device))
+        return (kind, index, where, extra, str(spec), tuple(sig), ambient_state(self.device))
 
     def _refuse(self, index: int, why: str) -> None:
         if index not in self.stats.refused:

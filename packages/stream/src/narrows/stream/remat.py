@@ -3,7 +3,7 @@
 Forward: bring the layer's frozen storage to the device, run the layer exactly as resident
 training would (same grad mode, so the same kernels), keep only its input and the RNG
 state captured just before, hand the storage back. Backward: bring it again, replay the
-RNG inside `fork_rng` and the forward's autocast settings (`narrows.core.autocast`), recompute the
+RNG inside `fork_rng` and the forward's autocast and attention settings (`narrows.core.ambient`), recompute the
 layer, and differentiate it with respect to its input
 and its adapter parameters only. Frozen weights never see a gradient.
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import AutocastState, autocast_as, autocast_state
+from narrows.core import Ambient, ambient_as, ambient_state
 
 from . import rng
 from .engine import TransferEngine
@@ -44,7 +44,7 @@ class LayerCall:
     side: SideOutputs
     offload: ActivationOffload | None = None
     state: rng.RngState | None = None
-    autocast: AutocastState | None = None  # the forward's autocast settings, for the recompute
+    ambient: Ambient | None = None  # the forward's autocast and attention settings, for the recompute
     graphs: LayerGraphs | None = None  # CUDA graphs for the forward and the recompute
 
     def run(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -70,7 +70,7 @@ class StreamedLayer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
         call.state = rng.capture(hidden.device)
-        call.autocast = autocast_state(hidden.device)
+        call.ambient = ambient_state(hidden.device)
         # the input goes to host memory while the layer computes (when the plan says so)
         saved = call.offload.save(call.index, hidden) if call.offload is not None else None
         # resident training runs the layer with grad on: same mode, same kernels
@@ -96,7 +96,7 @@ class StreamedLayer(torch.autograd.Function):
         if ctx.offloaded is not None:
             hidden = call.offload.fetch(ctx.offloaded)
         with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad(), \
-                autocast_as(call.autocast), call.side.collecting(forward=False):  # fmt: skip
+                ambient_as(call.ambient), call.side.collecting(forward=False):  # fmt: skip
             if call.offload is not None:
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)

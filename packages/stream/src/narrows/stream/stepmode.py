@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import anatomy_of, autocast_active, autocast_state, measure_peaks, trainable_parameters
+from narrows.core import ambient_state, anatomy_of, measure_peaks, trainable_parameters
 
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
@@ -201,7 +201,7 @@ class StepTrainer:
             raise RuntimeError(
                 "gradients are already set; a step starts from none (zero_grad(set_to_none=True))"
             )
-        if autocast_active(autocast_state(self.device)):
+        if ambient_state(self.device).autocast_active:
             raise StreamSetupError(
                 "step mode does not yet run under torch.autocast exactly (its layer calls and their backward "
                 "happen outside the model's forward); load the model in the dtype to train in, or stream "

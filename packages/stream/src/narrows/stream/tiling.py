@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import anatomy_of, autocast_as, autocast_state, ensure_architecture
+from narrows.core import ambient_as, ambient_state, anatomy_of, ensure_architecture
 
 from . import rng
 from .errors import StreamSetupError
@@ -68,7 +68,7 @@ class _TiledMLP(torch.autograd.Function):
             if out is None:
                 out = y.new_empty((*x.shape[:2], *y.shape[2:]))
             out[:, s] = y
-        ctx.tiles, ctx.states, ctx.autocast = tiles, states, autocast_state(x.device)
+        ctx.tiles, ctx.states, ctx.ambient = tiles, states, ambient_state(x.device)
         ctx.save_for_backward(x)
         ctx.set_materialize_grads(False)
         return out
@@ -84,7 +84,7 @@ class _TiledMLP(torch.autograd.Function):
         sums: list[Tensor | None] = [None] * len(need_p)
         wanted = [p for p, n in zip(tiles.params, need_p) if n]
         for s, state in zip(tiles.slices(x), ctx.states):
-            with rng.replay(state), torch.enable_grad(), autocast_as(ctx.autocast):
+            with rng.replay(state), torch.enable_grad(), ambient_as(ctx.ambient):
                 xt = _tile(x, s).requires_grad_(need_x)
                 y = tiles.fn(xt)
                 grads = list(torch.autograd.grad(y, ([xt] if need_x else []) + wanted, _tile(grad_out, s),

@@ -1,7 +1,8 @@
-"""Streaming under ``torch.autocast``: the backward recompute replays the forward's
-autocast settings, so streamed training stays `torch.equal` to resident training under
-the same autocast (CPU bf16 here). Without the replay the recompute runs in full
-precision — the fault twin shows the gradients then differ."""
+"""Streaming under ``torch.autocast`` or ``sdpa_kernel``: the backward recompute replays
+the forward's autocast and attention-backend settings, so streamed training stays
+`torch.equal` to resident training under the same contexts (CPU bf16 autocast, the math
+SDPA backend). Without the replay the recompute runs in full precision, or with another
+attention kernel — the fault twins show it."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_streamed_under_autocast_is_identical_to_resident():
 
 
 def test_recompute_without_the_forwards_autocast_differs(monkeypatch):
-    monkeypatch.setattr(remat, "autocast_as", lambda state: contextlib.nullcontext())
+    monkeypatch.setattr(remat, "ambient_as", lambda state: contextlib.nullcontext())
     with pytest.raises(AssertionError):
         assert_identical(_train(False), _train(True))
 
@@ -82,7 +83,7 @@ def test_mlp_tiles_recompute_under_the_forwards_autocast(monkeypatch, fault):
     """Every call of a tiled MLP's projection — forward and backward recompute — runs
     under bf16 autocast; the fault twin (no replay) recomputes in full precision."""
     if fault:
-        monkeypatch.setattr(tiling, "autocast_as", lambda state: contextlib.nullcontext())
+        monkeypatch.setattr(tiling, "ambient_as", lambda state: contextlib.nullcontext())
     model = build(num_hidden_layers=2, dropout=0.0)
     ns.tile_sequence(model, 4)
     down = anatomy_of(model).layers[0].mlp.down_proj
@@ -99,3 +100,43 @@ def test_mlp_tiles_recompute_under_the_forwards_autocast(monkeypatch, fault):
     loss.backward()
     assert n_forward > 0 and len(seen) == 2 * n_forward  # each tile recomputed once
     assert all(seen) != fault
+
+
+def _sdpa_model():
+    model = build(num_hidden_layers=3, dropout=0.0)
+    model.base_model.model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _grads_under_math_sdpa(streamed: bool) -> list[torch.Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = _sdpa_model()
+    if streamed:
+        ns.stream(model, None, device="cpu")
+    with sdpa_kernel(SDPBackend.MATH):
+        loss = model(**tiny_batch()).loss
+    loss.backward()  # outside the context, as a training loop does
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_streamed_under_an_sdpa_backend_is_identical_to_resident():
+    assert all(torch.equal(a, b) for a, b in zip(_grads_under_math_sdpa(False), _grads_under_math_sdpa(True)))
+
+
+@pytest.mark.parametrize("fault", [False, True])
+def test_the_recompute_keeps_the_forwards_attention_backends(monkeypatch, fault):
+    """Every attention call, forward and recompute, runs with only the math backend
+    allowed; the fault twin (no replay) recomputes with the CPU's flash kernel allowed."""
+    if fault:
+        monkeypatch.setattr(remat, "ambient_as", lambda state: contextlib.nullcontext())
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cuda.flash_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    _grads_under_math_sdpa(True)
+    step = seen[-6:]  # three layers, forward and recompute (stream()'s self-check ran some before)
+    assert len(step) == 6 and any(step) == fault
