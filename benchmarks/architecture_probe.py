@@ -47,8 +47,9 @@ STATS: dict[str, object] = {}
 
 
 def train(model, streamed: bool) -> list[torch.Tensor]:
-    model.to(DEVICE)
-    if streamed:
+    if not streamed:  # stream() takes the model from host memory and places it itself
+        model.to(DEVICE)
+    else:
         ns.stream(model, device=DEVICE, **({"graphs": True} if GRAPHS else {}))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)

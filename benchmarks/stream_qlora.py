@@ -11,7 +11,8 @@ that budget), either with "-head" (LM head streamed in vocabulary chunks too) an
 "-lmhead" (narrows.lmhead's masked, chunked exact loss: no full logits), "-tile" (the
 planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
 inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, none kept
-whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
+whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True) or "-auto" (the planner's choice,
+graphs="auto", the library's default; without either suffix graphs=False), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
 "-hostopt": AdamW state in host memory, each layer updated when its gradients are complete);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
@@ -136,7 +137,7 @@ def run_one(args: argparse.Namespace) -> dict:
         ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
                   recompute="all" if "recompute" in parts else "auto",
-                  graphs="graphs" in parts)  # fmt: skip
+                  graphs=True if "graphs" in parts else "auto" if "auto" in parts else False)  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     else:
@@ -220,6 +221,9 @@ def run_one(args: argparse.Namespace) -> dict:
             tile_tokens=plan.tile_tokens,
             act_waits=model.narrows_stream.stats.act_waits,
             whole_layers=len(plan.whole),
+            graph_bytes_planned=plan.graph_bytes,
+            graphs_planned=plan.graphs,
+            graphs_choice=plan.graphs_choice,
         )
         graphs = model.narrows_stream.graphs
         if graphs is not None:  # replays use the graphs' pool, which the allocator's peak does not see

@@ -47,3 +47,23 @@ def test_narrows_dora_in_sequence_tiles_with_offloaded_inputs_equals_the_same_ti
     streamed = ns.stream(build(), device="cpu", seq_tile=5, offload="all")
     assert streamed.narrows_stream.plan.tile_tokens == 5
     assert_equal(run(ns.tile_sequence(build(), 5), grad_accum=2), run(streamed, grad_accum=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_narrows_dora_kernels_replayed_as_cuda_graphs_equal_resident_eager():
+    """narrows-dora's fused Triton kernels inside the stream's CUDA graphs, with dropout:
+    `torch.equal` to the same model resident and eager (deterministic kernels)."""
+    from narrows.core import deterministic
+
+    def build():
+        m = with_adapter(tiny_model("llama"), "dora", dropout=0.05).train()
+        nd.use_narrows_dora(m)
+        return m
+
+    deterministic(True)
+    ref = run(build().to("cuda"), grad_accum=2, device="cuda")
+    model = ns.stream(build(), None, device="cuda", graphs=True)
+    assert_equal(ref, run(model, grad_accum=2, device="cuda"))
+    stats = model.narrows_stream.graphs.stats
+    assert stats.replays > 0 and not stats.refused

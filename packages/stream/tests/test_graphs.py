@@ -135,10 +135,12 @@ def test_bad_graphs_option_is_refused():
         ns.stream(_model(), device="cpu", graphs="yes")
 
 
-def test_no_graphs_by_default():
+def test_no_graphs_by_default_on_a_cpu():
+    """The default ("auto") leaves a CPU eager: it has no graphs to replay."""
     model = _model()
-    ns.stream(model, device="cpu", gpu_budget=None)
-    assert model.narrows_stream.graphs is None
+    ns.stream(model, device="cpu", gpu_budget=1 << 30)
+    assert model.narrows_stream.graphs is None and not model.narrows_stream.plan.graphs
+    assert "auto: not a CUDA device" in str(model.narrows_stream.plan)
 
 
 @pytest.mark.gpu
@@ -164,3 +166,67 @@ def test_cuda_graphs_are_identical_to_resident_eager(base):
     assert_identical(ref, got)
     stats = model.narrows_stream.graphs.stats
     assert stats.replays > 0 and set(stats.refused) == {2} and "waits for the host" in stats.refused[2]
+
+
+def _between(base: str) -> int:
+    """A CUDA budget with a resident layer and the rest streamed, graphs counted."""
+    low = ns.plan(_model(base), None, device="cuda", batch_size=2, seq_len=12, offload="off", graphs=True)
+    return low.predicted_peak + max(low.layer_bytes)  # one layer more than the smallest: a mix
+
+
+GRAPH_MIXES = {
+    "every layer resident and recomputed": {"gpu_budget": "fit", "recompute": "all"},
+    "streamed and resident, inputs kept": {"offload": "off", "recompute": "all"},
+    "inputs offloaded, head streamed": {"gpu_budget": None, "offload": "all", "head": "stream"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mix", list(GRAPH_MIXES))
+@pytest.mark.parametrize("base", ["float", "nf4"])
+def test_cuda_graphs_in_every_mix_the_planner_picks(base, mix):
+    """The mixes a graphed plan can hold, with dropout: `torch.equal` to resident eager
+    training on the same GPU with deterministic kernels."""
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from narrows.core import deterministic
+
+    deterministic(True)
+    kw = {"gpu_budget": _between(base), "batch_size": 2, "seq_len": 12, **GRAPH_MIXES[mix], "graphs": True}
+    ref = train(_model(base).to("cuda"), steps=2, grad_accum=2, device="cuda")
+    model = _model(base)
+    got = train(model, steps=2, grad_accum=2, device="cuda", stream_kwargs=kw)
+    assert_identical(ref, got)
+    plan, stats = model.narrows_stream.plan, model.narrows_stream.graphs.stats
+    assert plan.graphs and stats.replays > 0 and not stats.refused
+    if mix == "streamed and resident, inputs kept":
+        assert 0 < len(plan.resident) < N
+    if mix == "every layer resident and recomputed":
+        assert len(plan.resident) == N and not plan.whole
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_with_peft_dora_and_tiles():
+    """PEFT's DoRA layers replayed as graphs, and MLP tiles inside the graphs: equal to the
+    same model (the same tiling) resident and eager."""
+    from helpers import build
+
+    from narrows.core import deterministic
+
+    deterministic(True)
+    ref = train(build(num_hidden_layers=N, kind="dora", dropout=0.05).to("cuda"), steps=2, grad_accum=2,
+                device="cuda")  # fmt: skip
+    model = build(num_hidden_layers=N, kind="dora", dropout=0.05)
+    got = train(
+        model, steps=2, grad_accum=2, device="cuda", stream_kwargs={"gpu_budget": None, "graphs": True}
+    )
+    assert_identical(ref, got)
+    assert model.narrows_stream.graphs.stats.replays > 0
+    ref = train(ns.tile_sequence(_model(), 5).to("cuda"), steps=2, grad_accum=2, device="cuda")
+    model = _model()
+    got = train(model, steps=2, grad_accum=2, device="cuda",
+                stream_kwargs={"gpu_budget": None, "seq_tile": 5, "graphs": True})  # fmt: skip
+    assert_identical(ref, got)
+    assert model.narrows_stream.plan.tile_tokens == 5 and model.narrows_stream.graphs.stats.replays > 0

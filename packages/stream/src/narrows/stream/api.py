@@ -204,9 +204,10 @@ def _check_layer_options(
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
-         recompute: str = "auto", rates: Rates | None = None) -> Plan:  # fmt: skip
+         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto") -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything (`rates`: what
-    the step-time model takes for the machine; default: fitted to the H100)."""
+    the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
+    `stream`'s, whose pool the budget then holds)."""
     tile = _check_layer_options(offload, seq_tile, recompute)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
@@ -233,7 +234,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
                      host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile,
-                     recompute=recompute, rates=rates)  # fmt: skip
+                     recompute=recompute, rates=rates, graphs=graphs)  # fmt: skip
 
 
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
@@ -349,7 +350,7 @@ def stream(
     offload: str = "auto",
     seq_tile: int | str | None = None,
     recompute: str = "auto",
-    graphs: bool = False,
+    graphs: bool | str = "auto",
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -384,15 +385,22 @@ def stream(
     layer narrows runs itself (streamed or recomputed) as CUDA graphs — its forward, and
     its recompute with its backward — the same kernels on the same inputs, so still
     bit-identical, without the host's per-kernel cost; a layer whose forward waits for
-    the host runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why). Off by
-    default: the planner does not yet count the device memory graphs add. On a CPU
-    there are no graphs (True runs the same buffer path eagerly, for tests).
+    the host runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why). The
+    plan then counts the graphs' pool and prices graphed layers without the host's
+    per-kernel cost, so at short sequences it recomputes resident layers rather than
+    keep them whole. "auto" (default): on a CUDA device with a budget, graphs when the
+    plan with them fits and is predicted faster (the plan's report says which and why);
+    off for the smallest footprint (no budget), for `inference=True`, and on a CPU, which
+    has no graphs (True there runs the same buffer path eagerly, for tests).
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
         raise StreamSetupError("this model is already streamed")
-    if not isinstance(graphs, bool):
-        raise StreamSetupError(f"graphs={graphs!r}: use True (CUDA graphs) or False (default: eager layers)")
+    if not (isinstance(graphs, bool) or graphs == "auto"):
+        raise StreamSetupError(f"graphs={graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
+                               "(default: graphs where the planner predicts them faster)")  # fmt: skip
+    if inference and graphs == "auto":
+        graphs = False  # forward passes only: nothing is recomputed, and no step repeats a capture
     if deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")
@@ -415,7 +423,7 @@ def stream(
         )
     the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
                     head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile,
-                    recompute=recompute)  # fmt: skip
+                    recompute=recompute, graphs=graphs)  # fmt: skip
     stream_head = _check_head(anat, head)
     if the_plan.tile_tokens is not None:
         tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
@@ -438,7 +446,7 @@ def stream(
                             reader=reader)  # fmt: skip
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
-    layer_graphs = LayerGraphs(dev) if graphs else None
+    layer_graphs = LayerGraphs(dev) if the_plan.graphs else None
     for i, layer in enumerate(anat.layers):
         if i not in the_plan.whole:  # a whole layer runs untouched, as in resident training
             layer.forward = _layer_forward(i, layer, engine, acts, layer_graphs)
@@ -464,7 +472,7 @@ def stream(
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
                                prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
-                               seq_tile=seq_tile, recompute=recompute)  # fmt: skip
+                               seq_tile=seq_tile, recompute=recompute, graphs=graphs)  # fmt: skip
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,

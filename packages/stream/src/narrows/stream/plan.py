@@ -21,12 +21,17 @@ picks the mix. Whole layers are the last layers: the streamed layer before them 
 in its device slab when backward turns, so no copy has to be started from inside their
 plain autograd backward. With every layer whole a step is plain PEFT training without
 checkpointing.
+
+With CUDA graphs (`graphs=True`) the layers narrows runs itself (streamed, or resident and
+recomputed) replay as graphs: the budget also holds the graphs' scratch pool, and the
+step-time model prices those layers without the host's per-kernel cost, so at short
+sequences a graphed recompute beats an eager whole layer and the planner picks it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from narrows.core import format_bytes
 
@@ -71,6 +76,10 @@ class Plan:
     d2h_bytes_per_step: int = 0
     tile_tokens: int | None = None  # the MLP runs in sequence tiles of this many tokens
     whole: tuple[int, ...] = ()  # resident layers run without recompute, activations saved
+    graphs: bool = False  # the layers narrows runs replay as CUDA graphs
+    graph_bytes: int = 0  # the graphs' scratch pool and capture workspaces, in the peak
+    step_seconds: float = 0.0  # the step-time model's figure for the layers (ranks plans; not a promise)
+    graphs_choice: str = ""  # with graphs="auto": why they are on or off
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -98,6 +107,10 @@ class Plan:
             ("sequence tiling", "off" if self.tile_tokens is None else
              f"MLP in tiles of {self.tile_tokens} tokens (equal to untiled training up to summation order)"),
             ("layer + loss working set", format_bytes(self.work_bytes)),
+            ("CUDA graphs", ("off" if not self.graphs else
+             f"on: the layers narrows runs replay as graphs (pool {format_bytes(self.graph_bytes)})"
+             if self.graph_bytes else "on, but every layer runs whole (eager): no graphs")
+             + (f" ({self.graphs_choice})" if self.graphs_choice else "")),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("host→device per step", format_bytes(self.h2d_bytes_per_step)),
         ]  # fmt: skip
@@ -138,6 +151,28 @@ def whole_bytes(s: Shapes) -> int:
     return kept
 
 
+def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
+    """One layer's recompute and backward working set (see `work_bytes`)."""
+    tokens = s.batch * s.seq
+    mlp_tokens = tokens if tile is None else min(tokens, tile)
+    layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
+    if s.eager_attention:
+        layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
+    return layer
+
+
+GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the pool's rounding
+
+
+def graph_bytes(s: Shapes, tile: int | None = None) -> int:
+    """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
+    layer's forward graph and of one recompute-and-backward graph (they are not live at
+    once, but the pool keeps the blocks of both), plus the capture stream's workspaces.
+    (H100, Qwen2.5 NF4 shapes at 512 tokens: measured 0.44 GiB at 7B, pool 0.68 GiB at 32B;
+    this predicts 0.52 and 0.70 GiB.)"""
+    return 2 * layer_work_bytes(s, tile) + GRAPH_WORKSPACE
+
+
 def work_bytes(s: Shapes, tile: int | None = None) -> int:
     """Transient working set: the larger of one layer's recompute graph and the loss.
 
@@ -153,12 +188,8 @@ def work_bytes(s: Shapes, tile: int | None = None) -> int:
     never builds the logits (narrows-lmhead) reports its own figure instead.
     """
     tokens = s.batch * s.seq
-    mlp_tokens = tokens if tile is None else min(tokens, tile)
-    layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
-    if s.eager_attention:
-        layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
     loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
-    return max(layer, loss)
+    return max(layer_work_bytes(s, tile), loss)
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:
@@ -212,6 +243,7 @@ def make_plan(
     tile: int | str | None = None,
     recompute: str = "auto",
     rates: Rates | None = None,
+    graphs: bool | str = False,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -223,7 +255,14 @@ def make_plan(
     `tile`: None (never tiled), "auto" (tiled only when the budget needs it) or a tile
     size in tokens (always). `recompute`: "auto" (resident layers are kept whole while
     the budget allows) or "all" (every layer is recomputed in backward). `rates`: the
-    machine's transfer and compute times for the step-time model (default: fitted)."""
+    machine's transfer and compute times for the step-time model (default: fitted).
+    `graphs`: the layers narrows runs replay as CUDA graphs (their pool is counted, and
+    they are priced without the host's per-kernel cost); "auto": on a CUDA device with a
+    budget, the plan with graphs if it fits and its predicted step time is lower."""
+    if graphs == "auto":
+        return _either(dict(locals()))
+    if not isinstance(graphs, bool):
+        raise ValueError(f"graphs={graphs!r}: use True, False or 'auto'")
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload={offload!r}: use one of {', '.join(OFFLOAD_MODES)}")
     if recompute not in RECOMPUTE_MODES:
@@ -239,11 +278,15 @@ def make_plan(
     def saved(kept: int, whole: int = 0) -> int:  # kept inputs, two offloaded ones in flight, whole layers
         return (kept - whole + min(2, n - kept)) * a + whole * kept_whole
 
+    def pool(t: int | None, whole: int) -> int:  # the graphs' pool, while any layer is graphed
+        return graph_bytes(shapes, t) if graphs and whole < n and device.startswith("cuda") else 0
+
     def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
         return (
             fixed_bytes
             + saved(kept, whole)
             + work_bytes(shapes, t)
+            + pool(t, whole)
             + slabs * slab
             + sum(layer_bytes[i] for i in resident)
         )
@@ -281,7 +324,7 @@ def make_plan(
                                                                         kept, t, w) <= budget)  # fmt: skip
             if mix is None:
                 break
-            key = (step_seconds(layer_bytes, shapes, len(mix), w, rates), -len(mix))
+            key = (step_seconds(layer_bytes, shapes, len(mix), w, rates, graphs), -len(mix))
             if best is None or key < best[0]:
                 best = key, mix, tuple(range(n - w, n))
         if best is not None:
@@ -323,7 +366,26 @@ def make_plan(
         d2h_bytes_per_step=moved_out,
         tile_tokens=t,
         whole=whole,
+        graphs=graphs,
+        graph_bytes=pool(t, len(whole)),
+        step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
     )
+
+
+def _either(args: dict) -> Plan:
+    """`make_plan(graphs="auto")`: the faster of the plans with and without graphs. Graphs
+    need a CUDA device, and the smallest footprint (no budget) stays without their pool."""
+    eager = make_plan(**{**args, "graphs": False})
+    if args["budget"] is None or not str(args["device"]).startswith("cuda"):
+        why = "no budget: the smallest footprint" if args["budget"] is None else "not a CUDA device"
+        return replace(eager, graphs_choice=f"auto: {why}")
+    try:
+        graphed = make_plan(**{**args, "graphs": True})
+    except BudgetTooSmallError:
+        return replace(eager, graphs_choice="auto: their pool does not fit the budget")
+    pick = graphed if graphed.step_seconds < eager.step_seconds else eager
+    return replace(pick, graphs_choice=f"auto: predicted {graphed.step_seconds:.3g} s of layer time a step with "
+                                       f"graphs, {eager.step_seconds:.3g} s without")  # fmt: skip
 
 
 def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, work: int, offload: str,
@@ -366,7 +428,9 @@ def _most_resident(whole: int, n: int, disk: Sequence[int], fits) -> tuple[int, 
 # H100 (PCIe gen5, bitsandbytes-style NF4 dequantisation per forward) at the Qwen2.5 shapes.
 H2D_RATE = 40e9  # bytes/s host→device from pinned memory (measured 35–55)
 MATMUL_RATE = 400e12  # flop/s a layer's matmuls reach at a few thousand tokens
-DEQUANT_RATE = 65e9  # parameters/s: NF4 weights dequantised per forward (the batch-1 floor)
+DEQUANT_RATE = 500e9  # parameters/s the device dequantises NF4 weights at, per use
+HOST_RATE = 65e9  # parameters/s: an eager NF4 layer's forward on the host (its per-kernel
+# launches; the batch-1 floor), which graph replays do not pay
 
 
 @dataclass(frozen=True)
@@ -376,30 +440,40 @@ class Rates:
 
     h2d: float = H2D_RATE  # bytes/s host→device
     forward_s: float | None = None  # one layer's forward; None: from the matmul and dequantisation rates
+    graphed: bool = False  # forward_s was measured on graph replays
 
 
-def layer_seconds(nbytes: int, s: Shapes, rates: Rates | None = None) -> tuple[float, float]:
-    """One layer's forward compute time and one host→device copy of it, predicted."""
+def layer_seconds(
+    nbytes: int, s: Shapes, rates: Rates | None = None, graphed: bool = False
+) -> tuple[float, float]:
+    """One layer's forward compute time (eager, or replayed as a CUDA graph) and one
+    host→device copy of it, predicted. A measured forward replaces the model's figure for
+    the way it was measured; the other way is scaled by the model's ratio."""
     rates = rates or Rates()
     params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
-    compute = 2 * s.batch * s.seq * params / MATMUL_RATE
-    if nbytes < params:  # below a byte per parameter: quantised, dequantised on every use
-        compute += params / DEQUANT_RATE
+    matmul = 2 * s.batch * s.seq * params / MATMUL_RATE
+    quantised = nbytes < params  # below a byte per parameter: dequantised on every use
+    graph = matmul + (params / DEQUANT_RATE if quantised else 0.0)  # what the device does
+    eager = max(graph, params / HOST_RATE) if quantised else graph  # or the host, if slower
+    compute = graph if graphed else eager
     if rates.forward_s is not None:
-        compute = rates.forward_s
+        compute = rates.forward_s * compute / (graph if rates.graphed else eager)
     return compute, nbytes / rates.h2d
 
 
 def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int,
-                 rates: Rates | None = None) -> float:  # fmt: skip
+                 rates: Rates | None = None, graphs: bool = False) -> float:  # fmt: skip
     """Predicted time of one step's layers with `resident` resident layers of which
     `whole` run without recompute: forward, backward (twice the forward), the recompute
     of every other layer, and what a streamed layer's copies cannot hide — behind the
-    previous layer's forward, and behind the next layer's backward and recompute."""
+    previous layer's forward, and behind the next layer's backward and recompute. With
+    `graphs` the layers narrows runs (all but the whole ones) are priced as graph replays;
+    whole layers run eagerly either way."""
     n = len(layer_bytes)
-    f, c = layer_seconds(max(layer_bytes), s, rates)
+    eager, c = layer_seconds(max(layer_bytes), s, rates)
+    f = layer_seconds(max(layer_bytes), s, rates, graphed=True)[0] if graphs else eager
     exposed = max(0.0, c - f) + max(0.0, c - 3 * f)
-    return n * 3 * f + (n - whole) * f + (n - resident) * exposed
+    return whole * 3 * eager + (n - whole) * 4 * f + (n - resident) * exposed
 
 
 def _choose(count: int, n: int, disk: Sequence[int]) -> tuple[int, ...]:

@@ -160,7 +160,7 @@ class Profile:
         if not copies or not forwards:
             return None
         h2d = sum(t.copied_bytes for t in copies) / sum(t.copy for t in copies)
-        return Rates(h2d=h2d, forward_s=sorted(forwards)[len(forwards) // 2])
+        return Rates(h2d=h2d, forward_s=sorted(forwards)[len(forwards) // 2], graphed=self.plan.graphs)
 
     def advice(self) -> str:
         """What the planner would change with the measured rates, in one sentence."""

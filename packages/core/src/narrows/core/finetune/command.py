@@ -76,9 +76,10 @@ def add_parser(sub) -> None:
     a("--offload-optimizer", action="store_true", default=None,
       help="with --step-mode: the optimizer state waits in host memory, each layer updated on the GPU when its "
       "gradients are complete; the same numbers")  # fmt: skip
-    a("--cuda-graphs", action="store_true", default=None,
-      help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs (faster at short sequences; "
-      "the same numbers; their memory is not yet in the plan)")  # fmt: skip
+    a("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+      help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers; by default "
+      "the planner turns them on where it predicts them faster within the budget (short sequences), and the plan "
+      "says which; --no-cuda-graphs keeps every layer eager")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")
