@@ -158,3 +158,21 @@ def test_a_missing_sibling_package_is_named(job, capsys, tmp_path):
     err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--adapter", "dora",
                   "--out", str(tmp_path / "run"))  # fmt: skip
     assert "narrows-dora" in err and "pip install" in err
+
+
+def test_cuda_graphs_flag_is_three_way():
+    """Not given: the planner decides (None, recorded as such); --cuda-graphs forces them
+    on, --no-cuda-graphs off."""
+    import argparse
+
+    from narrows.core.finetune.command import add_parser
+    from narrows.core.finetune.config import FinetuneConfig
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    got = [
+        parser.parse_args(["finetune", *flag]).cuda_graphs
+        for flag in ([], ["--cuda-graphs"], ["--no-cuda-graphs"])
+    ]
+    assert got == [None, True, False]
+    assert FinetuneConfig.cuda_graphs is None

@@ -49,7 +49,8 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
                              "predicted_host_bytes": plan.predicted_host_bytes, "host_budget": plan.host_budget,
                              "host_rss_peak": host_rss_high_water(), "offloaded_layers": len(plan.offloaded),
                              "host_activation_bytes": plan.host_activation_bytes, "tile_tokens": plan.tile_tokens,
-                             "whole_layers": len(plan.whole)}  # fmt: skip
+                             "whole_layers": len(plan.whole), "cuda_graphs": getattr(plan, "graphs", False),
+                             "cuda_graphs_choice": getattr(plan, "graphs_choice", "")}  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
@@ -128,6 +129,9 @@ def format_summary(summary: dict) -> str:
             rows.append(("saved layer inputs", f"{st['offloaded_layers']}/{st['layers']} in host memory "
                          f"({format_bytes(st['host_activation_bytes'])}), the rest on the device; MLP "
                          + (f"in sequence tiles of {st['tile_tokens']} tokens" if st["tile_tokens"] else "untiled")))  # fmt: skip
+        if "cuda_graphs" in st:
+            rows.append(("CUDA graphs", ("on" if st["cuda_graphs"] else "off")
+                         + (f" ({st['cuda_graphs_choice']})" if st["cuda_graphs_choice"] else "")))  # fmt: skip
         if st.get("predicted_host_bytes") is not None:
             disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
                     if st["disk_layers"] else "no disk tier")  # fmt: skip
