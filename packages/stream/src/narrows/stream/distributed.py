@@ -1,0 +1,107 @@
+"""Data parallel over a streamed base: `data_parallel(model)` wraps a streamed (or resident)
+PEFT model in `DistributedDataParallel` over its adapters only.
+
+DDP on its own would take the frozen base too: at construction it broadcasts every
+parameter from rank 0 (for a streamed base, the whole host copy, through the collective
+backend), and it refuses a module whose parameters sit on two device types — the
+adapters on the GPU, the frozen slabs in host memory. The base is frozen and every rank
+holds the same one, so the wrapper leaves it out of DDP altogether; only the trainable
+parameters are synchronised at start and all-reduced in backward.
+
+Before wrapping, the ranks compare what they are about to train — narrows' versions, the
+trainable parameters (names, shapes, dtypes), the stream plan's layout — and a rank that
+differs stops every rank with a message naming it, rather than train apart silently.
+
+Exactness: DDP averages the ranks' gradients. With two ranks, each running one
+micro-batch of the global batch with an unscaled loss, that is (g0 + g1) / 2 — one
+addition and an exact division by two — which equals, bit for bit, one process
+accumulating g0/2 + g1/2 over the same micro-batches (given the same per-micro-batch
+dropout seeds and deterministic kernels). With more ranks the sum's order is the
+collective's (NCCL's ring, gloo's algorithm): equal to resident DDP over the same ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from narrows.core import trainable_parameters
+
+from .errors import StreamSetupError
+
+_PACKAGES = ("narrows-core", "narrows-stream", "narrows-dora", "narrows-lmhead")
+
+
+def _versions() -> dict[str, str]:
+    found = {}
+    for name in _PACKAGES:
+        with contextlib.suppress(PackageNotFoundError):  # siblings a rank does not install
+            found[name] = version(name)
+    return found
+
+
+def fingerprint(model: nn.Module) -> dict[str, Any]:
+    """What every rank must agree on before training together."""
+    handle = getattr(model, "narrows_stream", None)
+    plan = handle.plan if handle is not None else None
+    return {
+        "narrows": _versions(),
+        "trainable": [(n, tuple(p.shape), str(p.dtype)) for n, p in trainable_parameters(model).items()],
+        "plan": None
+        if plan is None
+        else {"layers": len(plan.layer_bytes), "layer_bytes": list(plan.layer_bytes)},
+    }
+
+
+def check_ranks(model: nn.Module, group: Any = None) -> None:
+    """Stop every rank, naming the first that differs from rank 0, when the ranks are not
+    about to train the same thing (a collective: every rank calls it)."""
+    mine = fingerprint(model)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    for rank, theirs in enumerate(every):
+        for key in mine:
+            if theirs[key] != every[0][key]:
+                raise StreamSetupError(
+                    f"rank {rank} differs from rank 0 in {key}: {_diff(every[0][key], theirs[key])}. Every rank "
+                    "must run the same narrows versions on the same model with the same adapters; check the "
+                    "environment each rank starts in and the arguments it was given"
+                )
+
+
+def _diff(a: Any, b: Any) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b), key=str)
+        return "; ".join(f"{k}: {a.get(k)!r} against {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+    if isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"item {i}: {x!r} against {y!r}"
+        return f"{len(a)} items against {len(b)}"
+    return f"{a!r} against {b!r}"
+
+
+def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
+    """`DistributedDataParallel(model, **ddp_kwargs)` over the trainable parameters only,
+    after `check_ranks`. Call it after `narrows.stream.stream(model, ...)` (and after
+    narrows-dora / narrows-lmhead are applied), in every rank, with the process group
+    initialised. On CUDA pass ``device_ids=[local_rank]`` as usual."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise StreamSetupError(
+            "data_parallel needs an initialised process group: launch with torchrun and call "
+            "torch.distributed.init_process_group() first (backend 'nccl' on GPUs, 'gloo' on the CPU)"
+        )
+    trainable = trainable_parameters(model)
+    if not trainable:
+        raise StreamSetupError(
+            "nothing in this model trains: add adapters before wrapping it for data parallel"
+        )
+    check_ranks(model, ddp_kwargs.get("process_group"))
+    frozen = [n for n, _ in model.named_parameters() if n not in trainable]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    return DistributedDataParallel(model, **ddp_kwargs)

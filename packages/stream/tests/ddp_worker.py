@@ -1,0 +1,89 @@
+"""One rank of the data-parallel parity test, launched by torchrun (`test_distributed.py`):
+a streamed tiny model wrapped in DDP over gloo, each rank one micro-batch of the global
+batch, dropout seeded per (step, micro-batch) — the loop `sequential` runs in one process."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from narrows.core.testing import tiny_batch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import build
+
+import narrows.stream as ns
+
+STEPS, LAYERS, DROPOUT = 2, 3, 0.1
+
+
+def model():
+    return build(num_hidden_layers=LAYERS, dropout=DROPOUT)
+
+
+def micro_step(forward, step: int, micro: int, scale: float) -> torch.Tensor:
+    """One micro-batch: its own data and its own dropout seed, so any process can run it."""
+    torch.manual_seed(1000 + 100 * step + micro)
+    loss = forward(**tiny_batch(seed=10 * step + micro)).loss
+    (loss * scale).backward()
+    return loss.detach().clone()
+
+
+def record(params, opt, losses, grads) -> dict:
+    return {"loss": losses, "grad": grads, "weight": [p.detach().clone() for p in params],
+            "adam": [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]}  # fmt: skip
+
+
+def sequential(m, world: int) -> dict:
+    """The reference: one process, gradient accumulation over `world` micro-batches."""
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses, grads = [], []
+    for step in range(STEPS):
+        losses += [micro_step(m, step, micro, 1 / world) for micro in range(world)]
+        grads += [p.grad.clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+    return record(params, opt, losses, grads)
+
+
+def train_rank(mode: str, rank: int, world: int) -> dict:
+    m = model()
+    ns.stream(m, None, device="cpu")
+    # "ddp": what a user writes; "local": the same loop with no gradient all-reduce (the fault twin)
+    forward = ns.data_parallel(m) if mode == "ddp" else m
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses, grads = [], []
+    for step in range(STEPS):
+        # DDP averages the ranks' gradients; a micro-batch's loss is not scaled here
+        losses.append(micro_step(forward, step, rank, 1.0 if mode == "ddp" else 1 / world))
+        grads += [p.grad.clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+    return record(params, opt, losses, grads)
+
+
+def main(out: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for mode in ("ddp", "local"):
+        torch.save(train_rank(mode, rank, world), f"{out}.{mode}.rank{rank}.pt")
+    # a rank that diverges: rank 1 was given another model
+    m = build(num_hidden_layers=LAYERS + rank, dropout=DROPOUT)
+    ns.stream(m, None, device="cpu")
+    try:
+        ns.data_parallel(m)
+        said = "not refused"
+    except ns.StreamSetupError as e:
+        said = str(e)
+    with open(f"{out}.diverged.rank{rank}.txt", "w") as f:
+        f.write(said)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
