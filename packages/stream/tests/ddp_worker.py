@@ -55,6 +55,10 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
     ns.stream(m, None, device="cpu")
     # "ddp": what a user writes; "local": the same loop with no gradient all-reduce (the fault twin)
     forward = ns.data_parallel(m) if mode == "ddp" else m
+    if mode == "ddp":  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
+        frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
+        assert frozen and forward.parameters_to_ignore == frozen
+        assert all(p.requires_grad for p in forward._module_parameters)
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     losses, grads = [], []
@@ -80,6 +84,16 @@ def main(out: str) -> None:
         said = "not refused"
     except ns.StreamSetupError as e:
         said = str(e)
+    solo = dist.new_group([0])  # a collective: every rank creates it
+    if rank == 0:  # step mode would bypass DDP's all-reduce: refused
+        m = model()
+        ns.stream(m, None, device="cpu")
+        ns.data_parallel(m, process_group=solo)
+        try:
+            ns.StepTrainer(m, None, grad_accum=2)
+            said += "\nstep mode not refused"
+        except ns.StreamSetupError as e:
+            said += "\n" + str(e)
     with open(f"{out}.diverged.rank{rank}.txt", "w") as f:
         f.write(said)
     dist.destroy_process_group()

@@ -73,6 +73,11 @@ def test_a_diverged_rank_stops_every_rank_with_its_name(ranks):
         assert said.startswith("rank 1 differs from rank 0 in trainable"), said
 
 
+def test_step_mode_under_data_parallel_is_refused(ranks):
+    said = Path(f"{ranks}.diverged.rank0.txt").read_text()
+    assert "step mode under data_parallel is not supported yet" in said, said
+
+
 def test_data_parallel_needs_a_process_group():
     from helpers import build
 

@@ -135,12 +135,14 @@ def test_bad_graphs_option_is_refused():
         ns.stream(_model(), device="cpu", graphs="yes")
 
 
-def test_no_graphs_by_default_on_a_cpu():
-    """The default ("auto") leaves a CPU eager: it has no graphs to replay."""
+def test_no_graphs_by_default_and_none_on_a_cpu():
+    """Off by default; "auto" leaves a CPU eager too: it has no graphs to replay."""
     model = _model()
     ns.stream(model, device="cpu", gpu_budget=1 << 30)
     assert model.narrows_stream.graphs is None and not model.narrows_stream.plan.graphs
-    assert "auto: not a CUDA device" in str(model.narrows_stream.plan)
+    model = _model()
+    ns.stream(model, device="cpu", gpu_budget=1 << 30, graphs="auto")
+    assert model.narrows_stream.graphs is None and "auto: not a CUDA device" in str(model.narrows_stream.plan)
 
 
 @pytest.mark.gpu

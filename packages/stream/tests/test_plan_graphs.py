@@ -120,3 +120,21 @@ def test_auto_takes_graphs_where_the_model_predicts_them_faster():
     assert not tight.graphs and "does not fit" in tight.graphs_choice
     with pytest.raises(ValueError, match="graphs='yes'"):
         make_plan([NF4_LAYER], fixed_bytes=0, shapes=shapes, budget=None, device="cuda", graphs="yes")
+
+
+def test_auto_never_trades_tiling_for_graphs():
+    """Where the pool would only fit with MLP tiles the eager plan does not need, "auto"
+    stays eager: tiling changes the sums, graphs do not."""
+    shapes = _qwen7b(2048)
+    common = {
+        "fixed_bytes": GiB,
+        "shapes": shapes,
+        "budget": int(6.28 * GiB),
+        "device": "cuda",
+        "tile": "auto",
+    }
+    eager = make_plan([NF4_LAYER] * 28, **common)
+    forced = make_plan([NF4_LAYER] * 28, **common, graphs=True)
+    assert eager.tile_tokens is None and forced.tile_tokens is not None  # the case in question
+    auto = make_plan([NF4_LAYER] * 28, **common, graphs="auto")
+    assert not auto.graphs and auto.tile_tokens is None and "sequence tiles" in auto.graphs_choice

@@ -201,14 +201,21 @@ def _check_layer_options(
                            "sequence only when the budget needs it) or a tile size in tokens, e.g. 4096")  # fmt: skip
 
 
+def _check_graphs(graphs: object) -> None:
+    if not (isinstance(graphs, bool) or graphs == "auto"):
+        raise StreamSetupError(f"graphs={graphs!r}: use True (CUDA graphs), False (default: eager layers) or "
+                               "'auto' (graphs where the planner predicts them faster)")  # fmt: skip
+
+
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
-         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto") -> Plan:  # fmt: skip
+         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = False) -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything (`rates`: what
     the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
     `stream`'s, whose pool the budget then holds)."""
     tile = _check_layer_options(offload, seq_tile, recompute)
+    _check_graphs(graphs)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
     dev = _resolve_device(device)
@@ -350,7 +357,7 @@ def stream(
     offload: str = "auto",
     seq_tile: int | str | None = None,
     recompute: str = "auto",
-    graphs: bool | str = "auto",
+    graphs: bool | str = False,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -388,17 +395,17 @@ def stream(
     the host runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why). The
     plan then counts the graphs' pool and prices graphed layers without the host's
     per-kernel cost, so at short sequences it recomputes resident layers rather than
-    keep them whole. "auto" (default): on a CUDA device with a budget, graphs when the
-    plan with them fits and is predicted faster (the plan's report says which and why);
-    off for the smallest footprint (no budget), for `inference=True`, and on a CPU, which
-    has no graphs (True there runs the same buffer path eagerly, for tests).
+    keep them whole. "auto": on a CUDA device with a budget, graphs when the plan with
+    them fits and is predicted faster (the plan's report says which and why); off for the
+    smallest footprint (no budget), for `inference=True`, and on a CPU, which has no
+    graphs (True there runs the same buffer path eagerly, for tests). Off by default:
+    graphs are captured per batch shape and kept, so batches padded to varying widths
+    would capture (and hold buffers) again for each width; use them with fixed shapes.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
         raise StreamSetupError("this model is already streamed")
-    if not (isinstance(graphs, bool) or graphs == "auto"):
-        raise StreamSetupError(f"graphs={graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
-                               "(default: graphs where the planner predicts them faster)")  # fmt: skip
+    _check_graphs(graphs)
     if inference and graphs == "auto":
         graphs = False  # forward passes only: nothing is recomputed, and no step repeats a capture
     if deterministic:

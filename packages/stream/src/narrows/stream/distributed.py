@@ -26,6 +26,7 @@ import contextlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -49,12 +50,14 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
     """What every rank must agree on before training together."""
     handle = getattr(model, "narrows_stream", None)
     plan = handle.plan if handle is not None else None
+    # what changes the numbers; residency and graphs do not (a "fit" budget may differ by rank)
+    layout = (
+        None if plan is None else {"layer_bytes": list(plan.layer_bytes), "tile_tokens": plan.tile_tokens}
+    )
     return {
         "narrows": _versions(),
         "trainable": [(n, tuple(p.shape), str(p.dtype)) for n, p in trainable_parameters(model).items()],
-        "plan": None
-        if plan is None
-        else {"layers": len(plan.layer_bytes), "layer_bytes": list(plan.layer_bytes)},
+        "plan": layout,
     }
 
 
@@ -101,7 +104,19 @@ def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParalle
         raise StreamSetupError(
             "nothing in this model trains: add adapters before wrapping it for data parallel"
         )
+    device = _device(model, ddp_kwargs)
+    if device is not None and device.type == "cuda":  # NCCL's object collectives use the current device
+        torch.cuda.set_device(device)
     check_ranks(model, ddp_kwargs.get("process_group"))
     frozen = [n for n, _ in model.named_parameters() if n not in trainable]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+    model.narrows_data_parallel = True  # StepTrainer refuses it: its gradients bypass DDP's hooks
     return DistributedDataParallel(model, **ddp_kwargs)
+
+
+def _device(model: nn.Module, ddp_kwargs: dict[str, Any]) -> torch.device | None:
+    ids = ddp_kwargs.get("device_ids")
+    if ids:
+        return torch.device("cuda", ids[0]) if isinstance(ids[0], int) else torch.device(ids[0])
+    handle = getattr(model, "narrows_stream", None)
+    return handle.device if handle is not None else None

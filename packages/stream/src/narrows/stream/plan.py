@@ -109,7 +109,7 @@ class Plan:
             ("layer + loss working set", format_bytes(self.work_bytes)),
             ("CUDA graphs", ("off" if not self.graphs else
              f"on: the layers narrows runs replay as graphs (pool {format_bytes(self.graph_bytes)})"
-             if self.graph_bytes else "on, but every layer runs whole (eager): no graphs")
+             if len(self.whole) < len(self.layer_bytes) else "on, but every layer runs whole (eager): no graphs")
              + (f" ({self.graphs_choice})" if self.graphs_choice else "")),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("host→device per step", format_bytes(self.h2d_bytes_per_step)),
@@ -375,6 +375,7 @@ def make_plan(
 def _either(args: dict) -> Plan:
     """`make_plan(graphs="auto")`: the faster of the plans with and without graphs. Graphs
     need a CUDA device, and the smallest footprint (no budget) stays without their pool."""
+    args["layer_bytes"] = tuple(args["layer_bytes"])  # read twice
     eager = make_plan(**{**args, "graphs": False})
     if args["budget"] is None or not str(args["device"]).startswith("cuda"):
         why = "no budget: the smallest footprint" if args["budget"] is None else "not a CUDA device"
@@ -383,6 +384,10 @@ def _either(args: dict) -> Plan:
         graphed = make_plan(**{**args, "graphs": True})
     except BudgetTooSmallError:
         return replace(eager, graphs_choice="auto: their pool does not fit the budget")
+    if graphed.tile_tokens != eager.tile_tokens:  # tiling changes the sums: not the planner's to trade
+        return replace(
+            eager, graphs_choice="auto: their pool would need sequence tiles the eager plan does not"
+        )
     pick = graphed if graphed.step_seconds < eager.step_seconds else eager
     return replace(pick, graphs_choice=f"auto: predicted {graphed.step_seconds:.3g} s of layer time a step with "
                                        f"graphs, {eager.step_seconds:.3g} s without")  # fmt: skip

@@ -170,11 +170,17 @@ class Profile:
         new = self.replan(rates)
         measured = f"measured {format_bytes(int(rates.h2d))}/s host→device, {rates.forward_s * 1e3:.1f} ms per layer forward"
         old = self.plan
-        if (new.resident, new.whole, new.prefetch) == (old.resident, old.whole, old.prefetch):
+        if (new.resident, new.whole, new.prefetch, new.graphs) == (
+            old.resident,
+            old.whole,
+            old.prefetch,
+            old.graphs,
+        ):
             return f"{measured}: the plan stands"
         return (
             f"{measured}: the planner would keep {len(new.resident)} layers resident (now {len(old.resident)}), "
-            f"{len(new.whole)} whole (now {len(old.whole)}), prefetch depth {new.prefetch} (now {old.prefetch})"
+            f"{len(new.whole)} whole (now {len(old.whole)}), prefetch depth {new.prefetch} (now {old.prefetch}), "
+            f"CUDA graphs {'on' if new.graphs else 'off'} (now {'on' if old.graphs else 'off'})"
         )
 
     def as_dict(self) -> dict[str, object]:

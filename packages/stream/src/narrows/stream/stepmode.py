@@ -114,6 +114,12 @@ class StepTrainer:
                  **stream_kwargs: Any):  # fmt: skip
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
+        if getattr(model, "narrows_data_parallel", False):
+            raise StreamSetupError(
+                "step mode under data_parallel is not supported yet: StepTrainer writes each layer's gradients "
+                "itself, so DistributedDataParallel would never all-reduce them and the ranks would drift apart. "
+                "Train with the DDP-wrapped model's forward and backward, or run step mode in one process"
+            )
         if getattr(model, "narrows_stream", None) is None:
             from .api import stream
 

@@ -77,9 +77,9 @@ def add_parser(sub) -> None:
       help="with --step-mode: the optimizer state waits in host memory, each layer updated on the GPU when its "
       "gradients are complete; the same numbers")  # fmt: skip
     a("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-      help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers; by default "
-      "the planner turns them on where it predicts them faster within the budget (short sequences), and the plan "
-      "says which; --no-cuda-graphs keeps every layer eager")  # fmt: skip
+      help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
+      "counting their memory (faster at short sequences). Off by default: this job pads each batch to its longest "
+      "row, and every new width captures graphs again")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")

@@ -51,6 +51,10 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
                              "host_activation_bytes": plan.host_activation_bytes, "tile_tokens": plan.tile_tokens,
                              "whole_layers": len(plan.whole), "cuda_graphs": getattr(plan, "graphs", False),
                              "cuda_graphs_choice": getattr(plan, "graphs_choice", "")}  # fmt: skip
+        graphs = getattr(stream, "graphs", None)
+        if graphs is not None:  # what ran: layers refused (hooks, host syncs) run eagerly
+            summary["stream"].update(cuda_graph_replays=graphs.stats.replays,
+                                     cuda_graphs_refused={str(k): v for k, v in graphs.stats.refused.items()})  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
@@ -130,8 +134,11 @@ def format_summary(summary: dict) -> str:
                          f"({format_bytes(st['host_activation_bytes'])}), the rest on the device; MLP "
                          + (f"in sequence tiles of {st['tile_tokens']} tokens" if st["tile_tokens"] else "untiled")))  # fmt: skip
         if "cuda_graphs" in st:
+            refused = st.get("cuda_graphs_refused") or {}
             rows.append(("CUDA graphs", ("on" if st["cuda_graphs"] else "off")
-                         + (f" ({st['cuda_graphs_choice']})" if st["cuda_graphs_choice"] else "")))  # fmt: skip
+                         + (f" ({st['cuda_graphs_choice']})" if st["cuda_graphs_choice"] else "")
+                         + (f"; {st.get('cuda_graph_replays', 0)} replays" if st["cuda_graphs"] else "")
+                         + (f"; {len(refused)} layers eager ({next(iter(refused.values()))})" if refused else "")))  # fmt: skip
         if st.get("predicted_host_bytes") is not None:
             disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
                     if st["disk_layers"] else "no disk tier")  # fmt: skip
