@@ -9,6 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from narrows.core.testing import tiny_batch
 
@@ -53,9 +54,10 @@ def sequential(m, world: int) -> dict:
 def train_rank(mode: str, rank: int, world: int) -> dict:
     m = model()
     ns.stream(m, None, device="cpu")
-    # "ddp": what a user writes; "local": the same loop with no gradient all-reduce (the fault twin)
-    forward = ns.data_parallel(m) if mode == "ddp" else m
-    if mode == "ddp":  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
+    # "ddp": narrows' wrapper; "plain": torch's own DDP, as accelerate and Trainer build it;
+    # "local": the same loop with no gradient all-reduce (the fault twin)
+    forward = {"ddp": ns.data_parallel, "plain": DistributedDataParallel}.get(mode, lambda m: m)(m)
+    if mode != "local":  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
         frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
         assert frozen and forward.parameters_to_ignore == frozen
         assert all(p.requires_grad for p in forward._module_parameters)
@@ -64,7 +66,7 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         # DDP averages the ranks' gradients; a micro-batch's loss is not scaled here
-        losses.append(micro_step(forward, step, rank, 1.0 if mode == "ddp" else 1 / world))
+        losses.append(micro_step(forward, step, rank, 1 / world if mode == "local" else 1.0))
         grads += [p.grad.clone() for p in params]
         opt.step()
         opt.zero_grad()
@@ -74,7 +76,7 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    for mode in ("ddp", "local"):
+    for mode in ("ddp", "plain", "local"):
         torch.save(train_rank(mode, rank, world), f"{out}.{mode}.rank{rank}.pt")
     # a rank that diverges: rank 1 was given another model
     m = build(num_hidden_layers=LAYERS + rank, dropout=DROPOUT)

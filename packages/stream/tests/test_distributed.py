@@ -55,8 +55,11 @@ def _as_ranks(ref: dict) -> list[dict]:
     return [{**ref, "loss": ref["loss"][r::WORLD]} for r in range(WORLD)]
 
 
-def test_two_streamed_ranks_equal_one_resident_process_accumulating(ranks, reference):
-    for got, want in zip(_load(ranks, "ddp"), _as_ranks(reference)):
+@pytest.mark.parametrize("wrapper", ["ddp", "plain"])
+def test_two_streamed_ranks_equal_one_resident_process_accumulating(ranks, reference, wrapper):
+    """`ns.data_parallel`, and torch's own DDP as accelerate and Trainer build it (stream()
+    leaves the frozen base out of any DDP)."""
+    for got, want in zip(_load(ranks, wrapper), _as_ranks(reference)):
         assert_identical(want, got)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from narrows.core import (
     DEFAULT_HEAD_ROWS,
@@ -482,6 +483,10 @@ def stream(
                                seq_tile=seq_tile, recompute=recompute, graphs=graphs)  # fmt: skip
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
+        # any DistributedDataParallel wrapping it (yours, accelerate's, Trainer's) leaves the
+        # frozen base alone: no broadcast of the host copy, no mixed-device refusal
+        frozen = [n for n, p in m.named_parameters() if not p.requires_grad]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
                                         layer_graphs, lambda rates: replan(rates=rates))  # fmt: skip
     if check and not inference:
