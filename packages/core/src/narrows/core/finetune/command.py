@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 from ..errors import NarrowsError
@@ -16,6 +17,13 @@ def _run(args: argparse.Namespace) -> int:
     from .job import finetune, resume
     from .report import format_summary
 
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:  # every rank would write the one run folder
+        raise NarrowsError(
+            f"narrows finetune runs in one process; it was launched as one of {world} ranks (torchrun / "
+            "accelerate launch). Run it without the launcher, or train data parallel in your own loop with "
+            "narrows.stream.data_parallel (see the README, 'Several GPUs')"
+        )
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     if args.resume:
