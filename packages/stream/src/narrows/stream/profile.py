@@ -170,12 +170,11 @@ class Profile:
         new = self.replan(rates)
         measured = f"measured {format_bytes(int(rates.h2d))}/s host→device, {rates.forward_s * 1e3:.1f} ms per layer forward"
         old = self.plan
-        if (new.resident, new.whole, new.prefetch, new.graphs) == (
-            old.resident,
-            old.whole,
-            old.prefetch,
-            old.graphs,
-        ):
+
+        def choices(p: Plan) -> tuple:
+            return p.resident, p.whole, p.prefetch, p.graphs
+
+        if choices(new) == choices(old):
             return f"{measured}: the plan stands"
         return (
             f"{measured}: the planner would keep {len(new.resident)} layers resident (now {len(old.resident)}), "
