@@ -41,7 +41,7 @@ def _record(params, opt, losses):
 
 
 @functools.cache
-def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu"):
+def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False):
     """Plain sequential accumulation on the resident model: the reference."""
     model = build(arch, dropout=dropout, base=base).to(device)
     torch.manual_seed(0)
@@ -50,7 +50,9 @@ def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cp
     sched = _scheduler(opt)
     losses, grads = [], []
     for step in range(STEPS):
-        for batch in _batches(step, g):
+        for k, batch in enumerate(_batches(step, g)):
+            if seeded:  # a loop that seeds every micro-batch (as data-parallel ranks do)
+                torch.manual_seed(_seed(step, k))
             loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
             (loss / g).backward()
             losses.append(loss.detach())
@@ -63,7 +65,11 @@ def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cp
     return {**_record(params, opt, losses), "grad": grads}
 
 
-def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", **stream_kwargs):
+def _seed(step: int, micro: int) -> int:
+    return 1000 + 10 * step + micro
+
+
+def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False, **stream_kwargs):
     model = build(arch, dropout=dropout, base=base)
     torch.manual_seed(0)
     stream_kwargs.setdefault("offload", "off")
@@ -81,7 +87,8 @@ def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu
     opt.step = lambda *a, **k: (capture_grads(), real_step(*a, **k))[1]
     for step in range(STEPS):
         _seen.clear()
-        stats.append(trainer.step(_batches(step, g)))
+        seeds = [_seed(step, k) for k in range(g)] if seeded else None
+        stats.append(trainer.step(_batches(step, g), seeds=seeds))
         losses += [x.detach() for x in _seen[-g:]]  # a redone step computed them twice
     return model, stats, {**_record(params, opt, losses), "grad": grads}
 
@@ -107,6 +114,25 @@ def test_block_major_with_dropout_learns_the_rng_draws_then_reproduces_them():
     assert stats[0].mode.startswith("sequential (learning")
     assert [s.mode for s in stats[1:]] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=0.05), got)
+
+
+def test_seeded_micro_batches_run_block_major_from_the_first_step():
+    """A loop that seeds each micro-batch passes the seeds: every step runs block-major
+    (nothing to learn or predict) and equals the same seeded loop run resident."""
+    _, stats, got = stepped(dropout=0.05, seeded=True)
+    assert [s.mode for s in stats] == ["block-major"] * STEPS
+    assert_identical(resident(dropout=0.05, seeded=True), got)
+    # twin: the unseeded reference draws other masks
+    with pytest.raises(AssertionError):
+        assert_identical(resident(dropout=0.05), got)
+
+
+def test_seeds_are_one_per_micro_batch():
+    model = build(dropout=0.05)
+    ns.stream(model, device="cpu", offload="off")
+    trainer = ns.StepTrainer(model, _optimizer, grad_accum=G)
+    with pytest.raises(ValueError, match="one seed per micro-batch"):
+        trainer.step(_batches(0), seeds=[1, 2])
 
 
 def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):

@@ -164,8 +164,9 @@ class StepTrainer:
         self.unpredictable: set[tuple] = set()
 
     # ---- one step ---------------------------------------------------------------------
-    def step(self, batches: Sequence[dict[str, Any]]) -> StepStats:
-        """Forward and backward of `grad_accum` micro-batches, then the optimizer step."""
+    def step(self, batches: Sequence[dict[str, Any]], seeds: Sequence[int] | None = None) -> StepStats:
+        """Forward and backward of `grad_accum` micro-batches, then the optimizer step.
+        `seeds`: see `accumulate`."""
         if self.optimizer is None:
             raise RuntimeError("step() needs the optimizer: pass it to StepTrainer (or call accumulate())")
         if len(batches) != self.grad_accum:
@@ -175,7 +176,7 @@ class StepTrainer:
         with measure_peaks(self.device) as peaks:
             if self.host_optimizer is not None:
                 self.host_optimizer.to_host(self.params)  # a state loaded onto the device
-            mode, losses = self.accumulate(batches)
+            mode, losses = self.accumulate(batches, seeds=seeds)
             if self.host_optimizer is not None:  # what the backward has not updated yet
                 grad_norm = self.host_optimizer.finish([*self.layer_params, self.other_params])
             else:
@@ -196,13 +197,17 @@ class StepTrainer:
                          bytes_h2d=self.engine.stats.bytes_h2d - h2d)  # fmt: skip
 
     def accumulate(
-        self, batches: Sequence[dict[str, Any]], divisor: float | None = None
+        self, batches: Sequence[dict[str, Any]], divisor: float | None = None, *,
+        seeds: Sequence[int] | None = None,
     ) -> tuple[str, list[Tensor]]:
         """Forward and backward of `batches` with their gradients left in ``.grad`` as
         ``for b in batches: (loss_fn(model(**b), b) / divisor).backward()`` leaves them
         (default divisor: `grad_accum`, or 1 with ``scale_loss=False``); no optimizer step.
-        Returns how the step ran ("block-major", or "sequential" and why) and each
-        micro-batch's loss as `loss_fn` returned it."""
+        `seeds`: one per micro-batch, for a loop that seeds the generators before each
+        (``torch.manual_seed(seeds[k])``, as data-parallel ranks do so that any process can
+        run any micro-batch); then no RNG draws need predicting. Returns how the step ran
+        ("block-major", or "sequential" and why) and each micro-batch's loss as `loss_fn`
+        returned it."""
         if any(p.grad is not None for p in self.params):
             raise RuntimeError(
                 "gradients are already set; a step starts from none (zero_grad(set_to_none=True))"
@@ -217,19 +222,25 @@ class StepTrainer:
             {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in b.items()} for b in batches
         ]
         self.model.train()
+        if seeds is not None and len(seeds) != len(batches):
+            raise ValueError(f"{len(seeds)} seeds for {len(batches)} micro-batches: give one seed per micro-batch")
         kept, self.divisor = self.divisor, self.divisor if divisor is None else divisor
         try:
-            return self._accumulate(batches)
+            return self._accumulate(batches, seeds)
         finally:
             self.divisor = kept
 
-    def _accumulate(self, batches: list[dict[str, Any]]) -> tuple[str, list[Tensor]]:
+    def _accumulate(self, batches: list[dict[str, Any]], seeds: Sequence[int] | None) -> tuple[str, list[Tensor]]:
         sigs = [_signature(b) for b in batches]
         if len(batches) == 1:
-            return "sequential (one micro-batch)", self._sequential(batches, sigs)
+            return "sequential (one micro-batch)", self._sequential(batches, sigs, seeds)
         if not self.handle.plan.streamed:
             # nothing crosses the link: block-major would only give up the whole layers
-            return "sequential (every layer resident)", self._sequential(batches, sigs)
+            return "sequential (every layer resident)", self._sequential(batches, sigs, seeds)
+        if seeds is not None:  # every micro-batch starts from its own seed: nothing to predict
+            ends, losses = self._block_major(batches, [self._seeded(s) for s in seeds], chained=False)
+            restore(ends[-1])
+            return "block-major", losses
         if any(s in self.unpredictable for s in sigs):
             return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
         if any(s not in self.random_ops for s in sigs) and self._draws_random():
@@ -253,16 +264,24 @@ class StepTrainer:
                     "runs in sequential order (exact, %d× the weight transfer)", len(batches))  # fmt: skip
         return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
 
+    def _seeded(self, seed: int) -> RngState:
+        torch.manual_seed(seed)
+        return capture(self.device)
+
     def _draws_random(self) -> bool:
         """Whether any module that draws random numbers in training is active (dropout)."""
         return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in self.model.modules()) \
             or any(getattr(self.anat.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "embd_pdrop"))  # fmt: skip
 
     # ---- sequential order (transparent mode), learning each shape's RNG draws ---------
-    def _sequential(self, batches: list[dict[str, Any]], sigs: list[tuple]) -> list[Tensor]:
+    def _sequential(self, batches: list[dict[str, Any]], sigs: list[tuple],
+                    seeds: Sequence[int] | None = None) -> list[Tensor]:  # fmt: skip
         losses = []
-        learn = len(batches) > 1 and bool(self.handle.plan.streamed)  # block-major can follow
-        for batch, sig in zip(batches, sigs):
+        # block-major can follow, once it knows each shape's draws
+        learn = len(batches) > 1 and bool(self.handle.plan.streamed) and seeds is None
+        for k, (batch, sig) in enumerate(zip(batches, sigs)):
+            if seeds is not None:
+                torch.manual_seed(seeds[k])
             # the dispatch mode costs host time on every op: only while a shape is learnt
             recorder = (
                 RandomOps()
@@ -343,10 +362,11 @@ class StepTrainer:
         return self.offload.fetch(x) if isinstance(x, Offloaded) else x
 
     def _block_major(
-        self, batches: list[dict[str, Any]], starts: list[RngState]
+        self, batches: list[dict[str, Any]], starts: list[RngState], chained: bool = True
     ) -> tuple[list | None, list[Tensor]]:
         """The step block-major; the RNG state each micro-batch's loss left (None when one
-        is not where the next micro-batch was predicted to start: nothing updated yet)."""
+        is not where the next micro-batch was predicted to start: nothing updated yet).
+        `chained=False`: the starts are seeded, not predictions of where the last ended."""
         layers = self.anat.layers
         n = len(layers)
         micros = [_Micro(b) for b in batches]
@@ -380,7 +400,7 @@ class StepTrainer:
             losses.append(self._head(micro, micro.states[n]))
             ends.append(capture(self.device))
         # checked before any backward: with the optimizer on the host, layers update during it
-        if not all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
+        if chained and not all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
             return None, losses
 
         # backward: layer by layer from the last, micro-batches in order within each
