@@ -175,16 +175,3 @@ def test_cuda_graphs_flag_is_three_way():
     ]
     assert got == [None, True, False]
     assert FinetuneConfig.cuda_graphs is None
-
-
-def test_launched_as_several_ranks_is_refused_before_anything(capsys, tmp_path, monkeypatch):
-    """Under torchrun every rank would write the one run folder: refused, naming the way out."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    err = refused(capsys, "--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl"),
-                  "--out", str(tmp_path / "run"))  # fmt: skip
-    assert err.startswith("narrows: error:") and "one of 2 ranks" in err and "data_parallel" in err
-    assert not (tmp_path / "run").exists()
-    monkeypatch.setenv("WORLD_SIZE", "1")  # one rank: the usual checks again
-    assert "does not exist" in refused(
-        capsys, "--model", str(tmp_path / "m"), "--data", str(tmp_path / "d.jsonl")
-    )

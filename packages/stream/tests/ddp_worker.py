@@ -59,7 +59,7 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
     forward = {"ddp": ns.data_parallel, "plain": DistributedDataParallel}.get(mode, lambda m: m)(m)
     if mode != "local":  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
         frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
-        assert frozen and forward.parameters_to_ignore == frozen
+        assert frozen and forward.parameters_to_ignore == frozen | {n for n, _ in m.named_buffers()}
         assert all(p.requires_grad for p in forward._module_parameters)
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)

@@ -69,7 +69,9 @@ def _seed(step: int, micro: int) -> int:
     return 1000 + 10 * step + micro
 
 
-def stepped(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False, **stream_kwargs):
+def stepped(
+    arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False, **stream_kwargs
+):
     model = build(arch, dropout=dropout, base=base)
     torch.manual_seed(0)
     stream_kwargs.setdefault("offload", "off")

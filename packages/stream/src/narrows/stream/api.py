@@ -484,8 +484,11 @@ def stream(
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
         # any DistributedDataParallel wrapping it (yours, accelerate's, Trainer's) leaves the
-        # frozen base alone: no broadcast of the host copy, no mixed-device refusal
-        frozen = [n for n, p in m.named_parameters() if not p.requires_grad]
+        # frozen base alone: no broadcast of the host copy, no mixed-device refusal; and the
+        # buffers (every rank built the same; some live in host memory with their layer)
+        frozen = [n for n, p in m.named_parameters() if not p.requires_grad] + [
+            n for n, _ in m.named_buffers()
+        ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
                                         layer_graphs, lambda rates: replan(rates=rates))  # fmt: skip

@@ -109,6 +109,7 @@ def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParalle
         torch.cuda.set_device(device)
     check_ranks(model, ddp_kwargs.get("process_group"))
     frozen = [n for n, _ in model.named_parameters() if n not in trainable]  # stream() set it too
+    frozen += [n for n, _ in model.named_buffers()]  # the same on every rank
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     model.narrows_data_parallel = True  # StepTrainer refuses it: its gradients bypass DDP's hooks
     return DistributedDataParallel(model, **ddp_kwargs)

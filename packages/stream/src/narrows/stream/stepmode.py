@@ -197,7 +197,10 @@ class StepTrainer:
                          bytes_h2d=self.engine.stats.bytes_h2d - h2d)  # fmt: skip
 
     def accumulate(
-        self, batches: Sequence[dict[str, Any]], divisor: float | None = None, *,
+        self,
+        batches: Sequence[dict[str, Any]],
+        divisor: float | None = None,
+        *,
         seeds: Sequence[int] | None = None,
     ) -> tuple[str, list[Tensor]]:
         """Forward and backward of `batches` with their gradients left in ``.grad`` as
@@ -223,14 +226,18 @@ class StepTrainer:
         ]
         self.model.train()
         if seeds is not None and len(seeds) != len(batches):
-            raise ValueError(f"{len(seeds)} seeds for {len(batches)} micro-batches: give one seed per micro-batch")
+            raise ValueError(
+                f"{len(seeds)} seeds for {len(batches)} micro-batches: give one seed per micro-batch"
+            )
         kept, self.divisor = self.divisor, self.divisor if divisor is None else divisor
         try:
             return self._accumulate(batches, seeds)
         finally:
             self.divisor = kept
 
-    def _accumulate(self, batches: list[dict[str, Any]], seeds: Sequence[int] | None) -> tuple[str, list[Tensor]]:
+    def _accumulate(
+        self, batches: list[dict[str, Any]], seeds: Sequence[int] | None
+    ) -> tuple[str, list[Tensor]]:
         sigs = [_signature(b) for b in batches]
         if len(batches) == 1:
             return "sequential (one micro-batch)", self._sequential(batches, sigs, seeds)

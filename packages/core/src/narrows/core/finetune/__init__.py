@@ -3,8 +3,8 @@
 The main job, apart from core's protocol modules: `config` (what a run depends on),
 `rundir` (the run folder: lock, settings, checkpoints, metrics), `build` (inputs checked,
 model loaded and wrapped), `loop` (the training steps), `evaluate` (held-out loss, exact
-match), `report` (summary, adapter, plot), `job` (new and resumed runs) and `command`
-(the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
+match), `report` (summary, adapter, plot), `job` (new and resumed runs), `ranks` (several
+ranks launched by torchrun) and `command` (the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
 """
 
 from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from pathlib import Path
 
 from ..errors import NarrowsError
@@ -17,13 +16,6 @@ def _run(args: argparse.Namespace) -> int:
     from .job import finetune, resume
     from .report import format_summary
 
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:  # every rank would write the one run folder
-        raise NarrowsError(
-            f"narrows finetune runs in one process; it was launched as one of {world} ranks (torchrun / "
-            "accelerate launch). Run it without the launcher, or train data parallel in your own loop with "
-            "narrows.stream.data_parallel (see the README, 'Several GPUs')"
-        )
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     if args.resume:
@@ -41,6 +33,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = FinetuneConfig(**given)
         summary = finetune(cfg, progress=not args.no_progress)
         out = cfg.out
+    if summary is None:  # a rank other than 0: rank 0 reports
+        return 0
     print(format_summary(summary))
     plot = "loss.png" if summary.get("loss_png") else "(no loss.png: pip install 'narrows-core[plot]')"
     print(f"adapter (PEFT format), metrics.jsonl, summary.json, {plot} in {out}")

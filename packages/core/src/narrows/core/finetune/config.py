@@ -77,6 +77,7 @@ class FinetuneConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
     deterministic: bool = False  # deterministic kernels: on CUDA, what makes runs reproducible bit for bit
     out: str = "runs/default"
+    world_size: int = 1  # ranks the run trains on (torchrun); not a flag: set by the launch
 
     @classmethod
     def from_dict(cls, fields: dict, where: str) -> FinetuneConfig:
@@ -98,7 +99,7 @@ class FinetuneConfig:
             raise NarrowsError(f"--adapter must be one of {ADAPTERS}, got {self.adapter!r}")
         if self.quant not in QUANTS:
             raise NarrowsError(f"--quant must be one of {QUANTS}, got {self.quant!r}")
-        for name in ("rank", "steps", "batch", "grad_accum", "seq_len", "save_every"):
+        for name in ("rank", "steps", "batch", "grad_accum", "seq_len", "save_every", "world_size"):
             if getattr(self, name) < 1:
                 raise NarrowsError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         for name in ("eval_rows", "exact_match", "seed"):
@@ -145,6 +146,12 @@ class FinetuneConfig:
             if on and self.gpu_budget == "off":
                 raise NarrowsError(f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
                                    f"(e.g. --gpu-budget 12GiB), or drop --{flag}")  # fmt: skip
+        if self.step_mode and self.world_size > 1:
+            raise NarrowsError(
+                f"--step-mode is not supported on several ranks yet (this run has {self.world_size}): step mode writes "
+                "each layer's gradients itself, past DistributedDataParallel's all-reduce. Drop --step-mode, or run "
+                "it in one process"
+            )
         if self.offload_optimizer and not self.step_mode:
             raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step: add --step-mode, "
                                "or drop --offload-optimizer")  # fmt: skip

@@ -1,5 +1,6 @@
 """One fine-tune from start to end, or resumed: the folder claimed first, every input
-checked before the model is loaded, then load, build, train, report."""
+checked before the model is loaded, then load, build, train, report. Launched by torchrun,
+every rank runs it; rank 0 claims and writes the folder (see `ranks`)."""
 
 from __future__ import annotations
 
@@ -16,75 +17,105 @@ from .build import build_model, check_model_files, load_data, load_model, run_dt
 from .config import RESUMABLE, FinetuneConfig, resume_changes
 from .evaluate import eval_loss
 from .loop import Progress, train
+from .ranks import Ranks, data_digest, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .rundir import RunFolder
 
 __all__ = ["finetune", "resume"]
 
 
-def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict:
-    """Run one new fine-tune into ``cfg.out``; returns the summary also saved as summary.json."""
+def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict | None:
+    """Run one new fine-tune into ``cfg.out``; returns the summary also saved as summary.json
+    (None on ranks other than 0)."""
+    ranks = Ranks.from_env()
+    cfg.world_size = ranks.world
     cfg.check()
+    device = ranks.device()
     run = RunFolder(cfg.out)
-    run.claim_new()
-    try:
-        return _run(cfg, run, resuming=False, entry={"started": _now()}, progress=progress)
-    finally:
-        run.release()
+    with ranks.joined(device):
+        ranks.first(run.claim_new)
+        try:
+            return _run(cfg, run, ranks, device, resuming=False, entry={"started": _now()}, progress=progress)
+        finally:
+            run.release()
 
 
 def resume(
     folder: str, changes: dict | None = None, *, override: bool = False, progress: bool = True
-) -> dict:
+) -> dict | None:
     """Continue the run in `folder` from its newest intact checkpoint.
 
     `changes` maps settings to new values. Those in `RESUMABLE` (e.g. ``steps`` to extend)
     are applied; any other would train a different model than the checkpoints hold and is
     refused, unless `override`. Either way the change is recorded in the run's history.
     """
+    ranks = Ranks.from_env()
+    device = ranks.device()
     run = RunFolder(folder)
-    run.claim_existing()
-    try:
-        saved, history = run.read_config()
-        allowed, refused = resume_changes(saved, {k: v for k, v in (changes or {}).items() if k != "out"})
-        if refused and not override:
-            listed = ", ".join(f"--{k.replace('_', '-')} {old} → {new}" for k, (old, new) in refused.items())
-            raise NarrowsError(
-                f"--resume {folder}: {listed} would change what the run trains, so it would no longer continue "
-                f"the run it resumes; drop {'it' if len(refused) == 1 else 'them'}, start a new run with --out, "
-                f"or add --override to apply and record the change (only {', '.join(RESUMABLE)} may change freely)"
-            )
-        cfg = dataclasses.replace(saved, out=str(run.root))
-        if "steps" in allowed and saved.warmup is None:
-            # the warmup stays what it was (a shorter run ends it early); only the decay stretches
-            cfg.warmup = min(saved.warmup_steps, int(allowed["steps"][1]))
-        for k, (_, new) in {**allowed, **refused}.items():
-            setattr(cfg, k, new)
-        cfg.check()
-        newest = run.newest_step()
-        if newest > cfg.steps:
-            raise NarrowsError(f"--resume {folder}: the run is at step {newest} already; "
-                               f"--steps {cfg.steps} would end it before that")  # fmt: skip
-        entry = {"resumed": _now(), "changed": {k: list(v) for k, v in {**allowed, **refused}.items()}}
-        if refused:
-            entry["override"] = True
-        for k, (old, new) in {**allowed, **refused}.items():
-            why = RESUMABLE.get(k, "overridden: the run no longer continues the trajectory it started")
+    with ranks.joined(device):
+        saved, history = ranks.first(lambda: (run.claim_existing(), run.read_config())[1])
+        try:
+            return _resume(run, ranks, device, saved, history, changes or {}, override, progress)
+        finally:
+            run.release()
+
+
+def _resume(run: RunFolder, ranks: Ranks, device: torch.device, saved: FinetuneConfig, history: list[dict],
+            changes: dict, override: bool, progress: bool) -> dict | None:  # fmt: skip
+    folder = run.root
+    given = {k: v for k, v in changes.items() if k != "out"}
+    if saved.world_size != ranks.world:  # how each step's micro-batches spread and sum
+        given["world_size"] = ranks.world
+    allowed, refused = resume_changes(saved, given)
+    if "world_size" in refused and not override:
+        old, new = refused["world_size"]
+        raise NarrowsError(
+            f"--resume {folder}: the run trained on {old} rank{'s' if old > 1 else ''}, this launch has {new}; "
+            "the ranks share out each step's micro-batches and sum their gradients, so another number would not "
+            f"continue the same run. Launch it as it started ({_launch(old)}), or add --override to continue on "
+            f"{new} (recorded in the run's history)"
+        )
+    if refused and not override:
+        listed = ", ".join(f"--{k.replace('_', '-')} {old} → {new}" for k, (old, new) in refused.items())
+        raise NarrowsError(
+            f"--resume {folder}: {listed} would change what the run trains, so it would no longer continue "
+            f"the run it resumes; drop {'it' if len(refused) == 1 else 'them'}, start a new run with --out, "
+            f"or add --override to apply and record the change (only {', '.join(RESUMABLE)} may change freely)"
+        )
+    cfg = dataclasses.replace(saved, out=str(run.root))
+    if "steps" in allowed and saved.warmup is None:
+        # the warmup stays what it was (a shorter run ends it early); only the decay stretches
+        cfg.warmup = min(saved.warmup_steps, int(allowed["steps"][1]))
+    for k, (_, new) in {**allowed, **refused}.items():
+        setattr(cfg, k, new)
+    cfg.check()
+    newest = run.newest_step()
+    if newest > cfg.steps:
+        raise NarrowsError(f"--resume {folder}: the run is at step {newest} already; "
+                           f"--steps {cfg.steps} would end it before that")  # fmt: skip
+    entry = {"resumed": _now(), "changed": {k: list(v) for k, v in {**allowed, **refused}.items()}}
+    if refused:
+        entry["override"] = True
+    for k, (old, new) in {**allowed, **refused}.items():
+        why = RESUMABLE.get(k, "overridden: the run no longer continues the trajectory it started")
+        if ranks.main:
             print(f"narrows: --{k.replace('_', '-')} {old} → {new}: {why}", file=sys.stderr, flush=True)
-        return _run(cfg, run, resuming=True, entry=entry, progress=progress, history=history)
-    finally:
-        run.release()
+    return _run(cfg, run, ranks, device, resuming=True, entry=entry, progress=progress, history=history)
+
+
+def _launch(world: int) -> str:
+    return "without torchrun" if world == 1 else f"torchrun with {world} ranks in all"
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _run(cfg: FinetuneConfig, run: RunFolder, *, resuming: bool, entry: dict, progress: bool,
-         history: list[dict] | None = None) -> dict:  # fmt: skip
+def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device, *, resuming: bool, entry: dict,
+         progress: bool, history: list[dict] | None = None) -> dict | None:  # fmt: skip
     from .. import __version__
 
-    gone = run.clean_leftovers()
+    gone = run.clean_leftovers() if ranks.main else []
     if gone:
         print(
             f"narrows: removed what an interrupted run left in {run.root}: {', '.join(gone)}", file=sys.stderr
@@ -93,7 +124,6 @@ def _run(cfg: FinetuneConfig, run: RunFolder, *, resuming: bool, entry: dict, pr
         from ..determinism import deterministic
 
         deterministic()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = run_dtype(cfg, device)
     t_setup = time.perf_counter()
 
@@ -103,7 +133,10 @@ def _run(cfg: FinetuneConfig, run: RunFolder, *, resuming: bool, entry: dict, pr
     tokenizer = AutoTokenizer.from_pretrained(folder)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     train_set, evals, em_rows = load_data(cfg, tokenizer)  # every row, before the model
+    if ranks.world > 1:
+        ranks.agree(narrows=__version__, config=dataclasses.asdict(cfg), data=data_digest(train_set))
     model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype)
+    net = data_parallel(model, ranks, device)  # several ranks: gradients summed over them
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
     )
@@ -116,20 +149,23 @@ def _run(cfg: FinetuneConfig, run: RunFolder, *, resuming: bool, entry: dict, pr
         step = run.restore(model, optimizer, scheduler)  # at most the newest step, checked in resume()
         rows = run.trim_metrics(step)
     entry.update(step=step, narrows=__version__, argv=sys.argv[1:])
-    run.write_config(cfg, [*(history or []), entry])
+    if ranks.main:
+        run.write_config(cfg, [*(history or []), entry])
     setup_s = time.perf_counter() - t_setup
 
     state = Progress(step=step, history=rows)
-    if evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
+    if ranks.main and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
         row = {"step": 0, "eval_loss": eval_loss(model, evals, cfg.batch, pad_id, device)}
         run.log(row)
         state.history.append(row)
     bar = None
-    if progress:
+    if progress and ranks.main:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
-    train(cfg, run, model, optimizer, scheduler, train_set, evals, pad_id, device, state, bar)
+    train(cfg, run, model, optimizer, scheduler, train_set, evals, pad_id, device, state, bar, ranks, net)
+    if not ranks.main:
+        return None
 
     summary = summarize(cfg, model, tokenizer, state.history, em_rows, device, dtype, state.tokens, setup_s,
                         state.seconds)  # fmt: skip

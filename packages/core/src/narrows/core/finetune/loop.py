@@ -1,14 +1,16 @@
 """The training loop a transformers + PEFT user writes: AdamW steps of `grad_accum`
 micro-batches, the loss normalised over the whole step's trainable tokens, a metrics row
 per step (timed after the device has finished the step's work) and a checkpoint every
-``save_every`` steps. The data order depends only on (seed, micro-batch index), so a
-resumed run continues bit-identically. With ``--step-mode`` narrows-stream's StepTrainer
-runs the same step block-major (the same numbers, each streamed layer loaded once per
-pass)."""
+``save_every`` steps. The data order, and the generators' seed at the start of each
+micro-batch, depend only on (seed, micro-batch index), so a resumed run continues
+bit-identically and any rank can run any micro-batch (`ranks`). With ``--step-mode``
+narrows-stream's StepTrainer runs the same step block-major (the same numbers, each
+streamed layer loaded once per pass)."""
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from ..errors import NarrowsError
 from ..memory import format_bytes, read_peaks, reset_peaks
 from .config import FinetuneConfig
 from .evaluate import eval_loss, to_device
+from .ranks import Ranks, micro_seed
 from .rundir import RunFolder
 
 __all__ = ["Progress", "train"]
@@ -38,10 +41,17 @@ class Progress:
 
 
 def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, scheduler, train_set: list[Example],
-          evals: list[Example], pad_id: int, device: torch.device, progress: Progress, bar) -> None:  # fmt: skip
-    """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes."""
+          evals: list[Example], pad_id: int, device: torch.device, progress: Progress, bar,
+          ranks: Ranks | None = None, net: nn.Module | None = None) -> None:  # fmt: skip
+    """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes
+    (rank 0 only, on several ranks). `net`: what the forward runs through (the
+    data-parallel model; default `model`)."""
     model.train()
-    batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * cfg.grad_accum)
+    ranks = ranks or Ranks()
+    net = net or model
+    g = cfg.grad_accum
+    per_step = g * ranks.world  # micro-batches of one optimizer step, all ranks together
+    batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * per_step)
     stepper = None
     if cfg.step_mode:
         import narrows.stream
@@ -55,18 +65,26 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             reset_peaks(device, host=False)  # the host peak stays whole-process (loading included)
             _sync(device)
             t0 = time.perf_counter()
-            micro = [next(batches) for _ in range(cfg.grad_accum)]
-            n_items = sum(e.trainable for mb in micro for e in mb)
+            first = progress.step * per_step + ranks.rank * g  # this rank's first micro-batch
+            every = [next(batches) for _ in range(per_step)]
+            micro = every[ranks.rank * g : (ranks.rank + 1) * g]
+            seeds = [micro_seed(cfg.seed, first + k) for k in range(g)]
+            n_items = sum(
+                e.trainable for mb in every for e in mb
+            )  # the loss is normalised over the whole step
             loss_sum = 0.0
             if stepper is not None:
                 stats = stepper.step([{**to_device(collate(mb, pad_id), device), "num_items_in_batch": n_items}
-                                      for mb in micro])  # fmt: skip
+                                      for mb in micro], seeds=seeds)  # fmt: skip
                 for value in stats.losses:
                     loss_sum += value
             else:
-                for mb in micro:
-                    out = model(**to_device(collate(mb, pad_id), device), num_items_in_batch=n_items)
-                    out.loss.backward()
+                for k, mb in enumerate(micro):
+                    torch.manual_seed(seeds[k])
+                    # several ranks: one all-reduce per step, after the last micro-batch
+                    with net.no_sync() if ranks.world > 1 and k < g - 1 else nullcontext():
+                        out = net(**to_device(collate(mb, pad_id), device), num_items_in_batch=n_items)
+                        out.loss.backward()
                     loss_sum += float(out.loss.detach())
                 optimizer.step()
                 scheduler.step()
@@ -75,10 +93,14 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             dt = time.perf_counter() - t0
             progress.step += 1
             step = progress.step
-            tokens = sum(len(e.input_ids) for mb in micro for e in mb)
+            tokens = sum(len(e.input_ids) for mb in every for e in mb)
             progress.tokens += tokens
             peaks = read_peaks(device)
             peak = peaks.cuda_allocated if device.type == "cuda" else peaks.host_rss
+            loss_sum = ranks.total(loss_sum, device)  # the step's loss over every rank's micro-batches
+            peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
+            if not ranks.main:  # rank 0 writes the run folder
+                continue
             row = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / dt,
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
             if stepper is not None:
