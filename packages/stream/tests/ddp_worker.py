@@ -1,11 +1,14 @@
 """One rank of the data-parallel parity test, launched by torchrun (`test_distributed.py`):
 a streamed tiny model wrapped in DDP over gloo, each rank one micro-batch of the global
-batch, dropout seeded per (step, micro-batch) — the loop `sequential` runs in one process."""
+batch, dropout seeded per (step, micro-batch) — the loop `sequential` runs in one process.
+Then the shared host copy: both ranks load one checkpoint folder with `from_pretrained`
+(sharing by default under torchrun) and report where their slabs live."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -73,7 +76,56 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
     return record(params, opt, losses, grads)
 
 
-def main(out: str) -> None:
+def mapped_from(ptr: int) -> str:
+    """The file (or "[anon]") of the mapping holding address `ptr`."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if lo <= ptr < hi:
+            return parts[5] if len(parts) > 5 else "[anon]"
+    return "?"
+
+
+def memory_of(path: str) -> dict:
+    """Rss and Pss (kB) of this process's mappings of `path`: a page mapped by two
+    processes counts whole in each one's Rss and half in each one's Pss."""
+    got, inside = {"Rss": 0, "Pss": 0}, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        parts = line.split()
+        if "-" in parts[0] and len(parts) >= 5 and ":" not in parts[0]:
+            inside = len(parts) > 5 and parts[5] == path
+        elif inside and parts[0].rstrip(":") in got:
+            got[parts[0].rstrip(":")] += int(parts[1])
+    return got
+
+
+def shared_copy(folder: str, cache: str, world: int) -> dict:
+    """Both ranks load `folder` (sharing, by default under torchrun), then train two DDP
+    steps on it, each rank one seeded micro-batch."""
+    from peft import LoraConfig, get_peft_model
+
+    m = ns.from_pretrained(folder, dtype=torch.float32, cache=cache, host_budget="1TiB")
+    tiers = m.narrows_tiers
+    homes = sorted({mapped_from(h.data_ptr()) for h in tiers.homes})
+    dist.barrier()  # both ranks hold their maps
+    memory = memory_of(str(tiers.cache.path))
+    dist.barrier()
+    torch.manual_seed(0)  # the adapters' initialisation
+    m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", lora_dropout=DROPOUT))
+    ns.stream(m, None, device="cpu")
+    ddp = ns.data_parallel(m)
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for step in range(STEPS):
+        micro_step(ddp, step, dist.get_rank(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return {"shared": tiers.shared, "layers": len(tiers.homes), "homes": homes, "cache": str(tiers.cache.path),
+            "slab_bytes": sum(lay.nbytes for lay in tiers.layouts), "memory": memory, "notes": tiers.notes,
+            "weight": [p.detach().clone() for p in params]}  # fmt: skip
+
+
+def main(out: str, folder: str, cache: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for mode in ("ddp", "plain", "local"):
@@ -98,8 +150,9 @@ def main(out: str) -> None:
             said += "\n" + str(e)
     with open(f"{out}.diverged.rank{rank}.txt", "w") as f:
         f.write(said)
+    torch.save(shared_copy(folder, cache, world), f"{out}.shared.rank{rank}.pt")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:4])

@@ -16,17 +16,22 @@ import pytest
 import torch
 from helpers import assert_identical
 
+from narrows.core.testing import tiny_model_folder
+
 HERE = Path(__file__).parent
 WORLD = 2
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
-    """One torchrun launch, two ranks: DDP, its fault twin, and a diverged rank."""
-    out = tmp_path_factory.mktemp("ddp") / "run"
+    """One torchrun launch, two ranks: DDP, its fault twin, a diverged rank, and a
+    checkpoint folder both ranks load (its cache built by the first)."""
+    root = tmp_path_factory.mktemp("ddp")
+    out = root / "run"
+    tiny_model_folder(root / "model", num_hidden_layers=3)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(HERE / "ddp_worker.py"), str(out)]  # fmt: skip
+           str(HERE / "ddp_worker.py"), str(out), str(root / "model"), str(root / "cache")]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -88,3 +93,73 @@ def test_data_parallel_needs_a_process_group():
 
     with pytest.raises(ns.StreamSetupError, match="init_process_group"):
         ns.data_parallel(build(num_hidden_layers=2))
+
+
+def _shared(out: Path) -> list[dict]:
+    return [torch.load(f"{out}.shared.rank{r}.pt") for r in range(WORLD)]
+
+
+def test_ranks_of_one_machine_map_one_host_copy(ranks):
+    """Under torchrun every rank's host slabs are the cache file's pages, mapped read-only,
+    not copies: each rank's Pss of the file is half its Rss (two sharers). One rank built
+    the cache; the other waited for it."""
+    got = _shared(ranks)
+    for r in got:
+        assert r["shared"] == tuple(range(r["layers"])) and r["homes"] == [r["cache"]]
+        rss, pss = r["memory"]["Rss"], r["memory"]["Pss"]
+        assert rss * 1024 >= r["slab_bytes"]  # every slab's pages are resident (checked by CRC)
+        assert pss <= 0.55 * rss, r["memory"]
+    built = [any(n.startswith("this process built") for n in r["notes"]) for r in got]
+    assert sorted(built) == [False, True]
+
+
+def test_ranks_on_the_shared_copy_train_as_one_process_on_its_own(ranks, tmp_path):
+    """Two DDP ranks over the shared maps equal one process accumulating both micro-batches
+    over a private copy of the same checkpoint (no cache at all)."""
+    from ddp_worker import DROPOUT, STEPS, micro_step
+    from peft import LoraConfig, get_peft_model
+
+    import narrows.stream as ns
+
+    folder = Path(_shared(ranks)[0]["cache"]).parent.parent / "model"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = ns.from_pretrained(folder, dtype=torch.float32, cache=False, host_budget="1TiB", share=False)
+        assert m.narrows_tiers.shared == ()
+        torch.manual_seed(0)  # the adapters' initialisation
+        m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", lora_dropout=DROPOUT))
+        ns.stream(m, None, device="cpu")
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        for step in range(STEPS):
+            for micro in range(WORLD):
+                micro_step(m, step, micro, 1 / WORLD)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    for r in _shared(ranks):
+        assert all(torch.equal(a, b) for a, b in zip(r["weight"], params))
+
+
+def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
+    """The twins of the shared-copy checks: a private copy lives in anonymous memory, and
+    a map no other process shares has Pss equal to Rss."""
+    from ddp_worker import mapped_from, memory_of
+
+    import narrows.stream as ns
+    from narrows.core import NarrowsError
+
+    folder = tiny_model_folder(tmp_path / "model", num_hidden_layers=2)
+    with pytest.raises(NarrowsError, match="share=True maps the prepared cache file"):
+        ns.from_pretrained(folder, cache=False, share=True)
+    own = ns.from_pretrained(folder, dtype=torch.float32, cache=tmp_path / "cache", share=False).narrows_tiers
+    homes = {mapped_from(h.data_ptr()) for h in own.homes}
+    assert own.shared == () and homes and str(own.cache.path) not in homes  # anonymous memory
+    alone = ns.from_pretrained(
+        folder, dtype=torch.float32, cache=tmp_path / "cache", share=True
+    ).narrows_tiers
+    assert alone.shared == (0, 1)
+    memory = memory_of(str(alone.cache.path))
+    assert memory["Rss"] > 0 and memory["Pss"] == memory["Rss"]

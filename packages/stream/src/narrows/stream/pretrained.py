@@ -6,14 +6,22 @@ The first run reads and quantises each layer (core's block-streamed loader), wri
 slab to the cache and keeps it pinned or drops it to the disk tier; later runs read the
 slabs back (CRC-checked) instead of quantising. The float model never exists; peak host
 memory is the final footprint plus about two layers' source tensors.
+
+Several ranks on one machine (torchrun) share one host copy: with ``share`` each rank maps
+the cache file's slabs read-only and page-locks the map for its GPU, so the kernel's page
+cache holds the base once however many ranks map it. The first rank to take the cache's
+lock builds the file; the others wait for it, then map it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,7 +37,7 @@ from narrows.core.models import resolve_model_path
 
 from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
 from .plan import spread
-from .tiers import Tiers, _aligned_pinned, restore_layer
+from .tiers import Tiers, _aligned_pinned, pin_shared, restore_layer
 
 log = logging.getLogger("narrows.stream")
 
@@ -124,6 +132,7 @@ def from_pretrained(
     cache: str | os.PathLike | bool | None = True,
     device: torch.device | str | None = None,
     ring: int = 3,
+    share: bool | None = None,
 ) -> nn.Module:
     """Load a causal LM from a local folder (or ``.gguf``) block by block into host tiers.
 
@@ -133,7 +142,10 @@ def from_pretrained(
     tier, read from the prepared-slab cache. `cache`: True (``$NARROWS_CACHE/slabs``), a
     folder, or False (no cache: everything must fit the host budget). `device`: where to
     quantise (default: CUDA if present). Then wrap it with PEFT and call
-    `narrows.stream.stream` — it streams from these tiers.
+    `narrows.stream.stream` — it streams from these tiers. `share`: the host-RAM layers are
+    read-only maps of the cache file, page-locked by each process, so the ranks of one
+    machine hold one copy between them (default: when torchrun started several ranks here,
+    ``LOCAL_WORLD_SIZE`` > 1, and there is a cache).
     """
     if ring < 1:
         raise NarrowsError(f"ring={ring}: the disk tier needs at least one read buffer (default 3)")
@@ -145,6 +157,13 @@ def from_pretrained(
         cache_path(folder, expect, None if cache is True else cache) if cache not in (False, None) else None
     )
     pin = torch.cuda.is_available()
+    if share is None:
+        share = target is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1
+    elif share and target is None:
+        raise NarrowsError("share=True maps the prepared cache file: give a cache (cache=True or a folder), "
+                           "or share=False")  # fmt: skip
+    if share:
+        return _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring)
     for _attempt in range(2):
         prepared, why = PreparedCache.open(target, expect) if target is not None else (None, "")
         if target is not None and prepared is None and target.exists():
@@ -158,8 +177,68 @@ def from_pretrained(
     raise AssertionError("unreachable")
 
 
+@contextlib.contextmanager
+def _cache_lock(target: Path) -> Iterator[None]:
+    """Held while one process checks or builds the cache file: another rank (or run) of
+    the same checkpoint waits, then finds the file built."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{target}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(f"narrows: waiting for another process building {target}", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring) -> nn.Module:
+    """`from_pretrained` with ``share``: the cache built first (once, under its lock), then
+    every host-RAM layer mapped from it."""
+    built = False
+    for _attempt in range(2):
+        with _cache_lock(target):
+            prepared, why = PreparedCache.open(target, expect)
+            if prepared is None:
+                built = True
+                if target.exists():
+                    print(
+                        f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True
+                    )
+                    target.unlink()
+                _load(folder, expect, dtype, quant, device, None, target, None, pin, ring, keep=False)
+                prepared, why = PreparedCache.open(target, expect)
+                if prepared is None:
+                    raise NarrowsError(f"prepared cache {target}: {why} right after it was written")
+        try:
+            model = _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, keep=True,
+                          share=True)  # fmt: skip
+            if built:
+                model.narrows_tiers.notes.insert(0, f"this process built {target}")
+            return model
+        except _Stale as e:
+            print(f"narrows: prepared cache {target}: {e}; rebuilding it", flush=True)
+            with _cache_lock(target):
+                target.unlink(missing_ok=True)
+    raise AssertionError("unreachable")
+
+
 def _load(
-    folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, *, keep: bool
+    folder,
+    expect,
+    dtype,
+    quant,
+    device,
+    budget,
+    target,
+    prepared,
+    pin,
+    ring,
+    *,
+    keep: bool,
+    share: bool = False,
 ) -> nn.Module:
     from transformers import AutoConfig
 
@@ -174,7 +253,7 @@ def _load(
     disk: list[int] = []
     layouts: list[SlabLayout | None] = [None] * n
     writer = SlabCacheWriter(target, expect) if target is not None and prepared is None else None
-    warm = _WarmReader(prepared, placer, pin, depth=2) if prepared is not None else None
+    warm = _WarmReader(prepared, placer, pin, depth=2, share=share) if prepared is not None else None
     in_place = expect["settings"]["prequantized"]  # packed weights stay where the checkpoint has them
 
     def fill(i: int, lpath: str, layer: nn.Module) -> bool:
@@ -226,6 +305,13 @@ def _load(
         writer.commit()
         prepared, _ = PreparedCache.open(target, expect)
     tiers = Tiers(homes, layouts, tuple(disk), prepared, budget, placer.fixed, ring)
+    if warm is not None and share:
+        tiers.shared = tuple(sorted(warm.shared))
+        unshared = n - len(tiers.disk) - len(tiers.shared)
+        tiers.notes.append(f"{len(tiers.shared)} of {n} layers mapped from {prepared.path}, one host copy for every "
+                           "process of this machine"
+                           + (f"; {unshared} in a copy of this process's own ({warm.why_not})" if unshared else ""))  # fmt: skip
+        print(f"narrows: {tiers.notes[-1]}", flush=True)
     if tiers.disk and keep:
         tiers.notes.append(f"{len(tiers.disk)} of {n} layers on disk ({prepared.path}), "
                            f"{n - len(tiers.disk)} pinned in host RAM")  # fmt: skip
@@ -251,15 +337,27 @@ class _WarmReader:
     """Reads and checks the cached slabs a few layers ahead on worker threads (zlib and
     file reads release the GIL), so a warm start is bound by the disk, not by one core."""
 
-    def __init__(self, prepared: PreparedCache, placer: _Placer, pin: bool, depth: int):
+    def __init__(self, prepared: PreparedCache, placer: _Placer, pin: bool, depth: int, share: bool = False):
         self.prepared, self.placer, self.pin, self.depth = prepared, placer, pin, depth
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="narrows-warm")
         self.jobs: dict[int, Future] = {}
+        self.share = share
+        self.shared: set[int] = set()  # layers whose home is the shared map of the cache file
+        self.why_not = ""
 
     def _job(self, i: int) -> tuple[Tensor | None, bool]:
         entry = self.prepared.layers[i]
         size = entry.layout.nbytes
         pinned = self.placer.pinned_here(i, size)
+        if pinned and self.share:
+            mapped = self.prepared.mapped(i)  # None: a layer read in place from the checkpoint, in parts
+            why = "slabs read in place from the checkpoint's files" if mapped is None else ""
+            if mapped is not None and self.pin:
+                why = pin_shared(mapped)
+            if not why:
+                self.shared.add(i)
+                return mapped, crc32(mapped) == entry.crc
+            self.why_not = why
         buf = _aligned_pinned(size, self.pin and pinned)
         self.prepared.read_into(i, buf)
         return (buf if pinned else None), crc32(buf[:size]) == entry.crc

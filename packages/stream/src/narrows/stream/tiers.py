@@ -40,9 +40,12 @@ class Tiers:
     fixed_host_bytes: int  # embedding, head, norms kept in host memory
     ring_slabs: int = 2
     notes: list[str] = field(default_factory=list)
+    shared: tuple[int, ...] = ()  # host-RAM layers whose home is the read-only map of `cache` (shared)
 
     @property
     def pinned_bytes(self) -> int:
+        """Host RAM the layers take in this process (a shared map counts: its pages are
+        resident, but once for every process of the machine)."""
         return sum(lay.nbytes for i, lay in enumerate(self.layouts) if i not in self.disk)
 
     def ring_bytes(self) -> int:
@@ -118,6 +121,24 @@ def _aligned_pinned(nbytes: int, pin: bool) -> Tensor:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         weakref.finalize(area, cudart.cudaHostUnregister, buf.data_ptr())
     return buf
+
+
+_HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the map is PROT_READ
+_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: this process pinned it before
+
+
+def pin_shared(mapped: Tensor) -> str:
+    """Page-lock a read-only map of the cache file for this process's GPU, in place (the
+    pages stay the page cache's, shared with every process mapping the file). Returns ""
+    or why it could not be pinned. Pinned for the process's lifetime."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = mapped.data_ptr(), mapped.numel()
+    err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_READ_ONLY))
+    if err in (0, _ALREADY_REGISTERED):
+        return ""
+    # the failure is also this thread's CUDA "last error": the loader calls this on its
+    # reader threads, which launch no kernels that would report it
+    return f"cudaHostRegister of the read-only map failed with CUDA error {err}"
 
 
 class DiskReader:
