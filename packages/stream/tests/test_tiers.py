@@ -637,3 +637,11 @@ def test_prequantized_checkpoint_streams_from_disk_tier(checkpoint, tmp_path, mo
     assert inline < slab_total / 20  # what the checkpoint lacks: offsets, and norms in another dtype
     packed = [k for e in entries for k, f, _ in e.parts if e.layout.entries[k].name.endswith("proj.weight")]
     assert packed and all(f is not None for e in entries for k, f, _ in e.parts if k in packed)
+    # shared by the ranks of a machine: one contiguous map per slab, so the cache is written
+    # again with every slab whole (in parts there is no single map to share)
+    monkeypatch.undo()
+    shared = ns.from_pretrained(folder, dtype=F32, host_budget="1TiB", cache=cache, share=True)
+    assert shared.narrows_tiers.shared == tuple(range(LAYERS))
+    assert all(e.parts is None for e in shared.narrows_tiers.cache.layers)
+    assert_same_state(state(shared), ref.state)
+    assert_identical(ref.record, train_streamed(shared))

@@ -201,6 +201,9 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
     for _attempt in range(2):
         with _cache_lock(target):
             prepared, why = PreparedCache.open(target, expect)
+            if prepared is not None and any(e.parts for e in prepared.layers):
+                # slabs read in place from a pre-quantised checkpoint's files: no one contiguous map
+                prepared, why = None, "its slabs lie in the checkpoint's files, in parts; the ranks share whole slabs"
             if prepared is None:
                 built = True
                 if target.exists():
@@ -208,7 +211,7 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
                         f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True
                     )
                     target.unlink()
-                _load(folder, expect, dtype, quant, device, None, target, None, pin, ring, keep=False)
+                _load(folder, expect, dtype, quant, device, None, target, None, pin, ring, keep=False, share=True)
                 prepared, why = PreparedCache.open(target, expect)
                 if prepared is None:
                     raise NarrowsError(f"prepared cache {target}: {why} right after it was written")
@@ -254,7 +257,8 @@ def _load(
     layouts: list[SlabLayout | None] = [None] * n
     writer = SlabCacheWriter(target, expect) if target is not None and prepared is None else None
     warm = _WarmReader(prepared, placer, pin, depth=2, share=share) if prepared is not None else None
-    in_place = expect["settings"]["prequantized"]  # packed weights stay where the checkpoint has them
+    # packed weights stay where the checkpoint has them (shared: every slab whole in the cache)
+    in_place = expect["settings"]["prequantized"] and not share
 
     def fill(i: int, lpath: str, layer: nn.Module) -> bool:
         if warm is None:
