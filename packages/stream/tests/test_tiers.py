@@ -115,10 +115,10 @@ def expected_disk(pinned: int = PINNED) -> tuple[int, ...]:
     return tuple(i for i in range(LAYERS) if i not in spread(pinned, LAYERS))
 
 
-def train_streamed(model, arch: str = "llama", **stream_kwargs) -> dict:
+def train_streamed(model, arch: str = "llama", device: str = "cpu", **stream_kwargs) -> dict:
     """The reference's training, streamed from the tiers `model` was loaded into."""
     peft_model = with_adapter(model, "lora", dropout=dropout_for(arch)).train()
-    record = train(peft_model, steps=2, grad_accum=2, stream_kwargs=stream_kwargs)
+    record = train(peft_model, steps=2, grad_accum=2, stream_kwargs=stream_kwargs, device=device)
     handle, tiers = peft_model.narrows_stream, model.narrows_tiers
     assert handle.plan.disk == tiers.disk
     assert [s.on_disk for s in handle.stores] == [i in tiers.disk for i in range(LAYERS)]
@@ -645,3 +645,26 @@ def test_prequantized_checkpoint_streams_from_disk_tier(checkpoint, tmp_path, mo
     assert all(e.parts is None for e in shared.narrows_tiers.cache.layers)
     assert_same_state(state(shared), ref.state)
     assert_identical(ref.record, train_streamed(shared))
+
+
+@pytest.mark.gpu
+def test_shared_maps_are_page_locked_for_the_gpu_and_train_exactly(checkpoint, tmp_path):
+    """On CUDA each shared home is the cache file's read-only map, registered with CUDA in
+    place (pinned, not copied); streaming from it trains what a private pinned copy does."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from narrows.core import deterministic
+
+    deterministic()
+    folder, cache = checkpoint("llama"), tmp_path / "cache"
+    records = {}
+    for share in (False, True):
+        model = ns.from_pretrained(folder, dtype=F32, host_budget="1TiB", cache=cache, share=share)
+        tiers = model.narrows_tiers
+        assert tiers.shared == (tuple(range(LAYERS)) if share else ())
+        assert all(h.is_pinned() for h in tiers.homes)
+        if share:  # the map of the file, not a copy of it
+            base = cache_module._whole_file(tiers.cache.path, 0).data_ptr()
+            assert all(base <= h.data_ptr() < base + tiers.cache.path.stat().st_size for h in tiers.homes)
+        records[share] = train_streamed(model, device="cuda")
+    assert_identical(records[False], records[True])

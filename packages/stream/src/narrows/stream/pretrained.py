@@ -203,7 +203,10 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
             prepared, why = PreparedCache.open(target, expect)
             if prepared is not None and any(e.parts for e in prepared.layers):
                 # slabs read in place from a pre-quantised checkpoint's files: no one contiguous map
-                prepared, why = None, "its slabs lie in the checkpoint's files, in parts; the ranks share whole slabs"
+                prepared, why = (
+                    None,
+                    "its slabs lie in the checkpoint's files, in parts; the ranks share whole slabs",
+                )
             if prepared is None:
                 built = True
                 if target.exists():
@@ -211,7 +214,20 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
                         f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True
                     )
                     target.unlink()
-                _load(folder, expect, dtype, quant, device, None, target, None, pin, ring, keep=False, share=True)
+                _load(
+                    folder,
+                    expect,
+                    dtype,
+                    quant,
+                    device,
+                    None,
+                    target,
+                    None,
+                    pin,
+                    ring,
+                    keep=False,
+                    share=True,
+                )
                 prepared, why = PreparedCache.open(target, expect)
                 if prepared is None:
                     raise NarrowsError(f"prepared cache {target}: {why} right after it was written")
