@@ -107,6 +107,7 @@ def shared_copy(folder: str, cache: str, world: int) -> dict:
     m = ns.from_pretrained(folder, dtype=torch.float32, cache=cache, host_budget="1TiB")
     tiers = m.narrows_tiers
     homes = sorted({mapped_from(h.data_ptr()) for h in tiers.homes})
+    embedding = mapped_from(m.get_input_embeddings().weight.data_ptr())
     dist.barrier()  # both ranks hold their maps
     memory = memory_of(str(tiers.cache.path))
     dist.barrier()
@@ -122,6 +123,7 @@ def shared_copy(folder: str, cache: str, world: int) -> dict:
         opt.zero_grad()
     return {"shared": tiers.shared, "layers": len(tiers.homes), "homes": homes, "cache": str(tiers.cache.path),
             "slab_bytes": sum(lay.nbytes for lay in tiers.layouts), "memory": memory, "notes": tiers.notes,
+            "embedding": embedding,
             "weight": [p.detach().clone() for p in params]}  # fmt: skip
 
 

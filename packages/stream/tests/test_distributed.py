@@ -109,6 +109,8 @@ def test_ranks_of_one_machine_map_one_host_copy(ranks):
         rss, pss = r["memory"]["Rss"], r["memory"]["Pss"]
         assert rss * 1024 >= r["slab_bytes"]  # every slab's pages are resident (checked by CRC)
         assert pss <= 0.55 * rss, r["memory"]
+        # the embedding too: a read-only map of the checkpoint file that holds it
+        assert r["embedding"].endswith(".safetensors") and Path(r["embedding"]).parent.name == "model"
     built = [any(n.startswith("this process built") for n in r["notes"]) for r in got]
     assert sorted(built) == [False, True]
 
@@ -154,9 +156,11 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     folder = tiny_model_folder(tmp_path / "model", num_hidden_layers=2)
     with pytest.raises(NarrowsError, match="share=True maps the prepared cache file"):
         ns.from_pretrained(folder, cache=False, share=True)
-    own = ns.from_pretrained(folder, dtype=torch.float32, cache=tmp_path / "cache", share=False).narrows_tiers
+    own_model = ns.from_pretrained(folder, dtype=torch.float32, cache=tmp_path / "cache", share=False)
+    own = own_model.narrows_tiers
     homes = {mapped_from(h.data_ptr()) for h in own.homes}
     assert own.shared == () and homes and str(own.cache.path) not in homes  # anonymous memory
+    assert not mapped_from(own_model.get_input_embeddings().weight.data_ptr()).endswith(".safetensors")
     alone = ns.from_pretrained(
         folder, dtype=torch.float32, cache=tmp_path / "cache", share=True
     ).narrows_tiers

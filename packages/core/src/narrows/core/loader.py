@@ -39,7 +39,7 @@ from .nf4 import quantize_layer_nf4
 
 log = logging.getLogger("narrows.core")
 
-__all__ = ["LayerCallback", "load_blockwise", "read_tensor"]
+__all__ = ["LayerCallback", "load_blockwise", "map_tensor", "read_tensor"]
 
 LayerCallback = Callable[[int, str, nn.Module], None]
 
@@ -63,6 +63,24 @@ def read_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor:
                 f"{info.file} ended while reading {name!r}; the file is truncated, re-download it"
             )
     return buf.view(_DTYPES[info.dtype]).reshape(info.shape)
+
+
+def map_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor | None:
+    """One tensor as a read-only memory map of the checkpoint file where it lies (None
+    when its dtype cannot be viewed there): the kernel's page cache holds its bytes, once
+    for every process that maps the file. Nothing may write to it."""
+    import warnings
+
+    import numpy as np
+
+    info = folder.tensors[name]
+    dtype = _DTYPES.get(info.dtype)
+    if dtype is None or info.offset % dtype.itemsize:
+        return None
+    area = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
+    with warnings.catch_warnings():  # a read-only array as a tensor: nothing writes it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(area).view(dtype).reshape(info.shape)
 
 
 @contextmanager

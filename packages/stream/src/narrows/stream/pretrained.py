@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from narrows.core import NarrowsError, SlabLayout, assign, format_bytes, parse_bytes
+from narrows.core import NarrowsError, SlabLayout, anatomy_of, assign, format_bytes, parse_bytes
 from narrows.core.checkpoint import CheckpointFolder
 from narrows.core.files import cache_dir
-from narrows.core.loader import load_blockwise
+from narrows.core.loader import load_blockwise, map_tensor
 from narrows.core.memory import host_rss_bytes
 from narrows.core.models import resolve_model_path
 
@@ -236,12 +236,33 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
                           share=True)  # fmt: skip
             if built:
                 model.narrows_tiers.notes.insert(0, f"this process built {target}")
+            mapped = _map_outside_layers(model, folder)
+            if mapped:
+                model.narrows_tiers.notes.append(f"{', '.join(mapped)} mapped from the checkpoint's files")
+                print(f"narrows: {model.narrows_tiers.notes[-1]}", flush=True)
             return model
         except _Stale as e:
             print(f"narrows: prepared cache {target}: {e}; rebuilding it", flush=True)
             with _cache_lock(target):
                 target.unlink(missing_ok=True)
     raise AssertionError("unreachable")
+
+
+def _map_outside_layers(model: nn.Module, folder: CheckpointFolder) -> list[str]:
+    """The frozen tensors outside the decoder layers (embedding, head, norms) that the
+    checkpoint holds exactly as loaded become read-only maps of its files, shared by every
+    process of the machine like the slabs. A tensor converted on load (another dtype, a
+    renamed or fused key) stays this process's own."""
+    in_layers = {id(p) for layer in anatomy_of(model).layers for p in layer.parameters()}
+    mapped = []
+    for name, p in model.named_parameters():
+        if id(p) in in_layers or name not in folder.tensors:
+            continue
+        view = map_tensor(folder, name)
+        if view is not None and view.dtype == p.dtype and view.shape == p.shape and torch.equal(view, p.data):
+            p.data = view
+            mapped.append(name)
+    return mapped
 
 
 def _load(
