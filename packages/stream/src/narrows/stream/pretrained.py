@@ -145,7 +145,8 @@ def from_pretrained(
     `narrows.stream.stream` — it streams from these tiers. `share`: the host-RAM layers are
     read-only maps of the cache file, page-locked by each process, so the ranks of one
     machine hold one copy between them (default: when torchrun started several ranks here,
-    ``LOCAL_WORLD_SIZE`` > 1, and there is a cache).
+    ``LOCAL_WORLD_SIZE`` > 1, and there is a cache). Ranks that do not share split the
+    default host budget between them.
     """
     if ring < 1:
         raise NarrowsError(f"ring={ring}: the disk tier needs at least one read buffer (default 3)")
@@ -164,6 +165,9 @@ def from_pretrained(
                            "or share=False")  # fmt: skip
     if share:
         return _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if host_budget is None and local > 1:  # each rank of this machine holds its own copy
+        budget //= local
     for _attempt in range(2):
         prepared, why = PreparedCache.open(target, expect) if target is not None else (None, "")
         if target is not None and prepared is None and target.exists():

@@ -1,0 +1,48 @@
+"""`narrows finetune --gpu-budget` launched by torchrun on two CPU ranks: each rank streams
+the base from the one host copy they share (the prepared cache, mapped), and the run
+equals one process with ``--grad-accum 2`` over a resident base, `torch.equal`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from narrows.core.testing import tiny_model_folder, write_jsonl
+
+pytest.importorskip("narrows.stream")
+
+ROWS = [{"text": " ".join(f"w{(3 * i + j) % 40}" for j in range(8 + i % 5))} for i in range(12)]
+ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "OMP_NUM_THREADS": "1",
+       "HF_HUB_OFFLINE": "1", "PYTHONPYCACHEPREFIX": os.path.join(tempfile.gettempdir(), "narrows-test-pycache")}  # fmt: skip
+
+
+def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path):
+    model = tiny_model_folder(tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.1", "--batch", "2",
+            "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--steps", "3", "--no-progress"]  # fmt: skip
+    one = subprocess.run([sys.executable, "-m", "narrows.core.cli", *args, "--grad-accum", "2", "--out",
+                          str(tmp_path / "one")], capture_output=True, text=True, env=ENV, timeout=600)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "narrows.core.cli", *args, "--gpu-budget", "1100KiB", "--cache", str(tmp_path / "cache"),
+                          "--out", str(tmp_path / "two")], capture_output=True, text=True, env=ENV, timeout=600)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("layers mapped from") == 2  # each rank maps the shared cache
+    a, b = (
+        load_file(tmp_path / "one" / "adapter_model.safetensors"),
+        load_file(tmp_path / "two" / "adapter_model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [[json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+            for r in ("one", "two")]  # fmt: skip
+    assert rows[0] == rows[1]
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["stream"]["resident_layers"] == 0
