@@ -5,22 +5,19 @@ equals one process with ``--grad-accum 2`` over a resident base, `torch.equal`."
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 pytest.importorskip("narrows.stream")
 
 ROWS = [{"text": " ".join(f"w{(3 * i + j) % 40}" for j in range(8 + i % 5))} for i in range(12)]
-ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "OMP_NUM_THREADS": "1",
-       "HF_HUB_OFFLINE": "1", "PYTHONPYCACHEPREFIX": os.path.join(tempfile.gettempdir(), "narrows-test-pycache")}  # fmt: skip
+ENV = child_env(OMP_NUM_THREADS="1")
 
 
 def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path):

@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("accelerate")
+
+from narrows.core.testing import child_env
 
 HERE = Path(__file__).parent
 WORLD = 2
@@ -23,9 +24,7 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("trainer") / "run"
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path]),
-           "PYTHONPYCACHEPREFIX": os.path.join(tempfile.gettempdir(), "narrows-test-pycache")}  # fmt: skip
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(HERE / "trainer_ddp_worker.py"), str(out)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -8,7 +8,6 @@ bad input refused before training with a message that names what is wrong.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from safetensors.torch import load_file
 
 from narrows.core._env import is_available
 from narrows.core.cli import main
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
@@ -43,7 +42,7 @@ def job(tmp_path_factory):
 
 def cli(*args, wait=True):
     cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = child_env()
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

@@ -5,7 +5,6 @@ stops restoring the CUDA RNG state (the CPU tests cannot see that)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +23,7 @@ ROWS = [{"prompt": f"{a}+{b}=", "response": f"{a + b}"} for a in range(8) for b 
 
 def _cli(*args: str, wait: bool = True):
     cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *args]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = child_env()
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)

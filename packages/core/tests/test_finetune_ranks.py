@@ -8,11 +8,9 @@ ranks given different flags, and step mode on several ranks are refused with
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,15 +19,12 @@ from safetensors.torch import load_file
 
 from narrows.core._env import is_available
 from narrows.core.cli import main
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 HERE = Path(__file__).parent
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(8 + i % 5))} for i in range(16)]
-# one thread per process, like each torchrun rank: a CPU matmul's sums can depend on it.
-# Bytecode kept between the launches (each process imports transformers afresh).
-ENV = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "OMP_NUM_THREADS": "1",
-       "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-       "PYTHONPYCACHEPREFIX": os.path.join(tempfile.gettempdir(), "narrows-test-pycache")}  # fmt: skip
+# one thread per process, like each torchrun rank: a CPU matmul's sums can depend on it
+ENV = child_env(OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")

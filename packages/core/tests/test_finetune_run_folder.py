@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,14 +31,13 @@ from safetensors.torch import load_file
 
 from narrows.core.errors import NarrowsError
 from narrows.core.finetune.rundir import RunFolder, _Hashing
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
     for a in range(6)
     for b in range(4)
 ]
-PYCACHE = Path(tempfile.gettempdir()) / f"narrows-test-pycache-{os.getuid()}"
 FAST = 30  # seconds a refusal before loading may take
 
 # `narrows finetune` in a process whose torch.save fails from its second call on, as on a
@@ -59,9 +57,7 @@ sys.exit(narrows.core.cli.main(sys.argv[1:]))
 
 
 def _env() -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(PYCACHE))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    return env
+    return child_env()
 
 
 def cli(*args, wait=True, script=None):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import assert_identical
 
-from narrows.core.testing import tiny_model_folder
+from narrows.core.testing import child_env, tiny_model_folder
 
 HERE = Path(__file__).parent
 WORLD = 2
@@ -29,7 +29,7 @@ def ranks(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ddp")
     out = root / "run"
     tiny_model_folder(root / "model", num_hidden_layers=3)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(HERE / "ddp_worker.py"), str(out), str(root / "model"), str(root / "cache")]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

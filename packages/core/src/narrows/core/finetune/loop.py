@@ -69,9 +69,8 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             every = [next(batches) for _ in range(per_step)]
             micro = every[ranks.rank * g : (ranks.rank + 1) * g]
             seeds = [micro_seed(cfg.seed, first + k) for k in range(g)]
-            n_items = sum(
-                e.trainable for mb in every for e in mb
-            )  # the loss is normalised over the whole step
+            # the loss is normalised over the whole step's trainable tokens, every rank's
+            n_items = sum(e.trainable for mb in every for e in mb)
             loss_sum = 0.0
             if stepper is not None:
                 stats = stepper.step([{**to_device(collate(mb, pad_id), device), "num_items_in_batch": n_items}

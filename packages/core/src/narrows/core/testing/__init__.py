@@ -13,6 +13,7 @@ from .contract import (
     run_contract,
 )
 from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
+from .processes import child_env
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "check_layer_swap_roundtrip",
     "check_partition",
     "check_slots_cover_forward",
+    "child_env",
     "forward_backward",
     "reachable_tensors",
     "run_contract",
