@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from narrows.core.testing import tiny_batch
+from narrows.core.testing import mapped_file, mapping_memory, tiny_batch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import build
@@ -76,29 +75,6 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
     return record(params, opt, losses, grads)
 
 
-def mapped_from(ptr: int) -> str:
-    """The file (or "[anon]") of the mapping holding address `ptr`."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        parts = line.split()
-        lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        if lo <= ptr < hi:
-            return parts[5] if len(parts) > 5 else "[anon]"
-    return "?"
-
-
-def memory_of(path: str) -> dict:
-    """Rss and Pss (kB) of this process's mappings of `path`: a page mapped by two
-    processes counts whole in each one's Rss and half in each one's Pss."""
-    got, inside = {"Rss": 0, "Pss": 0}, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        parts = line.split()
-        if "-" in parts[0] and len(parts) >= 5 and ":" not in parts[0]:
-            inside = len(parts) > 5 and parts[5] == path
-        elif inside and parts[0].rstrip(":") in got:
-            got[parts[0].rstrip(":")] += int(parts[1])
-    return got
-
-
 def shared_copy(folder: str, cache: str, world: int) -> dict:
     """Both ranks load `folder` (sharing, by default under torchrun), then train two DDP
     steps on it, each rank one seeded micro-batch."""
@@ -106,10 +82,10 @@ def shared_copy(folder: str, cache: str, world: int) -> dict:
 
     m = ns.from_pretrained(folder, dtype=torch.float32, cache=cache, host_budget="1TiB")
     tiers = m.narrows_tiers
-    homes = sorted({mapped_from(h.data_ptr()) for h in tiers.homes})
-    embedding = mapped_from(m.get_input_embeddings().weight.data_ptr())
+    homes = sorted({mapped_file(h.data_ptr()) for h in tiers.homes})
+    embedding = mapped_file(m.get_input_embeddings().weight.data_ptr())
     dist.barrier()  # both ranks hold their maps
-    memory = memory_of(str(tiers.cache.path))
+    memory = mapping_memory(str(tiers.cache.path))
     dist.barrier()
     torch.manual_seed(0)  # the adapters' initialisation
     m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", lora_dropout=DROPOUT))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import assert_identical
 
-from narrows.core.testing import child_env, tiny_model_folder
+from narrows.core.testing import child_env, mapped_file, mapping_memory, tiny_model_folder
 
 HERE = Path(__file__).parent
 WORLD = 2
@@ -148,8 +148,6 @@ def test_ranks_on_the_shared_copy_train_as_one_process_on_its_own(ranks, tmp_pat
 def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     """The twins of the shared-copy checks: a private copy lives in anonymous memory, and
     a map no other process shares has Pss equal to Rss."""
-    from ddp_worker import mapped_from, memory_of
-
     import narrows.stream as ns
     from narrows.core import NarrowsError
 
@@ -158,12 +156,12 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
         ns.from_pretrained(folder, cache=False, share=True)
     own_model = ns.from_pretrained(folder, dtype=torch.float32, cache=tmp_path / "cache", share=False)
     own = own_model.narrows_tiers
-    homes = {mapped_from(h.data_ptr()) for h in own.homes}
+    homes = {mapped_file(h.data_ptr()) for h in own.homes}
     assert own.shared == () and homes and str(own.cache.path) not in homes  # anonymous memory
-    assert not mapped_from(own_model.get_input_embeddings().weight.data_ptr()).endswith(".safetensors")
+    assert not mapped_file(own_model.get_input_embeddings().weight.data_ptr()).endswith(".safetensors")
     alone = ns.from_pretrained(
         folder, dtype=torch.float32, cache=tmp_path / "cache", share=True
     ).narrows_tiers
     assert alone.shared == (0, 1)
-    memory = memory_of(str(alone.cache.path))
+    memory = mapping_memory(str(alone.cache.path))
     assert memory["Rss"] > 0 and memory["Pss"] == memory["Rss"]

@@ -668,3 +668,15 @@ def test_shared_maps_are_page_locked_for_the_gpu_and_train_exactly(checkpoint, t
             assert all(base <= h.data_ptr() < base + tiers.cache.path.stat().st_size for h in tiers.homes)
         records[share] = train_streamed(model, device="cuda")
     assert_identical(records[False], records[True])
+
+
+def test_ranks_that_do_not_share_split_the_default_host_budget(checkpoint, monkeypatch):
+    """Several ranks of one machine each holding their own copy (no cache to share): each
+    takes its share of the default budget, not all of it."""
+    monkeypatch.setattr(pretrained_module, "default_host_budget", lambda: 1 << 40)
+    folder = checkpoint("llama")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    split = ns.from_pretrained(folder, dtype=F32, cache=False).narrows_tiers
+    assert split.shared == () and split.host_budget == 1 << 39
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert ns.from_pretrained(folder, dtype=F32, cache=False).narrows_tiers.host_budget == 1 << 40

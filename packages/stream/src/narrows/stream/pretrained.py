@@ -158,14 +158,14 @@ def from_pretrained(
         cache_path(folder, expect, None if cache is True else cache) if cache not in (False, None) else None
     )
     pin = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # ranks torchrun started on this machine
     if share is None:
-        share = target is not None and int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) > 1
+        share = target is not None and local > 1
     elif share and target is None:
         raise NarrowsError("share=True maps the prepared cache file: give a cache (cache=True or a folder), "
                            "or share=False")  # fmt: skip
     if share:
         return _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     if host_budget is None and local > 1:  # each rank of this machine holds its own copy
         budget //= local
     for _attempt in range(2):
@@ -218,20 +218,8 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
                         f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True
                     )
                     target.unlink()
-                _load(
-                    folder,
-                    expect,
-                    dtype,
-                    quant,
-                    device,
-                    None,
-                    target,
-                    None,
-                    pin,
-                    ring,
-                    keep=False,
-                    share=True,
-                )
+                _load(folder, expect, dtype, quant, device, None, target, None, pin, ring, keep=False,
+                      share=True)  # fmt: skip
                 prepared, why = PreparedCache.open(target, expect)
                 if prepared is None:
                     raise NarrowsError(f"prepared cache {target}: {why} right after it was written")
@@ -269,21 +257,8 @@ def _map_outside_layers(model: nn.Module, folder: CheckpointFolder) -> list[str]
     return mapped
 
 
-def _load(
-    folder,
-    expect,
-    dtype,
-    quant,
-    device,
-    budget,
-    target,
-    prepared,
-    pin,
-    ring,
-    *,
-    keep: bool,
-    share: bool = False,
-) -> nn.Module:
+def _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, *, keep: bool,
+          share: bool = False) -> nn.Module:  # fmt: skip
     from transformers import AutoConfig
 
     n = AutoConfig.from_pretrained(folder.path).get_text_config().num_hidden_layers
@@ -395,10 +370,8 @@ class _WarmReader:
         size = entry.layout.nbytes
         pinned = self.placer.pinned_here(i, size)
         if pinned and self.share:
-            mapped = self.prepared.mapped(i)  # None: a layer read in place from the checkpoint, in parts
-            why = "slabs read in place from the checkpoint's files" if mapped is None else ""
-            if mapped is not None and self.pin:
-                why = pin_shared(mapped)
+            mapped = self.prepared.mapped(i)  # whole: _load_shared rebuilds a cache written in parts
+            why = pin_shared(mapped) if self.pin else ""
             if not why:
                 self.shared.add(i)
                 return mapped, crc32(mapped) == entry.crc

@@ -13,6 +13,7 @@ from .contract import (
     run_contract,
 )
 from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
+from .maps import mapped_file, mapping_memory
 from .processes import child_env
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
@@ -27,6 +28,8 @@ __all__ = [
     "check_slots_cover_forward",
     "child_env",
     "forward_backward",
+    "mapped_file",
+    "mapping_memory",
     "reachable_tensors",
     "run_contract",
     "tiny_batch",
