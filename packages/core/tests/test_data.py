@@ -4,13 +4,27 @@ from __future__ import annotations
 
 import pytest
 
-from narrows.core.data import IGNORE, DataError, collate, encode_row, micro_batches, read_jsonl, tokenize_rows
+from narrows.core.data import (
+    IGNORE,
+    DataError,
+    collate,
+    micro_batches,
+    open_source,
+    read_jsonl,
+    tokenize,
+    tokenize_rows,
+)
+from narrows.core.data import encode_row as encode_named
 from narrows.core.testing import tiny_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
+
+
+def encode_row(row, tok, seq_len):
+    return encode_named(row, tok, seq_len)[1]
 
 
 def decode_trained(tok, ex):
@@ -49,16 +63,13 @@ def test_truncation_that_removes_every_trainable_token_is_refused_with_the_line(
     [
         ('{"text": "ok"', r"d\.jsonl:2: not valid JSON"),
         ("[1, 2]", r"d\.jsonl:2: each line must be a JSON object"),
-        ('{"question": "q"}', r"d\.jsonl:2: the row has none of the fields"),
+        ('{"question": "q"}', r"d\.jsonl:2: the row fits no format narrows reads \(it has \['question'\]\)"),
         ('{"prompt": "q"}', r"d\.jsonl:2: a prompt/response row has no 'response' field$"),
-        (
-            '{"prompt": "q", "completion": "a"}',
-            r"d\.jsonl:2: a prompt/response row has no 'response' field \('completion'",
-        ),
+        ('{"completion": "a"}', r"d\.jsonl:2: a prompt/completion row has no 'prompt' field"),
         ('{"response": "a"}', r"d\.jsonl:2: a prompt/response row has no 'prompt' field"),
         ('{"prompt": "q", "response": 5}', r"d\.jsonl:2: field 'response' must be a string, got int"),
         ('{"text": "x" "y"}', r"d\.jsonl:2: not valid JSON \(Expecting ',' delimiter at column 14\)"),
-        ('{"messages": [{"role": "user", "content": "q"}]}', r"d\.jsonl:2: 'messages' has no assistant turn"),
+        ('{"messages": [{"role": "user", "content": "q"}]}', r"d\.jsonl:2: the chat has no assistant turn"),
         ('{"messages": [{"role": "user"}]}', r"d\.jsonl:2: messages\[0\] must be an object"),
     ],
 )
@@ -69,11 +80,11 @@ def test_malformed_rows_name_file_and_line(tok, tmp_path, line, message):
 
 
 def test_missing_and_empty_files(tmp_path, tok):
-    with pytest.raises(DataError, match="does not exist"):
-        read_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="no such local file or folder"):
+        open_source(str(tmp_path / "nope.jsonl"))
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(DataError, match="has no rows"):
-        read_jsonl(tmp_path / "empty.jsonl")
+        tokenize(open_source(str(tmp_path / "empty.jsonl")), tok, 64, cache=False)
 
 
 def test_collate_pads_right_and_masks_padding(tok):

@@ -90,13 +90,17 @@ def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
                if "lora_" in k)  # fmt: skip
 
 
-@pytest.mark.parametrize("how", ["kill", "ctrl-c"])
-def test_an_interrupted_run_resumes_to_the_same_adapter(job, how):
+@pytest.mark.parametrize("how,packing", [("kill", False), ("ctrl-c", False), ("kill", True)])
+def test_an_interrupted_run_resumes_to_the_same_adapter(job, how, packing):
+    """Packed too: 20 examples in 10 sequences, 4 per step, so a cut falls mid-epoch."""
     root, args = job
-    steps = ["--steps", "120"]
-    whole = root / f"whole-{how}"
-    assert cli(*args, *steps, "--out", str(whole)).returncode == 0
-    cut = root / f"cut-{how}"
+    steps = ["--steps", "120", *(["--packing"] if packing else [])]
+    whole = root / f"whole-{how}-{packing}"
+    done = cli(*args, *steps, "--out", str(whole))
+    assert done.returncode == 0
+    assert "format messages" in done.stderr
+    assert ("packing: 20 examples in 10 sequences of 64 tokens" in done.stderr) == packing
+    cut = root / f"cut-{how}-{packing}"
     proc = cli(*args, *steps, "--out", str(cut), wait=False)
     deadline = time.time() + 300
     while time.time() < deadline:  # interrupt once a checkpoint exists and training went past it
@@ -140,6 +144,12 @@ def test_bad_input_is_refused_before_training(job, capsys, tmp_path):
     err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--seq-len", "8", *out)
     assert "no trainable token: truncation to --seq-len 8" in err
     assert "--model needs --data" in refused(capsys, "--model", base["--model"], *out)
+    err = refused(capsys, "--model", base["--model"], "--data", "org/dataset", *out)
+    assert "--data org/dataset: no such local file or folder. narrows reads local data only" in err
+    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--data-split", "train", *out)
+    assert "--data-split chooses a split of a save_to_disk folder" in err
+    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--columns", "prompt", *out)
+    assert "--columns 'prompt': 'prompt' is not FIELD=COLUMN" in err
     assert "unknown part 'fast'" in refused(capsys, "--model", base["--model"], "--data", base["--data"],
                                             "--lmhead", "mask,fast", *out) or not is_available("narrows.lmhead")  # fmt: skip
     assert not (tmp_path / "run").exists()  # nothing was written for a refused run

@@ -8,6 +8,7 @@ file or the new one, never a torn one.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_dir", "atomic_write", "cache_dir"]
+__all__ = ["atomic_dir", "atomic_write", "build_lock", "cache_dir"]
 
 
 def cache_dir(*parts: str) -> Path:
@@ -67,3 +68,21 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def build_lock(target: str | os.PathLike) -> Iterator[None]:
+    """Held while one process checks or builds `target` (a cache entry): another rank, or
+    another run, of the same input waits here, then finds it built."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(f"{target}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(f"narrows: waiting for another process building {target}", flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

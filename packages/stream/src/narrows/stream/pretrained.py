@@ -15,13 +15,10 @@ lock builds the file; the others wait for it, then map it.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +27,7 @@ from torch import Tensor, nn
 
 from narrows.core import NarrowsError, SlabLayout, anatomy_of, assign, format_bytes, parse_bytes
 from narrows.core.checkpoint import CheckpointFolder
-from narrows.core.files import cache_dir
+from narrows.core.files import build_lock, cache_dir
 from narrows.core.loader import load_blockwise, map_tensor
 from narrows.core.memory import host_rss_bytes
 from narrows.core.models import resolve_model_path
@@ -181,29 +178,12 @@ def from_pretrained(
     raise AssertionError("unreachable")
 
 
-@contextlib.contextmanager
-def _cache_lock(target: Path) -> Iterator[None]:
-    """Held while one process checks or builds the cache file: another rank (or run) of
-    the same checkpoint waits, then finds the file built."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(f"{target}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            print(f"narrows: waiting for another process building {target}", flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring) -> nn.Module:
     """`from_pretrained` with ``share``: the cache built first (once, under its lock), then
     every host-RAM layer mapped from it."""
     built = False
     for _attempt in range(2):
-        with _cache_lock(target):
+        with build_lock(target):
             prepared, why = PreparedCache.open(target, expect)
             if prepared is not None and any(e.parts for e in prepared.layers):
                 # slabs read in place from a pre-quantised checkpoint's files: no one contiguous map
@@ -235,7 +215,7 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
             return model
         except _Stale as e:
             print(f"narrows: prepared cache {target}: {e}; rebuilding it", flush=True)
-            with _cache_lock(target):
+            with build_lock(target):
                 target.unlink(missing_ok=True)
     raise AssertionError("unreachable")
 

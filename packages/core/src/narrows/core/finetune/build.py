@@ -6,6 +6,7 @@ each imported only when asked for."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from .._env import is_available
 from ..checkpoint import CheckpointFolder
-from ..data import Example, read_jsonl, tokenize_rows
+from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from ..errors import NarrowsError
 from ..memory import parse_bytes
 from .config import FinetuneConfig, parse_lmhead
@@ -46,8 +47,12 @@ def check_model_files(cfg: FinetuneConfig) -> Path:
     return folder
 
 
-def load_data(cfg: FinetuneConfig, tokenizer) -> tuple[list[Example], list[Example], list[dict]]:
-    """(train, eval, exact-match rows), every row checked before any training."""
+def load_data(
+    cfg: FinetuneConfig, tokenizer
+) -> tuple[Sequence[Example], Sequence[Example], list[dict], list[str]]:
+    """(train, eval, exact-match rows, what was read), every row checked before any training.
+    With ``--packing`` the training examples are packed into ``--seq-len`` sequences; the
+    held-out ones stay one per sequence."""
     if cfg.model is None:
         from ..bundled import gsm8k_split
 
@@ -57,14 +62,34 @@ def load_data(cfg: FinetuneConfig, tokenizer) -> tuple[list[Example], list[Examp
         )
         evals = tokenize_rows(((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])),
                               tokenizer, cfg.seq_len)  # fmt: skip
-        return train, evals, held_out[cfg.eval_rows : cfg.eval_rows + cfg.exact_match]
-    train = tokenize_rows(read_jsonl(cfg.data), tokenizer, cfg.seq_len)  # type: ignore[arg-type]
-    evals = (
-        tokenize_rows(read_jsonl(cfg.eval_data), tokenizer, cfg.seq_len)[: cfg.eval_rows]
-        if cfg.eval_data
-        else []
-    )
-    return train, evals, []
+        said = [f"data: GSM8K worked answers, {train.describe()}"]
+        return (
+            _packed(cfg, train, said),
+            evals,
+            held_out[cfg.eval_rows : cfg.eval_rows + cfg.exact_match],
+            said,
+        )
+    renames = parse_columns(cfg.columns)
+    train, how = tokenize(open_source(cfg.data, cfg.data_split), tokenizer, cfg.seq_len, renames)  # type: ignore[arg-type]
+    said = [f"data {cfg.data}: {train.describe()} ({how})"]
+    evals: Sequence[Example] = []
+    if cfg.eval_data:
+        evals, how = tokenize(open_source(cfg.eval_data, cfg.eval_split, "--eval-data"), tokenizer, cfg.seq_len,
+                              renames)  # fmt: skip
+        said.append(
+            f"eval data {cfg.eval_data}: {evals.describe()} ({how}); the first {cfg.eval_rows} evaluated"
+        )
+        evals = evals[: cfg.eval_rows]
+    return _packed(cfg, train, said), evals, [], said
+
+
+def _packed(cfg: FinetuneConfig, train: Tokenized, said: list[str]) -> Sequence[Example]:
+    if not cfg.packing:
+        return train
+    packed = Packed(train, cfg.seq_len)
+    said.append(f"packing: {len(train)} examples in {len(packed)} sequences of {cfg.seq_len} tokens, "
+                f"{packed.fill():.1%} of them real tokens")  # fmt: skip
+    return packed
 
 
 def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:

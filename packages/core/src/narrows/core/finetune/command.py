@@ -50,8 +50,18 @@ def add_parser(sub) -> None:
     )
     a = p.add_argument
     a("--model", help="local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    a("--data", help="training JSONL: messages, prompt/response or text rows")
-    a("--eval-data", help="held-out JSONL for the eval loss")
+    a("--data", help="training data, a local file (.jsonl, .parquet, .arrow, .csv, .json) or a save_to_disk folder: "
+      "messages, ShareGPT conversations, prompt/response or prompt/completion, Alpaca or text rows")  # fmt: skip
+    a("--eval-data", help="held-out data for the eval loss, as --data")
+    a("--data-split", help="the split of a save_to_disk folder that holds several, e.g. train")
+    a("--eval-split", help="the split of --eval-data, e.g. test")
+    a(
+        "--columns",
+        help="rename your columns to the fields narrows reads, e.g. prompt=question,response=answer",
+    )
+    a("--packing", action="store_true", default=None,
+      help="pack several examples into each --seq-len sequence (no padding); positions restart and attention "
+      "stays inside each example")  # fmt: skip
     a("--adapter", choices=["lora", "dora"], help="lora (default) or dora (needs narrows-dora)")
     a("--rank", type=int, help="adapter rank (default 16)")
     a("--alpha", type=float, help="LoRA alpha (default 2 x rank)")
@@ -80,8 +90,8 @@ def add_parser(sub) -> None:
       "gradients are complete; the same numbers")  # fmt: skip
     a("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
       help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
-      "counting their memory (faster at short sequences). Off by default: this job pads each batch to its longest "
-      "row, and every new width captures graphs again")  # fmt: skip
+      "counting their memory (faster at short sequences). Off by default: unpacked, this job pads each batch to its "
+      "longest row, and every new width captures graphs again (with --packing every batch is --seq-len wide)")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")

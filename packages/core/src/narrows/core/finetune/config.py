@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from .._env import require
+from ..data import open_source, parse_columns
 from ..errors import NarrowsError
 from ..memory import parse_bytes
 
@@ -46,6 +47,10 @@ class FinetuneConfig:
     model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
     data: str | None = None  # None with model None: GSM8K train split
     eval_data: str | None = None
+    data_split: str | None = None  # the split of a save_to_disk folder holding several
+    eval_split: str | None = None
+    columns: str | None = None  # renames of dataset columns, e.g. prompt=question,response=answer
+    packing: bool = False  # several examples per sequence, attention kept inside each
     adapter: str = "lora"
     rank: int = 16
     alpha: float | None = None  # None: 2 * rank
@@ -120,9 +125,24 @@ class FinetuneConfig:
                 "--data needs --model too (the embedded default model comes with its own data)"
             )
         if self.model is not None and self.data is None:
-            raise NarrowsError(
-                "--model needs --data (a JSONL file of messages, prompt/response or text rows)"
-            )
+            raise NarrowsError("--model needs --data (a local JSONL, parquet, arrow, csv or json file, or a "
+                               "save_to_disk folder)")  # fmt: skip
+        for flag, split, of in (("--data-split", self.data_split, self.data), ("--eval-split", self.eval_split,
+                                                                               self.eval_data)):  # fmt: skip
+            if split is not None and of is None:
+                raise NarrowsError(
+                    f"{flag} chooses a split of {flag[:-6]}: give {flag[:-6]} too, or drop {flag}"
+                )
+        if self.columns is not None:
+            if self.data is None:
+                raise NarrowsError(
+                    "--columns renames the columns of --data: give --data too, or drop --columns"
+                )
+            parse_columns(self.columns)
+        if self.data is not None:
+            open_source(self.data, self.data_split)  # a local path, of a kind narrows reads
+        if self.eval_data is not None:
+            open_source(self.eval_data, self.eval_split, flag="--eval-data")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise NarrowsError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.adapter == "dora":

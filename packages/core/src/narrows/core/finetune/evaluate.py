@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..data import Example, collate
+from ..data import TRAINING, Example, collate
 
 __all__ = ["eval_loss", "exact_match", "to_device"]
 
@@ -28,7 +28,7 @@ def eval_loss(
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
         n = sum(e.trainable for e in chunk)
-        out = model(**to_device(collate(chunk, pad_id), device))
+        out = model(**to_device(collate(chunk, pad_id), device), **TRAINING)
         total += float(out.loss) * n
         count += n
     model.train(was_training)

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from ..data import check_packing
 from ..errors import NarrowsError
 from ..files import atomic_write
 from .build import build_model, check_model_files, load_data, load_model, run_dtype
@@ -132,10 +133,15 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    train_set, evals, em_rows = load_data(cfg, tokenizer)  # every row, before the model
+    train_set, evals, em_rows, said = load_data(cfg, tokenizer)  # every row, before the model
+    if ranks.main:
+        for line in said:
+            print(f"narrows: {line}", file=sys.stderr, flush=True)
     if ranks.world > 1:
         ranks.agree(narrows=__version__, config=dataclasses.asdict(cfg), data=data_digest(train_set))
     model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype)
+    if cfg.packing:  # the attention this model runs keeps packed examples apart, or the run stops here
+        check_packing(model, device, len(tokenizer))
     net = data_parallel(model, ranks, device)  # several ranks: gradients summed over them
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0

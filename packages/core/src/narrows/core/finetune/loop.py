@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..data import Example, collate, micro_batches
+from ..data import TRAINING, Example, collate, micro_batches
 from ..errors import NarrowsError
 from ..memory import format_bytes, read_peaks, reset_peaks
 from .config import FinetuneConfig
@@ -52,6 +52,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
     g = cfg.grad_accum
     per_step = g * ranks.world  # micro-batches of one optimizer step, all ranks together
     batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * per_step)
+    width = cfg.seq_len if cfg.packing else None  # packed batches: one width, every step
     stepper = None
     if cfg.step_mode:
         import narrows.stream
@@ -73,7 +74,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             n_items = sum(e.trainable for mb in every for e in mb)
             loss_sum = 0.0
             if stepper is not None:
-                stats = stepper.step([{**to_device(collate(mb, pad_id), device), "num_items_in_batch": n_items}
+                stats = stepper.step([{**to_device(collate(mb, pad_id, width), device), **TRAINING, "num_items_in_batch": n_items}
                                       for mb in micro], seeds=seeds)  # fmt: skip
                 for value in stats.losses:
                     loss_sum += value
@@ -82,7 +83,11 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                     torch.manual_seed(seeds[k])
                     # several ranks: one all-reduce per step, after the last micro-batch
                     with net.no_sync() if ranks.world > 1 and k < g - 1 else nullcontext():
-                        out = net(**to_device(collate(mb, pad_id), device), num_items_in_batch=n_items)
+                        out = net(
+                            **to_device(collate(mb, pad_id, width), device),
+                            **TRAINING,
+                            num_items_in_batch=n_items,
+                        )
                         out.loss.backward()
                     loss_sum += float(out.loss.detach())
                 optimizer.step()

@@ -14,7 +14,7 @@ from .contract import (
 )
 from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
 from .maps import mapped_file, mapping_memory
-from .processes import child_env
+from .processes import child_env, private_cache
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "forward_backward",
     "mapped_file",
     "mapping_memory",
+    "private_cache",
     "reachable_tensors",
     "run_contract",
     "tiny_batch",

@@ -1,9 +1,11 @@
-"""The environment of a Python child process a test starts (the CLI, torchrun ranks)."""
+"""The environment of a test's Python child processes (the CLI, torchrun ranks) and its caches."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -17,3 +19,19 @@ def child_env(**extra: str) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(cache))
     env.update(extra)
     return env
+
+
+@contextmanager
+def private_cache(folder: str | os.PathLike) -> Iterator[None]:
+    """``$NARROWS_CACHE`` set to `folder` while the block runs, for this process and the
+    children it starts: what tests cache (tokenised data above all) stays out of the
+    user's ~/.cache/narrows."""
+    old = os.environ.get("NARROWS_CACHE")
+    os.environ["NARROWS_CACHE"] = str(folder)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("NARROWS_CACHE", None)
+        else:
+            os.environ["NARROWS_CACHE"] = old
