@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
+from types import MappingProxyType
 
 import torch
 from torch import Tensor
@@ -19,7 +20,7 @@ __all__ = ["TRAINING", "Packed", "check_packing", "collate", "micro_batches", "p
 # What every training (and eval-loss) forward passes besides the batch. No KV cache: with
 # one, transformers (5.x) skips its packed-sequence detection and lets packed examples
 # attend to each other, silently.
-TRAINING = {"use_cache": False}
+TRAINING = MappingProxyType({"use_cache": False})
 
 
 def collate(examples: Sequence[Example], pad_id: int, width: int | None = None) -> dict[str, Tensor]:
