@@ -263,7 +263,7 @@ def test_a_refused_run_leaves_no_folder_behind(job, tmp_path):
         [*job.args, "--steps", "4", "--targets", "q_proj,wq", "--out", targets],
         [*job.args, "--steps", "4", "--seq-len", "8", "--out", untrainable],
     )
-    assert "--targets 'q_proj,wq': no linear module named ['wq']" in refused(r_targets)
+    assert "--targets 'q_proj,wq': no linear module named ['wq']" in refused(r_targets, notices=True)
     assert "no trainable token" in refused(r_untrainable)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 

@@ -147,7 +147,7 @@ def test_ranks_on_the_shared_copy_train_as_one_process_on_its_own(ranks, tmp_pat
 
 def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     """The twins of the shared-copy checks: a private copy lives in anonymous memory, and
-    a map no other process shares has Pss equal to Rss."""
+    a map no other process shares fails the Pss check the shared one passes."""
     import narrows.stream as ns
     from narrows.core import NarrowsError
 
@@ -164,4 +164,6 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     ).narrows_tiers
     assert alone.shared == (0, 1)
     memory = mapping_memory(str(alone.cache.path))
-    assert memory["Rss"] > 0 and memory["Pss"] == memory["Rss"]
+    # the shared check (Pss <= 0.55 Rss) fails for it. Not Pss == Rss: in a long test process
+    # some of the file's pages were seen mapped twice (Pss 300 of Rss 492 kB)
+    assert memory["Rss"] > 0 and memory["Pss"] > 0.55 * memory["Rss"], memory
