@@ -1,6 +1,7 @@
 """The job's data path on a large local dataset: time and peak host memory to tokenise it the
 first time (cache built), to map it from the cache, and to pack it; against the same rows
-held as Python `Example` objects (how `narrows finetune` held them before the cache).
+held as Python `Example` objects (how `narrows finetune` held them before the cache), and
+against the floor of the imports alone.
 
 Writes N Alpaca rows (GSM8K problems, repeated with an index) as parquet, then runs each
 case in its own process and reads its peak RSS. CPU only.
@@ -42,7 +43,9 @@ def case(name: str, data: str, tokenizer: str, seq_len: int) -> dict:
     tok = AutoTokenizer.from_pretrained(tokenizer)
     t = time.perf_counter()
     source = open_source(data)
-    if name == "python-objects":  # a list of Examples (tuples of Python ints), as before the cache
+    if name == "imports":  # the floor every case stands on: torch, transformers, datasets, the tokenizer
+        n, how = 0, "no rows read"
+    elif name == "python-objects":  # a list of Examples (tuples of Python ints), as before the cache
         held = [encode_row(row, tok, seq_len, where)[1] for where, row in source.rows()]
         n, how = len(held), "list of Example"
     else:
@@ -76,7 +79,7 @@ def main() -> None:
     write_rows(data, args.rows)
     env = dict(os.environ, NARROWS_CACHE=str(work / "cache"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     rows = []
-    for name in ("python-objects", "first-run", "cached", "packed"):
+    for name in ("imports", "python-objects", "first-run", "cached", "packed"):
         cmd = [sys.executable, __file__, "--case", name, "--data", str(data), "--tokenizer", args.tokenizer,
                "--seq-len", str(args.seq_len)]  # fmt: skip
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
