@@ -4,6 +4,7 @@ example; and the seeded, endless stream of micro-batches a run (and its resume) 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Sequence
@@ -125,8 +126,10 @@ class Packed(Sequence[Example]):
 
     def __init__(self, examples: Sequence[Example], seq_len: int) -> None:
         self.examples = examples
-        lengths = examples.lengths() if hasattr(examples, "lengths") else [len(e.input_ids) for e in examples]
-        self.bins = [tuple(b) for b in pack_bins(lengths, seq_len)]
+        self._lengths = (
+            examples.lengths() if hasattr(examples, "lengths") else [len(e.input_ids) for e in examples]
+        )
+        self.bins = [tuple(b) for b in pack_bins(self._lengths, seq_len)]
         self.seq_len = seq_len
 
     def __len__(self) -> int:
@@ -142,16 +145,12 @@ class Packed(Sequence[Example]):
         return Example(ids, labels, where, tuple(len(e.input_ids) for e in members))
 
     def digest(self) -> str:
-        import hashlib
-
         base = self.examples.digest() if hasattr(self.examples, "digest") else ""
         return hashlib.sha256(f"{base}|{self.seq_len}|{self.bins}".encode()).hexdigest()[:16]
 
     def fill(self) -> float:
         """Share of the packed sequences' tokens that are real (not padding to `seq_len`)."""
-        total = sum(self.examples.lengths()) if hasattr(self.examples, "lengths") else sum(
-            len(e.input_ids) for e in self.examples)  # fmt: skip
-        return total / (len(self) * self.seq_len)
+        return sum(self._lengths) / (len(self) * self.seq_len)
 
 
 def micro_batches(

@@ -127,12 +127,10 @@ class FinetuneConfig:
         if self.model is not None and self.data is None:
             raise NarrowsError("--model needs --data (a local JSONL, parquet, arrow, csv or json file, or a "
                                "save_to_disk folder)")  # fmt: skip
-        for flag, split, of in (("--data-split", self.data_split, self.data), ("--eval-split", self.eval_split,
-                                                                               self.eval_data)):  # fmt: skip
-            if split is not None and of is None:
-                raise NarrowsError(
-                    f"{flag} chooses a split of {flag[:-6]}: give {flag[:-6]} too, or drop {flag}"
-                )
+        for flag, split, of, source in (("--data-split", self.data_split, "--data", self.data),
+                                        ("--eval-split", self.eval_split, "--eval-data", self.eval_data)):  # fmt: skip
+            if split is not None and source is None:
+                raise NarrowsError(f"{flag} chooses a split of {of}: give {of} too, or drop {flag}")
         if self.columns is not None:
             if self.data is None:
                 raise NarrowsError(

@@ -18,7 +18,7 @@ from .build import build_model, check_model_files, load_data, load_model, run_dt
 from .config import RESUMABLE, FinetuneConfig, resume_changes
 from .evaluate import eval_loss
 from .loop import Progress, train
-from .ranks import Ranks, data_digest, data_parallel
+from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .rundir import RunFolder
 
@@ -138,7 +138,9 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         for line in said:
             print(f"narrows: {line}", file=sys.stderr, flush=True)
     if ranks.world > 1:
-        ranks.agree(narrows=__version__, config=dataclasses.asdict(cfg), data=data_digest(train_set))
+        ranks.agree(
+            narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
+        )  # the tokenised (or packed) data
     model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype)
     if cfg.packing:  # the attention this model runs keeps packed examples apart, or the run stops here
         check_packing(model, device, len(tokenizer))

@@ -17,7 +17,6 @@ on the same number of ranks. Rank 0 alone writes the run folder.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from torch import nn
 
 from ..errors import NarrowsError
 
-__all__ = ["Ranks", "data_digest", "data_parallel", "micro_seed"]
+__all__ = ["Ranks", "data_parallel", "micro_seed"]
 
 T = TypeVar("T")
 
@@ -142,16 +141,6 @@ class Ranks:
         t = torch.tensor([value], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return float(t.item())
-
-
-def data_digest(examples: list) -> str:
-    """A hash of the tokenised training data, for `Ranks.agree`."""
-    if hasattr(examples, "digest"):  # the flat arrays (or packing) hash themselves
-        return examples.digest()
-    h = hashlib.sha256()
-    for e in examples:
-        h.update(repr((e.input_ids, e.labels)).encode())
-    return h.hexdigest()[:16]
 
 
 def data_parallel(model: nn.Module, ranks: Ranks, device: torch.device) -> nn.Module:
