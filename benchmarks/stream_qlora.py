@@ -18,7 +18,10 @@ plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
 checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
 memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
-checkpoint where that transformers has no such option). With --grad-accum G every mode
+checkpoint where that transformers has no such option); the peers (benchmarks/_peers.py):
+fsdp-offload (answer.ai's FSDP+QLoRA recipe: FSDP1, parameters offloaded to CPU, every
+layer checkpointed) and deepspeed-z3 (ZeRO-3, parameters offloaded to pinned CPU memory;
+"-ckpt" adds HF checkpointing, "-lean" a smaller gathering window). With --grad-accum G every mode
 makes one optimizer step of G micro-batches (the others accumulate sequentially).
 Ratios: `vs_resident` against the fastest resident mode of the run; for a mode with a
 budget, `vs_best_peft_fitting` against the fastest resident mode whose peak fits it.
@@ -124,8 +127,9 @@ def run_one(args: argparse.Namespace) -> dict:
     model = random_nf4_model(load_config(args.model), work_device=str(device), attn=args.attn)
     model = add_lora(model).train()
     model.config.use_cache = False
+    vocab = model.config.vocab_size
     build_s = time.perf_counter() - t0
-    plan = None
+    plan = engine = None
     parts = mode.split("-")
     if "lmhead" in parts:  # masked + chunked exact CE through core's head hook
         import narrows.lmhead as lmh
@@ -140,6 +144,19 @@ def run_one(args: argparse.Namespace) -> dict:
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False)  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
+    elif mode.startswith(("fsdp", "deepspeed")):
+        import _peers
+
+        from narrows.core import anatomy_of
+
+        layer_cls = type(anatomy_of(model).layers[0])
+        if "ckpt" in parts:
+            checkpointing(model, offload=False)
+            model.enable_input_require_grads()
+        if mode.startswith("fsdp"):
+            model = _peers.fsdp_offload(model, layer_cls, cuda)
+        else:
+            engine = _peers.deepspeed_zero3(model, args.grad_accum, cuda, lean="lean" in parts)
     else:
         if mode.startswith("resident-ckpt"):
             checkpointing(model, offload="offload" in parts)
@@ -148,7 +165,6 @@ def run_one(args: argparse.Namespace) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
 
     g = args.grad_accum
     trainer = (
@@ -165,6 +181,13 @@ def run_one(args: argparse.Namespace) -> dict:
         if trainer is not None:
             return trainer.step(batches).loss
         total = 0.0
+        if engine is not None:  # DeepSpeed scales by 1/G and steps at the G-th call itself
+            for batch in batches:
+                loss = engine(**batch).loss
+                engine.backward(loss)
+                engine.step()
+                total = total + loss.detach() / g
+            return float(total)
         for batch in batches:
             loss = model(**batch).loss
             (loss / g).backward()
