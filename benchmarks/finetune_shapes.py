@@ -12,6 +12,9 @@ steps as it takes to see about the same number of tokens, so the held-out losses
 at equal tokens; tokens/s counts real tokens (no padding) over the steps after the second.
 
     python benchmarks/finetune_shapes.py --config qwen2.5-7b --tokenizer DIR --modes off,fit,6GiB --steps 20
+
+A mode ending in "-eager" (e.g. 6GiB-eager) runs with --no-cuda-graphs; without it the
+planner chooses, as the job does by default.
 """
 
 from __future__ import annotations
@@ -97,11 +100,12 @@ def main() -> None:
     for mode in args.modes.split(","):
         for packing in packings:
             out = work / f"run-{mode}-{'packed' if packing else 'padded'}"
+            budget = mode.removesuffix("-eager")  # "-eager": --no-cuda-graphs (default: the planner's choice)
             cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
-                   "--eval-data", str(held_out), "--eval-rows", "32", "--quant", "nf4", "--gpu-budget", mode,
+                   "--eval-data", str(held_out), "--eval-rows", "32", "--quant", "nf4", "--gpu-budget", budget,
                    "--steps", str(steps[packing]), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
                    "--save-every", str(steps[packing]), "--no-progress", "--out", str(out),
-                   *(["--packing"] if packing else [])]  # fmt: skip
+                   *(["--packing"] if packing else []), *(["--no-cuda-graphs"] if mode != budget else [])]  # fmt: skip
             t = time.perf_counter()
             r = subprocess.run(
                 cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
@@ -124,6 +128,7 @@ def main() -> None:
                 "median_step_s": step_s[len(step_s) // 2], "first_loss": summary["first_loss"],
                 "last_loss": summary["last_loss"], "eval_loss_before": summary["eval_loss_before"],
                 "eval_loss_after": summary["eval_loss_after"], "setup_s": summary["setup_s"], "wall_s": wall,
+                **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
             })  # fmt: skip
             print(f"--gpu-budget {mode} packing {packing}: {rows[-1]}", flush=True)
 

@@ -52,11 +52,16 @@ def test_step_mode_trains_what_the_resident_loop_trains(tmp_path):
         assert [r["accumulation"] for r in got[1]] == ["block-major"] * 3
     summary = json.loads((tmp_path / "step" / "summary.json").read_text())
     assert summary["stream"]["resident_layers"] == 0
-    # graphs: off unless asked for; asked for, they are emulated on the CPU
+    # graphs: the planner's choice unless asked for (a CPU has none); asked for, they are emulated
     assert summary["stream"]["cuda_graphs"] is False
+    assert summary["stream"]["cuda_graphs_choice"] == "auto: not a CUDA device"
     assert json.loads((tmp_path / "step" / "config.json").read_text())["config"]["cuda_graphs"] is None
     hosted = json.loads((tmp_path / "hosted" / "summary.json").read_text())["stream"]
-    assert hosted["cuda_graphs"] is True and hosted["cuda_graph_replays"] > 0
+    assert (
+        hosted["cuda_graphs"] is True
+        and hosted["cuda_graph_replays"] > 0
+        and hosted["cuda_graph_captures"] > 0
+    )
 
 
 def test_step_mode_resumes_exactly(tmp_path, monkeypatch):

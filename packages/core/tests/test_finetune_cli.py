@@ -171,7 +171,8 @@ def test_a_missing_sibling_package_is_named(job, capsys, tmp_path):
 
 
 def test_cuda_graphs_flag_is_three_way():
-    """Not given: None (off, recorded as not asked for); --cuda-graphs on, --no-cuda-graphs off."""
+    """Not given: None (the planner's choice, recorded as not asked for); --cuda-graphs on,
+    --no-cuda-graphs off."""
     import argparse
 
     from narrows.core.finetune.command import add_parser

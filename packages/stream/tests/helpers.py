@@ -18,10 +18,12 @@ def build(arch="llama", *, base="float", kind="lora", dropout=0.0, dtype=torch.f
 
 
 def train(
-    model, *, steps: int = 3, grad_accum: int = 1, stream_kwargs: dict | None = None, device: str = "cpu"
-):
+    model, *, steps: int = 3, grad_accum: int = 1, stream_kwargs: dict | None = None, device: str = "cpu",
+    widths: tuple[int, ...] = (12,),
+):  # fmt: skip
     """Seeded AdamW loop. Returns per-micro-step losses, gradients before each step, final
-    adapter weights and optimizer state — the tensors a parity gate compares."""
+    adapter weights and optimizer state — the tensors a parity gate compares. The
+    micro-batches take their sequence lengths from `widths` in turn."""
     torch.manual_seed(0)
     if stream_kwargs is not None:
         ns.stream(model, device=device, **stream_kwargs)
@@ -30,7 +32,8 @@ def train(
     record: dict[str, list[torch.Tensor]] = {"loss": [], "grad": [], "weight": [], "adam": []}
     for step in range(steps):
         for micro in range(grad_accum):
-            batch = {k: v.to(device) for k, v in tiny_batch(seed=100 * step + micro).items()}
+            seq = widths[(step * grad_accum + micro) % len(widths)]
+            batch = {k: v.to(device) for k, v in tiny_batch(seq=seq, seed=100 * step + micro).items()}
             loss = model(**batch).loss / grad_accum
             loss.backward()
             record["loss"].append(loss.detach().clone())

@@ -135,14 +135,87 @@ def test_bad_graphs_option_is_refused():
         ns.stream(_model(), device="cpu", graphs="yes")
 
 
-def test_no_graphs_by_default_and_none_on_a_cpu():
-    """Off by default; "auto" leaves a CPU eager too: it has no graphs to replay."""
+def test_auto_by_default_and_no_graphs_on_a_cpu():
+    """ "auto" is the default, and leaves a CPU eager: it has no graphs to replay."""
     model = _model()
     ns.stream(model, device="cpu", gpu_budget=1 << 30)
     assert model.narrows_stream.graphs is None and not model.narrows_stream.plan.graphs
+    assert "auto: not a CUDA device" in str(model.narrows_stream.plan)
     model = _model()
-    ns.stream(model, device="cpu", gpu_budget=1 << 30, graphs="auto")
-    assert model.narrows_stream.graphs is None and "auto: not a CUDA device" in str(model.narrows_stream.plan)
+    ns.stream(model, device="cpu", gpu_budget=1 << 30, graphs=False)
+    assert model.narrows_stream.graphs is None and not model.narrows_stream.plan.graphs_choice
+
+
+WIDTHS = (6, 8, 10, 6, 12, 8, 10, 6)  # micro-batch lengths in turn: four shapes, three repeating
+
+
+@functools.cache
+def _resident_widths():
+    return train(_model(), steps=4, grad_accum=2, widths=WIDTHS)
+
+
+def _graphed_widths(max_shapes: int):
+    model = _model()
+    ns.stream(model, device="cpu", graphs=True, gpu_budget=None)
+    lg = model.narrows_stream.graphs
+    lg.max_shapes = max_shapes
+    return lg, train(model, steps=4, grad_accum=2, widths=WIDTHS)
+
+
+def _coherent(lg: graphs.LayerGraphs) -> None:
+    """Every kept graph's buffers are the ones the cache holds, and the cache holds no
+    buffer that no graph uses."""
+    held = {id(b) for b in lg._buffers.values()}
+    used = {id(b) for g in lg._graphs.values() for b in (*g.ins, *g.outs) if b is not None}
+    assert used <= held, "a kept graph reads or writes a buffer the cache let go (a freed block, on a GPU)"
+    assert held <= used, "the cache holds buffers of evicted graphs"
+
+
+def test_varying_widths_keep_at_most_max_shapes_and_train_identically():
+    """Batches of four lengths through a cache of two shapes: each length is captured only
+    once it comes round again, the least recently used shape is evicted with its buffers,
+    and training stays `torch.equal` to resident training."""
+    lg, got = _graphed_widths(max_shapes=2)
+    assert_identical(_resident_widths(), got)
+    st = lg.stats
+    assert st.first_seen > 0 and st.evicted > 0 and st.replays > 0 and st.captured > 0
+    assert len({g.shape for g in lg._graphs.values()}) <= 2 and len(lg._shapes) <= 2
+    # no sequence-long buffer of an evicted width is left behind
+    assert {b.shape[1] for b in lg._buffers.values() if b.dim() == 3} <= {shape[1] for shape in lg._shapes}
+    _coherent(lg)
+    # the length seen only once (12) was never captured
+    assert all(shape[1] != 12 for shape in [*lg._shapes, *(g.shape for g in lg._graphs.values())])
+
+
+def test_no_eviction_lets_the_cache_grow(monkeypatch):
+    """Fault injection: shapes admitted without evicting: the bound is broken."""
+    monkeypatch.setattr(graphs.LayerGraphs, "_evict", lambda self, shape: self._shapes.pop(shape))
+    lg, _ = _graphed_widths(max_shapes=2)
+    assert len({g.shape for g in lg._graphs.values()}) > 2
+
+
+def test_eviction_of_shared_buffers_is_caught(monkeypatch):
+    """Fault injection: an eviction that frees every buffer of the evicted graphs, also those
+    the kept graphs share (the adapters' gradients have one shape for all widths)."""
+
+    def careless(self, shape):
+        del self._shapes[shape]
+        gone = [k for k, g in self._graphs.items() if g.shape == shape]
+        ids = {id(b) for k in gone for b in (*self._graphs[k].ins, *self._graphs[k].outs) if b is not None}
+        for k in gone:
+            del self._graphs[k]
+        for k in [k for k, b in self._buffers.items() if id(b) in ids]:
+            del self._buffers[k]
+
+    monkeypatch.setattr(graphs.LayerGraphs, "_evict", careless)
+    lg, _ = _graphed_widths(max_shapes=2)
+    with pytest.raises(AssertionError, match="let go"):
+        _coherent(lg)
+
+
+def test_bad_max_shapes_is_refused():
+    with pytest.raises(ValueError, match="max_shapes"):
+        graphs.LayerGraphs(torch.device("cpu"), max_shapes=0)
 
 
 @pytest.mark.gpu
@@ -232,3 +305,25 @@ def test_cuda_graphs_with_peft_dora_and_tiles():
                 stream_kwargs={"gpu_budget": None, "seq_tile": 5, "graphs": True})  # fmt: skip
     assert_identical(ref, got)
     assert model.narrows_stream.plan.tile_tokens == 5 and model.narrows_stream.graphs.stats.replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("base", ["float", "nf4"])
+def test_cuda_graphs_evicted_and_recaptured_train_identically(base):
+    """Four batch widths through a cache of two shapes on a real GPU: graphs and buffers
+    freed and captured again between steps, `torch.equal` to resident eager training."""
+    if base == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from narrows.core import deterministic
+
+    deterministic(True)
+    ref = train(_model(base).to("cuda"), steps=4, grad_accum=2, device="cuda", widths=WIDTHS)
+    model = _model(base)
+    ns.stream(model, device="cuda", gpu_budget=None, graphs=True)
+    lg = model.narrows_stream.graphs
+    lg.max_shapes = 2
+    got = train(model, steps=4, grad_accum=2, device="cuda", widths=WIDTHS)
+    assert_identical(ref, got)
+    assert lg.stats.evicted > 0 and lg.stats.replays > 0 and not lg.stats.refused
+    _coherent(lg)

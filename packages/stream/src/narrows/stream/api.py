@@ -211,7 +211,7 @@ def _check_graphs(graphs: object) -> None:
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
-         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = False) -> Plan:  # fmt: skip
+         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto") -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything (`rates`: what
     the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
     `stream`'s, whose pool the budget then holds)."""
@@ -358,7 +358,7 @@ def stream(
     offload: str = "auto",
     seq_tile: int | str | None = None,
     recompute: str = "auto",
-    graphs: bool | str = False,
+    graphs: bool | str = "auto",
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -399,9 +399,10 @@ def stream(
     keep them whole. "auto": on a CUDA device with a budget, graphs when the plan with
     them fits and is predicted faster (the plan's report says which and why); off for the
     smallest footprint (no budget), for `inference=True`, and on a CPU, which has no
-    graphs (True there runs the same buffer path eagerly, for tests). Off by default:
-    graphs are captured per batch shape and kept, so batches padded to varying widths
-    would capture (and hold buffers) again for each width; use them with fixed shapes.
+    graphs (True there runs the same buffer path eagerly, for tests). "auto" is the
+    default. A batch shape is captured when it comes round again, and graphs are kept for
+    the four most recent shapes, so batches padded to varying widths hold bounded memory
+    (the plan counts it); widths that never repeat run eagerly.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:

@@ -20,6 +20,11 @@ layer's forward-and-backward working set), the memory the eager recompute needed
 Copies into the static buffers run without grad: a recorded copy would hang each call's
 autograd graph on the long-lived buffer and keep every step's activations alive.
 
+Batch shapes: a shape is captured only when it comes round again (a layer sees it a
+second time); its first pass runs eagerly. At most `max_shapes` shapes keep graphs and
+buffers: a new one evicts the least recently used, so batches padded to varying widths
+cost a bounded amount of memory, and a width that never repeats is never captured.
+
 A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
 may land in any device slab), by what is differentiated, by the shapes, dtypes and
 strides of its tensor arguments, the values of the others, and by the autocast and
@@ -35,6 +40,7 @@ path with the body called again in place of a replay, so CPU tests cover the plu
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,9 +54,11 @@ from narrows.core import ambient_state
 
 log = logging.getLogger("narrows.stream")
 
-__all__ = ["GraphStats", "LayerGraphs", "eager_backward", "eager_forward"]
+__all__ = ["DEFAULT_SHAPES", "GraphStats", "LayerGraphs", "eager_backward", "eager_forward"]
 
 _PLAIN = (type(None), bool, int, float, str)
+DEFAULT_SHAPES = 4  # batch shapes whose graphs are kept at once
+_REMEMBERED = 256  # shapes seen once, remembered to tell a repeat from a new width
 
 
 def eager_forward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
@@ -80,10 +88,13 @@ class GraphStats:
     captured: int = 0  # graphs captured
     replays: int = 0
     eager: int = 0  # layer runs that could not use a graph
+    first_seen: int = 0  # layer runs of a shape not seen before by that layer (eager)
+    evicted: int = 0  # shapes whose graphs were dropped for a newer one
     refused: dict[int, str] = field(default_factory=dict)  # layer → why it runs eagerly
 
     def as_dict(self) -> dict[str, object]:
         return {"captured": self.captured, "replays": self.replays, "eager": self.eager,
+                "first_seen": self.first_seen, "evicted": self.evicted,
                 "refused": {str(k): v for k, v in self.refused.items()}}  # fmt: skip
 
 
@@ -92,6 +103,7 @@ class _Graph:
     replay: Callable[[], None]
     ins: list[Tensor]  # static buffers the live tensors are copied into, in leaf order
     outs: list[Tensor | None]  # static results (None: a gradient that does not exist)
+    shape: tuple[int, ...] = ()  # the batch shape (of the hidden states) it was captured for
 
 
 def _fill(buffers: Sequence[Tensor | None], values: Sequence[Tensor | None]) -> None:
@@ -141,12 +153,17 @@ def _hooked(layer: nn.Module) -> bool:
 class LayerGraphs:
     """Captures and replays one graph per layer call signature (see the module doc)."""
 
-    def __init__(self, device: torch.device, *, emulate: bool = False):
+    def __init__(self, device: torch.device, *, emulate: bool = False, max_shapes: int = DEFAULT_SHAPES):
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes={max_shapes}: keep graphs for at least one batch shape")
         self.device = device
         self.emulate = emulate or device.type != "cuda"
+        self.max_shapes = max_shapes
         self.stats = GraphStats()
         self._graphs: dict[tuple, _Graph] = {}
         self._buffers: dict[tuple, Tensor] = {}
+        self._shapes: OrderedDict[tuple[int, ...], None] = OrderedDict()  # captured, least recent first
+        self._seen: OrderedDict[tuple[int, ...], set[int]] = OrderedDict()  # not yet: layers that ran it
         self._paused = False
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
@@ -233,10 +250,45 @@ class LayerGraphs:
             self._refuse(index, why)
             self.stats.eager += 1
             return None
+        if not self._admit(kind, index, tuple(leaves[0].shape)):
+            self.stats.first_seen += 1
+            return None
         spec = pytree.tree_structure((args, kwargs))
         first = next((p for p in layer.parameters() if not p.requires_grad), None)
         where = first.data_ptr() if first is not None else 0
         return (kind, index, where, extra, str(spec), tuple(sig), ambient_state(self.device))
+
+    def _admit(self, kind: str, index: int, shape: tuple[int, ...]) -> bool:
+        """Whether this batch shape runs through graphs: it has them already, or this layer's
+        forward sees it a second time (then the least recently used shape may be evicted)."""
+        if shape in self._shapes:
+            self._shapes.move_to_end(shape)
+            return True
+        seen = self._seen.setdefault(shape, set())
+        self._seen.move_to_end(shape)
+        if kind != "fwd" or index not in seen:
+            if kind == "fwd":
+                seen.add(index)
+            while len(self._seen) > _REMEMBERED:
+                self._seen.popitem(last=False)
+            return False
+        del self._seen[shape]
+        if len(self._shapes) >= self.max_shapes:
+            self._evict(next(iter(self._shapes)))
+        self._shapes[shape] = None
+        return True
+
+    def _evict(self, shape: tuple[int, ...]) -> None:
+        """Drop `shape`'s graphs and every buffer no remaining graph uses."""
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)  # no replay still reads or writes what is freed
+        del self._shapes[shape]
+        for key in [k for k, g in self._graphs.items() if g.shape == shape]:
+            del self._graphs[key]
+        used = {id(b) for g in self._graphs.values() for b in (*g.ins, *g.outs) if b is not None}
+        for key in [k for k, b in self._buffers.items() if id(b) not in used]:
+            del self._buffers[key]
+        self.stats.evicted += 1
 
     def _refuse(self, index: int, why: str) -> None:
         if index not in self.stats.refused:
@@ -282,6 +334,7 @@ class LayerGraphs:
             else:
                 graph = self._cuda_capture(index, body, live, ins)
         if graph is not None:
+            graph.shape = tuple(live[0].shape)
             self._graphs[key] = graph
             self.stats.captured += 1
         return graph

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from narrows.core import format_bytes
 
 from .errors import BudgetTooSmallError
+from .graphs import DEFAULT_SHAPES
 
 
 @dataclass(frozen=True)
@@ -167,10 +168,13 @@ GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the 
 def graph_bytes(s: Shapes, tile: int | None = None) -> int:
     """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
     layer's forward graph and of one recompute-and-backward graph (they are not live at
-    once, but the pool keeps the blocks of both), plus the capture stream's workspaces.
-    (H100, Qwen2.5 NF4 shapes at 512 tokens: measured 0.44 GiB at 7B, pool 0.68 GiB at 32B;
-    this predicts 0.52 and 0.70 GiB.)"""
-    return 2 * layer_work_bytes(s, tile) + GRAPH_WORKSPACE
+    once, but the pool keeps the blocks of both), plus the capture stream's workspaces,
+    plus the static buffers of the other batch shapes kept (hidden states in and out, and
+    their gradients: four hidden-sized tensors each, at most the planned length).
+    (H100, Qwen2.5 NF4 shapes at 512 tokens, one shape: measured 0.44 GiB at 7B, pool 0.68
+    GiB at 32B; this predicts 0.56 and 0.76 GiB.)"""
+    other_shapes = (DEFAULT_SHAPES - 1) * 4 * s.batch * s.seq * s.hidden * s.act_bytes
+    return 2 * layer_work_bytes(s, tile) + GRAPH_WORKSPACE + other_shapes
 
 
 def work_bytes(s: Shapes, tile: int | None = None) -> int:

@@ -90,8 +90,9 @@ def add_parser(sub) -> None:
       "gradients are complete; the same numbers")  # fmt: skip
     a("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
       help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
-      "counting their memory (faster at short sequences). Off by default: unpacked, this job pads each batch to its "
-      "longest row, and every new width captures graphs again (with --packing every batch is --seq-len wide)")  # fmt: skip
+      "counting their memory (faster at short sequences). Not given: the planner uses them where it predicts them "
+      "faster. A batch width is captured when it comes round again, and the four most recent are kept (unpacked, "
+      "each batch is as wide as its longest row; with --packing every batch is --seq-len wide)")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")

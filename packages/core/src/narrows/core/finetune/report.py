@@ -53,8 +53,10 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
                              "cuda_graphs_choice": getattr(plan, "graphs_choice", "")}  # fmt: skip
         graphs = getattr(stream, "graphs", None)
         if graphs is not None:  # what ran: layers refused (hooks, host syncs) run eagerly
-            summary["stream"].update(cuda_graph_replays=graphs.stats.replays,
-                                     cuda_graphs_refused={str(k): v for k, v in graphs.stats.refused.items()})  # fmt: skip
+            st = graphs.stats  # captures and evictions: how often batch widths changed the graphs
+            summary["stream"].update(cuda_graph_replays=st.replays, cuda_graph_captures=st.captured,
+                                     cuda_graph_evictions=st.evicted,
+                                     cuda_graphs_refused={str(k): v for k, v in st.refused.items()})  # fmt: skip
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
@@ -137,7 +139,9 @@ def format_summary(summary: dict) -> str:
             refused = st.get("cuda_graphs_refused") or {}
             rows.append(("CUDA graphs", ("on" if st["cuda_graphs"] else "off")
                          + (f" ({st['cuda_graphs_choice']})" if st["cuda_graphs_choice"] else "")
-                         + (f"; {st.get('cuda_graph_replays', 0)} replays" if st["cuda_graphs"] else "")
+                         + (f"; {st.get('cuda_graph_replays', 0)} replays, {st.get('cuda_graph_captures', 0)} "
+                            f"captures, {st.get('cuda_graph_evictions', 0)} batch shapes evicted"
+                            if st["cuda_graphs"] else "")
                          + (f"; {len(refused)} layers eager ({next(iter(refused.values()))})" if refused else "")))  # fmt: skip
         if st.get("predicted_host_bytes") is not None:
             disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
