@@ -12,7 +12,7 @@ that budget), either with "-head" (LM head streamed in vocabulary chunks too) an
 planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
 inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, none kept
 whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True) or "-auto" (the planner's choice,
-graphs="auto"; without either suffix graphs=False, the library's default), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
+graphs="auto"; without either suffix graphs=False; the library defaults to "auto"), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
 "-hostopt": AdamW state in host memory, each layer updated when its gradients are complete);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no

@@ -88,7 +88,7 @@ class GraphStats:
     captured: int = 0  # graphs captured
     replays: int = 0
     eager: int = 0  # layer runs that could not use a graph
-    first_seen: int = 0  # layer runs of a shape not seen before by that layer (eager)
+    first_seen: int = 0  # layer runs (eager) before their batch shape was captured
     evicted: int = 0  # shapes whose graphs were dropped for a newer one
     refused: dict[int, str] = field(default_factory=dict)  # layer → why it runs eagerly
 

@@ -71,9 +71,8 @@ class FinetuneConfig:
     seq_len: int = 512
     seq_tile: str = "off"  # off | auto (when the GPU budget needs it) | tokens per MLP tile
     step_mode: bool = False  # block-major accumulation (narrows.stream.StepTrainer) over the streamed base
-    cuda_graphs: bool | None = (
-        None  # layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
-    )
+    # the layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
+    cuda_graphs: bool | None = None
     offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
     lr: float = 5e-4
     warmup: int | None = None  # None: 5% of the steps
