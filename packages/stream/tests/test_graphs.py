@@ -136,7 +136,7 @@ def test_bad_graphs_option_is_refused():
 
 
 def test_auto_by_default_and_no_graphs_on_a_cpu():
-    """ "auto" is the default, and leaves a CPU eager: it has no graphs to replay."""
+    """The default is "auto", which leaves a CPU eager: it has no graphs to replay."""
     model = _model()
     ns.stream(model, device="cpu", gpu_budget=1 << 30)
     assert model.narrows_stream.graphs is None and not model.narrows_stream.plan.graphs
