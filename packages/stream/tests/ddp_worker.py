@@ -2,7 +2,11 @@
 a streamed tiny model wrapped in DDP over gloo, each rank one micro-batch of the global
 batch, dropout seeded per (step, micro-batch) — the loop `sequential` runs in one process.
 Then the shared host copy: both ranks load one checkpoint folder with `from_pretrained`
-(sharing by default under torchrun) and report where their slabs live."""
+(sharing by default under torchrun) and report where their slabs live.
+
+With device "cuda" (`test_distributed_gpu.py`) each rank takes its own GPU and NCCL, with
+deterministic kernels; ``ddp_worker.py reference OUT FOLDER`` is the one process the
+ranks must equal, run apart so that it too sets the kernels up before CUDA starts."""
 
 from __future__ import annotations
 
@@ -27,10 +31,12 @@ def model():
     return build(num_hidden_layers=LAYERS, dropout=DROPOUT)
 
 
-def micro_step(forward, step: int, micro: int, scale: float) -> torch.Tensor:
+def micro_step(
+    forward, step: int, micro: int, scale: float, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """One micro-batch: its own data and its own dropout seed, so any process can run it."""
     torch.manual_seed(1000 + 100 * step + micro)
-    loss = forward(**tiny_batch(seed=10 * step + micro)).loss
+    loss = forward(**{k: v.to(device) for k, v in tiny_batch(seed=10 * step + micro).items()}).loss
     (loss * scale).backward()
     return loss.detach().clone()
 
@@ -40,25 +46,27 @@ def record(params, opt, losses, grads) -> dict:
             "adam": [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]}  # fmt: skip
 
 
-def sequential(m, world: int) -> dict:
+def sequential(m, world: int, device: torch.device | str = "cpu") -> dict:
     """The reference: one process, gradient accumulation over `world` micro-batches."""
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     losses, grads = [], []
     for step in range(STEPS):
-        losses += [micro_step(m, step, micro, 1 / world) for micro in range(world)]
+        losses += [micro_step(m, step, micro, 1 / world, device) for micro in range(world)]
         grads += [p.grad.clone() for p in params]
         opt.step()
         opt.zero_grad()
     return record(params, opt, losses, grads)
 
 
-def train_rank(mode: str, rank: int, world: int) -> dict:
+def train_rank(mode: str, rank: int, world: int, device: torch.device) -> dict:
     m = model()
-    ns.stream(m, None, device="cpu")
+    ns.stream(m, None, device=device)
     # "ddp": narrows' wrapper; "plain": torch's own DDP, as accelerate and Trainer build it;
     # "local": the same loop with no gradient all-reduce (the fault twin)
-    forward = {"ddp": ns.data_parallel, "plain": DistributedDataParallel}.get(mode, lambda m: m)(m)
+    ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    wrap = {"ddp": ns.data_parallel, "plain": DistributedDataParallel}.get(mode)
+    forward = wrap(m, **ids) if wrap else m
     if mode != "local":  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
         frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
         assert frozen and forward.parameters_to_ignore == frozen | {n for n, _ in m.named_buffers()}
@@ -68,46 +76,79 @@ def train_rank(mode: str, rank: int, world: int) -> dict:
     losses, grads = [], []
     for step in range(STEPS):
         # DDP averages the ranks' gradients; a micro-batch's loss is not scaled here
-        losses.append(micro_step(forward, step, rank, 1 / world if mode == "local" else 1.0))
+        losses.append(micro_step(forward, step, rank, 1 / world if mode == "local" else 1.0, device))
         grads += [p.grad.clone() for p in params]
         opt.step()
         opt.zero_grad()
     return record(params, opt, losses, grads)
 
 
-def shared_copy(folder: str, cache: str, world: int) -> dict:
-    """Both ranks load `folder` (sharing, by default under torchrun), then train two DDP
-    steps on it, each rank one seeded micro-batch."""
+def adapted(folder: str, **load) -> tuple[torch.nn.Module, object]:
+    """The checkpoint loaded by `from_pretrained` (its tiers), LoRA added with seeded weights."""
     from peft import LoraConfig, get_peft_model
 
-    m = ns.from_pretrained(folder, dtype=torch.float32, cache=cache, host_budget="1TiB")
+    m = ns.from_pretrained(folder, dtype=torch.float32, host_budget="1TiB", **load)
     tiers = m.narrows_tiers
+    torch.manual_seed(0)  # the adapters' initialisation
+    return get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", lora_dropout=DROPOUT)), tiers
+
+
+def private_copy(folder: str, world: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """What the ranks on the shared copy must equal: one process, a private copy of the
+    checkpoint (no cache at all), accumulating the ranks' micro-batches."""
+    m, tiers = adapted(folder, cache=False, share=False)
+    assert tiers.shared == ()
+    ns.stream(m, None, device=device)
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for step in range(STEPS):
+        for micro in range(world):
+            micro_step(m, step, micro, 1 / world, device)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in params]
+
+
+def shared_copy(folder: str, cache: str, world: int, device: torch.device) -> dict:
+    """Both ranks load `folder` (sharing, by default under torchrun), then train two DDP
+    steps on it, each rank one seeded micro-batch."""
+    m, tiers = adapted(folder, cache=cache)
     homes = sorted({mapped_file(h.data_ptr()) for h in tiers.homes})
     embedding = mapped_file(m.get_input_embeddings().weight.data_ptr())
     dist.barrier()  # both ranks hold their maps
     memory = mapping_memory(str(tiers.cache.path))
     dist.barrier()
-    torch.manual_seed(0)  # the adapters' initialisation
-    m = get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", lora_dropout=DROPOUT))
-    ns.stream(m, None, device="cpu")
-    ddp = ns.data_parallel(m)
+    ns.stream(m, None, device=device)
+    ddp = ns.data_parallel(m, **({"device_ids": [device.index]} if device.type == "cuda" else {}))
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     for step in range(STEPS):
-        micro_step(ddp, step, dist.get_rank(), 1.0)
+        micro_step(ddp, step, dist.get_rank(), 1.0, device)
         opt.step()
         opt.zero_grad()
     return {"shared": tiers.shared, "layers": len(tiers.homes), "homes": homes, "cache": str(tiers.cache.path),
             "slab_bytes": sum(lay.nbytes for lay in tiers.layouts), "memory": memory, "notes": tiers.notes,
-            "embedding": embedding,
+            "embedding": embedding, "registered": [h.is_pinned() for h in tiers.homes] if device.type == "cuda" else [],
             "weight": [p.detach().clone() for p in params]}  # fmt: skip
 
 
-def main(out: str, folder: str, cache: str) -> None:
-    dist.init_process_group("gloo")
+def main(out: str, folder: str, cache: str, device: str = "cpu") -> None:
+    if device == "cuda":  # each rank its own GPU, before NCCL binds to the current one
+        from narrows.core.determinism import deterministic
+
+        deterministic()
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     for mode in ("ddp", "plain", "local"):
-        torch.save(train_rank(mode, rank, world), f"{out}.{mode}.rank{rank}.pt")
+        torch.save(train_rank(mode, rank, world, dev), f"{out}.{mode}.rank{rank}.pt")
+    if dev.type == "cuda":  # the refusals below are the CPU test's
+        torch.save(shared_copy(folder, cache, world, dev), f"{out}.shared.rank{rank}.pt")
+        dist.destroy_process_group()
+        return
     # a rank that diverges: rank 1 was given another model
     m = build(num_hidden_layers=LAYERS + rank, dropout=DROPOUT)
     ns.stream(m, None, device="cpu")
@@ -128,9 +169,21 @@ def main(out: str, folder: str, cache: str) -> None:
             said += "\n" + str(e)
     with open(f"{out}.diverged.rank{rank}.txt", "w") as f:
         f.write(said)
-    torch.save(shared_copy(folder, cache, world), f"{out}.shared.rank{rank}.pt")
+    torch.save(shared_copy(folder, cache, world, dev), f"{out}.shared.rank{rank}.pt")
     dist.destroy_process_group()
 
 
+def reference(out: str, folder: str, world: int = 2) -> None:
+    """The GPU test's one process: both references on cuda:0, deterministic kernels."""
+    from narrows.core.determinism import deterministic
+
+    deterministic()
+    seq = sequential(model().to("cuda"), world, "cuda")
+    torch.save({"sequential": seq, "private": private_copy(folder, world, "cuda")}, f"{out}.reference.pt")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "reference":
+        reference(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:5])
