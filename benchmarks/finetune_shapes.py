@@ -13,8 +13,9 @@ at equal tokens; tokens/s counts real tokens (no padding) over the steps after t
 
     python benchmarks/finetune_shapes.py --config qwen2.5-7b --tokenizer DIR --modes off,fit,6GiB --steps 20
 
-A mode ending in "-eager" (e.g. 6GiB-eager) runs with --no-cuda-graphs; without it the
-planner chooses, as the job does by default.
+A mode's suffixes: "-eager" (e.g. 6GiB-eager) runs with --no-cuda-graphs, "-seq" with
+--no-step-mode (sequential accumulation), "-step" with --step-mode; without them narrows
+chooses, as the job does by default (the summary's reason is in the JSON).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> None:
     ap.add_argument("--modes", default="off,fit,6GiB")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--packing", choices=["off", "on", "both"], default="off")
     ap.add_argument("--work", default="/tmp/finetune_shapes")
@@ -100,12 +102,13 @@ def main() -> None:
     for mode in args.modes.split(","):
         for packing in packings:
             out = work / f"run-{mode}-{'packed' if packing else 'padded'}"
-            budget = mode.removesuffix("-eager")  # "-eager": --no-cuda-graphs (default: the planner's choice)
+            budget, *suffixes = mode.split("-")
+            flags = {"eager": "--no-cuda-graphs", "seq": "--no-step-mode", "step": "--step-mode"}
             cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
                    "--eval-data", str(held_out), "--eval-rows", "32", "--quant", "nf4", "--gpu-budget", budget,
                    "--steps", str(steps[packing]), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-                   "--save-every", str(steps[packing]), "--no-progress", "--out", str(out),
-                   *(["--packing"] if packing else []), *(["--no-cuda-graphs"] if mode != budget else [])]  # fmt: skip
+                   "--grad-accum", str(args.grad_accum), "--save-every", str(steps[packing]), "--no-progress",
+                   "--out", str(out), *(["--packing"] if packing else []), *(flags[x] for x in suffixes)]  # fmt: skip
             t = time.perf_counter()
             r = subprocess.run(
                 cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
@@ -129,6 +132,7 @@ def main() -> None:
                 "last_loss": summary["last_loss"], "eval_loss_before": summary["eval_loss_before"],
                 "eval_loss_after": summary["eval_loss_after"], "setup_s": summary["setup_s"], "wall_s": wall,
                 **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
+                "accumulation": summary.get("stream", {}).get("accumulation"), "grad_accum": args.grad_accum,
             })  # fmt: skip
             print(f"--gpu-budget {mode} packing {packing}: {rows[-1]}", flush=True)
 
@@ -147,6 +151,9 @@ def main() -> None:
         print(f"{r['mode']:<14} {r['packing']!s:>7} {mem:>9.2f} {rm:>7} {r['median_step_s']:>8.3f} {rt:>7} "
               f"{r['steady_tokens_per_s']:>7.0f} {r['tokens']:>7} {r['first_loss']:>8.4f}→{r['last_loss']:<8.4f} "
               f"{r['eval_loss_after']:>10.4f} {r['setup_s']:>8.0f}")  # fmt: skip
+    for r in rows:
+        if r.get("accumulation"):
+            print(f"{r['mode']}: accumulation {r['accumulation']}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(

@@ -1,7 +1,8 @@
 """`narrows finetune --step-mode` (block-major accumulation through narrows-stream's
-StepTrainer), with `--offload-optimizer` and `--cuda-graphs` (emulated on the CPU): the
-adapter and every logged loss are `torch.equal` to the plain resident loop's, with dropout,
-and across a resume. Bad combinations are refused before loading."""
+StepTrainer), with `--offload-optimizer` (which implies it) and `--cuda-graphs` (emulated
+on the CPU), and neither asked (narrows-stream's choice, with its reason): the adapter and
+every logged loss are `torch.equal` to the plain resident loop's, with dropout, and across
+a resume. Bad combinations are refused before loading."""
 
 import json
 
@@ -40,18 +41,23 @@ def assert_same(a, b):
 def test_step_mode_trains_what_the_resident_loop_trains(tmp_path):
     assert run(tmp_path, "resident") == 0
     assert run(tmp_path, "step", "--gpu-budget", BUDGET, "--step-mode") == 0
-    assert (
-        run(tmp_path, "hosted", "--gpu-budget", BUDGET, "--step-mode", "--offload-optimizer", "--cuda-graphs")
-        == 0
-    )
+    # --offload-optimizer runs in step mode: it implies it
+    assert run(tmp_path, "hosted", "--gpu-budget", BUDGET, "--offload-optimizer", "--cuda-graphs") == 0
+    assert run(tmp_path, "auto", "--gpu-budget", BUDGET) == 0  # neither asked: the prediction's choice
     reference = result(tmp_path, "resident")
-    for name in ("step", "hosted"):
-        got = result(tmp_path, name)
-        assert_same(reference, got)
-        # dropout: each micro-batch is seeded, so every step runs block-major, the first too
-        assert [r["accumulation"] for r in got[1]] == ["block-major"] * 3
+    for name in ("step", "hosted", "auto"):
+        assert_same(reference, result(tmp_path, name))
+    for name in ("step", "hosted"):  # dropout: each micro-batch is seeded, so every step runs block-major
+        assert [r["accumulation"] for r in result(tmp_path, name)[1]] == ["block-major"] * 3
+    assert json.loads((tmp_path / "hosted" / "config.json").read_text())["config"]["step_mode"] is True
+    auto = json.loads((tmp_path / "auto" / "summary.json").read_text())["stream"]
+    assert "accumulation" not in result(tmp_path, "auto")[1][0]  # not StepTrainer
+    assert auto["accumulation"].startswith("sequential (cpu device: no host→device link to spare)")
     summary = json.loads((tmp_path / "step" / "summary.json").read_text())
-    assert summary["stream"]["resident_layers"] == 0
+    assert (
+        summary["stream"]["resident_layers"] == 0
+        and summary["stream"]["accumulation"] == "block-major (asked for)"
+    )
     # graphs: the planner's choice unless asked for (a CPU has none); asked for, they are emulated
     assert summary["stream"]["cuda_graphs"] is False
     assert summary["stream"]["cuda_graphs_choice"] == "auto: not a CUDA device"
@@ -91,9 +97,10 @@ def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
     [
         (["--step-mode"], "--step-mode applies to the layers of a streamed base"),
         (["--cuda-graphs"], "--cuda-graphs applies to the layers of a streamed base"),
+        (["--offload-optimizer"], "--offload-optimizer applies to the layers of a streamed base"),
         (
-            ["--gpu-budget", BUDGET, "--offload-optimizer"],
-            "--offload-optimizer updates each layer inside a step-mode",
+            ["--gpu-budget", BUDGET, "--no-step-mode", "--offload-optimizer"],
+            "--offload-optimizer updates each layer inside a step-mode step: drop --no-step-mode",
         ),
     ],
 )

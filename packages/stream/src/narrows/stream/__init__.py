@@ -7,7 +7,8 @@ layers the budget can afford run whole, without the recompute). Training is
 bit-identical (`torch.equal`) to the same model trained fully resident.
 ``StepTrainer(model, optimizer, grad_accum=G)`` runs each optimizer step block-major: every
 streamed layer crosses the link once for the forward of all G micro-batches and once for
-their backward, `torch.equal` to sequential accumulation. ``data_parallel(model)`` wraps
+their backward, `torch.equal` to sequential accumulation (``choose_step_mode`` says whether
+it pays for a streamed model). ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
@@ -15,6 +16,7 @@ from importlib.metadata import version as _version
 
 from narrows.core import register_architecture_check as _register_check
 
+from .accumulation import choose_step_mode
 from .api import StreamHandle, plan, stream
 from .distributed import check_ranks, data_parallel
 from .engine import TransferStats
@@ -53,6 +55,7 @@ __all__ = [
     "TransferStats",
     "__version__",
     "check_ranks",
+    "choose_step_mode",
     "data_parallel",
     "default_host_budget",
     "from_pretrained",

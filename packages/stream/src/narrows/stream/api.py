@@ -65,6 +65,7 @@ class StreamHandle:
     offload: ActivationOffload | None = None  # saved layer inputs in host memory
     graphs: LayerGraphs | None = None  # CUDA graphs of the layers narrows runs
     replan: Callable[[Rates], Plan] | None = None  # the same plan made with other rates
+    shapes: Shapes | None = None  # the model's and the batch's, as the plan took them
 
     @contextmanager
     def profiling(self) -> Iterator[Profile]:
@@ -492,7 +493,8 @@ def stream(
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        layer_graphs, lambda rates: replan(rates=rates))  # fmt: skip
+                                        layer_graphs, lambda rates: replan(rates=rates),
+                                        _shapes(anat, batch_size, seq_len))  # fmt: skip
     if check and not inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

@@ -471,18 +471,25 @@ def layer_seconds(
 
 
 def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int,
-                 rates: Rates | None = None, graphs: bool = False) -> float:  # fmt: skip
+                 rates: Rates | None = None, graphs: bool = False, *, micro_batches: int = 1,
+                 block_major: bool = False) -> float:  # fmt: skip
     """Predicted time of one step's layers with `resident` resident layers of which
     `whole` run without recompute: forward, backward (twice the forward), the recompute
     of every other layer, and what a streamed layer's copies cannot hide — behind the
     previous layer's forward, and behind the next layer's backward and recompute. With
     `graphs` the layers narrows runs (all but the whole ones) are priced as graph replays;
-    whole layers run eagerly either way."""
+    whole layers run eagerly either way. Over `micro_batches`: sequential accumulation
+    copies each streamed layer twice per micro-batch; `block_major` (step mode) twice a
+    step, each copy behind the compute of every micro-batch, and every layer recomputed
+    (step mode keeps no layer whole)."""
     n = len(layer_bytes)
+    whole = 0 if block_major else whole
     eager, c = layer_seconds(max(layer_bytes), s, rates)
     f = layer_seconds(max(layer_bytes), s, rates, graphed=True)[0] if graphs else eager
-    exposed = max(0.0, c - f) + max(0.0, c - 3 * f)
-    return whole * 3 * eager + (n - whole) * 4 * f + (n - resident) * exposed
+    behind = micro_batches if block_major else 1  # micro-batches' compute one copy hides behind
+    exposed = max(0.0, c - behind * f) + max(0.0, c - 3 * behind * f)
+    copies = 1 if block_major else micro_batches
+    return micro_batches * (whole * 3 * eager + (n - whole) * 4 * f) + copies * (n - resident) * exposed
 
 
 def _choose(count: int, n: int, disk: Sequence[int]) -> tuple[int, ...]:

@@ -161,3 +161,16 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         model = narrows.stream.stream(model, budget, device=device, batch_size=cfg.batch, seq_len=cfg.seq_len,
                                       seq_tile=tile, graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
     return model
+
+
+def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) -> tuple[bool, str]:
+    """Whether the step runs block-major (narrows.stream.StepTrainer) or in sequence, and
+    why: as asked, or where neither was asked, narrows-stream's prediction for this plan.
+    The numbers trained are the same either way. "" where a step has one micro-batch."""
+    if cfg.step_mode is not None:
+        return cfg.step_mode, "block-major (asked for)" if cfg.step_mode else "sequential (--no-step-mode)"
+    if cfg.gpu_budget == "off" or cfg.grad_accum < 2:
+        return False, ""
+    import narrows.stream
+
+    return narrows.stream.choose_step_mode(model, cfg.grad_accum, world_size=world_size)

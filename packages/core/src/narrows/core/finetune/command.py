@@ -81,13 +81,13 @@ def add_parser(sub) -> None:
     a("--seq-len", type=int, help="tokens per sequence, longer rows are truncated (default 512)")
     a("--seq-tile", help="off (default), auto (the planner tiles the MLP over the sequence only when --gpu-budget "
       "needs it) or tokens per tile, e.g. 2048; equal to untiled training up to summation order (needs narrows-stream)")  # fmt: skip
-    a("--step-mode", action="store_true", default=None,
+    a("--step-mode", action=argparse.BooleanOptionalAction, default=None,
       help="with --gpu-budget and --grad-accum N: each streamed layer loaded once for the forward of all N "
       "micro-batches and once for their backward (narrows.stream.StepTrainer); the same numbers as sequential "
-      "accumulation")  # fmt: skip
+      "accumulation. Not given: used where narrows-stream predicts it faster (the run says which and why)")  # fmt: skip
     a("--offload-optimizer", action="store_true", default=None,
-      help="with --step-mode: the optimizer state waits in host memory, each layer updated on the GPU when its "
-      "gradients are complete; the same numbers")  # fmt: skip
+      help="in step mode (implies it): the optimizer state waits in host memory, each layer updated on the GPU "
+      "when its gradients are complete; the same numbers")  # fmt: skip
     a("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
       help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
       "counting their memory (faster at short sequences). Not given: the planner uses them where it predicts them "

@@ -70,7 +70,8 @@ class FinetuneConfig:
     grad_accum: int = 1
     seq_len: int = 512
     seq_tile: str = "off"  # off | auto (when the GPU budget needs it) | tokens per MLP tile
-    step_mode: bool = False  # block-major accumulation (narrows.stream.StepTrainer) over the streamed base
+    # block-major accumulation (narrows.stream.StepTrainer) over the streamed base (None: where it is predicted faster)
+    step_mode: bool | None = None
     # the layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
     cuda_graphs: bool | None = None
     offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
@@ -161,19 +162,22 @@ class FinetuneConfig:
             raise NarrowsError(
                 "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
             )
-        for flag, on in (("step-mode", self.step_mode), ("cuda-graphs", self.cuda_graphs)):
+        for flag, on in (("step-mode", self.step_mode), ("offload-optimizer", self.offload_optimizer),
+                         ("cuda-graphs", self.cuda_graphs)):  # fmt: skip
             if on and self.gpu_budget == "off":
                 raise NarrowsError(f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
                                    f"(e.g. --gpu-budget 12GiB), or drop --{flag}")  # fmt: skip
+        if self.offload_optimizer and self.step_mode is None:
+            self.step_mode = True  # the optimizer state waits in host memory between a step's layer updates
         if self.step_mode and self.world_size > 1:
             raise NarrowsError(
                 f"--step-mode is not supported on several ranks yet (this run has {self.world_size}): step mode writes "
                 "each layer's gradients itself, past DistributedDataParallel's all-reduce. Drop --step-mode, or run "
                 "it in one process"
             )
-        if self.offload_optimizer and not self.step_mode:
-            raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step: add --step-mode, "
-                               "or drop --offload-optimizer")  # fmt: skip
+        if self.offload_optimizer and self.step_mode is False:
+            raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step: drop "
+                               "--no-step-mode, or drop --offload-optimizer")  # fmt: skip
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)

@@ -14,7 +14,7 @@ import torch
 from ..data import check_packing
 from ..errors import NarrowsError
 from ..files import atomic_write
-from .build import build_model, check_model_files, load_data, load_model, run_dtype
+from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
 from .config import RESUMABLE, FinetuneConfig, resume_changes
 from .evaluate import eval_loss
 from .loop import Progress, train
@@ -142,6 +142,9 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
             narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
         )  # the tokenised (or packed) data
     model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype)
+    step_mode, accumulation = choose_accumulation(cfg, model, ranks.world)
+    if ranks.main and accumulation:
+        print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)
     if cfg.packing:  # the attention this model runs keeps packed examples apart, or the run stops here
         check_packing(model, device, len(tokenizer))
     net = data_parallel(model, ranks, device)  # several ranks: gradients summed over them
@@ -171,12 +174,15 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
-    train(cfg, run, model, optimizer, scheduler, train_set, evals, pad_id, device, state, bar, ranks, net)
+    train(cfg, run, model, optimizer, scheduler, train_set, evals, pad_id, device, state, bar, ranks, net,
+          step_mode=step_mode)  # fmt: skip
     if not ranks.main:
         return None
 
     summary = summarize(cfg, model, tokenizer, state.history, em_rows, device, dtype, state.tokens, setup_s,
                         state.seconds)  # fmt: skip
+    if accumulation and "stream" in summary:
+        summary["stream"]["accumulation"] = accumulation
     run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root))
     summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
     text = json.dumps(summary, indent=2)

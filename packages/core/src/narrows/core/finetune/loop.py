@@ -42,10 +42,11 @@ class Progress:
 
 def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, scheduler, train_set: list[Example],
           evals: list[Example], pad_id: int, device: torch.device, progress: Progress, bar,
-          ranks: Ranks | None = None, net: nn.Module | None = None) -> None:  # fmt: skip
+          ranks: Ranks | None = None, net: nn.Module | None = None, step_mode: bool = False) -> None:  # fmt: skip
     """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes
     (rank 0 only, on several ranks). `net`: what the forward runs through (the
-    data-parallel model; default `model`)."""
+    data-parallel model; default `model`). `step_mode`: block-major accumulation
+    (`build.choose_accumulation`)."""
     model.train()
     ranks = ranks or Ranks()
     net = net or model
@@ -54,7 +55,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
     batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * per_step)
     width = cfg.seq_len if cfg.packing else None  # packed batches: one width, every step
     stepper = None
-    if cfg.step_mode:
+    if step_mode:
         import narrows.stream
 
         # the loss is already normalised over the step's tokens (num_items_in_batch)

@@ -143,6 +143,8 @@ def format_summary(summary: dict) -> str:
                             f"captures, {st.get('cuda_graph_evictions', 0)} batch shapes evicted"
                             if st["cuda_graphs"] else "")
                          + (f"; {len(refused)} layers eager ({next(iter(refused.values()))})" if refused else "")))  # fmt: skip
+        if st.get("accumulation"):
+            rows.append(("accumulation", st["accumulation"]))
         if st.get("predicted_host_bytes") is not None:
             disk = (f"{st['disk_layers']} layers on disk, {format_bytes(st['disk_bytes_per_step'])} read per step"
                     if st["disk_layers"] else "no disk tier")  # fmt: skip
