@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -102,6 +103,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         for packing in packings:
             out = work / f"run-{mode}-{'packed' if packing else 'padded'}"
+            shutil.rmtree(out, ignore_errors=True)  # a fresh run, not the one an earlier invocation left
             budget, *suffixes = mode.split("-")
             flags = {"eager": "--no-cuda-graphs", "seq": "--no-step-mode", "step": "--step-mode"}
             cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),

@@ -277,9 +277,7 @@ def main() -> None:
         help="after the timed steps, profile one more: per-layer compute, copy and exposed copy time",
     )
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
-    ap.add_argument(
-        "--trace", action="store_true", help="print what is allocated at the peak (with --run-one)"
-    )
+    ap.add_argument("--trace", action="store_true", help="print what is allocated at each mode's peak")
     args = ap.parse_args()
     if args.run_one:
         try:
@@ -293,8 +291,13 @@ def main() -> None:
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
-               "--grad-accum", str(args.grad_accum), *(["--profile"] if args.profile else [])]  # fmt: skip
+               "--grad-accum", str(args.grad_accum), *(["--profile"] if args.profile else []),
+               *(["--trace"] if args.trace else [])]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        if args.trace:  # the child's breakdown of its peak
+            said = proc.stderr.splitlines()
+            start = next((i for i, x in enumerate(said) if x.startswith("peak ")), len(said))
+            print(f"{mode}:", *said[start : start + 25], sep="\n", flush=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         row = json.loads(line[7:]) if line else {"mode": mode, "error": tail[0][-300:]}
