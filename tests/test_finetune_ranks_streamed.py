@@ -1,6 +1,7 @@
 """`narrows finetune --gpu-budget` launched by torchrun on two CPU ranks: each rank streams
 the base from the one host copy they share (the prepared cache, mapped), and the run
-equals one process with ``--grad-accum 2`` over a resident base, `torch.equal`."""
+equals one process with ``--grad-accum 2`` over a resident base, `torch.equal` — with
+LoRA and with DoRA, narrows-lmhead's loss in both."""
 
 from __future__ import annotations
 
@@ -20,11 +21,17 @@ ROWS = [{"text": " ".join(f"w{(3 * i + j) % 40}" for j in range(8 + i % 5))} for
 ENV = child_env(OMP_NUM_THREADS="1")
 
 
-def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path):
+@pytest.mark.parametrize("adapter", ["lora", "dora"])
+def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path, adapter):
+    """LoRA, and DoRA through narrows-dora's layers; narrows-lmhead's loss in both (the
+    job's default where it is installed)."""
+    if adapter == "dora":
+        pytest.importorskip("narrows.dora")
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.1", "--batch", "2",
-            "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--steps", "3", "--no-progress"]  # fmt: skip
+            "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--steps", "3", "--no-progress",
+            "--adapter", adapter]  # fmt: skip
     one = subprocess.run([sys.executable, "-m", "narrows.core.cli", *args, "--grad-accum", "2", "--out",
                           str(tmp_path / "one")], capture_output=True, text=True, env=ENV, timeout=600)  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
@@ -42,4 +49,6 @@ def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path
             for r in ("one", "two")]  # fmt: skip
     assert rows[0] == rows[1]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    assert summary["stream"]["resident_layers"] == 0
+    assert summary["stream"]["resident_layers"] == 0 and summary["adapter"] == adapter
+    if adapter == "dora":  # the magnitudes trained too
+        assert any("lora_magnitude_vector" in k for k in a)

@@ -42,6 +42,17 @@ def test_a_transfer_bound_plan_runs_block_major_and_says_why(on_cuda):
     )
 
 
+@pytest.mark.parametrize(("block", "chosen"), [(0.97, False), (0.9, True)])
+def test_block_major_must_be_predicted_five_percent_faster(on_cuda, monkeypatch, block, chosen):
+    from narrows.stream import accumulation
+
+    monkeypatch.setattr(
+        accumulation, "step_seconds", lambda *a, block_major=False, **k: block if block_major else 1.0
+    )
+    use, why = ns.choose_step_mode(on_cuda(streamed()), G, host_available=1 << 40)
+    assert use is chosen, why
+
+
 def test_copies_that_hide_behind_compute_stay_sequential(on_cuda):
     fast_link = ns.Rates(h2d=1e30)
     use, why = ns.choose_step_mode(on_cuda(streamed()), G, host_available=1 << 40, rates=fast_link)

@@ -5,9 +5,9 @@ numbers, so the choice is only about time and host memory, and `choose_step_mode
 why it chose. `narrows finetune` asks it when neither ``--step-mode`` nor
 ``--no-step-mode`` is given.
 
-Block-major is chosen where the step-time model (`plan.step_seconds`) predicts it faster:
-where a streamed layer's copy takes longer than the compute it hides behind — short
-sequences, small batches, a narrow link. It costs host memory: the layer inputs of every
+Block-major is chosen where the step-time model (`plan.step_seconds`) predicts it at least
+5% faster: where a streamed layer's copy takes longer than the compute it hides behind —
+short sequences, small batches, a narrow link. It costs host memory: the layer inputs of every
 micro-batch of the step wait in pinned host memory, so it is also refused when they would
 take more than half of what the host has available.
 """
@@ -22,6 +22,8 @@ from .plan import Rates, step_seconds
 from .pretrained import default_host_budget
 
 __all__ = ["choose_step_mode"]
+
+MARGIN = 0.05  # block-major must be predicted at least this much faster
 
 
 def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, host_available: int | None = None,
@@ -54,7 +56,7 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
     sequential = step_seconds(*args, micro_batches=grad_accum)
     block = step_seconds(*args, micro_batches=grad_accum, block_major=True)
     said = f"predicted {block:.3g} s of layer time a step, against {sequential:.3g} s sequential"
-    if block >= sequential:
+    if block > (1 - MARGIN) * sequential:  # a gain the model cannot resolve is not worth the host memory
         return False, f"sequential (block-major {said}: the copies already hide behind the compute)"
     return True, (f"block-major (step mode: each of the {len(plan.streamed)} streamed layers copied twice a step "
                   f"instead of {2 * grad_accum} times; {said}; {format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip
