@@ -77,9 +77,8 @@ def build_narrows(args: argparse.Namespace, dev: torch.device):
 
     import narrows.stream as ns
 
-    model = ns.from_pretrained(
-        args.folder, dtype=torch.bfloat16, cache=args.cache, share=args.mode == "share"
-    )
+    model = ns.from_pretrained(args.folder, dtype=torch.bfloat16, cache=args.cache, share=args.mode == "share",
+                               host_budget=args.host_budget)  # fmt: skip
     tiers = model.narrows_tiers
     torch.manual_seed(0)
     model = add_lora(model).train()
@@ -268,8 +267,9 @@ def main() -> None:
             "steps": args.steps, "warmup": args.warmup, "checkpoint_bytes": folder_bytes(folder), "gpus": gpus,
             "device": torch.cuda.get_device_name() if gpus else "cpu",
             "pinned_bw": {n: pinned_bandwidth(n) for n in range(1, gpus + 1)}}  # fmt: skip
-    if gpus:
+    if gpus:  # the probe's device and pinned host caches back, before the ranks start
         torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
     print(json.dumps(meta), flush=True)
     rows = []
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -277,7 +277,12 @@ def main() -> None:
         help="after the timed steps, profile one more: per-layer compute, copy and exposed copy time",
     )
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
-    ap.add_argument("--trace", action="store_true", help="print what is allocated at each mode's peak")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="print what is allocated at each mode's peak (the steps then run with "
+        "CUDA's memory history on: their timings are not comparable)",
+    )
     args = ap.parse_args()
     if args.run_one:
         try:
@@ -297,7 +302,7 @@ def main() -> None:
         if args.trace:  # the child's breakdown of its peak
             said = proc.stderr.splitlines()
             start = next((i for i, x in enumerate(said) if x.startswith("peak ")), len(said))
-            print(f"{mode}:", *said[start : start + 25], sep="\n", flush=True)
+            print(f"{mode}:", *said[start : start + 26], sep="\n", flush=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         row = json.loads(line[7:]) if line else {"mode": mode, "error": tail[0][-300:]}
@@ -358,6 +363,7 @@ def write(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
     Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,
                                           "grad_accum": args.grad_accum,
                                           "warmup": args.warmup, "pinned_bw": bw, "device": device,
+                                          "traced": args.trace,  # memory history on: the timings are not
                                           "rows": rows}, indent=2))  # fmt: skip
 
 

@@ -54,9 +54,8 @@ def test_step_mode_trains_what_the_resident_loop_trains(tmp_path):
     assert "accumulation" not in result(tmp_path, "auto")[1][0]  # not StepTrainer
     assert auto["accumulation"].startswith("sequential (cpu device: no host→device link to spare)")
     summary = json.loads((tmp_path / "step" / "summary.json").read_text())
-    assert (
-        summary["stream"]["resident_layers"] == 0
-        and summary["stream"]["accumulation"] == "block-major (asked for)"
+    assert summary["stream"]["resident_layers"] == 0 and summary["stream"]["accumulation"].startswith(
+        "block-major (asked for"
     )
     # graphs: the planner's choice unless asked for (a CPU has none); asked for, they are emulated
     assert summary["stream"]["cuda_graphs"] is False
@@ -68,6 +67,46 @@ def test_step_mode_trains_what_the_resident_loop_trains(tmp_path):
         and hosted["cuda_graph_replays"] > 0
         and hosted["cuda_graph_captures"] > 0
     )
+
+
+def test_the_predictions_choice_drives_the_loop_and_a_refusal_falls_back(tmp_path, monkeypatch, capsys):
+    """The job trains block-major when narrows-stream's choice says so (stubbed here: a
+    CPU never gets it), and goes on in sequence, the same numbers, where StepTrainer then
+    refuses the model; asked for with --step-mode, the refusal stands."""
+    import narrows.stream as ns
+    from narrows.stream import stepmode
+
+    monkeypatch.setattr(ns, "choose_step_mode", lambda model, g, world_size=1: (True, "block-major (stub)"))
+    assert run(tmp_path, "resident") == 0
+    assert run(tmp_path, "chosen", "--gpu-budget", BUDGET) == 0
+    reference = result(tmp_path, "resident")
+    assert_same(reference, result(tmp_path, "chosen"))
+    assert [r["accumulation"] for r in result(tmp_path, "chosen")[1]] == ["block-major"] * 3
+    assert json.loads((tmp_path / "chosen" / "summary.json").read_text())["stream"]["accumulation"] == (
+        "block-major (stub)"
+    )
+
+    def refuse(self, micro):
+        raise ns.StreamSetupError("step mode: the model changes the hidden states between layers 0 and 1")
+
+    monkeypatch.setattr(stepmode.StepTrainer, "_capture", refuse)
+    capsys.readouterr()
+    assert run(tmp_path, "fallback", "--gpu-budget", BUDGET) == 0
+    assert "sequential, step mode refused this model (step mode: the model changes" in capsys.readouterr().err
+    assert_same(reference, result(tmp_path, "fallback"))
+    assert "accumulation" not in result(tmp_path, "fallback")[1][0]
+    assert run(tmp_path, "asked", "--gpu-budget", BUDGET, "--step-mode") == 2
+    assert "the model changes the hidden states" in capsys.readouterr().err
+
+
+def test_step_mode_trains_dora_as_the_resident_loop_does(tmp_path):
+    pytest.importorskip("narrows.dora")
+    assert run(tmp_path, "resident", "--adapter", "dora") == 0
+    assert run(tmp_path, "step", "--adapter", "dora", "--gpu-budget", BUDGET, "--step-mode") == 0
+    got = result(tmp_path, "step")
+    assert_same(result(tmp_path, "resident"), got)
+    assert [r["accumulation"] for r in got[1]] == ["block-major"] * 3
+    assert any("lora_magnitude_vector" in k for k in got[0])
 
 
 def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
@@ -100,7 +139,7 @@ def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
         (["--offload-optimizer"], "--offload-optimizer applies to the layers of a streamed base"),
         (
             ["--gpu-budget", BUDGET, "--no-step-mode", "--offload-optimizer"],
-            "--offload-optimizer updates each layer inside a step-mode step: drop --no-step-mode",
+            "--offload-optimizer updates each layer inside a step-mode step, and step mode is off",
         ),
     ],
 )

@@ -167,9 +167,12 @@ def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) 
     """Whether the step runs block-major (narrows.stream.StepTrainer) or in sequence, and
     why: as asked, or where neither was asked, narrows-stream's prediction for this plan.
     The numbers trained are the same either way. "" where a step has one micro-batch."""
-    if cfg.step_mode is not None:
-        return cfg.step_mode, "block-major (asked for)" if cfg.step_mode else "sequential (--no-step-mode)"
-    if cfg.gpu_budget == "off" or cfg.grad_accum < 2:
+    if cfg.gpu_budget == "off":
+        return False, ""
+    if cfg.step_mode is not None:  # given, or the settings a resumed run started with
+        return cfg.step_mode, ("block-major (asked for: --step-mode or --offload-optimizer)" if cfg.step_mode
+                               else "sequential (step mode off: --no-step-mode, or the settings this run started with)")  # fmt: skip
+    if cfg.grad_accum < 2:
         return False, ""
     import narrows.stream
 

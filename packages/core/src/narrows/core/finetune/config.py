@@ -167,17 +167,20 @@ class FinetuneConfig:
             if on and self.gpu_budget == "off":
                 raise NarrowsError(f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
                                    f"(e.g. --gpu-budget 12GiB), or drop --{flag}")  # fmt: skip
+        flag = "--step-mode"
         if self.offload_optimizer and self.step_mode is None:
             self.step_mode = True  # the optimizer state waits in host memory between a step's layer updates
+            flag = "--offload-optimizer (which runs in step mode)"
         if self.step_mode and self.world_size > 1:
             raise NarrowsError(
-                f"--step-mode is not supported on several ranks yet (this run has {self.world_size}): step mode writes "
-                "each layer's gradients itself, past DistributedDataParallel's all-reduce. Drop --step-mode, or run "
-                "it in one process"
+                f"{flag} is not supported on several ranks yet (this run has {self.world_size}): step mode writes "
+                f"each layer's gradients itself, past DistributedDataParallel's all-reduce. Drop {flag.split()[0]}, "
+                "or run it in one process"
             )
         if self.offload_optimizer and self.step_mode is False:
-            raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step: drop "
-                               "--no-step-mode, or drop --offload-optimizer")  # fmt: skip
+            raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step, and step mode is off "
+                               "(--no-step-mode, or the settings a resumed run started with): add --step-mode, or "
+                               "drop --offload-optimizer")  # fmt: skip
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)

@@ -3,12 +3,13 @@ micro-batches, the loss normalised over the whole step's trainable tokens, a met
 per step (timed after the device has finished the step's work) and a checkpoint every
 ``save_every`` steps. The data order, and the generators' seed at the start of each
 micro-batch, depend only on (seed, micro-batch index), so a resumed run continues
-bit-identically and any rank can run any micro-batch (`ranks`). With ``--step-mode``
-narrows-stream's StepTrainer runs the same step block-major (the same numbers, each
-streamed layer loaded once per pass)."""
+bit-identically and any rank can run any micro-batch (`ranks`). In step mode (asked for,
+or narrows-stream's choice: `build.choose_accumulation`) its StepTrainer runs the same
+step block-major (the same numbers, each streamed layer loaded once per pass)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -58,9 +59,11 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
     if step_mode:
         import narrows.stream
 
-        # the loss is already normalised over the step's tokens (num_items_in_batch)
-        stepper = narrows.stream.StepTrainer(model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler,
-                                             scale_loss=False, offload_optimizer=cfg.offload_optimizer)  # fmt: skip
+        try:  # the loss is already normalised over the step's tokens (num_items_in_batch)
+            stepper = narrows.stream.StepTrainer(model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler,
+                                                 scale_loss=False, offload_optimizer=cfg.offload_optimizer)  # fmt: skip
+        except narrows.stream.StreamSetupError as e:
+            stepper = _sequential_instead(cfg, model, e)
     t_train = time.perf_counter()
     try:
         while progress.step < cfg.steps:
@@ -74,9 +77,16 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             # the loss is normalised over the whole step's trainable tokens, every rank's
             n_items = sum(e.trainable for mb in every for e in mb)
             loss_sum = 0.0
+            stats = None
             if stepper is not None:
-                stats = stepper.step([{**to_device(collate(mb, pad_id, width), device), **TRAINING, "num_items_in_batch": n_items}
-                                      for mb in micro], seeds=seeds)  # fmt: skip
+                try:
+                    stats = stepper.step([{**to_device(collate(mb, pad_id, width), device), **TRAINING, "num_items_in_batch": n_items}
+                                          for mb in micro], seeds=seeds)  # fmt: skip
+                except (
+                    narrows.stream.StreamSetupError
+                ) as e:  # refused before any gradient: this step runs in sequence
+                    stepper = _sequential_instead(cfg, model, e)
+            if stats is not None:
                 for value in stats.losses:
                     loss_sum += value
             else:
@@ -108,7 +118,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 continue
             row = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / dt,
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
-            if stepper is not None:
+            if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
             if step == cfg.steps and evals:
                 row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
@@ -134,3 +144,17 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
         progress.seconds += time.perf_counter() - t_train
     if bar is not None:
         bar.close()
+
+
+def _sequential_instead(cfg: FinetuneConfig, model: nn.Module, refusal: Exception) -> None:
+    """Step mode refused this model. Asked for, the refusal stands; chosen by the
+    prediction, the run goes on in sequence (the same numbers) and says why. Returns the
+    stepper to use: none."""
+    if cfg.step_mode is not None or any(p.grad is not None for p in model.parameters()):
+        raise refusal
+    print(
+        f"narrows: accumulation: sequential, step mode refused this model ({refusal})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
