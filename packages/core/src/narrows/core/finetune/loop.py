@@ -82,10 +82,8 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 try:
                     stats = stepper.step([{**to_device(collate(mb, pad_id, width), device), **TRAINING, "num_items_in_batch": n_items}
                                           for mb in micro], seeds=seeds)  # fmt: skip
-                except (
-                    narrows.stream.StreamSetupError
-                ) as e:  # refused before any gradient: this step runs in sequence
-                    stepper = _sequential_instead(cfg, model, e)
+                except narrows.stream.StreamSetupError as e:
+                    stepper = _sequential_instead(cfg, model, e)  # refused before any gradient: in sequence
             if stats is not None:
                 for value in stats.losses:
                     loss_sum += value
