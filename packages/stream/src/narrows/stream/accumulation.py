@@ -18,7 +18,7 @@ from torch import nn
 
 from narrows.core import anatomy_of, format_bytes
 
-from .plan import Rates, step_seconds
+from .plan import Rates, input_bytes, step_seconds
 from .pretrained import default_host_budget
 
 __all__ = ["choose_step_mode"]
@@ -47,7 +47,7 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
         return False, "sequential (every layer resident: no layer to copy fewer times)"
     if any(p.requires_grad for p in anatomy_of(model).embed.parameters()):
         return False, "sequential (the embedding trains; step mode starts from a frozen one)"
-    kept = grad_accum * shapes.layers * shapes.batch * shapes.seq * shapes.hidden * shapes.act_bytes
+    kept = grad_accum * shapes.layers * input_bytes(shapes)  # every layer's input, every micro-batch
     available = default_host_budget() if host_available is None else host_available
     if 2 * kept > available:
         return False, (f"sequential (step mode would keep the layer inputs of {grad_accum} micro-batches, "

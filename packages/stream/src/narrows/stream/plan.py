@@ -173,7 +173,7 @@ def graph_bytes(s: Shapes, tile: int | None = None) -> int:
     their gradients: four hidden-sized tensors each, at most the planned length).
     (H100, Qwen2.5 NF4 shapes at 512 tokens, one shape: measured 0.44 GiB at 7B, pool 0.68
     GiB at 32B; this predicts 0.56 and 0.76 GiB.)"""
-    other_shapes = (DEFAULT_SHAPES - 1) * 4 * s.batch * s.seq * s.hidden * s.act_bytes
+    other_shapes = (DEFAULT_SHAPES - 1) * 4 * input_bytes(s)
     return 2 * layer_work_bytes(s, tile) + GRAPH_WORKSPACE + other_shapes
 
 
