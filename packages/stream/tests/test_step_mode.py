@@ -10,8 +10,10 @@ import functools
 import pytest
 import torch
 from helpers import assert_identical, build
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import narrows.stream as ns
+from narrows.core import is_nf4_linear
 from narrows.core.testing import tiny_batch
 from narrows.stream import rng
 from narrows.stream.errors import StreamSetupError
@@ -70,7 +72,8 @@ def _seed(step: int, micro: int) -> int:
 
 
 def stepped(
-    arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False, **stream_kwargs
+    arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False, trainer=None,
+    **stream_kwargs,
 ):
     model = build(arch, dropout=dropout, base=base)
     torch.manual_seed(0)
@@ -79,7 +82,7 @@ def stepped(
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
     trainer = ns.StepTrainer(model, opt, grad_accum=g, max_grad_norm=clip, scheduler=_scheduler(opt),
-                             loss_fn=lambda out, batch: _keep(out.loss))  # fmt: skip
+                             loss_fn=lambda out, batch: _keep(out.loss), **(trainer or {}))  # fmt: skip
     losses, grads, stats = [], [], []
     real_step = opt.step
 
@@ -87,6 +90,7 @@ def stepped(
         grads.extend(p.grad.clone() for p in params)
 
     opt.step = lambda *a, **k: (capture_grads(), real_step(*a, **k))[1]
+    model.narrows_step_trainer = trainer
     for step in range(STEPS):
         _seen.clear()
         seeds = [_seed(step, k) for k in range(g)] if seeded else None
@@ -215,6 +219,76 @@ def test_block_major_on_nf4():
     _, stats, got = stepped(dropout=0.05, base="nf4")
     assert stats[-1].mode == "block-major"
     assert_identical(resident(dropout=0.05, base="nf4"), got)
+
+
+class _Dequantizations(TorchDispatchMode):
+    """Counts bitsandbytes' 4-bit dequantisations: its matmul's (``gemm_4bit``, which
+    dequantises inside, out of the mode's sight) and everyone else's."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in ("bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.bnb
+@pytest.mark.parametrize("graphs", [False, True])
+def test_nf4_weights_dequantised_once_per_pass(graphs):
+    """dequantize_once=True: each layer's 4-bit weights are dequantised once for the
+    forward of all G micro-batches and once for their backward (2 per linear a step, not
+    3·G), and training is still identical (graphs=True on the CPU: their buffer path)."""
+    pytest.importorskip("bitsandbytes")
+    model, stats, got = stepped(dropout=0.0, base="nf4", graphs=graphs, trainer={"dequantize_once": True})
+    assert all(s.mode == "block-major" for s in stats)
+    assert_identical(resident(dropout=0.0, base="nf4"), got)
+    trainer = model.narrows_step_trainer
+    assert trainer.held_choice.startswith("on")
+    linears = sum(1 for m in model.modules() if is_nf4_linear(m))
+    with _Dequantizations() as seen:
+        trainer.step(_batches(STEPS))
+    assert seen.count == 2 * linears
+    with _Dequantizations() as seen:  # the same step without holding: every call dequantises
+        trainer.held = None
+        trainer.step(_batches(STEPS + 1))
+    assert seen.count >= 2 * G * linears  # forward and recompute, each micro-batch (and most backwards)
+
+
+@pytest.mark.bnb
+def test_a_wrong_held_copy_changes_training(monkeypatch):
+    """Fault injection: the held copies are what the layers compute with — held zeros in
+    place of the dequantised weights change the training."""
+    pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnbf
+
+    real = bnbf.dequantize_4bit
+    monkeypatch.setattr(bnbf, "dequantize_4bit", lambda *a, **k: real(*a, **k).zero_())
+    _, _, got = stepped(dropout=0.0, base="nf4", trainer={"dequantize_once": True})
+    with pytest.raises(AssertionError):
+        assert_identical(resident(dropout=0.0, base="nf4"), got)
+
+
+def test_dequantize_once_auto_needs_room_in_the_budget():
+    """"auto" holds only with a budget that has room over the plan; bad values are refused."""
+    model = build(dropout=0.0, base="nf4") if _has_bnb() else None
+    if model is None:
+        pytest.skip("needs bitsandbytes")
+    ns.stream(model, device="cpu", offload="off")
+    opt = _optimizer([p for p in model.parameters() if p.requires_grad])
+    trainer = ns.StepTrainer(model, opt, grad_accum=G)
+    assert trainer.held is None and "no budget" in trainer.held_choice
+    with pytest.raises(StreamSetupError, match="dequantize_once"):
+        ns.StepTrainer(model, opt, grad_accum=G, dequantize_once="yes")
+
+
+def _has_bnb() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize("g", [1, 2, 4])

@@ -61,9 +61,10 @@ from .logits import LogitMath
 
 # memory
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
+from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
 
 # NF4
-from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
+from .nf4held import HeldWeights, held_bytes, held_token, held_weight
 
 # frozen storage
 from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
@@ -92,6 +93,7 @@ __all__ = [
     "CheckpointFolder",
     "FrozenSlot",
     "HeadSource",
+    "HeldWeights",
     "LogitMath",
     "MemoryPeaks",
     "MissingDependencyError",
@@ -120,6 +122,9 @@ __all__ = [
     "format_bytes",
     "frozen_slots",
     "head_source",
+    "held_bytes",
+    "held_token",
+    "held_weight",
     "is_announced",
     "is_nf4_linear",
     "load_blockwise",

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from narrows.core import ambient_state
+from narrows.core import ambient_state, held_token
 
 log = logging.getLogger("narrows.stream")
 
@@ -256,7 +256,17 @@ class LayerGraphs:
         spec = pytree.tree_structure((args, kwargs))
         first = next((p for p in layer.parameters() if not p.requires_grad), None)
         where = first.data_ptr() if first is not None else 0
-        return (kind, index, where, extra, str(spec), tuple(sig), ambient_state(self.device))
+        # held_token: the 4-bit weights read from the held dequantised copies (step mode)
+        return (
+            kind,
+            index,
+            where,
+            held_token(layer),
+            extra,
+            str(spec),
+            tuple(sig),
+            ambient_state(self.device),
+        )
 
     def _admit(self, kind: str, index: int, shape: tuple[int, ...]) -> bool:
         """Whether this batch shape runs through graphs: it has them already, or this layer's

@@ -37,7 +37,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import ambient_state, anatomy_of, measure_peaks, trainable_parameters
+from narrows.core import (
+    HeldWeights,
+    ambient_state,
+    anatomy_of,
+    format_bytes,
+    held_bytes,
+    measure_peaks,
+    trainable_parameters,
+)
 
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
@@ -110,7 +118,7 @@ class StepTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
                  grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
                  loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
-                 offload_optimizer: bool = False,
+                 offload_optimizer: bool = False, dequantize_once: bool | str = "auto",
                  **stream_kwargs: Any):  # fmt: skip
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
@@ -160,8 +168,35 @@ class StepTrainer:
             if offload_optimizer
             else None
         )
+        self.held, self.held_choice = self._held_weights(dequantize_once)
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
+
+    def _held_weights(self, dequantize_once: bool | str) -> tuple[HeldWeights | None, str]:
+        """The buffer each layer's NF4 weights are dequantised into once per pass, and why
+        (or why not)."""
+        if not (isinstance(dequantize_once, bool) or dequantize_once == "auto"):
+            raise StreamSetupError(f"dequantize_once={dequantize_once!r}: use True, False or 'auto'")
+        need = max((held_bytes(layer) for layer in self.anat.layers), default=0)
+        if not dequantize_once:
+            return None, "off (dequantize_once=False)"
+        if not need:
+            return None, "off (no 4-bit weights to hold)"
+        plan = self.handle.plan
+        if dequantize_once == "auto":
+            if self.grad_accum < 2:
+                return None, "off (one micro-batch a step: each layer runs once per pass)"
+            if plan.budget is None:
+                return None, f"off (no budget: the smallest footprint; holding takes {format_bytes(need)})"
+            if plan.predicted_peak + need > plan.budget:
+                return None, (f"off (the plan's {format_bytes(plan.predicted_peak)} and the "
+                              f"{format_bytes(need)} it takes exceed the {format_bytes(plan.budget)} budget)")  # fmt: skip
+        return HeldWeights(self.anat.layers, self.device), (
+            f"on: each layer's 4-bit weights dequantised once per pass into {format_bytes(need)}"
+        )
+
+    def _hold(self, layer: nn.Module) -> Any:
+        return self.held.hold(layer) if self.held is not None else nullcontext()
 
     # ---- one step ---------------------------------------------------------------------
     def step(self, batches: Sequence[dict[str, Any]], seeds: Sequence[int] | None = None) -> StepStats:
@@ -388,7 +423,7 @@ class StepTrainer:
         # forward: layer by layer, every micro-batch through it
         for i, layer in enumerate(layers):
             fn = layer_original(layer)
-            with self.engine.using(i, then=i + 1), torch.enable_grad():
+            with self.engine.using(i, then=i + 1), self._hold(layer), torch.enable_grad():
                 for micro in micros:
                     restore(micro.states[i])
                     x = micro.saved[i]
@@ -413,7 +448,7 @@ class StepTrainer:
         # backward: layer by layer from the last, micro-batches in order within each
         for i in reversed(range(n)):
             fn, params = layer_original(layers[i]), self.layer_params[i]
-            with self.engine.using(i, then=i - 1):
+            with self.engine.using(i, then=i - 1), self._hold(layers[i]):
                 for k, micro in enumerate(micros):
                     self._prefetch_next_input(micros, i, k)
                     x = self._load_input(micro, i)
