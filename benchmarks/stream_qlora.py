@@ -14,7 +14,9 @@ inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, 
 whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True) or "-auto" (the planner's choice,
 graphs="auto"; without either suffix graphs=False; the library defaults to "auto"), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
-"-hostopt": AdamW state in host memory, each layer updated when its gradients are complete);
+"-hostopt": AdamW state in host memory, each layer updated when its gradients are complete;
+"-held": each layer's NF4 weights dequantised once per pass, dequantize_once=True, "-noheld"
+False, neither: the library's "auto");
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
 checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
 memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
@@ -168,7 +170,8 @@ def run_one(args: argparse.Namespace) -> dict:
 
     g = args.grad_accum
     trainer = (
-        ns.StepTrainer(model, opt, grad_accum=g, offload_optimizer="hostopt" in mode.split("-"))
+        ns.StepTrainer(model, opt, grad_accum=g, offload_optimizer="hostopt" in parts,
+                       dequantize_once=True if "held" in parts else False if "noheld" in parts else "auto")
         if mode.startswith("step")
         else None
     )
@@ -248,6 +251,8 @@ def run_one(args: argparse.Namespace) -> dict:
             graphs_planned=plan.graphs,
             graphs_choice=plan.graphs_choice,
         )
+        if trainer is not None:
+            out["dequantize_once"] = trainer.held_choice
         graphs = model.narrows_stream.graphs
         if graphs is not None:  # replays use the graphs' pool, which the allocator's peak does not see
             pool = graphs.pool_bytes()

@@ -350,6 +350,36 @@ def test_block_major_on_cuda_with_dropout_and_offloaded_boundaries():
     assert_identical(resident(dropout=0.05, device="cuda"), got)
 
 
+@pytest.mark.gpu
+@pytest.mark.bnb
+@pytest.mark.parametrize("graphs", [False, True])
+def test_nf4_weights_held_on_cuda_are_exact(graphs):
+    """On the GPU, with CUDA graphs replaying over the held copies too: bit-identical to
+    resident training that dequantises on every call; in eager mode bitsandbytes
+    dequantises twice per linear a step (fp32 weights: its own kernel takes only a few
+    tokens, so every call here is one the held copies serve)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("bitsandbytes")
+    import os
+
+    from narrows.core import deterministic
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic(True)
+    model, stats, got = stepped(dropout=0.05, device="cuda", base="nf4", graphs=graphs,
+                                trainer={"dequantize_once": True})  # fmt: skip
+    assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+    assert_identical(resident(dropout=0.05, device="cuda", base="nf4"), got)
+    if graphs:
+        assert model.narrows_stream.graphs.stats.replays > 0
+    else:
+        linears = sum(1 for m in model.modules() if is_nf4_linear(m))
+        with _Dequantizations() as seen:
+            model.narrows_step_trainer.step(_batches(STEPS))
+        assert seen.count == 2 * linears
+
+
 def test_fully_resident_plans_accumulate_sequentially():
     """With every layer resident nothing crosses the link: the step runs in sequential
     order, where the planner's whole layers skip their recompute."""
