@@ -57,7 +57,9 @@ def test_the_held_copy_is_what_the_layer_computes_with():
     held = HeldWeights(_layers(model), "cpu")
     with held.hold(layer):
         q = layer.self_attn.q_proj.base_layer
-        assert torch.equal(held_weight(q), bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state))
+        assert torch.equal(
+            held_weight(q), bnb.functional.dequantize_4bit(q.weight.data, q.weight.quant_state)
+        )
         held.buffer.zero_()
         assert not torch.equal(_run(model)[0], ref[0])
         loss = model(**tiny_batch()).loss
@@ -102,3 +104,37 @@ def test_a_float_layer_holds_nothing():
     held = HeldWeights([layer], "cpu")
     with held.hold(layer) as n:
         assert n == 0 and held_token(layer) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [512, 16])
+def test_real_shapes_on_cuda_are_bit_identical(tokens):
+    """A 7B MLP weight in bf16 on the GPU: at 512 tokens bitsandbytes dequantises and the
+    held copy serves the call; at 16 it may pick its own fused kernel, which the held path
+    leaves to it. Either way output and input gradient are `torch.equal`."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3584, 18944, bias=False, dtype=torch.bfloat16)
+    q = bnb.nn.Linear4bit(3584, 18944, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4")
+    q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, quant_type="nf4")
+    q = q.cuda()
+    layer = torch.nn.Sequential(q)
+    x = torch.randn(1, tokens, 3584, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    g = torch.randn(1, tokens, 18944, dtype=torch.bfloat16, device="cuda")
+
+    def run():
+        x.grad = None
+        y = layer(x)
+        y.backward(g)
+        return y.detach(), x.grad.clone()
+
+    ref = run()
+    held = HeldWeights([layer], "cuda")
+    with held.hold(layer):
+        got = run()
+        held.buffer.zero_()
+        zeroed = run()
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    if tokens == 512:  # served from the held copy: the zeroed buffer shows in the output
+        assert not zeroed[0].any()

@@ -10,7 +10,7 @@ import torch
 from helpers import build
 
 import narrows.stream as ns
-from narrows.stream.plan import Shapes, step_seconds
+from narrows.stream.plan import Shapes, dequant_seconds, step_seconds
 
 G = 4
 
@@ -102,3 +102,73 @@ def test_the_step_time_model_prices_block_major_copies_once_a_step():
     assert step_seconds(layers, long, 2, 0, micro_batches=G, block_major=True) == pytest.approx(
         step_seconds(layers, long, 2, 0, micro_batches=G)
     )
+
+
+def test_held_weights_price_two_dequantisations_a_step_not_four_per_micro_batch():
+    s = Shapes(layers=8, hidden=1024, intermediate=4096, heads=8, vocab=1000, act_bytes=2, batch=1, seq=512,
+               eager_attention=False)  # fmt: skip
+    nf4 = [4_000_000] * 8  # under a byte per parameter: dequantised on every use
+    plain = step_seconds(nf4, s, 0, 0, micro_batches=G, block_major=True)
+    held = step_seconds(nf4, s, 0, 0, micro_batches=G, block_major=True, held=True)
+    d = dequant_seconds(nf4[0], s)
+    assert d > 0 and held == pytest.approx(plain - 8 * (4 * G - 2) * d)
+    floats = [40_000_000] * 8  # a float base has nothing to dequantise
+    assert dequant_seconds(floats[0], s) == 0
+    assert step_seconds(floats, s, 0, 0, micro_batches=G, block_major=True, held=True) == step_seconds(
+        floats, s, 0, 0, micro_batches=G, block_major=True
+    )
+
+
+def _plan(**kw):
+    base = dict(device="cuda:0", budget=None, layer_bytes=(1,), resident=(), pool_slabs=1, prefetch=1,
+                fixed_bytes=0, activation_bytes=0, work_bytes=0, predicted_peak=1000, h2d_bytes_per_step=0)  # fmt: skip
+    return ns.Plan(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("plan", "need", "g", "choice", "hold", "said"),
+    [
+        ({"reserved_bytes": 100}, 100, G, "auto", True, "on: "),
+        ({"budget": 1100}, 100, G, "auto", True, "on: "),
+        ({"budget": 1099}, 100, G, "auto", False, "stream with reserve=step_mode_reserve(model)"),
+        ({}, 100, G, "auto", False, "no budget"),
+        ({"reserved_bytes": 100}, 100, 1, "auto", False, "one micro-batch"),
+        ({}, 100, 1, True, True, "on: "),
+        ({"reserved_bytes": 100}, 100, G, False, False, "dequantize_once=False"),
+        ({"reserved_bytes": 100}, 0, G, True, False, "no 4-bit weights"),
+    ],
+)
+def test_when_step_mode_holds_the_weights(plan, need, g, choice, hold, said):
+    got, why = ns.holds_weights(_plan(**plan), need, g, choice)
+    assert got is hold and said in why, why
+
+
+def test_a_reserve_is_left_free_within_the_budget():
+    """The reserve counts in the plan's fixed memory and its peak, so fewer layers stay
+    resident under the same budget; negative reserves are refused."""
+    model = build(num_hidden_layers=3)
+    budget = ns.plan(model, 1 << 40, device="cpu").predicted_peak  # just room for everything kept
+    without = ns.plan(model, budget, device="cpu")
+    reserve = max(without.layer_bytes)
+    kept = ns.plan(model, budget, device="cpu", reserve=reserve)
+    assert kept.reserved_bytes == reserve and kept.fixed_bytes == without.fixed_bytes + reserve
+    assert kept.predicted_peak <= budget
+    assert (len(kept.resident), len(kept.whole)) < (len(without.resident), len(without.whole))
+    assert "reserved: step mode's dequantised weights" in str(kept)
+    with pytest.raises(ns.StreamSetupError, match="reserve"):
+        ns.plan(model, budget, device="cpu", reserve=-1)
+
+
+@pytest.mark.bnb
+def test_step_mode_reserve_is_the_largest_layers_held_weights(on_cuda):
+    pytest.importorskip("bitsandbytes")
+    from narrows.core import held_bytes
+
+    model = build(num_hidden_layers=3, base="nf4")
+    need = ns.step_mode_reserve(model)
+    layers = model.base_model.model.model.layers
+    assert need == max(held_bytes(layer) for layer in layers) > 0
+    assert ns.step_mode_reserve(build(num_hidden_layers=3)) == 0
+    ns.stream(model, None, device="cpu", batch_size=2, seq_len=12, reserve=need)
+    use, why = ns.choose_step_mode(on_cuda(model), G, host_available=1 << 40)
+    assert use and "its 4-bit weights dequantised once per pass" in why, why

@@ -72,7 +72,14 @@ def _seed(step: int, micro: int) -> int:
 
 
 def stepped(
-    arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False, trainer=None,
+    arch="llama",
+    dropout=0.05,
+    clip=0.5,
+    base="float",
+    g=G,
+    device="cpu",
+    seeded=False,
+    trainer=None,
     **stream_kwargs,
 ):
     model = build(arch, dropout=dropout, base=base)
@@ -271,7 +278,7 @@ def test_a_wrong_held_copy_changes_training(monkeypatch):
 
 
 def test_dequantize_once_auto_needs_room_in_the_budget():
-    """"auto" holds only with a budget that has room over the plan; bad values are refused."""
+    """ "auto" holds only with a budget that has room over the plan; bad values are refused."""
     model = build(dropout=0.0, base="nf4") if _has_bnb() else None
     if model is None:
         pytest.skip("needs bitsandbytes")

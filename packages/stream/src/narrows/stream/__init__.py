@@ -8,7 +8,9 @@ bit-identical (`torch.equal`) to the same model trained fully resident.
 ``StepTrainer(model, optimizer, grad_accum=G)`` runs each optimizer step block-major: every
 streamed layer crosses the link once for the forward of all G micro-batches and once for
 their backward, `torch.equal` to sequential accumulation (``choose_step_mode`` says whether
-it pays for a streamed model). ``data_parallel(model)`` wraps
+it pays for a streamed model); there each layer's 4-bit weights are dequantised once per
+pass for all G (``stream(..., reserve=step_mode_reserve(model))`` leaves the room for
+them within the budget). ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
@@ -16,7 +18,7 @@ from importlib.metadata import version as _version
 
 from narrows.core import register_architecture_check as _register_check
 
-from .accumulation import choose_step_mode
+from .accumulation import choose_step_mode, holds_weights, step_mode_reserve
 from .api import StreamHandle, plan, stream
 from .distributed import check_ranks, data_parallel
 from .engine import TransferStats
@@ -59,8 +61,10 @@ __all__ = [
     "data_parallel",
     "default_host_budget",
     "from_pretrained",
+    "holds_weights",
     "plan",
     "prepare",
+    "step_mode_reserve",
     "stream",
     "tile_sequence",
 ]

@@ -10,20 +10,56 @@ Block-major is chosen where the step-time model (`plan.step_seconds`) predicts i
 short sequences, small batches, a narrow link. It costs host memory: the layer inputs of every
 micro-batch of the step wait in pinned host memory, so it is also refused when they would
 take more than half of what the host has available.
+
+In block-major order each layer runs for every micro-batch in a row, so its 4-bit weights
+can be dequantised once per pass and held (`narrows.core.HeldWeights`) instead of
+dequantised in every call: `holds_weights` says whether a `StepTrainer` will, and the
+prediction counts it. The held copy of the largest layer takes device memory, which a
+plan leaves free when it was made with ``reserve=step_mode_reserve(model)``.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from narrows.core import anatomy_of, format_bytes
+from narrows.core import anatomy_of, format_bytes, held_bytes
 
-from .plan import Rates, input_bytes, step_seconds
+from .plan import Plan, Rates, input_bytes, step_seconds
 from .pretrained import default_host_budget
 
-__all__ = ["choose_step_mode"]
+__all__ = ["choose_step_mode", "holds_weights", "step_mode_reserve"]
 
 MARGIN = 0.05  # block-major must be predicted at least this much faster
+
+
+def step_mode_reserve(model: nn.Module) -> int:
+    """Device bytes step mode's held weights take for `model` (its largest decoder layer's
+    4-bit weights, dequantised; 0 without 4-bit weights): pass it as `stream`'s
+    ``reserve`` to leave room for them within the budget."""
+    return max((held_bytes(layer) for layer in anatomy_of(model).layers), default=0)
+
+
+def holds_weights(
+    plan: Plan, need: int, grad_accum: int, dequantize_once: bool | str = "auto"
+) -> tuple[bool, str]:
+    """``(hold, why)``: whether a `StepTrainer` holds each layer's 4-bit weights
+    dequantised through a pass (`need` bytes: `step_mode_reserve`). "auto" holds when
+    the plan reserved the room, or its budget has it to spare over the predicted peak."""
+    if not dequantize_once:
+        return False, "off (dequantize_once=False)"
+    if not need:
+        return False, "off (no 4-bit weights to hold)"
+    if dequantize_once == "auto":
+        if grad_accum < 2:
+            return False, "off (one micro-batch a step: each layer runs once per pass)"
+        if plan.reserved_bytes < need:
+            if plan.budget is None:
+                return False, f"off (no budget: the smallest footprint; holding takes {format_bytes(need)})"
+            if plan.predicted_peak + need > plan.budget:
+                return False, (f"off (the plan's {format_bytes(plan.predicted_peak)} and the {format_bytes(need)} "
+                               f"it takes exceed the {format_bytes(plan.budget)} budget; stream with "
+                               "reserve=step_mode_reserve(model) to make room)")  # fmt: skip
+    return True, f"on: each layer's 4-bit weights dequantised once per pass into {format_bytes(need)}"
 
 
 def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, host_available: int | None = None,
@@ -53,10 +89,12 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
         return False, (f"sequential (step mode would keep the layer inputs of {grad_accum} micro-batches, "
                        f"{format_bytes(kept)}, in host memory; {format_bytes(available)} available)")  # fmt: skip
     args = (plan.layer_bytes, shapes, len(plan.resident), len(plan.whole), rates, plan.graphs)
+    held, _ = holds_weights(plan, step_mode_reserve(model), grad_accum)
     sequential = step_seconds(*args, micro_batches=grad_accum)
-    block = step_seconds(*args, micro_batches=grad_accum, block_major=True)
+    block = step_seconds(*args, micro_batches=grad_accum, block_major=True, held=held)
     said = f"predicted {block:.3g} s of layer time a step, against {sequential:.3g} s sequential"
     if block > (1 - MARGIN) * sequential:  # a gain the model cannot resolve is not worth the host memory
         return False, f"sequential (block-major {said}: the copies already hide behind the compute)"
     return True, (f"block-major (step mode: each of the {len(plan.streamed)} streamed layers copied twice a step "
-                  f"instead of {2 * grad_accum} times; {said}; {format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip
+                  f"instead of {2 * grad_accum} times" + (", its 4-bit weights dequantised once per pass" if held else "")
+                  + f"; {said}; {format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip

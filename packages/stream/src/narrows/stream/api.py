@@ -212,10 +212,13 @@ def _check_graphs(graphs: object) -> None:
 def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
-         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto") -> Plan:  # fmt: skip
+         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto",
+         reserve: int = 0) -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything (`rates`: what
     the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
-    `stream`'s, whose pool the budget then holds)."""
+    `stream`'s, whose pool the budget then holds; `reserve`: as `stream`'s)."""
+    if not isinstance(reserve, int) or reserve < 0:
+        raise StreamSetupError(f"reserve={reserve!r}: give a number of bytes ≥ 0")
     tile = _check_layer_options(offload, seq_tile, recompute)
     _check_graphs(graphs)
     ensure_architecture(model, "head", "stream")
@@ -226,7 +229,10 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
     outside = _parts(model, anat, host_embedding, stream_head)
     trainable = list(trainable_parameters(model).values())
     fixed = (
-        _nbytes(s.tensor for s in outside) + 2 * _nbytes(trainable) + 8 * sum(p.numel() for p in trainable)
+        _nbytes(s.tensor for s in outside)
+        + 2 * _nbytes(trainable)
+        + 8 * sum(p.numel() for p in trainable)
+        + reserve
     )
     head_h2d = 0
     if stream_head:
@@ -243,7 +249,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
                      host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile,
-                     recompute=recompute, rates=rates, graphs=graphs)  # fmt: skip
+                     recompute=recompute, rates=rates, graphs=graphs, reserved=reserve)  # fmt: skip
 
 
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
@@ -360,6 +366,7 @@ def stream(
     seq_tile: int | str | None = None,
     recompute: str = "auto",
     graphs: bool | str = "auto",
+    reserve: int = 0,
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -403,7 +410,9 @@ def stream(
     graphs (True there runs the same buffer path eagerly, for tests). "auto" is the
     default. A batch shape is captured when it comes round again, and graphs are kept for
     the four most recent shapes, so batches padded to varying widths hold bounded memory
-    (the plan counts it); widths that never repeat run eagerly.
+    (the plan counts it); widths that never repeat run eagerly. `reserve`: device bytes
+    the plan leaves free within the budget, for step mode's dequantised weights
+    (`step_mode_reserve`; `StepTrainer` holds them when they were reserved).
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
@@ -433,7 +442,7 @@ def stream(
         )
     the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
                     head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile,
-                    recompute=recompute, graphs=graphs)  # fmt: skip
+                    recompute=recompute, graphs=graphs, reserve=reserve)  # fmt: skip
     stream_head = _check_head(anat, head)
     if the_plan.tile_tokens is not None:
         tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
@@ -482,7 +491,7 @@ def stream(
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
                                prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
-                               seq_tile=seq_tile, recompute=recompute, graphs=graphs)  # fmt: skip
+                               seq_tile=seq_tile, recompute=recompute, graphs=graphs, reserve=reserve)  # fmt: skip
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
         # any DistributedDataParallel wrapping it (yours, accelerate's, Trainer's) leaves the

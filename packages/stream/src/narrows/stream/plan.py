@@ -81,6 +81,7 @@ class Plan:
     graph_bytes: int = 0  # the graphs' scratch pool and capture workspaces, in the peak
     step_seconds: float = 0.0  # the step-time model's figure for the layers (ranks plans; not a promise)
     graphs_choice: str = ""  # with graphs="auto": why they are on or off
+    reserved_bytes: int = 0  # left free in the budget for the caller (step mode's held weights); in the peak
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -101,7 +102,9 @@ class Plan:
             ("kept whole", f"{len(self.whole)} of {n} layers run without recompute" + (
                 f": {list(self.whole)}" if 0 < len(self.whole) < n else "")),
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
-            ("fixed on device", format_bytes(self.fixed_bytes)),
+            ("fixed on device", format_bytes(self.fixed_bytes) + (
+                f" (of which {format_bytes(self.reserved_bytes)} reserved: step mode's dequantised weights)"
+                if self.reserved_bytes else "")),
             ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
                 f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
                 if self.offloaded else "")),
@@ -248,6 +251,7 @@ def make_plan(
     recompute: str = "auto",
     rates: Rates | None = None,
     graphs: bool | str = False,
+    reserved: int = 0,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -262,7 +266,8 @@ def make_plan(
     machine's transfer and compute times for the step-time model (default: fitted).
     `graphs`: the layers narrows runs replay as CUDA graphs (their pool is counted, and
     they are priced without the host's per-kernel cost); "auto": on a CUDA device with a
-    budget, the plan with graphs if it fits and its predicted step time is lower."""
+    budget, the plan with graphs if it fits and its predicted step time is lower.
+    `reserved`: how much of `fixed_bytes` the caller reserved (for the report)."""
     if graphs == "auto":
         return _either(dict(locals()))
     if not isinstance(graphs, bool):
@@ -373,6 +378,7 @@ def make_plan(
         graphs=graphs,
         graph_bytes=pool(t, len(whole)),
         step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
+        reserved_bytes=reserved,
     )
 
 
@@ -470,9 +476,15 @@ def layer_seconds(
     return compute, nbytes / rates.h2d
 
 
+def dequant_seconds(nbytes: int, s: Shapes) -> float:
+    """One dequantisation of a 4-bit layer's weights (0 for a float layer)."""
+    params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+    return params / DEQUANT_RATE if nbytes < params else 0.0
+
+
 def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int,
                  rates: Rates | None = None, graphs: bool = False, *, micro_batches: int = 1,
-                 block_major: bool = False) -> float:  # fmt: skip
+                 block_major: bool = False, held: bool = False) -> float:  # fmt: skip
     """Predicted time of one step's layers with `resident` resident layers of which
     `whole` run without recompute: forward, backward (twice the forward), the recompute
     of every other layer, and what a streamed layer's copies cannot hide — behind the
@@ -481,7 +493,9 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     whole layers run eagerly either way. Over `micro_batches`: sequential accumulation
     copies each streamed layer twice per micro-batch; `block_major` (step mode) twice a
     step, each copy behind the compute of every micro-batch, and every layer recomputed
-    (step mode keeps no layer whole)."""
+    (step mode keeps no layer whole). `held` (block-major only): each layer's 4-bit weights
+    are dequantised once per pass for all micro-batches (`narrows.core.HeldWeights`)
+    instead of in each of the four layer passes of every micro-batch."""
     n = len(layer_bytes)
     whole = 0 if block_major else whole
     eager, c = layer_seconds(max(layer_bytes), s, rates)
@@ -489,7 +503,11 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     behind = micro_batches if block_major else 1  # micro-batches' compute one copy hides behind
     exposed = max(0.0, c - behind * f) + max(0.0, c - 3 * behind * f)
     copies = 1 if block_major else micro_batches
-    return micro_batches * (whole * 3 * eager + (n - whole) * 4 * f) + copies * (n - resident) * exposed
+    compute = micro_batches * (whole * 3 * eager + (n - whole) * 4 * f)
+    if block_major and held:  # four dequantisations per micro-batch become two per step
+        d = min(f, dequant_seconds(max(layer_bytes), s))
+        compute -= n * (4 * micro_batches - 2) * d
+    return compute + copies * (n - resident) * exposed
 
 
 def _choose(count: int, n: int, disk: Sequence[int]) -> tuple[int, ...]:

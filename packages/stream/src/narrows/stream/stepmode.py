@@ -41,12 +41,11 @@ from narrows.core import (
     HeldWeights,
     ambient_state,
     anatomy_of,
-    format_bytes,
-    held_bytes,
     measure_peaks,
     trainable_parameters,
 )
 
+from .accumulation import holds_weights, step_mode_reserve
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer
@@ -107,7 +106,12 @@ class StepTrainer:
     transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
     `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
     layer as soon as its gradients are complete (see `hostopt`): same result, less device
-    memory.
+    memory. `dequantize_once`: each layer's 4-bit weights are dequantised once for the
+    forward of all micro-batches and once for their backward, and held in a device buffer
+    the size of the largest layer's (`narrows.core.HeldWeights`: bitsandbytes' own
+    matmuls on the held copy, so the same bits); True, False, or "auto" (default): when
+    the plan reserved the room (``stream(..., reserve=step_mode_reserve(model))``) or
+    its budget has it to spare. ``held_choice`` says which and why.
 
     The result is `torch.equal` to resident sequential accumulation::
 
@@ -173,27 +177,14 @@ class StepTrainer:
         self.unpredictable: set[tuple] = set()
 
     def _held_weights(self, dequantize_once: bool | str) -> tuple[HeldWeights | None, str]:
-        """The buffer each layer's NF4 weights are dequantised into once per pass, and why
-        (or why not)."""
+        """The buffer each layer's 4-bit weights are dequantised into once per pass (or
+        None), and why."""
         if not (isinstance(dequantize_once, bool) or dequantize_once == "auto"):
             raise StreamSetupError(f"dequantize_once={dequantize_once!r}: use True, False or 'auto'")
-        need = max((held_bytes(layer) for layer in self.anat.layers), default=0)
-        if not dequantize_once:
-            return None, "off (dequantize_once=False)"
-        if not need:
-            return None, "off (no 4-bit weights to hold)"
-        plan = self.handle.plan
-        if dequantize_once == "auto":
-            if self.grad_accum < 2:
-                return None, "off (one micro-batch a step: each layer runs once per pass)"
-            if plan.budget is None:
-                return None, f"off (no budget: the smallest footprint; holding takes {format_bytes(need)})"
-            if plan.predicted_peak + need > plan.budget:
-                return None, (f"off (the plan's {format_bytes(plan.predicted_peak)} and the "
-                              f"{format_bytes(need)} it takes exceed the {format_bytes(plan.budget)} budget)")  # fmt: skip
-        return HeldWeights(self.anat.layers, self.device), (
-            f"on: each layer's 4-bit weights dequantised once per pass into {format_bytes(need)}"
+        hold, why = holds_weights(
+            self.handle.plan, step_mode_reserve(self.model), self.grad_accum, dequantize_once
         )
+        return (HeldWeights(self.anat.layers, self.device) if hold else None), why
 
     def _hold(self, layer: nn.Module) -> Any:
         return self.held.hold(layer) if self.held is not None else nullcontext()

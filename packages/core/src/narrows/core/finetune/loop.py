@@ -64,6 +64,13 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                                                  scale_loss=False, offload_optimizer=cfg.offload_optimizer)  # fmt: skip
         except narrows.stream.StreamSetupError as e:
             stepper = _sequential_instead(cfg, model, e)
+        else:
+            if ranks.main:
+                print(
+                    f"narrows: step mode: held 4-bit weights {stepper.held_choice}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     t_train = time.perf_counter()
     try:
         while progress.step < cfg.steps:
