@@ -135,6 +135,8 @@ def main() -> None:
                 "eval_loss_after": summary["eval_loss_after"], "setup_s": summary["setup_s"], "wall_s": wall,
                 **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
                 "accumulation": summary.get("stream", {}).get("accumulation"), "grad_accum": args.grad_accum,
+                "held": next((line.split("held 4-bit weights ", 1)[1] for line in r.stderr.splitlines()
+                              if "held 4-bit weights " in line), None),  # step mode's dequantised weights
             })  # fmt: skip
             print(f"--gpu-budget {mode} packing {packing}: {rows[-1]}", flush=True)
 

@@ -170,8 +170,13 @@ def run_one(args: argparse.Namespace) -> dict:
 
     g = args.grad_accum
     trainer = (
-        ns.StepTrainer(model, opt, grad_accum=g, offload_optimizer="hostopt" in parts,
-                       dequantize_once=True if "held" in parts else False if "noheld" in parts else "auto")
+        ns.StepTrainer(
+            model,
+            opt,
+            grad_accum=g,
+            offload_optimizer="hostopt" in parts,
+            dequantize_once=True if "held" in parts else False if "noheld" in parts else "auto",
+        )
         if mode.startswith("step")
         else None
     )

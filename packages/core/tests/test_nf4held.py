@@ -130,8 +130,9 @@ def test_real_shapes_on_cuda_are_bit_identical(tokens):
         return y.detach(), x.grad.clone()
 
     ref = run()
-    held = HeldWeights([layer], "cuda")
-    with held.hold(layer):
+    held = HeldWeights([layer], "cuda")  # the current device, whose index the weights carry
+    with held.hold(layer) as n:
+        assert n == 1
         got = run()
         held.buffer.zero_()
         zeroed = run()

@@ -145,7 +145,10 @@ class HeldWeights:
     the largest of `layers` (see the module doc)."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device | str):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current one, as tensors say it
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.nbytes = max((held_bytes(layer) for layer in layers), default=0)
         self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device) if self.nbytes else None
 
