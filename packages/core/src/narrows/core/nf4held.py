@@ -50,6 +50,7 @@ def _eligible(module: nn.Module) -> bool:
     return (
         qs is not None
         and len(qs.shape) == 2
+        and (not qs.nested or qs.state2.blocksize == 256)  # what bitsandbytes' matmul accepts
         and not getattr(qs, "packing_format_for_cpu", False)
         and hasattr(torch.ops.bitsandbytes, "gemm_4bit")
     )
@@ -167,7 +168,7 @@ class HeldWeights:
         import bitsandbytes
         from bitsandbytes.functional import dequantize_4bit
 
-        offset = 0
+        held, offset = {}, 0
         for m in linears:
             qs = m.weight.quant_state
             n = _size(m)
@@ -182,14 +183,20 @@ class HeldWeights:
                 dequantize_4bit(packed, qs, out=view)
             else:  # the CPU registers no out= variant
                 view.copy_(dequantize_4bit(packed, qs))
-            _held[id(m.weight)] = view
+            held[id(m.weight)] = view
             offset += n
+        # bitsandbytes writes through a pointer, which autograd does not see: a backward saved
+        # over the previous contents must raise, not read these
+        torch.autograd.graph.increment_version(self.buffer)
+        _held.update(held)
         _token[id(layer)] = self.buffer.data_ptr()
-        _original, bitsandbytes.matmul_4bit = bitsandbytes.matmul_4bit, _matmul_4bit
+        original = _original = bitsandbytes.matmul_4bit
+        bitsandbytes.matmul_4bit = _matmul_4bit
         try:
             yield len(linears)
         finally:
-            bitsandbytes.matmul_4bit = _original
-            _original = None
+            if bitsandbytes.matmul_4bit is _matmul_4bit:  # leave anyone else's patch alone
+                bitsandbytes.matmul_4bit = original
+            torch.autograd.graph.increment_version(self.buffer)  # nothing saved while held outlives it
             _token.clear()
             _held.clear()

@@ -55,7 +55,7 @@ def holds_weights(
         if plan.reserved_bytes < need:
             if plan.budget is None:
                 return False, f"off (no budget: the smallest footprint; holding takes {format_bytes(need)})"
-            if plan.predicted_peak + need > plan.budget:
+            if plan.predicted_peak - plan.reserved_bytes + need > plan.budget:
                 return False, (f"off (the plan's {format_bytes(plan.predicted_peak)} and the {format_bytes(need)} "
                                f"it takes exceed the {format_bytes(plan.budget)} budget; stream with "
                                "reserve=step_mode_reserve(model) to make room)")  # fmt: skip

@@ -217,7 +217,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
     """What `stream` would do with this budget, without moving anything (`rates`: what
     the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
     `stream`'s, whose pool the budget then holds; `reserve`: as `stream`'s)."""
-    if not isinstance(reserve, int) or reserve < 0:
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
         raise StreamSetupError(f"reserve={reserve!r}: give a number of bytes ≥ 0")
     tile = _check_layer_options(offload, seq_tile, recompute)
     _check_graphs(graphs)

@@ -495,7 +495,7 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     step, each copy behind the compute of every micro-batch, and every layer recomputed
     (step mode keeps no layer whole). `held` (block-major only): each layer's 4-bit weights
     are dequantised once per pass for all micro-batches (`narrows.core.HeldWeights`)
-    instead of in each of the four layer passes of every micro-batch."""
+    instead of three times per micro-batch (forward, recompute, input gradient)."""
     n = len(layer_bytes)
     whole = 0 if block_major else whole
     eager, c = layer_seconds(max(layer_bytes), s, rates)
@@ -504,9 +504,9 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     exposed = max(0.0, c - behind * f) + max(0.0, c - 3 * behind * f)
     copies = 1 if block_major else micro_batches
     compute = micro_batches * (whole * 3 * eager + (n - whole) * 4 * f)
-    if block_major and held:  # four dequantisations per micro-batch become two per step
+    if block_major and held:  # three per micro-batch (forward, recompute, input gradient) become two a step
         d = min(f, dequant_seconds(max(layer_bytes), s))
-        compute -= n * (4 * micro_batches - 2) * d
+        compute -= n * (3 * micro_batches - 2) * d
     return compute + copies * (n - resident) * exposed
 
 

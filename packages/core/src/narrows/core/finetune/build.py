@@ -158,7 +158,6 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
 
         _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
-        # room for step mode's held 4-bit weights, wherever step mode may run
         kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile,
                   graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
         # room for step mode's held 4-bit weights, wherever step mode may run: something streams
