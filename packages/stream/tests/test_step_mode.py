@@ -277,25 +277,17 @@ def test_a_wrong_held_copy_changes_training(monkeypatch):
         assert_identical(resident(dropout=0.0, base="nf4"), got)
 
 
+@pytest.mark.bnb
 def test_dequantize_once_auto_needs_room_in_the_budget():
     """ "auto" holds only with a budget that has room over the plan; bad values are refused."""
-    model = build(dropout=0.0, base="nf4") if _has_bnb() else None
-    if model is None:
-        pytest.skip("needs bitsandbytes")
+    pytest.importorskip("bitsandbytes")
+    model = build(dropout=0.0, base="nf4")
     ns.stream(model, device="cpu", offload="off")
     opt = _optimizer([p for p in model.parameters() if p.requires_grad])
     trainer = ns.StepTrainer(model, opt, grad_accum=G)
     assert trainer.held is None and "no budget" in trainer.held_choice
     with pytest.raises(StreamSetupError, match="dequantize_once"):
         ns.StepTrainer(model, opt, grad_accum=G, dequantize_once="yes")
-
-
-def _has_bnb() -> bool:
-    try:
-        import bitsandbytes  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @pytest.mark.parametrize("g", [1, 2, 4])

@@ -40,7 +40,7 @@ __all__ = ["HeldWeights", "held_bytes", "held_token", "held_weight"]
 _ALIGN = 512  # bytes: where the caching allocator starts every block
 _held: dict[int, Tensor] = {}  # id(Params4bit) → its dequantised copy, while held
 _token: dict[int, int] = {}  # id(layer) → the buffer's address, while held
-_original = None  # bitsandbytes.matmul_4bit, while any layer is held
+_original = None  # bitsandbytes.matmul_4bit as the last hold found it (what unheld calls go to)
 
 
 def _eligible(module: nn.Module) -> bool:
@@ -62,7 +62,7 @@ def _linears(layer: nn.Module) -> list[nn.Module]:
 
 def _size(module: nn.Module) -> int:
     qs = module.weight.quant_state
-    n = int(qs.shape[0]) * int(qs.shape[1]) * torch.empty((), dtype=qs.dtype).element_size()
+    n = int(qs.shape[0]) * int(qs.shape[1]) * qs.dtype.itemsize
     return -(-n // _ALIGN) * _ALIGN
 
 
