@@ -15,6 +15,7 @@ whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=Tru
 graphs="auto"; without either suffix graphs=False; the library defaults to "auto"), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
 "-hostopt": AdamW state in host memory, each layer updated when its gradients are complete;
+"-hostadapters": that and the adapter parameters in host memory too (offload_adapters=True);
 "-held": each layer's NF4 weights dequantised once per pass, dequantize_once=True, "-noheld"
 False, neither: the library's "auto");
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
@@ -174,7 +175,8 @@ def run_one(args: argparse.Namespace) -> dict:
             model,
             opt,
             grad_accum=g,
-            offload_optimizer="hostopt" in parts,
+            offload_optimizer="hostopt" in parts or "hostadapters" in parts,
+            offload_adapters="hostadapters" in parts,
             dequantize_once=True if "held" in parts else False if "noheld" in parts else "auto",
         )
         if mode.startswith("step")
@@ -207,9 +209,10 @@ def run_one(args: argparse.Namespace) -> dict:
     for _ in range(args.warmup):
         step()
 
-    def moved_h2d() -> int:  # weights, the streamed head and the saved inputs brought back
+    def moved_h2d() -> int:  # weights, the streamed head, the saved inputs brought back, adapters
         stats = model.narrows_stream.stats
-        return stats.bytes_h2d + stats.act_h2d
+        adapters = trainer.adapters.bytes_h2d if trainer is not None and trainer.adapters is not None else 0
+        return stats.bytes_h2d + stats.act_h2d + adapters
 
     loads0 = moved_h2d() if plan else 0
     if args.trace and cuda:

@@ -13,11 +13,12 @@ from test_step_mode import STEPS, _batches, _optimizer, _record, _scheduler, res
 import narrows.stream as ns
 from narrows.stream.errors import StreamSetupError
 from narrows.stream.hostopt import HostOptimizer
+from narrows.stream.hostparams import HostAdapters
 
 G = 3
 
 
-def _trainer(clip, dropout, optimizer=_optimizer, device="cpu", **stream_kwargs):
+def _trainer(clip, dropout, optimizer=_optimizer, device="cpu", adapters=False, **stream_kwargs):
     model = build("llama", dropout=dropout)
     torch.manual_seed(0)
     stream_kwargs.setdefault("offload", "off")
@@ -25,12 +26,15 @@ def _trainer(clip, dropout, optimizer=_optimizer, device="cpu", **stream_kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(params)
     trainer = ns.StepTrainer(model, opt, grad_accum=G, max_grad_norm=clip, scheduler=_scheduler(opt),
-                             offload_optimizer=True)  # fmt: skip
+                             offload_optimizer=True, offload_adapters=adapters)  # fmt: skip
     return model, params, opt, trainer
 
 
-def hosted(clip=0.5, dropout=0.05, steps=range(STEPS), trainer=None, device="cpu", **stream_kwargs):
-    _, params, opt, trainer = trainer or _trainer(clip, dropout, device=device, **stream_kwargs)
+def hosted(clip=0.5, dropout=0.05, steps=range(STEPS), trainer=None, device="cpu", adapters=False,
+           **stream_kwargs):  # fmt: skip
+    _, params, opt, trainer = trainer or _trainer(
+        clip, dropout, device=device, adapters=adapters, **stream_kwargs
+    )
     stats = [trainer.step(_batches(step, G)) for step in steps]
     return trainer, stats, _record(params, opt, [])  # losses: compared through the weights
 
@@ -100,10 +104,12 @@ def test_clipping_needs_every_gradient_first(monkeypatch):
         assert_identical(_reference(0.5, 0.0), got)
 
 
-def test_resume_from_a_checkpoint_is_exact():
+@pytest.mark.parametrize("adapters", [False, True])
+def test_resume_from_a_checkpoint_is_exact(adapters):
     """Stop after two steps, keep adapters, optimizer, scheduler and RNG state; a fresh
-    model and trainer that load them end the third step where an uninterrupted run does."""
-    trainer, _, _ = hosted(steps=range(2))
+    model and trainer that load them end the third step where an uninterrupted run does
+    (with the adapters in host memory too: the load writes into their host buffers)."""
+    trainer, _, _ = hosted(steps=range(2), adapters=adapters)
     params = trainer.params
     saved = {
         "weights": [p.detach().clone() for p in params],
@@ -111,7 +117,7 @@ def test_resume_from_a_checkpoint_is_exact():
         "scheduler": trainer.scheduler.state_dict(),
         "rng": torch.get_rng_state(),
     }
-    fresh = _trainer(0.5, 0.05)
+    fresh = _trainer(0.5, 0.05, adapters=adapters)
     _, params2, opt2, trainer2 = fresh
     with torch.no_grad():
         for p, w in zip(params2, saved["weights"]):
@@ -134,6 +140,83 @@ def test_an_optimizer_that_reads_more_than_its_parameter_is_refused():
         _trainer(None, 0.0, optimizer=lambda ps: torch.optim.LBFGS(ps))
 
 
+# ---- adapter parameters in host memory too (offload_adapters=True) ----------------------
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_adapters_in_host_memory_are_identical_to_resident(clip):
+    """Between steps every adapter parameter's values are its host buffer; training is
+    `torch.equal` to the resident reference (dropout: the first step runs sequentially
+    with every layer's adapters brought, the others block-major)."""
+    trainer, stats, got = hosted(clip=clip, adapters=True)
+    assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+    assert_identical(_reference(clip, 0.05), got)
+    assert all(trainer.adapters.is_home(p) for ps in trainer.layer_params for p in ps)
+    assert trainer.adapters.bytes_d2h > 0
+
+
+def _off_home_while_each_layer_runs(trainer):
+    """For each call of a layer's MLP: the layers whose adapters are not in host memory."""
+    seen = []
+    for i, layer in enumerate(trainer.anat.layers):
+
+        def hook(module, args, i=i):
+            seen.append((i, {j for j, ps in enumerate(trainer.layer_params)
+                             if any(not trainer.adapters.is_home(p) for p in ps)}))  # fmt: skip
+
+        layer.mlp.register_forward_pre_hook(hook)
+    return seen
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_one_layer_of_adapters_on_the_device_at_a_time(clip):
+    """Block-major, the device holds only the running layer's adapters, in the forward
+    and in the backward's recompute. Catches a `bring` that never copies (none would be
+    off home) or a `park` that is skipped (earlier layers would stay)."""
+    model, params, opt, trainer = _trainer(clip, 0.0, adapters=True)
+    seen = _off_home_while_each_layer_runs(trainer)
+    _, stats, got = hosted(clip=clip, dropout=0.0, trainer=(model, params, opt, trainer))
+    assert [s.mode for s in stats] == ["block-major"] * STEPS
+    assert seen and all(off == {i} for i, off in seen)
+    assert_identical(_reference(clip, 0.0), got)
+
+
+def test_updated_adapters_must_reach_host_memory(monkeypatch):
+    """Fault injection: parking an updated layer without copying its new values back
+    loses the update, which changes training."""
+    real = HostAdapters.park
+    monkeypatch.setattr(HostAdapters, "park", lambda self, params, changed: real(self, params, False))
+    _, _, got = hosted(clip=None, dropout=0.0, adapters=True)
+    with pytest.raises(AssertionError):
+        assert_identical(_reference(None, 0.0), got)
+
+
+def test_adapters_to_device_for_evaluation_then_training_goes_on():
+    """After `adapters_to_device()` the model runs with every adapter on the device; the
+    next step takes them back to host memory and training is unchanged."""
+    model, params, opt, trainer = _trainer(0.5, 0.05, adapters=True)
+    hosted(steps=range(2), trainer=(model, params, opt, trainer))
+    trainer.adapters_to_device()
+    assert not any(trainer.adapters.is_home(p) for p in params)
+    model.eval()
+    with torch.no_grad():
+        model(**_batches(0, 1)[0])
+    _, _, got = hosted(steps=[2], trainer=(model, params, opt, trainer))
+    assert all(trainer.adapters.is_home(p) for p in params)
+    assert_identical(_reference(0.5, 0.05), got)
+
+
+def test_offload_adapters_refusals():
+    with pytest.raises(StreamSetupError, match="offload_optimizer=True"):
+        model = build("llama")
+        ns.stream(model, device="cpu")
+        ns.StepTrainer(model, _optimizer, grad_accum=G, offload_adapters=True)
+    with pytest.raises(StreamSetupError, match="graphs=False"):
+        _trainer(None, 0.0, adapters=True, graphs=True)
+    with pytest.raises(StreamSetupError, match="True or False"):
+        model = build("llama")
+        ns.stream(model, device="cpu")
+        ns.StepTrainer(model, _optimizer, grad_accum=G, offload_optimizer=True, offload_adapters="yes")
+
+
 @pytest.mark.gpu
 def test_host_optimizer_on_cuda():
     """On the GPU: the state between steps is in pinned host memory, every gradient and
@@ -152,3 +235,7 @@ def test_host_optimizer_on_cuda():
         assert_identical(_reference(clip, 0.05, device="cuda"), got)
         for st in trainer.optimizer.state.values():
             assert st["exp_avg"].device.type == "cpu" and st["exp_avg"].is_pinned()
+        trainer, stats, got = hosted(clip=clip, device="cuda", offload="all", adapters=True)
+        assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+        assert_identical(_reference(clip, 0.05, device="cuda"), got)
+        assert all(p.device.type == "cpu" and p.is_pinned() for ps in trainer.layer_params for p in ps)

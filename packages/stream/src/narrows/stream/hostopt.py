@@ -21,8 +21,10 @@ stacked in its order (grouped by device and dtype, then parameter order) — and
 layer is brought back, scaled by `clip_grads_with_norm_` and stepped: a second, small
 pass over the adapters alone.
 
-Parameters stay on the device (every micro-batch's forward and backward reads them);
-optimizer state between steps is in host memory, where `optimizer.state_dict()` finds it
+Parameters stay on the device (every micro-batch's forward and backward reads them)
+unless `adapters` keeps them in host memory too (`hostparams`): then each update brings
+its layer's parameters to the device and sends them back updated. Optimizer state
+between steps is in host memory, where `optimizer.state_dict()` finds it
 for a checkpoint. A state loaded onto the device (`load_state_dict` moves it there) goes
 back to host memory at the next step.
 """
@@ -36,6 +38,7 @@ from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from .errors import StreamSetupError
+from .hostparams import HostAdapters
 
 __all__ = ["SUPPORTED", "HostOptimizer"]
 
@@ -82,6 +85,7 @@ class HostOptimizer:
         self._norms: dict[int, Tensor] = {}  # id(param) → its gradient's norm, this step
         self._waiting: dict[int, Tensor] = {}  # id(param) → its gradient, set aside until the end
         self.updates = 0  # optimizer.step() calls, for the report and tests
+        self.adapters: HostAdapters | None = None  # where the parameters wait, when not on the device
 
     # ---- state between host and device ------------------------------------------------
     def _per_element(self, p: Tensor) -> list[str]:
@@ -124,6 +128,8 @@ class HostOptimizer:
             self._norms[id(p)] = n
             self._waiting[id(p)] = p.grad.to("cpu", non_blocking=self.pin) if self.pin else p.grad
             p.grad = None
+        if self.adapters is not None:  # their values are unchanged until the update
+            self.adapters.park(params, changed=False)
 
     def finish(self, groups: Sequence[Sequence[Tensor]]) -> float | None:
         """The rest of the step: every gradient still on a parameter (sequential order) or
@@ -139,6 +145,8 @@ class HostOptimizer:
             params = [p for p in group if id(p) in self._waiting]
             if not params:
                 continue
+            if self.adapters is not None:
+                self.adapters.bring(params)
             for p in params:
                 p.grad = self._waiting.pop(id(p)).to(p.device, non_blocking=self.pin)
             if total is not None:
@@ -162,9 +170,13 @@ class HostOptimizer:
 
     def _update(self, params: list[Tensor]) -> None:
         """optimizer.step() with only `params` holding gradients, their state on the device."""
+        if self.adapters is not None:
+            self.adapters.bring(params)
         self._to_device(params)
         self.optimizer.step()
         self.updates += 1
         self.to_host(params)
         for p in params:
             p.grad = None
+        if self.adapters is not None:
+            self.adapters.park(params, changed=True)

@@ -49,6 +49,7 @@ from .accumulation import holds_weights, step_mode_reserve
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer
+from .hostparams import HostAdapters
 from .offload import ActivationOffload, Offloaded
 from .remat import layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
@@ -106,7 +107,11 @@ class StepTrainer:
     transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
     `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
     layer as soon as its gradients are complete (see `hostopt`): same result, less device
-    memory. `dequantize_once`: each layer's 4-bit weights are dequantised once for the
+    memory. `offload_adapters=True` (with `offload_optimizer=True`, eager layers) keeps
+    the adapter parameters there too: each layer's come to the device for its forward and
+    for its backward and update, one layer at a time (see `hostparams`); between steps
+    ``.data`` is the host buffer (`adapters_to_device()` puts them back for evaluation).
+    `dequantize_once`: each layer's 4-bit weights are dequantised once for the
     forward of all micro-batches and once for their backward, and held in a device buffer
     the size of the largest layer's (`narrows.core.HeldWeights`: bitsandbytes' own
     matmuls on the held copy, so the same bits); True, False, or "auto" (default): when
@@ -122,7 +127,8 @@ class StepTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
                  grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
                  loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
-                 offload_optimizer: bool = False, dequantize_once: bool | str = "auto",
+                 offload_optimizer: bool = False, offload_adapters: bool = False,
+                 dequantize_once: bool | str = "auto",
                  **stream_kwargs: Any):  # fmt: skip
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
@@ -172,9 +178,37 @@ class StepTrainer:
             if offload_optimizer
             else None
         )
+        self.adapters = self._host_adapters(offload_adapters)
         self.held, self.held_choice = self._held_weights(dequantize_once)
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
+
+    def _host_adapters(self, offload_adapters: bool) -> HostAdapters | None:
+        if not isinstance(offload_adapters, bool):
+            raise StreamSetupError(f"offload_adapters={offload_adapters!r}: use True or False")
+        if not offload_adapters:
+            return None
+        if self.host_optimizer is None:
+            raise StreamSetupError(
+                "offload_adapters=True sends each layer's adapters back to host memory right after the layer's "
+                "optimizer update, which runs inside the step only with offload_optimizer=True: pass both"
+            )
+        if self.handle.graphs is not None:
+            raise StreamSetupError(
+                "offload_adapters=True gives each layer's adapters a new device copy at every use, and a CUDA "
+                "graph replays the addresses it captured: stream with graphs=False, or keep the adapters on the "
+                "device (offload_adapters=False)"
+            )
+        adapters = HostAdapters([p for params in self.layer_params for p in params], self.device)
+        self.host_optimizer.adapters = adapters
+        return adapters
+
+    def adapters_to_device(self) -> None:
+        """Every adapter parameter back on the device (after training, to evaluate or
+        generate); the next step returns them to host memory. A no-op without
+        `offload_adapters`."""
+        if self.adapters is not None:
+            self.adapters.bring(self.adapters.params)
 
     def _held_weights(self, dequantize_once: bool | str) -> tuple[HeldWeights | None, str]:
         """The buffer each layer's 4-bit weights are dequantised into once per pass (or
@@ -198,10 +232,12 @@ class StepTrainer:
         if len(batches) != self.grad_accum:
             raise ValueError(f"step() takes {self.grad_accum} micro-batches (grad_accum), got {len(batches)}")
         t0 = time.perf_counter()
-        h2d = self.engine.stats.bytes_h2d
+        h2d = self.engine.stats.bytes_h2d + self._adapter_bytes()
         with measure_peaks(self.device) as peaks:
             if self.host_optimizer is not None:
                 self.host_optimizer.to_host(self.params)  # a state loaded onto the device
+            if self.adapters is not None:
+                self.adapters.rehome()  # parameters loaded, moved or replaced since the last step
             mode, losses = self.accumulate(batches, seeds=seeds)
             if self.host_optimizer is not None:  # what the backward has not updated yet
                 grad_norm = self.host_optimizer.finish([*self.layer_params, self.other_params])
@@ -210,6 +246,8 @@ class StepTrainer:
                 if self.max_grad_norm is not None:
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
                 self.optimizer.step()
+            if self.adapters is not None:  # those without a gradient, never updated
+                self.adapters.park(self.adapters.params, changed=False)
             if self.scheduler is not None:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -220,7 +258,10 @@ class StepTrainer:
         return StepStats(loss=sum(values) / len(values), losses=values, grad_norm=grad_norm, mode=mode,
                          micro_batches=len(batches), tokens=tokens, seconds=time.perf_counter() - t0,
                          peak_allocated=getattr(peaks, "cuda_allocated", None),
-                         bytes_h2d=self.engine.stats.bytes_h2d - h2d)  # fmt: skip
+                         bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d)  # fmt: skip
+
+    def _adapter_bytes(self) -> int:
+        return 0 if self.adapters is None else self.adapters.bytes_h2d
 
     def accumulate(
         self,
@@ -312,6 +353,8 @@ class StepTrainer:
         losses = []
         # block-major can follow, once it knows each shape's draws
         learn = len(batches) > 1 and bool(self.handle.plan.streamed) and seeds is None
+        if self.adapters is not None:  # the whole model runs: every layer's adapters on the device
+            self.adapters.bring(self.adapters.params)
         for k, (batch, sig) in enumerate(zip(batches, sigs)):
             if seeds is not None:
                 torch.manual_seed(seeds[k])
@@ -414,6 +457,7 @@ class StepTrainer:
         # forward: layer by layer, every micro-batch through it
         for i, layer in enumerate(layers):
             fn = layer_original(layer)
+            self._bring(self.layer_params[i])
             with self.engine.using(i, then=i + 1), self._hold(layer), torch.enable_grad():
                 for micro in micros:
                     restore(micro.states[i])
@@ -426,6 +470,7 @@ class StepTrainer:
                         micro.saved.append(out)
                     else:
                         micro.out = out
+            self._park(self.layer_params[i])
 
         # the loss of each micro-batch, in order; it leaves the generator where the next begins
         losses, ends = [], []
@@ -439,6 +484,7 @@ class StepTrainer:
         # backward: layer by layer from the last, micro-batches in order within each
         for i in reversed(range(n)):
             fn, params = layer_original(layers[i]), self.layer_params[i]
+            self._bring(params)
             with self.engine.using(i, then=i - 1), self._hold(layers[i]):
                 for k, micro in enumerate(micros):
                     self._prefetch_next_input(micros, i, k)
@@ -456,7 +502,16 @@ class StepTrainer:
                             p.grad += g
             if self.host_optimizer is not None:  # layer i's gradients are complete
                 self.host_optimizer.ready(params + (self.other_params if i == n - 1 else ()))
+            self._park(params)  # updated and parked already, or (no gradient) unchanged
         return ends, losses
+
+    def _bring(self, params: Sequence[Tensor]) -> None:
+        if self.adapters is not None:
+            self.adapters.bring(params)
+
+    def _park(self, params: Sequence[Tensor]) -> None:
+        if self.adapters is not None:
+            self.adapters.park(params, changed=False)
 
     def _forward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro) -> Tensor:
         graphs, args, kwargs = self.handle.graphs, micro.args[i], micro.kwargs[i]

@@ -159,7 +159,7 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
         kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile,
-                  graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
+                  graphs=False if cfg.offload_adapters else "auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
         # room for step mode's held 4-bit weights, wherever step mode may run: something streams
         maybe_step = cfg.grad_accum > 1 and cfg.step_mode is not False and device.type == "cuda"
         reserve = 0
@@ -176,7 +176,7 @@ def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) 
     if cfg.gpu_budget == "off":
         return False, ""
     if cfg.step_mode is not None:  # given, or the settings a resumed run started with
-        return cfg.step_mode, ("block-major (asked for: --step-mode or --offload-optimizer)" if cfg.step_mode
+        return cfg.step_mode, ("block-major (asked for: --step-mode, --offload-optimizer or --offload-adapters)" if cfg.step_mode
                                else "sequential (step mode off: --no-step-mode, or the settings this run started with)")  # fmt: skip
     if cfg.grad_accum < 2:
         return False, ""

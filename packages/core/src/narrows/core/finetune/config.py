@@ -37,6 +37,7 @@ RESUMABLE = {
     "step_mode": "the order the step's layers and micro-batches run in; the numbers trained are the same",
     "cuda_graphs": "how the layers' kernels are launched; the numbers trained are the same",
     "offload_optimizer": "where the optimizer state waits between steps; the numbers trained are the same",
+    "offload_adapters": "where the adapters wait between steps; the numbers trained are the same",
 }
 
 
@@ -75,6 +76,7 @@ class FinetuneConfig:
     # the layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
     cuda_graphs: bool | None = None
     offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
+    offload_adapters: bool = False  # and the adapters too (implies offload_optimizer; layers run eagerly)
     lr: float = 5e-4
     warmup: int | None = None  # None: 5% of the steps
     seed: int = 0
@@ -163,14 +165,21 @@ class FinetuneConfig:
                 "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
             )
         for flag, on in (("step-mode", self.step_mode), ("offload-optimizer", self.offload_optimizer),
-                         ("cuda-graphs", self.cuda_graphs)):  # fmt: skip
+                         ("offload-adapters", self.offload_adapters), ("cuda-graphs", self.cuda_graphs)):  # fmt: skip
             if on and self.gpu_budget == "off":
                 raise NarrowsError(f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
                                    f"(e.g. --gpu-budget 12GiB), or drop --{flag}")  # fmt: skip
         flag = "--step-mode"
+        hosted = "--offload-adapters" if self.offload_adapters else "--offload-optimizer"
+        if self.offload_adapters:
+            if self.cuda_graphs:
+                raise NarrowsError("--offload-adapters gives each layer's adapters a new device copy at every use, "
+                                   "and a CUDA graph replays the addresses it captured: drop --cuda-graphs, or "
+                                   "--offload-adapters")  # fmt: skip
+            self.offload_optimizer = True  # each layer's adapters go back to host memory after its update
         if self.offload_optimizer and self.step_mode is None:
             self.step_mode = True  # the optimizer state waits in host memory between a step's layer updates
-            flag = "--offload-optimizer (which runs in step mode)"
+            flag = f"{hosted} (which runs in step mode)"
         if self.step_mode and self.world_size > 1:
             raise NarrowsError(
                 f"{flag} is not supported on several ranks yet (this run has {self.world_size}): step mode writes "
@@ -178,9 +187,9 @@ class FinetuneConfig:
                 "or run it in one process"
             )
         if self.offload_optimizer and self.step_mode is False:
-            raise NarrowsError("--offload-optimizer updates each layer inside a step-mode step, and step mode is off "
+            raise NarrowsError(f"{hosted} updates each layer inside a step-mode step, and step mode is off "
                                "(--no-step-mode, or the settings a resumed run started with): add --step-mode, or "
-                               "drop --offload-optimizer")  # fmt: skip
+                               f"drop {hosted}")  # fmt: skip
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)

@@ -61,16 +61,17 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
 
         try:  # the loss is already normalised over the step's tokens (num_items_in_batch)
             stepper = narrows.stream.StepTrainer(model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler,
-                                                 scale_loss=False, offload_optimizer=cfg.offload_optimizer)  # fmt: skip
+                                                 scale_loss=False, offload_optimizer=cfg.offload_optimizer,
+                                                 offload_adapters=cfg.offload_adapters)  # fmt: skip
         except narrows.stream.StreamSetupError as e:
             stepper = _sequential_instead(cfg, model, e)
         else:
             if ranks.main:
-                print(
-                    f"narrows: step mode: held 4-bit weights {stepper.held_choice}",
-                    file=sys.stderr,
-                    flush=True,
+                hosted = (
+                    "; adapters and optimizer state in host memory between uses" if stepper.adapters else ""
                 )
+                print(f"narrows: step mode: held 4-bit weights {stepper.held_choice}{hosted}", file=sys.stderr,
+                      flush=True)  # fmt: skip
     t_train = time.perf_counter()
     try:
         while progress.step < cfg.steps:
@@ -125,6 +126,8 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
+            if step == cfg.steps and stepper is not None:
+                stepper.adapters_to_device()  # kept in host memory between steps: the evaluations need them
             if step == cfg.steps and evals:
                 row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
