@@ -14,7 +14,8 @@ at equal tokens; tokens/s counts real tokens (no padding) over the steps after t
     python benchmarks/finetune_shapes.py --config qwen2.5-7b --tokenizer DIR --modes off,fit,6GiB --steps 20
 
 A mode's suffixes: "-eager" (e.g. 6GiB-eager) runs with --no-cuda-graphs, "-seq" with
---no-step-mode (sequential accumulation), "-step" with --step-mode; without them narrows
+--no-step-mode (sequential accumulation), "-step" with --step-mode, "-adapters" with
+--offload-adapters (adapters and optimizer state in host memory); without them narrows
 chooses, as the job does by default (the summary's reason is in the JSON).
 """
 
@@ -105,7 +106,8 @@ def main() -> None:
             out = work / f"run-{mode}-{'packed' if packing else 'padded'}"
             shutil.rmtree(out, ignore_errors=True)  # a fresh run, not the one an earlier invocation left
             budget, *suffixes = mode.split("-")
-            flags = {"eager": "--no-cuda-graphs", "seq": "--no-step-mode", "step": "--step-mode"}
+            flags = {"eager": "--no-cuda-graphs", "seq": "--no-step-mode", "step": "--step-mode",
+                     "adapters": "--offload-adapters"}  # fmt: skip
             cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
                    "--eval-data", str(held_out), "--eval-rows", "32", "--quant", "nf4", "--gpu-budget", budget,
                    "--steps", str(steps[packing]), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
@@ -135,6 +137,7 @@ def main() -> None:
                 "eval_loss_after": summary["eval_loss_after"], "setup_s": summary["setup_s"], "wall_s": wall,
                 **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
                 "accumulation": summary.get("stream", {}).get("accumulation"), "grad_accum": args.grad_accum,
+                "predicted_peak": summary.get("stream", {}).get("predicted_peak"),
                 "held": next((line.split("held 4-bit weights ", 1)[1] for line in r.stderr.splitlines()
                               if "held 4-bit weights " in line), None),  # step mode's dequantised weights
             })  # fmt: skip

@@ -144,7 +144,8 @@ def run_one(args: argparse.Namespace) -> dict:
         ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
                   recompute="all" if "recompute" in parts else "auto",
-                  graphs=True if "graphs" in parts else "auto" if "auto" in parts else False)  # fmt: skip
+                  graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
+                  host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none")  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     elif mode.startswith(("fsdp", "deepspeed")):

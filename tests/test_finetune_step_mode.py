@@ -144,6 +144,21 @@ def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
     assert_same(result(tmp_path, "whole"), result(tmp_path, "cut"))
 
 
+def test_offloaded_state_leaves_the_budget(tmp_path, capsys):
+    """A budget below the minimum with every adapter's state on the GPU is refused with
+    the offload as a way out, and trains with --offload-optimizer or --offload-adapters
+    (the plan leaves what waits in host memory out), the same numbers as the resident loop."""
+    small = "1000KiB"
+    assert run(tmp_path, "full", "--gpu-budget", small) == 2
+    assert "--offload-adapters" in capsys.readouterr().err
+    assert run(tmp_path, "resident") == 0
+    for flag in ("--offload-optimizer", "--offload-adapters"):
+        assert run(tmp_path, flag, "--gpu-budget", small, flag) == 0
+        assert_same(result(tmp_path, "resident"), result(tmp_path, flag))
+    plan = json.loads((tmp_path / "--offload-adapters" / "summary.json").read_text())["stream"]
+    assert plan["predicted_peak"] <= 1000 * 1024
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -163,6 +178,7 @@ def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
             ["--gpu-budget", BUDGET, "--offload-adapters", "--cuda-graphs"],
             "drop --cuda-graphs, or --offload-adapters",
         ),
+        (["--gpu-budget", BUDGET, "--offload-adapters", "--grad-accum", "1"], "add --grad-accum N (N ≥ 2)"),
     ],
 )
 def test_bad_step_mode_flags_are_refused_before_loading(tmp_path, capsys, flags, message):

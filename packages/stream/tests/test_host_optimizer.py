@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import assert_identical, build
-from test_step_mode import STEPS, _batches, _optimizer, _record, _scheduler, resident
+from test_step_mode import STEPS, _batches, _optimizer, _record, _scheduler, _seed, resident
 
 import narrows.stream as ns
 from narrows.stream.errors import StreamSetupError
@@ -239,3 +239,77 @@ def test_host_optimizer_on_cuda():
         assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
         assert_identical(_reference(clip, 0.05, device="cuda"), got)
         assert all(p.device.type == "cpu" and p.is_pinned() for ps in trainer.layer_params for p in ps)
+
+
+# ---- the plan leaves out of the budget what waits in host memory (host_state) -------------
+def _least_budget(model, **kw) -> int:
+    """The smallest budget the planner accepts (bisected)."""
+    lo, hi = 0, ns.plan(model, None, device="cpu", **kw).predicted_peak * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            ns.plan(model, mid, device="cpu", **kw)
+            hi = mid
+        except ns.BudgetTooSmallError:
+            lo = mid
+    return hi
+
+
+def test_host_state_takes_the_training_state_out_of_the_fixed_cost():
+    """Against the model's own parameter counts: "optimizer" keeps one layer's AdamW
+    state (8 bytes a parameter), "adapters" one layer's parameters, gradients and state."""
+    model = build("llama")
+    layers = [
+        [p for p in layer.parameters() if p.requires_grad] for layer in model.base_model.model.model.layers
+    ]
+    size = [sum(p.numel() for p in ps) for ps in layers]  # fp32 parameters: 4 bytes each
+    fixed = {
+        s: ns.plan(model, None, device="cpu", host_state=s).fixed_bytes
+        for s in ("none", "optimizer", "adapters")
+    }
+    assert fixed["none"] - fixed["optimizer"] == 8 * (sum(size) - max(size))
+    assert fixed["none"] - fixed["adapters"] == 16 * (sum(size) - max(size))
+    plan = ns.plan(model, None, device="cpu", host_state="adapters")
+    assert plan.host_state == "adapters" and "one layer's at a time" in str(plan)
+    # a budget the full state does not fit, the plan with the adapters in host memory does
+    budget = _least_budget(model) - 1
+    with pytest.raises(ns.BudgetTooSmallError):
+        ns.plan(model, budget, device="cpu")
+    assert ns.plan(model, budget, device="cpu", host_state="adapters").predicted_peak <= budget
+    with pytest.raises(StreamSetupError, match="host_state='gpu'"):
+        ns.plan(model, None, device="cpu", host_state="gpu")
+    with pytest.raises(StreamSetupError, match="graphs=False"):
+        ns.plan(model, None, device="cpu", host_state="adapters", graphs=True)
+    assert not ns.plan(model, budget, device="cpu", host_state="adapters", graphs="auto").graphs
+
+
+def test_a_trainer_must_keep_in_host_memory_what_the_plan_left_there():
+    for state, kw, message in (
+        ("optimizer", {}, "offload_optimizer=True"),
+        ("adapters", {"offload_optimizer": True}, "offload_optimizer=True, offload_adapters=True"),
+    ):
+        model = build("llama")
+        ns.stream(model, device="cpu", host_state=state)
+        with pytest.raises(StreamSetupError, match=message):
+            ns.StepTrainer(model, _optimizer, grad_accum=G, **kw)
+    model = build("llama")
+    ns.stream(model, device="cpu", host_state="adapters")
+    with pytest.raises(StreamSetupError, match="one micro-batch a step"):
+        ns.StepTrainer(model, _optimizer, grad_accum=1, offload_optimizer=True, offload_adapters=True)
+
+
+def test_planned_adapters_in_host_memory_need_block_major_steps():
+    """With dropout a step would first run in sequential order (every adapter on the
+    device, over the plan): refused before any work. Seeded micro-batches need no
+    prediction and run block-major, `torch.equal` to the seeded resident reference."""
+    model, params, opt, trainer = _trainer(0.5, 0.05, adapters=True, host_state="adapters")
+    with pytest.raises(StreamSetupError, match="pass seeds= to step"):
+        trainer.step(_batches(0, G))
+    assert all(p.grad is None for p in params) and trainer.host_optimizer.updates == 0
+    _, params, opt, trainer = _trainer(0.5, 0.05, adapters=True, host_state="adapters")
+    stats = [
+        trainer.step(_batches(step, G), seeds=[_seed(step, k) for k in range(G)]) for step in range(STEPS)
+    ]
+    assert [s.mode for s in stats] == ["block-major"] * STEPS
+    ref = resident(dropout=0.05, clip=0.5, g=G, seeded=True)
+    assert_identical({k: ref[k] for k in ("weight", "adam")}, _record(params, opt, []))

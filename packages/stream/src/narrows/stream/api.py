@@ -39,7 +39,7 @@ from .errors import StreamSetupError
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .plan import OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Rates, Shapes, make_plan
+from .plan import HOST_STATE_NOTES, OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Rates, Shapes, make_plan
 from .profile import Profile
 from .remat import LayerCall, streamed_call
 from .selfcheck import self_check
@@ -213,12 +213,13 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
          batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
          head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
          recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto",
-         reserve: int = 0) -> Plan:  # fmt: skip
+         reserve: int = 0, host_state: str = "none") -> Plan:  # fmt: skip
     """What `stream` would do with this budget, without moving anything (`rates`: what
     the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
-    `stream`'s, whose pool the budget then holds; `reserve`: as `stream`'s)."""
+    `stream`'s, whose pool the budget then holds; `reserve`, `host_state`: as `stream`'s)."""
     if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
         raise StreamSetupError(f"reserve={reserve!r}: give a number of bytes ≥ 0")
+    graphs = _check_host_state(host_state, graphs)
     tile = _check_layer_options(offload, seq_tile, recompute)
     _check_graphs(graphs)
     ensure_architecture(model, "head", "stream")
@@ -227,13 +228,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
     stream_head = _check_head(anat, head)
     host_embedding = _host_embedding(anat, stream_head)
     outside = _parts(model, anat, host_embedding, stream_head)
-    trainable = list(trainable_parameters(model).values())
-    fixed = (
-        _nbytes(s.tensor for s in outside)
-        + 2 * _nbytes(trainable)
-        + 8 * sum(p.numel() for p in trainable)
-        + reserve
-    )
+    fixed = _nbytes(s.tensor for s in outside) + _training_bytes(model, anat, host_state) + reserve
     head_h2d = 0
     if stream_head:
         w = anat.head.weight
@@ -249,7 +244,48 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
                      host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile,
-                     recompute=recompute, rates=rates, graphs=graphs, reserved=reserve)  # fmt: skip
+                     recompute=recompute, rates=rates, graphs=graphs, reserved=reserve,
+                     host_state=host_state)  # fmt: skip
+
+
+def _check_host_state(host_state: str, graphs: bool | str) -> bool | str:
+    """`graphs` as the plan may use it with `host_state`: a layer's adapters get a new
+    device copy at each use, which a graph's captured addresses would miss."""
+    if host_state not in HOST_STATE_NOTES:
+        raise StreamSetupError(
+            f"host_state={host_state!r}: use one of {', '.join(map(repr, HOST_STATE_NOTES))}"
+        )
+    if host_state != "adapters":
+        return graphs
+    if graphs is True:
+        raise StreamSetupError(
+            "host_state='adapters' gives each layer's adapters a new device copy at every use, and a CUDA graph "
+            "replays the addresses it captured: pass graphs=False (or 'auto', which then means off)"
+        )
+    return False
+
+
+def _training_bytes(model: nn.Module, anat: Anatomy, host_state: str) -> int:
+    """Device bytes of the trainable parameters, their gradients and AdamW's two fp32
+    moments; with step mode's host state, the part of them it keeps on the device:
+    "optimizer", one layer's state (every gradient may be there at once: a step in
+    sequential order keeps them all until its end); "adapters", one layer's parameters,
+    gradients and state (only block-major steps, which `StepTrainer` then insists on).
+    Trainable parameters outside the layers (a trained head) count whole either way."""
+
+    def numel(ps: list[Tensor]) -> int:
+        return sum(p.numel() for p in ps)
+
+    trainable = list(trainable_parameters(model).values())
+    if host_state == "none":
+        return 2 * _nbytes(trainable) + 8 * numel(trainable)
+    per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in anat.layers]
+    in_layers = {id(p) for ps in per_layer for p in ps}
+    other = [p for p in trainable if id(p) not in in_layers]
+    if host_state == "optimizer":
+        return 2 * _nbytes(trainable) + 8 * (numel(other) + max(map(numel, per_layer), default=0))
+    one_layer = max((2 * _nbytes(ps) + 8 * numel(ps) for ps in per_layer), default=0)
+    return 2 * _nbytes(other) + 8 * numel(other) + one_layer
 
 
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
@@ -367,6 +403,7 @@ def stream(
     recompute: str = "auto",
     graphs: bool | str = "auto",
     reserve: int = 0,
+    host_state: str = "none",
 ) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
 
@@ -413,6 +450,12 @@ def stream(
     (the plan counts it); widths that never repeat run eagerly. `reserve`: device bytes
     the plan leaves free within the budget, for step mode's dequantised weights
     (`step_mode_reserve`; `StepTrainer` holds them when they were reserved).
+    `host_state`: what of the training state the plan may leave in host memory, for
+    `StepTrainer`'s offload: "none" (default: the adapters, their gradients and AdamW's
+    state all on the device), "optimizer" (`offload_optimizer=True`: one layer's
+    optimizer state on the device) or "adapters" (`offload_adapters=True` too: one
+    layer's adapters, gradients and state; graphs off; block-major steps only). `StepTrainer` must then keep it
+    there, and refuses otherwise.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
@@ -442,7 +485,7 @@ def stream(
         )
     the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
                     head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile,
-                    recompute=recompute, graphs=graphs, reserve=reserve)  # fmt: skip
+                    recompute=recompute, graphs=graphs, reserve=reserve, host_state=host_state)  # fmt: skip
     stream_head = _check_head(anat, head)
     if the_plan.tile_tokens is not None:
         tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
@@ -491,7 +534,8 @@ def stream(
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
                                prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
-                               seq_tile=seq_tile, recompute=recompute, graphs=graphs, reserve=reserve)  # fmt: skip
+                               seq_tile=seq_tile, recompute=recompute, graphs=graphs, reserve=reserve,
+                               host_state=host_state)  # fmt: skip
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
         # any DistributedDataParallel wrapping it (yours, accelerate's, Trainer's) leaves the

@@ -55,6 +55,15 @@ class Shapes:
     loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
 
 
+# what of the training state (adapters, their gradients, the optimizer's) step mode keeps
+# in host memory, and how the plan's report says it
+HOST_STATE_NOTES = {
+    "none": "",
+    "optimizer": "; the optimizer's state in host memory, one layer's on the device",
+    "adapters": "; adapters and optimizer state in host memory, one layer's at a time on the device",
+}
+
+
 @dataclass(frozen=True)
 class Plan:
     device: str
@@ -82,6 +91,7 @@ class Plan:
     step_seconds: float = 0.0  # the step-time model's figure for the layers (ranks plans; not a promise)
     graphs_choice: str = ""  # with graphs="auto": why they are on or off
     reserved_bytes: int = 0  # left free in the budget for the caller (step mode's held weights); in the peak
+    host_state: str = "none"  # what of the training state waits in host memory (step mode's offload)
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -104,7 +114,7 @@ class Plan:
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
             ("fixed on device", format_bytes(self.fixed_bytes) + (
                 f" (of which {format_bytes(self.reserved_bytes)} reserved: step mode's dequantised weights)"
-                if self.reserved_bytes else "")),
+                if self.reserved_bytes else "") + HOST_STATE_NOTES[self.host_state]),
             ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
                 f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
                 if self.offloaded else "")),
@@ -252,6 +262,7 @@ def make_plan(
     rates: Rates | None = None,
     graphs: bool | str = False,
     reserved: int = 0,
+    host_state: str = "none",
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -267,7 +278,9 @@ def make_plan(
     `graphs`: the layers narrows runs replay as CUDA graphs (their pool is counted, and
     they are priced without the host's per-kernel cost); "auto": on a CUDA device with a
     budget, the plan with graphs if it fits and its predicted step time is lower.
-    `reserved`: how much of `fixed_bytes` the caller reserved (for the report)."""
+    `reserved`: how much of `fixed_bytes` the caller reserved (for the report).
+    `host_state`: what of the training state `fixed_bytes` left in host memory (for the
+    report and for `StepTrainer`, which must then keep it there)."""
     if graphs == "auto":
         return _either(dict(locals()))
     if not isinstance(graphs, bool):
@@ -312,7 +325,8 @@ def make_plan(
         if not fitting:
             raise BudgetTooSmallError(_too_small(budget, footprint((), 1, least_kept, choices[-1]), slab, fixed_bytes,
                                                  saved(least_kept), work_bytes(shapes, choices[-1]), offload, tile,
-                                                 footprint((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None))  # fmt: skip
+                                                 footprint((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
+                                                 host_state))  # fmt: skip
         t = fitting[0]
         while prefetch > 0 and footprint((), prefetch + 1, least_kept, t) > budget:
             prefetch -= 1
@@ -379,6 +393,7 @@ def make_plan(
         graph_bytes=pool(t, len(whole)),
         step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
         reserved_bytes=reserved,
+        host_state=host_state,
     )
 
 
@@ -404,8 +419,12 @@ def _either(args: dict) -> Plan:
 
 
 def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, work: int, offload: str,
-               tile: int | str | None, tiled_minimum: int | None) -> str:  # fmt: skip
+               tile: int | str | None, tiled_minimum: int | None, host_state: str) -> str:  # fmt: skip
     hints = []
+    if host_state != "adapters":
+        hints.append("in step mode, keep the optimizer state (host_state='optimizer'; narrows finetune "
+                     "--offload-optimizer) or the adapters too (host_state='adapters'; --offload-adapters) in host "
+                     "memory")  # fmt: skip
     if offload == "off":
         hints.append("allow offloading the saved layer inputs to host memory (offload='auto')")
     if tile is None and tiled_minimum is not None and tiled_minimum < minimum:
@@ -415,7 +434,7 @@ def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, wor
     return (
         f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "
         f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed)}: head, norm, "
-        f"adapters with gradients and optimizer state), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
+        f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
         f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
     )
 

@@ -179,6 +179,7 @@ class StepTrainer:
             else None
         )
         self.adapters = self._host_adapters(offload_adapters)
+        self._check_host_state()
         self.held, self.held_choice = self._held_weights(dequantize_once)
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
@@ -202,6 +203,39 @@ class StepTrainer:
         adapters = HostAdapters([p for params in self.layer_params for p in params], self.device)
         self.host_optimizer.adapters = adapters
         return adapters
+
+    def _check_host_state(self) -> None:
+        """The plan left out of the budget what its `host_state` says waits in host memory:
+        this trainer must keep it there."""
+        state = self.handle.plan.host_state
+        flag = {
+            "optimizer": "offload_optimizer=True",
+            "adapters": "offload_optimizer=True, offload_adapters=True",
+        }
+        if (state == "optimizer" and self.host_optimizer is None) or (
+            state == "adapters" and self.adapters is None
+        ):
+            raise StreamSetupError(
+                f"the model was streamed with host_state={state!r}, whose plan leaves that state out of the device "
+                f"budget: build the StepTrainer with {flag[state]}, or stream with host_state='none'"
+            )
+        if state == "adapters" and (self.grad_accum == 1 or not self.handle.plan.streamed):
+            why = "one micro-batch a step" if self.grad_accum == 1 else "every layer is resident"
+            raise StreamSetupError(
+                f"host_state='adapters' plans one layer's adapters on the device at a time, as a block-major step "
+                f"keeps them; with {why} step mode runs in sequential order, every layer's adapters on the device: "
+                "stream with host_state='optimizer' instead"
+            )
+
+    def _sequential_over_budget(self, why: str) -> None:
+        """A sequential step brings every layer's adapters to the device, which a plan
+        with host_state='adapters' did not leave room for: refused before any work."""
+        if self.handle.plan.host_state == "adapters":
+            raise StreamSetupError(
+                f"this step would run in sequential order ({why}) with every layer's adapters on the device, which "
+                "the plan (host_state='adapters') left no room for: pass seeds= to step() (one per micro-batch, as "
+                "narrows finetune does: nothing to predict), turn dropout off, or stream with host_state='optimizer'"
+            )
 
     def adapters_to_device(self) -> None:
         """Every adapter parameter back on the device (after training, to evaluate or
@@ -316,8 +350,10 @@ class StepTrainer:
             restore(ends[-1])
             return "block-major", losses
         if any(s in self.unpredictable for s in sigs):
+            self._sequential_over_budget("RNG draws not predictable")
             return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
         if any(s not in self.random_ops for s in sigs) and self._draws_random():
+            self._sequential_over_budget("learning this shape's RNG draws")
             return "sequential (learning this shape's RNG draws)", self._sequential(batches, sigs)
         start = capture(self.device)
         starts = [start]
@@ -334,6 +370,7 @@ class StepTrainer:
         restore(start)
         known = [s for s in sigs if s in self.random_ops]
         self.unpredictable.update(known)
+        self._sequential_over_budget("RNG draws not predictable")
         log.warning("narrows.stream step mode: the RNG draws of a micro-batch were not predictable; this shape now "
                     "runs in sequential order (exact, %d× the weight transfer)", len(batches))  # fmt: skip
         return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)

@@ -158,8 +158,10 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
 
         _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
-        kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile,
-                  graphs=False if cfg.offload_adapters else "auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
+        # what step mode keeps in host memory stays out of the budget
+        host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
+        kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile, host_state=host_state,
+                  graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
         # room for step mode's held 4-bit weights, wherever step mode may run: something streams
         maybe_step = cfg.grad_accum > 1 and cfg.step_mode is not False and device.type == "cuda"
         reserve = 0

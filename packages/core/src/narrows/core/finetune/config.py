@@ -176,6 +176,10 @@ class FinetuneConfig:
                 raise NarrowsError("--offload-adapters gives each layer's adapters a new device copy at every use, "
                                    "and a CUDA graph replays the addresses it captured: drop --cuda-graphs, or "
                                    "--offload-adapters")  # fmt: skip
+            if self.grad_accum < 2:
+                raise NarrowsError("--offload-adapters keeps one layer's adapters on the GPU at a time, which a "
+                                   "block-major step of several micro-batches does: add --grad-accum N (N ≥ 2), "
+                                   "or use --offload-optimizer alone")  # fmt: skip
             self.offload_optimizer = True  # each layer's adapters go back to host memory after its update
         if self.offload_optimizer and self.step_mode is None:
             self.step_mode = True  # the optimizer state waits in host memory between a step's layer updates
