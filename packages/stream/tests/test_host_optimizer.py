@@ -302,7 +302,7 @@ def test_planned_adapters_in_host_memory_need_block_major_steps():
     """With dropout a step would first run in sequential order (every adapter on the
     device, over the plan): refused before any work. Seeded micro-batches need no
     prediction and run block-major, `torch.equal` to the seeded resident reference."""
-    model, params, opt, trainer = _trainer(0.5, 0.05, adapters=True, host_state="adapters")
+    _, params, opt, trainer = _trainer(0.5, 0.05, adapters=True, host_state="adapters")
     with pytest.raises(StreamSetupError, match="pass seeds= to step"):
         trainer.step(_batches(0, G))
     assert all(p.grad is None for p in params) and trainer.host_optimizer.updates == 0
