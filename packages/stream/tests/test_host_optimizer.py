@@ -189,6 +189,26 @@ def test_updated_adapters_must_reach_host_memory(monkeypatch):
         assert_identical(_reference(None, 0.0), got)
 
 
+def test_evaluation_between_steps_brings_one_layer_at_a_time():
+    """Under no_grad (evaluation) each layer's adapters come to the device for that
+    layer's call only, and the output is the one with every adapter on the device; with
+    gradients on, such a call is refused rather than run on host tensors."""
+    model, params, opt, trainer = _trainer(0.5, 0.0, adapters=True)
+    hosted(steps=range(2), dropout=0.0, trainer=(model, params, opt, trainer))
+    seen = _off_home_while_each_layer_runs(trainer)
+    batch = _batches(0, 1)[0]
+    model.eval()
+    with torch.no_grad():
+        served = model(**batch).logits
+    assert seen and all(off == {i} for i, off in seen)
+    assert all(trainer.adapters.is_home(p) for p in params)
+    with pytest.raises(RuntimeError, match="wait in host memory between StepTrainer steps"):
+        model(**batch)
+    trainer.adapters_to_device()
+    with torch.no_grad():
+        assert torch.equal(served, model(**batch).logits)
+
+
 def test_adapters_to_device_for_evaluation_then_training_goes_on():
     """After `adapters_to_device()` the model runs with every adapter on the device; the
     next step takes them back to host memory and training is unchanged."""

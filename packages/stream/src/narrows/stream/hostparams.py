@@ -16,15 +16,19 @@ where those values wait between uses changes.
 Between steps each parameter's ``.data`` is its host buffer (pinned on a CUDA run), so
 ``model.state_dict()``, PEFT's ``save_pretrained`` and in-place loads (``p.copy_(w)``) see
 and change the trained values. A parameter found elsewhere at the start of a step (moved
-to the device, or assigned new data) is copied back into its buffer first.
+to the device, or assigned new data) is copied back into its buffer first. Forward passes
+between steps without gradients (evaluation, generation) bring each layer's adapters for
+that layer's call only (`serve`), so they too hold one layer's at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = ["HostAdapters"]
 
@@ -39,6 +43,8 @@ class HostAdapters:
         self._host: dict[int, Tensor] = {}
         self.bytes_h2d = 0  # for the step's report and tests
         self.bytes_d2h = 0
+        self.stepping = False  # inside a step, which moves the adapters itself
+        self._serving: set[int] = set()  # layers whose adapters a forward hook brought
         self.rehome()
 
     def is_home(self, p: Tensor) -> bool:
@@ -80,3 +86,30 @@ class HostAdapters:
                 buf.copy_(p.detach(), non_blocking=self.pin)
                 self.bytes_d2h += p.nbytes
             p.data = buf
+
+    # ---- forward passes between steps ------------------------------------------------
+    def serve(self, layers: Sequence[nn.Module], params: Sequence[Sequence[Tensor]]) -> None:
+        """Hooks on each of `layers`: a call outside a step that finds the layer's
+        `params` in host memory brings them for the call and sends them back after,
+        unchanged. That takes no gradients: with them on, such a call is refused."""
+        for layer, ps in zip(layers, params):
+            if ps:
+                layer.register_forward_pre_hook(partial(self._before, tuple(ps)))
+                layer.register_forward_hook(partial(self._after, tuple(ps)))
+
+    def _before(self, params: tuple[Tensor, ...], layer: nn.Module, args: Any) -> None:
+        if self.stepping or not any(self.is_home(p) for p in params):
+            return
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "narrows.stream: this layer's adapters wait in host memory between StepTrainer steps "
+                "(offload_adapters=True): train through trainer.step(), run evaluation under torch.no_grad(), "
+                "or call trainer.adapters_to_device() first"
+            )
+        self.bring(params)
+        self._serving.add(id(layer))
+
+    def _after(self, params: tuple[Tensor, ...], layer: nn.Module, args: Any, out: Any) -> None:
+        if id(layer) in self._serving:
+            self._serving.discard(id(layer))
+            self.park(params, changed=False)

@@ -110,7 +110,8 @@ class StepTrainer:
     memory. `offload_adapters=True` (with `offload_optimizer=True`, eager layers) keeps
     the adapter parameters there too: each layer's come to the device for its forward and
     for its backward and update, one layer at a time (see `hostparams`); between steps
-    ``.data`` is the host buffer (`adapters_to_device()` puts them back for evaluation).
+    ``.data`` is the host buffer; a forward pass under ``torch.no_grad()`` (evaluation)
+    brings each layer's for its call, and `adapters_to_device()` puts them all back.
     `dequantize_once`: each layer's 4-bit weights are dequantised once for the
     forward of all micro-batches and once for their backward, and held in a device buffer
     the size of the largest layer's (`narrows.core.HeldWeights`: bitsandbytes' own
@@ -201,6 +202,7 @@ class StepTrainer:
                 "device (offload_adapters=False)"
             )
         adapters = HostAdapters([p for params in self.layer_params for p in params], self.device)
+        adapters.serve(self.anat.layers, self.layer_params)  # evaluation between steps
         self.host_optimizer.adapters = adapters
         return adapters
 
@@ -238,9 +240,9 @@ class StepTrainer:
             )
 
     def adapters_to_device(self) -> None:
-        """Every adapter parameter back on the device (after training, to evaluate or
-        generate); the next step returns them to host memory. A no-op without
-        `offload_adapters`."""
+        """Every adapter parameter back on the device (after training, e.g. to merge them
+        or train them some other way); the next step returns them to host memory. A
+        no-op without `offload_adapters`."""
         if self.adapters is not None:
             self.adapters.bring(self.adapters.params)
 
@@ -331,10 +333,14 @@ class StepTrainer:
                 f"{len(seeds)} seeds for {len(batches)} micro-batches: give one seed per micro-batch"
             )
         kept, self.divisor = self.divisor, self.divisor if divisor is None else divisor
+        if self.adapters is not None:
+            self.adapters.stepping = True
         try:
             return self._accumulate(batches, seeds)
         finally:
             self.divisor = kept
+            if self.adapters is not None:
+                self.adapters.stepping = False
 
     def _accumulate(
         self, batches: list[dict[str, Any]], seeds: Sequence[int] | None

@@ -126,8 +126,6 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
-            if step == cfg.steps and stepper is not None:
-                stepper.adapters_to_device()  # kept in host memory between steps: the evaluations need them
             if step == cfg.steps and evals:
                 row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
