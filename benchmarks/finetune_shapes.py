@@ -138,6 +138,7 @@ def main() -> None:
                 **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
                 "accumulation": summary.get("stream", {}).get("accumulation"), "grad_accum": args.grad_accum,
                 "predicted_peak": summary.get("stream", {}).get("predicted_peak"),
+                "step_peaks": [m["peak_bytes"] for m in timed],  # the last step's holds the final evaluation
                 "held": next((line.split("held 4-bit weights ", 1)[1] for line in r.stderr.splitlines()
                               if "held 4-bit weights " in line), None),  # step mode's dequantised weights
             })  # fmt: skip
