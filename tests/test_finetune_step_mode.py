@@ -148,7 +148,7 @@ def test_offloaded_state_leaves_the_budget(tmp_path, capsys):
     """A budget below the minimum with every adapter's state on the GPU is refused with
     the offload as a way out, and trains with --offload-optimizer or --offload-adapters
     (the plan leaves what waits in host memory out), the same numbers as the resident loop."""
-    small = "1000KiB"
+    small = "1040KiB"
     assert run(tmp_path, "full", "--gpu-budget", small) == 2
     assert "--offload-adapters" in capsys.readouterr().err
     assert run(tmp_path, "resident") == 0
@@ -156,7 +156,7 @@ def test_offloaded_state_leaves_the_budget(tmp_path, capsys):
         assert run(tmp_path, flag, "--gpu-budget", small, flag) == 0
         assert_same(result(tmp_path, "resident"), result(tmp_path, flag))
     plan = json.loads((tmp_path / "--offload-adapters" / "summary.json").read_text())["stream"]
-    assert plan["predicted_peak"] <= 1000 * 1024
+    assert plan["predicted_peak"] <= 1040 * 1024
 
 
 @pytest.mark.parametrize(

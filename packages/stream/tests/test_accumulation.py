@@ -169,6 +169,11 @@ def test_step_mode_reserve_is_the_largest_layers_held_weights(on_cuda):
     layers = model.base_model.model.model.layers
     assert need == max(held_bytes(layer) for layer in layers) > 0
     assert ns.step_mode_reserve(build(num_hidden_layers=3)) == 0
+    # with G micro-batches: G + 1 layer boundaries of [batch, seq, hidden], from the config
+    cfg, emb = model.config, model.get_input_embeddings().weight
+    boundary = 2 * 12 * cfg.hidden_size * emb.element_size()
+    assert ns.step_mode_reserve(model, G, batch_size=2, seq_len=12) == need + (G + 1) * boundary
+    assert ns.step_mode_reserve(model, 1, batch_size=2, seq_len=12) == need
     ns.stream(model, None, device="cpu", batch_size=2, seq_len=12, reserve=need)
     use, why = ns.choose_step_mode(on_cuda(model), G, host_available=1 << 40)
     assert use and "its 4-bit weights dequantised once per pass" in why, why

@@ -287,8 +287,9 @@ def test_host_state_takes_the_training_state_out_of_the_fixed_cost():
         s: ns.plan(model, None, device="cpu", host_state=s).fixed_bytes
         for s in ("none", "optimizer", "adapters")
     }
-    assert fixed["none"] - fixed["optimizer"] == 8 * (sum(size) - max(size))
-    assert fixed["none"] - fixed["adapters"] == 16 * (sum(size) - max(size))
+    # and one layer's update makes temporaries as large as its state
+    assert fixed["none"] - fixed["optimizer"] == 8 * (sum(size) - max(size)) - 8 * max(size)
+    assert fixed["none"] - fixed["adapters"] == 16 * (sum(size) - max(size)) - 8 * max(size)
     plan = ns.plan(model, None, device="cpu", host_state="adapters")
     assert plan.host_state == "adapters" and "one layer's at a time" in str(plan)
     # a budget the full state does not fit, the plan with the adapters in host memory does

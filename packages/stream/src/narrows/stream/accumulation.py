@@ -24,6 +24,7 @@ from torch import nn
 
 from narrows.core import anatomy_of, format_bytes, held_bytes
 
+from .api import _shapes
 from .plan import Plan, Rates, input_bytes, step_seconds
 from .pretrained import default_host_budget
 
@@ -32,11 +33,21 @@ __all__ = ["choose_step_mode", "holds_weights", "step_mode_reserve"]
 MARGIN = 0.05  # block-major must be predicted at least this much faster
 
 
-def step_mode_reserve(model: nn.Module) -> int:
-    """Device bytes step mode's held weights take for `model` (its largest decoder layer's
-    4-bit weights, dequantised; 0 without 4-bit weights): pass it as `stream`'s
-    ``reserve`` to leave room for them within the budget."""
-    return max((held_bytes(layer) for layer in anatomy_of(model).layers), default=0)
+def step_mode_reserve(
+    model: nn.Module, grad_accum: int = 1, *, batch_size: int = 1, seq_len: int = 512
+) -> int:
+    """Device bytes a block-major step takes beyond what a plan counts: the held weights
+    (the largest decoder layer's 4-bit weights, dequantised; 0 without 4-bit weights) and,
+    with `grad_accum` G ≥ 2 micro-batches of `batch_size` × `seq_len` tokens, the layer
+    boundary each micro-batch keeps on the device from one layer to the next — its output
+    in the forward, the gradient reaching it in the backward: G + 1 [batch, seq, hidden]
+    tensors (one being made). Pass it as `stream`'s ``reserve`` to leave room for them
+    within the budget."""
+    anat = anatomy_of(model)
+    held = max((held_bytes(layer) for layer in anat.layers), default=0)
+    if grad_accum < 2:
+        return held
+    return held + (grad_accum + 1) * input_bytes(_shapes(anat, batch_size, seq_len))
 
 
 def holds_weights(

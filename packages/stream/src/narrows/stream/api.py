@@ -282,9 +282,10 @@ def _training_bytes(model: nn.Module, anat: Anatomy, host_state: str) -> int:
     per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in anat.layers]
     in_layers = {id(p) for ps in per_layer for p in ps}
     other = [p for p in trainable if id(p) not in in_layers]
+    # a layer's update: its state, and AdamW's temporaries (as large again)
     if host_state == "optimizer":
-        return 2 * _nbytes(trainable) + 8 * (numel(other) + max(map(numel, per_layer), default=0))
-    one_layer = max((2 * _nbytes(ps) + 8 * numel(ps) for ps in per_layer), default=0)
+        return 2 * _nbytes(trainable) + 8 * numel(other) + 16 * max(map(numel, per_layer), default=0)
+    one_layer = max((2 * _nbytes(ps) + 16 * numel(ps) for ps in per_layer), default=0)
     return 2 * _nbytes(other) + 8 * numel(other) + one_layer
 
 

@@ -162,11 +162,13 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
         kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile, host_state=host_state,
                   graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
-        # room for step mode's held 4-bit weights, wherever step mode may run: something streams
+        # room for step mode's held 4-bit weights and layer boundaries, wherever it may run: something streams
         maybe_step = cfg.grad_accum > 1 and cfg.step_mode is not False and device.type == "cuda"
         reserve = 0
         if maybe_step and narrows.stream.plan(model, budget, **kw).streamed:
-            reserve = narrows.stream.step_mode_reserve(model)
+            reserve = narrows.stream.step_mode_reserve(
+                model, cfg.grad_accum, batch_size=cfg.batch, seq_len=cfg.seq_len
+            )
         model = narrows.stream.stream(model, budget, reserve=reserve, **kw)
     return model
 
