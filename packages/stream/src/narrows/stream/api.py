@@ -455,8 +455,8 @@ def stream(
     `StepTrainer`'s offload: "none" (default: the adapters, their gradients and AdamW's
     state all on the device), "optimizer" (`offload_optimizer=True`: one layer's
     optimizer state on the device) or "adapters" (`offload_adapters=True` too: one
-    layer's adapters, gradients and state; graphs off; block-major steps only). `StepTrainer` must then keep it
-    there, and refuses otherwise.
+    layer's adapters, gradients and state; graphs off; block-major steps only).
+    `StepTrainer` must then keep it there, and refuses otherwise.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:

@@ -128,8 +128,6 @@ class HostOptimizer:
             self._norms[id(p)] = n
             self._waiting[id(p)] = p.grad.to("cpu", non_blocking=self.pin) if self.pin else p.grad
             p.grad = None
-        if self.adapters is not None:  # their values are unchanged until the update
-            self.adapters.park(params, changed=False)
 
     def finish(self, groups: Sequence[Sequence[Tensor]]) -> float | None:
         """The rest of the step: every gradient still on a parameter (sequential order) or

@@ -396,8 +396,7 @@ class StepTrainer:
         losses = []
         # block-major can follow, once it knows each shape's draws
         learn = len(batches) > 1 and bool(self.handle.plan.streamed) and seeds is None
-        if self.adapters is not None:  # the whole model runs: every layer's adapters on the device
-            self.adapters.bring(self.adapters.params)
+        self.adapters_to_device()  # the whole model runs: every layer's adapters on the device
         for k, (batch, sig) in enumerate(zip(batches, sigs)):
             if seeds is not None:
                 torch.manual_seed(seeds[k])
@@ -545,7 +544,7 @@ class StepTrainer:
                             p.grad += g
             if self.host_optimizer is not None:  # layer i's gradients are complete
                 self.host_optimizer.ready(params + (self.other_params if i == n - 1 else ()))
-            self._park(params)  # updated and parked already, or (no gradient) unchanged
+            self._park(params)  # updated and parked already, or unchanged until `finish` updates them
         return ends, losses
 
     def _bring(self, params: Sequence[Tensor]) -> None:
