@@ -138,7 +138,8 @@ def main() -> None:
                 **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
                 "accumulation": summary.get("stream", {}).get("accumulation"), "grad_accum": args.grad_accum,
                 "predicted_peak": summary.get("stream", {}).get("predicted_peak"),
-                "step_peaks": [m["peak_bytes"] for m in timed],  # the last step's holds the final evaluation
+                "step_peaks": [m["peak_bytes"] for m in timed],
+                "eval_peak_bytes": summary.get("eval_peak_bytes"),  # evaluations run outside the steps' peaks
                 "held": next((line.split("held 4-bit weights ", 1)[1] for line in r.stderr.splitlines()
                               if "held 4-bit weights " in line), None),  # step mode's dequantised weights
             })  # fmt: skip
@@ -147,16 +148,17 @@ def main() -> None:
     base = next((r for r in rows if r["mode"] == "off" and "error" not in r), None)
     print(f"\n{args.config} (random NF4 weights), LoRA r16 all-linear, batch {args.batch} x seq {args.seq_len}, "
           f"{args.steps} steps, {torch.cuda.get_device_name()}")  # fmt: skip
-    print(f"{'--gpu-budget':<14} {'packing':>7} {'peak GiB':>9} {'vs off':>7} {'step s':>8} {'vs off':>7} "
+    print(f"{'--gpu-budget':<14} {'packing':>7} {'peak GiB':>9} {'eval GiB':>9} {'vs off':>7} {'step s':>8} {'vs off':>7} "
           f"{'tok/s':>7} {'tokens':>7} {'loss first→last':>18} {'eval after':>10} {'setup s':>8}")  # fmt: skip
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:<14} {r['packing']!s:>7} failed")
             continue
         mem = r["peak_bytes"] / 2**30
+        ev = f"{r['eval_peak_bytes'] / 2**30:.2f}" if r.get("eval_peak_bytes") else "–"
         rm = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "–"
         rt = f"{r['median_step_s'] / base['median_step_s']:.2f}" if base else "–"
-        print(f"{r['mode']:<14} {r['packing']!s:>7} {mem:>9.2f} {rm:>7} {r['median_step_s']:>8.3f} {rt:>7} "
+        print(f"{r['mode']:<14} {r['packing']!s:>7} {mem:>9.2f} {ev:>9} {rm:>7} {r['median_step_s']:>8.3f} {rt:>7} "
               f"{r['steady_tokens_per_s']:>7.0f} {r['tokens']:>7} {r['first_loss']:>8.4f}→{r['last_loss']:<8.4f} "
               f"{r['eval_loss_after']:>10.4f} {r['setup_s']:>8.0f}")  # fmt: skip
     for r in rows:

@@ -55,3 +55,31 @@ def test_cuda_streamed_head_parity(arch):
     )
     assert_identical(resident, streamed)
     assert streamed_model.narrows_stream.head.host.is_pinned()
+
+
+_WORKSPACES = """
+import threading, torch
+from narrows.stream.api import _matmul_workspaces
+dev = torch.device("cuda", 0)
+a = torch.randn(256, 256, device=dev, requires_grad=True)
+b = torch.randn(256, 256, device=dev)
+torch.cuda.synchronize()
+before = torch.cuda.memory_allocated(dev)
+y = a @ b                     # the Python thread's first matmul takes its workspace
+y.sum().backward()            # the autograd engine's thread takes its own
+del y
+torch.cuda.synchronize()
+kept = torch.cuda.memory_allocated(dev) - before - a.grad.numel() * 4
+print(kept, _matmul_workspaces(dev))
+"""
+
+
+def test_the_plan_counts_the_workspaces_cublas_keeps():
+    """Measured in a fresh process: what a forward and a backward matmul leave allocated
+    beyond their results is what the plan counts for cuBLAS."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _WORKSPACES], capture_output=True, text=True, check=True)
+    kept, counted = map(int, out.stdout.split())
+    assert kept == counted, out.stdout

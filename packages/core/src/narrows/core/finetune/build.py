@@ -126,7 +126,10 @@ def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
         import narrows.lmhead
 
         spec = parse_lmhead(lmhead)
-        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused)
+        # evaluation through the exact chunked loss too: the full logits of an eval batch
+        # would take more than the budget the training fits (2.56 GB at 1900 MiB, 7B on the H100)
+        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused,
+                             eval_logits=False)  # fmt: skip
 
 
 def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from ..data import TRAINING, Example, collate
+from ..memory import read_peaks, reset_peaks
 
-__all__ = ["eval_loss", "exact_match", "to_device"]
+__all__ = ["eval_loss", "eval_row", "exact_match", "to_device"]
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -33,6 +34,19 @@ def eval_loss(
         count += n
     model.train(was_training)
     return total / count
+
+
+def eval_row(
+    model: nn.Module, examples: list[Example], batch: int, pad_id: int, device: torch.device
+) -> dict:
+    """`eval_loss` and, on a CUDA device, the evaluation's own peak of allocated bytes
+    (``eval_peak_bytes``): an evaluation runs outside the steps' peaks, and a budget
+    holds for it too."""
+    reset_peaks(device, host=False)
+    row = {"eval_loss": eval_loss(model, examples, batch, pad_id, device)}
+    if device.type == "cuda":
+        row["eval_peak_bytes"] = read_peaks(device).cuda_allocated
+    return row
 
 
 @torch.no_grad()

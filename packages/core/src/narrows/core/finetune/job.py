@@ -16,7 +16,7 @@ from ..errors import NarrowsError
 from ..files import atomic_write
 from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
 from .config import RESUMABLE, FinetuneConfig, resume_changes
-from .evaluate import eval_loss
+from .evaluate import eval_row
 from .loop import Progress, train
 from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
@@ -166,7 +166,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
 
     state = Progress(step=step, history=rows)
     if ranks.main and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
-        row = {"step": 0, "eval_loss": eval_loss(model, evals, cfg.batch, pad_id, device)}
+        row = {"step": 0, **eval_row(model, evals, cfg.batch, pad_id, device)}
         run.log(row)
         state.history.append(row)
     bar = None

@@ -21,7 +21,7 @@ from ..data import TRAINING, Example, collate, micro_batches
 from ..errors import NarrowsError
 from ..memory import format_bytes, read_peaks, reset_peaks
 from .config import FinetuneConfig
-from .evaluate import eval_loss, to_device
+from .evaluate import eval_row, to_device
 from .ranks import Ranks, micro_seed
 from .rundir import RunFolder
 
@@ -127,7 +127,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
             if step == cfg.steps and evals:
-                row["eval_loss"] = eval_loss(model, evals, cfg.batch, pad_id, device)
+                row.update(eval_row(model, evals, cfg.batch, pad_id, device))
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
             progress.history.append(row)
             if step % cfg.save_every == 0 or step == cfg.steps:

@@ -36,7 +36,8 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
         "first_loss": next((r["loss"] for r in history if "loss" in r), None),
         "last_loss": next((r["loss"] for r in reversed(history) if "loss" in r), None),
         "eval_loss_before": first_eval, "eval_loss_after": final_eval,
-        "peak_bytes": max((r.get("peak_bytes", 0) for r in history), default=0),
+        "peak_bytes": max((r.get("peak_bytes", 0) for r in history), default=0),  # the training steps'
+        "eval_peak_bytes": max((r.get("eval_peak_bytes", 0) for r in history), default=0),
         "tokens_per_s": tokens_seen / train_s if tokens_seen else None,
         "setup_s": setup_s, "train_s": train_s,
     }  # fmt: skip
@@ -124,7 +125,10 @@ def format_summary(summary: dict) -> str:
         )
     rows += [
         ("tokens/s", f"{summary['tokens_per_s']:.0f}" if summary["tokens_per_s"] else "–"),
-        ("peak memory", format_bytes(summary["peak_bytes"])), ("device", f"{summary['device']} ({summary['dtype']})"),
+        ("peak memory", format_bytes(summary["peak_bytes"])
+         + (f" training, {format_bytes(summary['eval_peak_bytes'])} evaluating" if summary.get("eval_peak_bytes")
+            else "")),
+        ("device", f"{summary['device']} ({summary['dtype']})"),
     ]  # fmt: skip
     if "stream" in summary:
         st = summary["stream"]
