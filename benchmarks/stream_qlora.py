@@ -272,7 +272,41 @@ def run_one(args: argparse.Namespace) -> dict:
                 step()
             print(f"{mode}: one step profiled\n{prof}", file=sys.stderr)
             out["profile"] = prof.as_dict()
+    if args.torch_profile and cuda:  # one more step: where its time goes, host and device
+        out["torch_profile"] = torch_profile(step)
+        print(f"{mode}: torch profile {json.dumps(out['torch_profile'])}", file=sys.stderr)
     return out
+
+
+def torch_profile(step, top: int = 25) -> dict:
+    """One step under torch.profiler: its wall time, the device's busy time (kernels and
+    copies, summed), and the ops that took the most host and device time themselves. A
+    device busy for a small share of the wall is waiting for the host (launches, Python)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    def rows(key) -> list[list]:
+        ranked = sorted(events, key=key, reverse=True)[:top]
+        return [[e.key[:90], e.count, round(e.self_cpu_time_total / 1e6, 4), round(device_us(e) / 1e6, 4)]
+                for e in ranked]  # fmt: skip
+
+    return {
+        "wall_s": wall,
+        "device_busy_s": sum(device_us(e) for e in events) / 1e6,
+        "host_ops": sum(e.count for e in events),
+        "top_host": rows(lambda e: e.self_cpu_time_total),  # [op, calls, self host s, self device s]
+        "top_device": rows(device_us),
+    }
 
 
 def main() -> None:
@@ -289,6 +323,11 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="after the timed steps, profile one more: per-layer compute, copy and exposed copy time",
+    )
+    ap.add_argument(
+        "--torch-profile",
+        action="store_true",
+        help="after the timed steps, run one more under torch.profiler: wall vs device-busy time, top ops",
     )
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     ap.add_argument(
@@ -311,7 +350,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
                "--grad-accum", str(args.grad_accum), *(["--profile"] if args.profile else []),
-               *(["--trace"] if args.trace else [])]  # fmt: skip
+               *(["--trace"] if args.trace else []), *(["--torch-profile"] if args.torch_profile else [])]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if args.trace:  # the child's breakdown of its peak
             said = proc.stderr.splitlines()

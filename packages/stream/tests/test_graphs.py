@@ -130,6 +130,22 @@ def test_step_mode_through_graphs_is_identical():
     assert model.narrows_stream.graphs.stats.replays > 0
 
 
+def test_a_graph_is_keyed_by_where_the_layers_adapters_are():
+    """Adapters that wait in host memory between uses come back to the device for each:
+    a graph captured with them at one address must not replay with them at another."""
+    model = _model()
+    layer = model.base_model.model.model.layers[0]
+    g = graphs.LayerGraphs(torch.device("cpu"), emulate=True)
+    h = torch.zeros(2, 3, 8)
+    key = lambda: g._key("fwd", 0, layer, [h], (), {}, False)  # noqa: E731
+    assert key() is None  # a shape runs eagerly the first time
+    before = key()
+    assert before is not None and key() == before
+    adapter = next(p for p in layer.parameters() if p.requires_grad)
+    adapter.data = adapter.data.clone()  # the same values elsewhere
+    assert key() != before
+
+
 def test_bad_graphs_option_is_refused():
     with pytest.raises(StreamSetupError, match="graphs="):
         ns.stream(_model(), device="cpu", graphs="yes")

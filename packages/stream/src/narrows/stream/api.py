@@ -235,7 +235,7 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
     `stream`'s, whose pool the budget then holds; `reserve`, `host_state`: as `stream`'s)."""
     if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
         raise StreamSetupError(f"reserve={reserve!r}: give a number of bytes ≥ 0")
-    graphs = _check_host_state(host_state, graphs)
+    _check_host_state(host_state)
     tile = _check_layer_options(offload, seq_tile, recompute)
     _check_graphs(graphs)
     ensure_architecture(model, "head", "stream")
@@ -265,21 +265,11 @@ def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch
                      host_state=host_state)  # fmt: skip
 
 
-def _check_host_state(host_state: str, graphs: bool | str) -> bool | str:
-    """`graphs` as the plan may use it with `host_state`: a layer's adapters get a new
-    device copy at each use, which a graph's captured addresses would miss."""
+def _check_host_state(host_state: str) -> None:
     if host_state not in HOST_STATE_NOTES:
         raise StreamSetupError(
             f"host_state={host_state!r}: use one of {', '.join(map(repr, HOST_STATE_NOTES))}"
         )
-    if host_state != "adapters":
-        return graphs
-    if graphs is True:
-        raise StreamSetupError(
-            "host_state='adapters' gives each layer's adapters a new device copy at every use, and a CUDA graph "
-            "replays the addresses it captured: pass graphs=False (or 'auto', which then means off)"
-        )
-    return False
 
 
 def _training_bytes(model: nn.Module, anat: Anatomy, host_state: str) -> int:
@@ -472,7 +462,7 @@ def stream(
     `StepTrainer`'s offload: "none" (default: the adapters, their gradients and AdamW's
     state all on the device), "optimizer" (`offload_optimizer=True`: one layer's
     optimizer state on the device) or "adapters" (`offload_adapters=True` too: one
-    layer's adapters, gradients and state; graphs off; block-major steps only).
+    layer's adapters, gradients and state; block-major steps only).
     `StepTrainer` must then keep it there, and refuses otherwise.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """

@@ -26,7 +26,8 @@ buffers: a new one evicts the least recently used, so batches padded to varying 
 cost a bounded amount of memory, and a width that never repeats is never captured.
 
 A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
-may land in any device slab), by what is differentiated, by the shapes, dtypes and
+may land in any device slab) and of its adapters (which may wait in host memory between
+uses), by what is differentiated, by the shapes, dtypes and
 strides of its tensor arguments, the values of the others, and by the autocast and
 attention settings. A layer that cannot be captured (forward hooks, a host sync in its forward, an
 argument that is not a tensor or a plain value) runs eagerly, with the reason kept in `refused`; a host sync is found
@@ -143,11 +144,13 @@ def _swapped(layer: nn.Module, params: Sequence[Tensor], aliases: Sequence[Tenso
 
 
 def _hooked(layer: nn.Module) -> bool:
+    """Hooks a replay would skip: those of the layer's submodules (and global ones). The
+    layer's own run around the call narrows replays, as they do eagerly."""
     from torch.nn.modules import module as m
 
     if m._global_forward_hooks or m._global_forward_pre_hooks:
         return True
-    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in layer.modules())
+    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in layer.modules() if mod is not layer)
 
 
 class LayerGraphs:
@@ -256,11 +259,15 @@ class LayerGraphs:
         spec = pytree.tree_structure((args, kwargs))
         first = next((p for p in layer.parameters() if not p.requires_grad), None)
         where = first.data_ptr() if first is not None else 0
+        # the adapters' addresses: in host memory between uses (step mode's offload_adapters)
+        # they come back to the same device slot, and a replay reads what it captured
+        trained = tuple(p.data_ptr() for p in layer.parameters() if p.requires_grad)
         # held_token: the 4-bit weights read from the held dequantised copies (step mode)
         return (
             kind,
             index,
             where,
+            trained,
             held_token(layer),
             extra,
             str(spec),

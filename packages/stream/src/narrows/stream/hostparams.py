@@ -13,6 +13,12 @@ Why it is the same training: copies are bitwise and every computation — forwar
 backward, the optimizer's update — still runs on the device on the same values; only
 where those values wait between uses changes.
 
+Where they land: one device slot the size of the largest layer's adapters, each layer's
+parameters at the same offsets in it, so a layer's adapters have the same device
+addresses at every use — which a CUDA graph's replay needs (it reads the addresses it
+captured; `LayerGraphs` keys its graphs by them too). A bring that would put two layers'
+adapters in the slot at once (every layer's, for a sequential step) gets fresh copies.
+
 Between steps each parameter's ``.data`` is its host buffer (pinned on a CUDA run), so
 ``model.state_dict()``, PEFT's ``save_pretrained`` and in-place loads (``p.copy_(w)``) see
 and change the trained values. A parameter found elsewhere at the start of a step (moved
@@ -32,15 +38,29 @@ from torch import Tensor, nn
 
 __all__ = ["HostAdapters"]
 
+_ALIGN = 256  # bytes: each parameter's place in the slot starts on a CUDA allocation boundary
+
 
 class HostAdapters:
     """Pinned host buffers for `params`, which live there except while in use on `device`."""
 
-    def __init__(self, params: Sequence[Tensor], device: torch.device) -> None:
+    def __init__(self, groups: Sequence[Sequence[Tensor]], device: torch.device) -> None:
         self.device = device
         self.pin = device.type == "cuda"
-        self.params = list(params)
+        self.params = [p for group in groups for p in group]
         self._host: dict[int, Tensor] = {}
+        self._group: dict[int, int] = {}  # id(param) → its group (layer)
+        self._offset: dict[int, int] = {}  # id(param) → its byte offset in the slot
+        size = 0
+        for g, group in enumerate(groups):
+            end = 0
+            for p in group:
+                self._group[id(p)], self._offset[id(p)] = g, end
+                end += -(-p.nbytes // _ALIGN) * _ALIGN
+            size = max(size, end)
+        self.slot_bytes = size
+        self._slot: Tensor | None = None  # allocated at the first bring
+        self._in_slot: dict[int, Tensor] = {}  # id(param) → param, while its data is in the slot
         self.bytes_h2d = 0  # for the step's report and tests
         self.bytes_d2h = 0
         self.stepping = False  # inside a step, which moves the adapters itself
@@ -64,14 +84,40 @@ class HostAdapters:
                 self._host[id(p)] = buf
             buf.copy_(p.detach())  # blocking: the caller's values, wherever they were
             p.data = buf
+            self._in_slot.pop(id(p), None)
 
     def bring(self, params: Iterable[Tensor]) -> None:
         """A device copy of each of `params` at home (a copy even on a CPU "device", so the
-        host buffer only ever changes through `park`)."""
-        for p in params:
-            if self.is_home(p):
+        host buffer only ever changes through `park`): into the slot when they are one
+        group's and no other group's are there, else fresh."""
+        todo = [p for p in params if self.is_home(p)]
+        if not todo:
+            return
+        slot = self._slot_for(todo)
+        for p in todo:
+            if slot is None:
                 p.data = p.data.to(self.device, non_blocking=self.pin, copy=True)
-                self.bytes_h2d += p.nbytes
+            else:
+                at = self._offset[id(p)]
+                view = slot[at : at + p.nbytes].view(p.dtype).view(p.shape)
+                view.copy_(p.data, non_blocking=self.pin)  # ordered after the slot's last use
+                p.data = view
+                self._in_slot[id(p)] = p
+            self.bytes_h2d += p.nbytes
+
+    def _slot_for(self, params: list[Tensor]) -> Tensor | None:
+        groups = {self._group.get(id(p)) for p in params}
+        if len(groups) != 1 or None in groups:
+            return None
+        if self._slot is None:
+            self._slot = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        lo, hi = self._slot.data_ptr(), self._slot.data_ptr() + self.slot_bytes
+        for key, q in list(self._in_slot.items()):
+            if not (q.device == self._slot.device and lo <= q.data_ptr() < hi):
+                del self._in_slot[key]  # moved or replaced since: no longer in the slot
+            elif self._group[key] not in groups:
+                return None  # another layer's adapters are there
+        return self._slot
 
     def park(self, params: Iterable[Tensor], changed: bool) -> None:
         """Each of `params` back to its host buffer; `changed`: its device values were
@@ -86,6 +132,7 @@ class HostAdapters:
                 buf.copy_(p.detach(), non_blocking=self.pin)
                 self.bytes_d2h += p.nbytes
             p.data = buf
+            self._in_slot.pop(id(p), None)
 
     # ---- forward passes between steps ------------------------------------------------
     def serve(self, layers: Sequence[nn.Module], params: Sequence[Sequence[Tensor]]) -> None:

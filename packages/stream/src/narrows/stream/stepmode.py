@@ -107,7 +107,7 @@ class StepTrainer:
     transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
     `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
     layer as soon as its gradients are complete (see `hostopt`): same result, less device
-    memory. `offload_adapters=True` (with `offload_optimizer=True`, eager layers) keeps
+    memory. `offload_adapters=True` (with `offload_optimizer=True`) keeps
     the adapter parameters there too: each layer's come to the device for its forward and
     for its backward and update, one layer at a time (see `hostparams`); between steps
     ``.data`` is the host buffer; a forward pass under ``torch.no_grad()`` (evaluation)
@@ -195,13 +195,7 @@ class StepTrainer:
                 "offload_adapters=True sends each layer's adapters back to host memory right after the layer's "
                 "optimizer update, which runs inside the step only with offload_optimizer=True: pass both"
             )
-        if self.handle.graphs is not None:
-            raise StreamSetupError(
-                "offload_adapters=True gives each layer's adapters a new device copy at every use, and a CUDA "
-                "graph replays the addresses it captured: stream with graphs=False, or keep the adapters on the "
-                "device (offload_adapters=False)"
-            )
-        adapters = HostAdapters([p for params in self.layer_params for p in params], self.device)
+        adapters = HostAdapters(self.layer_params, self.device)
         adapters.serve(self.anat.layers, self.layer_params)  # evaluation between steps
         self.host_optimizer.adapters = adapters
         return adapters

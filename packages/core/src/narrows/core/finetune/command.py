@@ -90,8 +90,8 @@ def add_parser(sub) -> None:
       "when its gradients are complete; the same numbers")  # fmt: skip
     a("--offload-adapters", action="store_true", default=None,
       help="with --offload-optimizer (implies it): the adapters wait in host memory too, each layer's on the GPU "
-      "only for its forward and its backward and update; the same numbers, less GPU memory (layers run eagerly: "
-      "not with --cuda-graphs)")  # fmt: skip
+      "only for its forward and its backward and update (one device slot, so CUDA graphs still replay); the same "
+      "numbers, less GPU memory")  # fmt: skip
     a("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
       help="with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
       "counting their memory (faster at short sequences). Not given: the planner uses them where it predicts them "

@@ -76,7 +76,7 @@ class FinetuneConfig:
     # the layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
     cuda_graphs: bool | None = None
     offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
-    offload_adapters: bool = False  # and the adapters too (implies offload_optimizer; layers run eagerly)
+    offload_adapters: bool = False  # and the adapters too (implies offload_optimizer)
     lr: float = 5e-4
     warmup: int | None = None  # None: 5% of the steps
     seed: int = 0
@@ -172,10 +172,6 @@ class FinetuneConfig:
         flag = "--step-mode"
         hosted = "--offload-adapters" if self.offload_adapters else "--offload-optimizer"
         if self.offload_adapters:
-            if self.cuda_graphs:
-                raise NarrowsError("--offload-adapters gives each layer's adapters a new device copy at every use, "
-                                   "and a CUDA graph replays the addresses it captured: drop --cuda-graphs, or "
-                                   "--offload-adapters")  # fmt: skip
             if self.grad_accum < 2:
                 raise NarrowsError("--offload-adapters keeps one layer's adapters on the GPU at a time, which a "
                                    "block-major step of several micro-batches does: add --grad-accum N (N ≥ 2), "
