@@ -19,9 +19,9 @@ from torch import nn
 
 from ..data import TRAINING, Example, collate, micro_batches
 from ..errors import NarrowsError
-from ..memory import format_bytes, read_peaks, reset_peaks
+from ..memory import format_bytes, reset_peaks
 from .config import FinetuneConfig
-from .evaluate import eval_row, to_device
+from .evaluate import eval_row, measured_peak, to_device
 from .ranks import Ranks, micro_seed
 from .rundir import RunFolder
 
@@ -116,8 +116,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             step = progress.step
             tokens = sum(len(e.input_ids) for mb in every for e in mb)
             progress.tokens += tokens
-            peaks = read_peaks(device)
-            peak = peaks.cuda_allocated if device.type == "cuda" else peaks.host_rss
+            peak = measured_peak(model, device)
             loss_sum = ranks.total(loss_sum, device)  # the step's loss over every rank's micro-batches
             peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
             if not ranks.main:  # rank 0 writes the run folder
