@@ -120,6 +120,19 @@ def test_a_hooked_layer_runs_eagerly_and_still_identically():
     assert model.narrows_stream.report()["graphs"]["refused"] == {"1": stats.refused[1]}
 
 
+def test_hooks_on_the_layer_itself_run_around_its_replays():
+    """The layer's own hooks run around the call narrows replays (as step mode's adapter
+    serving does), so they refuse nothing; only its submodules' would be skipped."""
+    model = _model()
+    seen = []
+    model.base_model.model.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(1))
+    got = train(model, steps=2, grad_accum=2, stream_kwargs={"graphs": True, "gpu_budget": None})
+    assert_identical(_resident(), got)
+    stats = model.narrows_stream.graphs.stats
+    assert not stats.refused and stats.replays > 0
+    assert len(seen) == 4  # once per micro-batch forward
+
+
 def test_step_mode_through_graphs_is_identical():
     """Block-major accumulation runs each (layer, micro-batch) through the graphs too."""
     from test_step_mode import resident, stepped
