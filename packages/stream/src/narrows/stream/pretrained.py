@@ -344,8 +344,17 @@ class _WarmReader:
         self.share = share
         self.shared: set[int] = set()  # layers whose home is the shared map of the cache file
         self.why_not = ""
+        # the loading thread's GPU (a rank's own): a worker thread's current device is GPU 0,
+        # where its CUDA calls would otherwise open a context
+        self.gpu = torch.cuda.current_device() if pin else None
 
     def _job(self, i: int) -> tuple[Tensor | None, bool]:
+        if self.gpu is None:
+            return self._read(i)
+        with torch.cuda.device(self.gpu):
+            return self._read(i)
+
+    def _read(self, i: int) -> tuple[Tensor | None, bool]:
         entry = self.prepared.layers[i]
         size = entry.layout.nbytes
         pinned = self.placer.pinned_here(i, size)

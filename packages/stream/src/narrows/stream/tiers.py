@@ -117,12 +117,18 @@ def _aligned_pinned(nbytes: int, pin: bool) -> Tensor:
     buf = torch.frombuffer(area, dtype=torch.uint8)
     if pin:
         cudart = torch.cuda.cudart()
-        if int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0)) != 0:  # cannot pin: let torch do it
+        if (
+            int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)) != 0
+        ):  # let torch pin it
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         weakref.finalize(area, cudart.cudaHostUnregister, buf.data_ptr())
     return buf
 
 
+# cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the
+# calling thread's current device (the loader registers on worker threads, whose current
+# device is GPU 0 whatever the rank's)
+_HOST_REGISTER_PORTABLE = 1
 _HOST_REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly: the map is PROT_READ
 _ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: this process pinned it before
 
@@ -133,7 +139,7 @@ def pin_shared(mapped: Tensor) -> str:
     or why it could not be pinned. Pinned for the process's lifetime."""
     cudart = torch.cuda.cudart()
     ptr, nbytes = mapped.data_ptr(), mapped.numel()
-    err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_READ_ONLY))
+    err = int(cudart.cudaHostRegister(ptr, nbytes, _HOST_REGISTER_READ_ONLY | _HOST_REGISTER_PORTABLE))
     if err in (0, _ALREADY_REGISTERED):
         return ""
     # the failure is also this thread's CUDA "last error": the loader calls this on its
