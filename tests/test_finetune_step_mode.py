@@ -54,6 +54,8 @@ def test_step_mode_trains_what_the_resident_loop_trains(tmp_path, capsys):
     for name in ("step", "hosted", "auto", "adapters"):
         assert_same(reference, result(tmp_path, name))
     assert "eval_loss" in result(tmp_path, "adapters")[1][-1]
+    graphed = json.loads((tmp_path / "adapters" / "summary.json").read_text())["stream"]
+    assert graphed["cuda_graph_replays"] > 0 and not graphed["cuda_graphs_refused"], graphed
     adapters = json.loads((tmp_path / "adapters" / "config.json").read_text())["config"]
     assert adapters["offload_optimizer"] is True and adapters["step_mode"] is True
     for name in (

@@ -21,3 +21,15 @@ def test_a_cuda_peak_adds_the_graphs_pool(monkeypatch):
     assert evaluate.measured_peak(eager, cuda) == 1000
     assert evaluate.measured_peak(torch.nn.Linear(1, 1), cuda) == 1000  # not streamed
     assert evaluate.measured_peak(graphed, torch.device("cpu")) == 5  # the host's high-water mark
+
+
+def test_a_window_that_captured_graphs_counts_the_pool_once(monkeypatch):
+    """A capture allocates the pool's blocks, which the allocated peak then holds."""
+    monkeypatch.setattr(evaluate, "read_peaks", lambda device: MemoryPeaks(cuda_allocated=1000))
+    stats = SimpleNamespace(captured=3)
+    model = SimpleNamespace(narrows_stream=SimpleNamespace(graphs=SimpleNamespace(pool_bytes=lambda: 24,
+                                                                                  stats=stats)))  # fmt: skip
+    cuda = torch.device("cuda", 0)
+    assert evaluate.graph_captures(model) == 3
+    assert evaluate.measured_peak(model, cuda, captures=3) == 1024  # replays only
+    assert evaluate.measured_peak(model, cuda, captures=1) == 1000  # two captured in the window

@@ -182,22 +182,43 @@ def test_one_layer_of_adapters_on_the_device_at_a_time(clip):
 def test_each_layers_adapters_come_to_the_same_device_addresses():
     """Block-major, each layer's adapters land in one device slot at the same offsets at
     every use, forward and backward, step after step (what a graph's replay reads); and
-    through the graphs' buffer path (emulated on a CPU) training is unchanged."""
+    through the graphs' buffer path (emulated on a CPU, no layer refused) training is
+    unchanged."""
     model, params, opt, trainer = _trainer(0.5, 0.0, adapters=True, graphs=True)
     where: dict[int, set] = {}
-    for i, layer in enumerate(trainer.anat.layers):
+    bring = trainer.adapters.bring
 
-        def hook(module, args, i=i):
-            where.setdefault(i, set()).add(tuple(p.data_ptr() for p in trainer.layer_params[i]))
+    def recorded(ps):
+        bring(ps)
+        ps = list(ps)
+        for i, layer_ps in enumerate(trainer.layer_params):
+            if ps and {id(p) for p in ps} == {id(p) for p in layer_ps}:
+                where.setdefault(i, set()).add(tuple(p.data_ptr() for p in layer_ps))
 
-        layer.mlp.register_forward_pre_hook(hook)
+    trainer.adapters.bring = recorded
     _, stats, got = hosted(clip=0.5, dropout=0.0, trainer=(model, params, opt, trainer))
     assert [s.mode for s in stats] == ["block-major"] * STEPS
     assert_identical(_reference(0.5, 0.0), got)
+    graphed = trainer.handle.graphs.stats
+    assert not graphed.refused and graphed.replays > 0, graphed
     assert len(where) == len(trainer.anat.layers) and all(len(ptrs) == 1 for ptrs in where.values())
     slot = trainer.adapters._slot
-    first = {ptrs.pop()[0] for ptrs in where.values()}
-    assert first == {slot.data_ptr()}  # every layer's first adapter at the slot's start
+    assert {ptrs.pop()[0] for ptrs in where.values()} == {slot.data_ptr()}  # each layer's first at its start
+
+
+def test_a_layer_brought_while_another_is_in_the_slot_gets_fresh_copies():
+    """Fault twin of the slot's one rule: a second layer brought before the first is
+    parked must not overwrite it."""
+    model, params, opt, trainer = _trainer(0.5, 0.0, adapters=True)
+    first, second = trainer.layer_params[0], trainer.layer_params[1]
+    values = [p.detach().clone() for p in first]
+    trainer.adapters.bring(first)
+    trainer.adapters.bring(second)
+    slot = trainer.adapters._slot
+    assert all(p.data_ptr() == slot.data_ptr() for p in first[:1])
+    assert all(not (slot.data_ptr() <= p.data_ptr() < slot.data_ptr() + slot.numel()) for p in second)
+    assert all(torch.equal(p, v) for p, v in zip(first, values))
+    trainer.adapters.park(first + second, changed=False)
 
 
 def test_two_layers_adapters_never_share_the_slot():

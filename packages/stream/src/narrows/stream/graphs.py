@@ -261,7 +261,7 @@ class LayerGraphs:
         where = first.data_ptr() if first is not None else 0
         # the adapters' addresses: in host memory between uses (step mode's offload_adapters)
         # they come back to the same device slot, and a replay reads what it captured
-        trained = tuple(p.data_ptr() for p in layer.parameters() if p.requires_grad)
+        trained = tuple((p.data_ptr(), p.shape, p.dtype) for p in layer.parameters() if p.requires_grad)
         # held_token: the 4-bit weights read from the held dequantised copies (step mode)
         return (
             kind,

@@ -51,12 +51,14 @@ class HostAdapters:
         self._host: dict[int, Tensor] = {}
         self._group: dict[int, int] = {}  # id(param) → its group (layer)
         self._offset: dict[int, int] = {}  # id(param) → its byte offset in the slot
+        self._room: dict[int, int] = {}  # id(param) → the bytes its place holds
         size = 0
         for g, group in enumerate(groups):
             end = 0
             for p in group:
                 self._group[id(p)], self._offset[id(p)] = g, end
-                end += -(-p.nbytes // _ALIGN) * _ALIGN
+                self._room[id(p)] = -(-p.nbytes // _ALIGN) * _ALIGN
+                end += self._room[id(p)]
             size = max(size, end)
         self.slot_bytes = size
         self._slot: Tensor | None = None  # allocated at the first bring
@@ -95,7 +97,7 @@ class HostAdapters:
             return
         slot = self._slot_for(todo)
         for p in todo:
-            if slot is None:
+            if slot is None or p.nbytes > self._room[id(p)]:  # a parameter grown since (new data)
                 p.data = p.data.to(self.device, non_blocking=self.pin, copy=True)
             else:
                 at = self._offset[id(p)]

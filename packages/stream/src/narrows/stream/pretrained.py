@@ -252,7 +252,8 @@ def _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, r
     disk: list[int] = []
     layouts: list[SlabLayout | None] = [None] * n
     writer = SlabCacheWriter(target, expect) if target is not None and prepared is None else None
-    warm = _WarmReader(prepared, placer, pin, depth=2, share=share) if prepared is not None else None
+    gpu = torch.device(device).index if device is not None and torch.device(device).type == "cuda" else None
+    warm = _WarmReader(prepared, placer, pin, depth=2, share=share, gpu=gpu) if prepared is not None else None
     # packed weights stay where the checkpoint has them (shared: every slab whole in the cache)
     in_place = expect["settings"]["prequantized"] and not share
 
@@ -337,16 +338,17 @@ class _WarmReader:
     """Reads and checks the cached slabs a few layers ahead on worker threads (zlib and
     file reads release the GIL), so a warm start is bound by the disk, not by one core."""
 
-    def __init__(self, prepared: PreparedCache, placer: _Placer, pin: bool, depth: int, share: bool = False):
+    def __init__(self, prepared: PreparedCache, placer: _Placer, pin: bool, depth: int, share: bool = False,
+                 gpu: int | None = None):  # fmt: skip
         self.prepared, self.placer, self.pin, self.depth = prepared, placer, pin, depth
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="narrows-warm")
         self.jobs: dict[int, Future] = {}
         self.share = share
         self.shared: set[int] = set()  # layers whose home is the shared map of the cache file
         self.why_not = ""
-        # the loading thread's GPU (a rank's own): a worker thread's current device is GPU 0,
-        # where its CUDA calls would otherwise open a context
-        self.gpu = torch.cuda.current_device() if pin else None
+        # the GPU loaded for (a rank's own): a worker thread's current device is GPU 0, where
+        # its CUDA calls would otherwise register the pages and open a context
+        self.gpu = gpu if gpu is not None or not pin else torch.cuda.current_device()
 
     def _job(self, i: int) -> tuple[Tensor | None, bool]:
         if self.gpu is None:

@@ -9,7 +9,7 @@ from torch import nn
 from ..data import TRAINING, Example, collate
 from ..memory import read_peaks, reset_peaks
 
-__all__ = ["eval_loss", "eval_row", "exact_match", "measured_peak", "to_device"]
+__all__ = ["eval_loss", "eval_row", "exact_match", "graph_captures", "measured_peak", "to_device"]
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -49,15 +49,25 @@ def eval_row(
     return row
 
 
-def measured_peak(model: nn.Module, device: torch.device) -> int:
+def graph_captures(model: nn.Module) -> int:
+    """How many CUDA graphs narrows-stream has captured so far (0 without graphs)."""
+    graphs = getattr(getattr(model, "narrows_stream", None), "graphs", None)
+    return graphs.stats.captured if graphs is not None else 0
+
+
+def measured_peak(model: nn.Module, device: torch.device, captures: int | None = None) -> int:
     """Peak bytes since the last `reset_peaks`: CUDA's allocated peak, plus the scratch
     pool of narrows-stream's CUDA graphs, which replays use without allocating (so the
-    allocator's peak does not see it); on a CPU, the process's RSS high-water mark."""
+    allocator's peak does not see it) — unless graphs were captured since `captures`
+    (`graph_captures` at the window's start): a capture allocates in the pool, and the
+    peak counts those blocks already. On a CPU, the process's RSS high-water mark."""
     peaks = read_peaks(device)
     if device.type != "cuda":
         return peaks.host_rss
     graphs = getattr(getattr(model, "narrows_stream", None), "graphs", None)
-    return peaks.cuda_allocated + (graphs.pool_bytes() if graphs is not None else 0)
+    if graphs is None or (captures is not None and graph_captures(model) != captures):
+        return peaks.cuda_allocated
+    return peaks.cuda_allocated + graphs.pool_bytes()
 
 
 @torch.no_grad()

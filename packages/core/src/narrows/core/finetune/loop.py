@@ -21,7 +21,7 @@ from ..data import TRAINING, Example, collate, micro_batches
 from ..errors import NarrowsError
 from ..memory import format_bytes, reset_peaks
 from .config import FinetuneConfig
-from .evaluate import eval_row, measured_peak, to_device
+from .evaluate import eval_row, graph_captures, measured_peak, to_device
 from .ranks import Ranks, micro_seed
 from .rundir import RunFolder
 
@@ -76,6 +76,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
     try:
         while progress.step < cfg.steps:
             reset_peaks(device, host=False)  # the host peak stays whole-process (loading included)
+            captures = graph_captures(model)
             _sync(device)
             t0 = time.perf_counter()
             first = progress.step * per_step + ranks.rank * g  # this rank's first micro-batch
@@ -116,7 +117,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             step = progress.step
             tokens = sum(len(e.input_ids) for mb in every for e in mb)
             progress.tokens += tokens
-            peak = measured_peak(model, device)
+            peak = measured_peak(model, device, captures)
             loss_sum = ranks.total(loss_sum, device)  # the step's loss over every rank's micro-batches
             peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
             if not ranks.main:  # rank 0 writes the run folder
