@@ -209,7 +209,7 @@ def test_each_layers_adapters_come_to_the_same_device_addresses():
 def test_a_layer_brought_while_another_is_in_the_slot_gets_fresh_copies():
     """Fault twin of the slot's one rule: a second layer brought before the first is
     parked must not overwrite it."""
-    model, params, opt, trainer = _trainer(0.5, 0.0, adapters=True)
+    *_, trainer = _trainer(0.5, 0.0, adapters=True)
     first, second = trainer.layer_params[0], trainer.layer_params[1]
     values = [p.detach().clone() for p in first]
     trainer.adapters.bring(first)
