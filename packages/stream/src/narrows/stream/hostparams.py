@@ -49,16 +49,15 @@ class HostAdapters:
         self.pin = device.type == "cuda"
         self.params = [p for group in groups for p in group]
         self._host: dict[int, Tensor] = {}
-        self._group: dict[int, int] = {}  # id(param) → its group (layer)
-        self._offset: dict[int, int] = {}  # id(param) → its byte offset in the slot
-        self._room: dict[int, int] = {}  # id(param) → the bytes its place holds
+        # id(param) → (its group (layer), its byte offset in the slot, the bytes it has there)
+        self._place: dict[int, tuple[int, int, int]] = {}
         size = 0
         for g, group in enumerate(groups):
             end = 0
             for p in group:
-                self._group[id(p)], self._offset[id(p)] = g, end
-                self._room[id(p)] = -(-p.nbytes // _ALIGN) * _ALIGN
-                end += self._room[id(p)]
+                room = -(-p.nbytes // _ALIGN) * _ALIGN
+                self._place[id(p)] = (g, end, room)
+                end += room
             size = max(size, end)
         self.slot_bytes = size
         self._slot: Tensor | None = None  # allocated at the first bring
@@ -97,10 +96,10 @@ class HostAdapters:
             return
         slot = self._slot_for(todo)
         for p in todo:
-            if slot is None or p.nbytes > self._room[id(p)]:  # a parameter grown since (new data)
+            _, at, room = self._place[id(p)]
+            if slot is None or p.nbytes > room:  # a parameter grown since (new data)
                 p.data = p.data.to(self.device, non_blocking=self.pin, copy=True)
             else:
-                at = self._offset[id(p)]
                 view = slot[at : at + p.nbytes].view(p.dtype).view(p.shape)
                 view.copy_(p.data, non_blocking=self.pin)  # ordered after the slot's last use
                 p.data = view
@@ -108,7 +107,7 @@ class HostAdapters:
             self.bytes_h2d += p.nbytes
 
     def _slot_for(self, params: list[Tensor]) -> Tensor | None:
-        groups = {self._group.get(id(p)) for p in params}
+        groups = {self._place[id(p)][0] if id(p) in self._place else None for p in params}
         if len(groups) != 1 or None in groups:
             return None
         if self._slot is None:
@@ -117,7 +116,7 @@ class HostAdapters:
         for key, q in list(self._in_slot.items()):
             if not (q.device == self._slot.device and lo <= q.data_ptr() < hi):
                 del self._in_slot[key]  # moved or replaced since: no longer in the slot
-            elif self._group[key] not in groups:
+            elif self._place[key][0] not in groups:
                 return None  # another layer's adapters are there
         return self._slot
 

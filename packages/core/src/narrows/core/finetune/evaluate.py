@@ -49,9 +49,14 @@ def eval_row(
     return row
 
 
+def _graphs(model: nn.Module):
+    """narrows-stream's CUDA graphs of `model`, or None (not streamed, or no graphs)."""
+    return getattr(getattr(model, "narrows_stream", None), "graphs", None)
+
+
 def graph_captures(model: nn.Module) -> int:
     """How many CUDA graphs narrows-stream has captured so far (0 without graphs)."""
-    graphs = getattr(getattr(model, "narrows_stream", None), "graphs", None)
+    graphs = _graphs(model)
     return graphs.stats.captured if graphs is not None else 0
 
 
@@ -64,8 +69,8 @@ def measured_peak(model: nn.Module, device: torch.device, captures: int | None =
     peaks = read_peaks(device)
     if device.type != "cuda":
         return peaks.host_rss
-    graphs = getattr(getattr(model, "narrows_stream", None), "graphs", None)
-    if graphs is None or (captures is not None and graph_captures(model) != captures):
+    graphs = _graphs(model)
+    if graphs is None or (captures is not None and graphs.stats.captured != captures):
         return peaks.cuda_allocated
     return peaks.cuda_allocated + graphs.pool_bytes()
 
