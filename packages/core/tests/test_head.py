@@ -64,3 +64,31 @@ def test_head_source_is_resident_unless_one_is_attached():
 def test_a_head_that_is_not_linear_is_refused_clearly():
     with pytest.raises(NarrowsError, match="not a plain linear layer"):
         ResidentHead.of(torch.nn.Sequential())
+
+
+def test_a_head_sweep_computes_each_key_once_in_filing_order():
+    """Filings with equal keys in a row go to their compute in one call; `finish` is
+    applied to each loss after; the sweep is empty and the model clean afterwards."""
+    from narrows.core import head_sweep, sharing_head_pass
+
+    model = tiny_model("llama")
+    calls = []
+
+    def compute(inputs):
+        calls.append(list(inputs))
+        return [torch.tensor(float(x)) for x in inputs]
+
+    with sharing_head_pass(model) as sweep:
+        assert head_sweep(model) is sweep
+        with pytest.raises(RuntimeError, match="already active"):
+            with sharing_head_pass(model):
+                pass
+        sweep.file("a", 1, compute)
+        sweep.file("a", 2, compute, lambda v: v * 10)
+        sweep.file("b", 3, compute)
+        sweep.file("a", 4, compute)
+        assert len(sweep) == 4
+        got = sweep.losses()
+    assert [float(v) for v in got] == [1.0, 20.0, 3.0, 4.0]
+    assert calls == [[1, 2], [3], [4]]
+    assert len(sweep) == 0 and head_sweep(model) is None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from narrows.core import LogitMath, ResidentHead
-from narrows.lmhead import linear_cross_entropy, reference_cross_entropy
+from narrows.lmhead import linear_cross_entropies, linear_cross_entropy, reference_cross_entropy
 
 # fp32: the tiles change only the summation order; bf16: logits and the per-tile gradient
 # products are rounded to bf16 like HF's, the sums over tiles are fp32
@@ -138,3 +138,59 @@ def test_fused_dispatch_falls_back_or_says_why_not():
         causal_lm_loss(h, labels, source, LossOptions(fused="cce"))
     with pytest.raises(ValueError, match="fused must be one of"):
         LossOptions(fused="liger")
+
+
+class CountingHostSource(HostLikeSource):
+    def __init__(self, weight):
+        super().__init__(weight)
+        self.passes = 0
+
+    def chunks(self, rows=None):
+        self.passes += 1
+        return super().chunks(rows)
+
+
+def _items(count, dtype):
+    """`count` micro-batches of different lengths over one head."""
+    cases = [case(n=23 + 9 * k, dtype=dtype, seed=k) for k in range(count)]
+    head = cases[0][1]
+    return head, [(hidden, targets, weights) for hidden, _, targets, weights in cases]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("host", [True, False])
+def test_several_items_in_one_pass_are_each_items_own_bits(dtype, host):
+    """One read of a streamed head in forward and one in backward for all items; every
+    item's loss and hidden-state gradient equal its own call's (different incoming
+    gradients included)."""
+    head, items = _items(3, dtype)
+    kw = dict(head_rows=16, tile_bytes=4 * 16 * 9)
+    scales = (0.25, 1.0, 3.0)
+    source = CountingHostSource(head.weight.detach()) if host else ResidentHead.of(head)
+    alone = [linear_cross_entropy(h, t, source, w, **kw) for h, t, w in items]
+    want = [torch.autograd.grad(c * x, h)[0] for c, x, (h, _, _) in zip(scales, alone, items)]
+    passes = getattr(source, "passes", 0)
+    together = linear_cross_entropies(items, source, **kw)
+    got = torch.autograd.grad([c * x for c, x in zip(scales, together)], [h for h, _, _ in items])
+    if host:
+        assert source.passes - passes == 2
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_items_paired_with_another_items_weights_differ():
+    """Twin: the comparison above sees an item computed with another item's data."""
+    head, items = _items(2, torch.float32)
+    source = HostLikeSource(head.weight.detach())
+    (h0, t0, w0), (h1, t1, w1) = items
+    swapped = [(h0, t0, w1[: len(w0)]), (h1, t1, w1)]
+    assert not torch.equal(
+        linear_cross_entropies(swapped, source)[0], linear_cross_entropy(h0, t0, source, w0)
+    )
+
+
+def test_a_training_head_takes_one_item_at_a_time():
+    hidden, head, targets, weights = case(trainable=True)
+    with pytest.raises(ValueError, match="one item at a time"):
+        linear_cross_entropies([(hidden, targets, weights)] * 2, ResidentHead.of(head))
+    assert linear_cross_entropies([], ResidentHead.of(head)) == []

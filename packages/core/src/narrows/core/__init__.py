@@ -49,12 +49,15 @@ from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, Uns
 from .head import (
     DEFAULT_HEAD_ROWS,
     HeadSource,
+    HeadSweep,
     ResidentHead,
     attach_head_source,
     chunked_logits,
     head_source,
+    head_sweep,
     loss_working_set,
     set_loss_working_set,
+    sharing_head_pass,
 )
 from .loader import load_blockwise
 from .logits import LogitMath
@@ -93,6 +96,7 @@ __all__ = [
     "CheckpointFolder",
     "FrozenSlot",
     "HeadSource",
+    "HeadSweep",
     "HeldWeights",
     "LogitMath",
     "MemoryPeaks",
@@ -122,6 +126,7 @@ __all__ = [
     "format_bytes",
     "frozen_slots",
     "head_source",
+    "head_sweep",
     "held_bytes",
     "held_token",
     "held_weight",
@@ -142,6 +147,7 @@ __all__ = [
     "registered_adapter_types",
     "reset_peaks",
     "set_loss_working_set",
+    "sharing_head_pass",
     "shrink_config",
     "shrunk_twin",
     "side_output_overrides",

@@ -13,6 +13,12 @@ it computes them chunk by chunk, so the weight need not be on the device all at 
 Its input gradient is summed over vocabulary chunks (in fp32), so it equals the
 one-matmul head up to floating-point summation order, not bitwise.
 
+`sharing_head_pass(model)` lets one read of a streamed head serve the losses of several
+forwards: inside it, a loss replacement that can (narrows-lmhead's exact chunked loss)
+leaves the loss out of the forward's output and files it with the `HeadSweep`; the
+caller (narrows-stream's step mode) then computes every filed loss in one pass over the
+head's chunks instead of one pass per micro-batch.
+
 `LogitMath` is what an architecture does to the head's output before the loss (Cohere's
 ``logit_scale``, Granite's ``logits_scaling``, Gemma's ``final_logit_softcapping``): it is
 declared per architecture in `anatomy` and travels with every source, so a loss computed
@@ -21,8 +27,10 @@ from the hook applies it exactly where the model's own forward does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -34,11 +42,14 @@ from .logits import LogitMath
 __all__ = [
     "DEFAULT_HEAD_ROWS",
     "HeadSource",
+    "HeadSweep",
     "LogitMath",
     "ResidentHead",
     "attach_head_source",
     "chunked_logits",
     "head_source",
+    "head_sweep",
+    "sharing_head_pass",
 ]
 
 DEFAULT_HEAD_ROWS = 8192  # vocabulary rows per chunk: 8192 x 4096 bf16 is 64 MiB
@@ -140,6 +151,68 @@ def head_source(model: nn.Module) -> HeadSource:
     if source is not None:
         return source
     return ResidentHead.of(anat.head, math=anat.logit_math)
+
+
+@dataclass
+class _Filed:
+    key: Hashable  # losses with equal keys share one pass
+    inputs: Any
+    compute: Callable[[list[Any]], list[Tensor]]  # the inputs of one pass -> their losses, in order
+    finish: Callable[[Tensor], Tensor] | None  # what the forward does to its loss afterwards (an aux loss)
+
+
+class HeadSweep:
+    """Losses filed by forwards run inside `sharing_head_pass`, computed together.
+
+    A consumer files ``(key, inputs, compute, finish)``: `compute` maps the inputs of
+    every filing with the same key (in filing order) to their losses, reading the head
+    once for all of them; `finish` is applied to each loss after, as the forward would
+    have. Each loss must come out exactly as the forward alone would have computed it.
+    """
+
+    def __init__(self) -> None:
+        self._filed: list[_Filed] = []
+
+    def __len__(self) -> int:
+        return len(self._filed)
+
+    def file(self, key: Hashable, inputs: Any, compute: Callable[[list[Any]], list[Tensor]],
+             finish: Callable[[Tensor], Tensor] | None = None) -> None:  # fmt: skip
+        self._filed.append(_Filed(key, inputs, compute, finish))
+
+    def losses(self) -> list[Tensor]:
+        """Every filed loss, in filing order; the sweep is empty afterwards."""
+        filed, self._filed = self._filed, []
+        out: list[Tensor] = []
+        start = 0
+        while start < len(filed):
+            end = start + 1
+            while end < len(filed) and filed[end].key == filed[start].key:
+                end += 1
+            group = filed[start:end]
+            values = group[0].compute([f.inputs for f in group])
+            out += [v if f.finish is None else f.finish(v) for f, v in zip(group, values)]
+            start = end
+        return out
+
+
+@contextmanager
+def sharing_head_pass(model: nn.Module) -> Iterator[HeadSweep]:
+    """Within: forwards of `model` whose loss replacement supports it file their loss
+    with the yielded `HeadSweep` instead of computing it (their output's loss is None)."""
+    lm = anatomy_of(model).model
+    if getattr(lm, "narrows_head_sweep", None) is not None:
+        raise RuntimeError("sharing_head_pass is already active on this model")
+    lm.narrows_head_sweep = sweep = HeadSweep()
+    try:
+        yield sweep
+    finally:
+        lm.narrows_head_sweep = None
+
+
+def head_sweep(model: nn.Module) -> HeadSweep | None:
+    """The active `HeadSweep` of `model` (see `sharing_head_pass`), else None."""
+    return getattr(anatomy_of(model).model, "narrows_head_sweep", None)
 
 
 class _ChunkedLogits(torch.autograd.Function):

@@ -6,7 +6,8 @@ computed in tiles without the [tokens, vocab] logits, and optionally over the un
 the targets' top-k neighbour tokens (an approximation; evaluation keeps the full softmax).
 The head weight comes through narrows.core's head hook, so it composes with narrows-stream
 without importing it. The pieces are usable alone: `causal_lm_loss`,
-`linear_cross_entropy`, `neighbour_table`.
+`linear_cross_entropy` (and `linear_cross_entropies`: several micro-batches' losses in
+one read of a streamed head), `neighbour_table`.
 """
 
 from importlib.metadata import version as _version
@@ -14,7 +15,12 @@ from importlib.metadata import version as _version
 from narrows.core import register_architecture_check as _register_check
 
 from .api import LMHeadHandle, apply, remove
-from .chunked import cross_entropy_from_logits, linear_cross_entropy, reference_cross_entropy
+from .chunked import (
+    cross_entropy_from_logits,
+    linear_cross_entropies,
+    linear_cross_entropy,
+    reference_cross_entropy,
+)
 from .fused import FUSED_CHOICES, fused_reason
 from .loss import LossOptions, NoTrainableTokensError, causal_lm_loss, shift_targets
 from .topk import neighbour_table, subset_head, vocabulary_subset
@@ -33,6 +39,7 @@ __all__ = [
     "causal_lm_loss",
     "cross_entropy_from_logits",
     "fused_reason",
+    "linear_cross_entropies",
     "linear_cross_entropy",
     "neighbour_table",
     "reference_cross_entropy",

@@ -4,7 +4,9 @@ The model's forward is wrapped: when labels are given and the model is training,
 decoder runs as usual and the loss is computed from its last hidden states by
 `causal_lm_loss` — the head only at trainable positions, exact CE in tiles, or top-k —
 and the output carries ``loss`` with ``logits=None``. In eval mode (and without labels)
-the original forward runs: full logits, full softmax. The head weight is read through
+the original forward runs: full logits, full softmax. Inside core's `sharing_head_pass`
+a loss that reads a streamed head chunk by chunk is filed with the sweep instead (the
+output's loss is None), to be computed with other micro-batches' in one pass. The head weight is read through
 core's head hook, so a head that narrows-stream keeps in host memory is served from
 there, whichever of the two calls came first.
 """
@@ -13,15 +15,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor, nn
 
-from narrows.core import anatomy_of, ensure_architecture, head_source, set_loss_working_set
+from narrows.core import anatomy_of, ensure_architecture, head_source, head_sweep, set_loss_working_set
 
 from .aux import router_aux_loss
-from .loss import LossOptions, causal_lm_loss
+from .loss import LossOptions, loss_rows, rows_loss, rows_losses, shares_head_pass
 from .topk import neighbour_table
 
 __all__ = ["LMHeadHandle", "apply", "remove"]
@@ -95,14 +98,20 @@ def apply(
         num_items = kwargs.get("num_items_in_batch")
         decoder_kwargs = {k: v for k, v in kwargs.items() if k not in _LOSS_ONLY}
         out = anat.decoder(input_ids=input_ids, **decoder_kwargs)
-        loss = causal_lm_loss(out.last_hidden_state, labels, head_source(model), options if training else exact,
-                              num_items_in_batch=num_items, shift_labels=shift_labels,
-                              neighbours=neighbours if training else None,
-                              stats=handle.subset_sizes if training else None)  # fmt: skip
+        used = options if training else exact
+        rows = loss_rows(out.last_hidden_state, labels, head_source(model), used, num_items_in_batch=num_items,
+                         shift_labels=shift_labels, neighbours=neighbours if training else None,
+                         stats=handle.subset_sizes if training else None)  # fmt: skip
         aux = router_aux_loss(lm, out, kwargs.get("output_router_logits"), kwargs.get("attention_mask"))
-        if aux is not None:  # as the model's own forward adds it
-            loss = loss + lm.router_aux_loss_coef * aux.to(loss.device)
-        return _output(loss, out, aux)
+
+        def finish(loss: Tensor) -> Tensor:  # as the model's own forward adds the aux loss
+            return loss if aux is None else loss + lm.router_aux_loss_coef * aux.to(loss.device)
+
+        sweep = head_sweep(model)
+        if sweep is not None and shares_head_pass(rows, used):  # computed with other forwards' losses
+            sweep.file((rows.source, used), rows, partial(rows_losses, options=used), finish)
+            return _output(None, out, aux)
+        return _output(finish(rows_loss(rows, used)), out, aux)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     lm.forward = forward
@@ -135,7 +144,7 @@ def _working_set(anat, options: LossOptions, tokens: int) -> int:
     return rows + 2 * tile  # an fp32 tile and the matmul output it is cast from
 
 
-def _output(loss: Tensor, out: Any, aux: Tensor | None = None) -> Any:
+def _output(loss: Tensor | None, out: Any, aux: Tensor | None = None) -> Any:
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     common = dict(

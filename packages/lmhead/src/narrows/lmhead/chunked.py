@@ -16,12 +16,17 @@ architecture's `LogitMath` (Cohere's scale, Granite's divisor, Gemma's softcappi
 every reduction are fp32. Tile arithmetic runs in place, so the
 working set is about one fp32 tile plus its head-dtype matmul output.
 
+`linear_cross_entropies` does the same for several items (the micro-batches of a step)
+in one pass: vocabulary chunks outermost, each item tiled inside as it would be alone, so
+a streamed head is read once per pass for all of them and every item's numbers are its
+own call's.
+
 `reference_cross_entropy` is the plain full-logits computation the tests hold it to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -31,13 +36,14 @@ from narrows.core import DEFAULT_HEAD_ROWS, HeadSource, LogitMath, ResidentHead,
 __all__ = [
     "DEFAULT_TILE_BYTES",
     "cross_entropy_from_logits",
+    "linear_cross_entropies",
     "linear_cross_entropy",
     "reference_cross_entropy",
 ]
 
 DEFAULT_TILE_BYTES = 16 * 2**20  # one fp32 [token chunk x vocabulary chunk] tile
 
-Tile = tuple[slice, Tensor, Tensor | None, slice]  # vocabulary rows, weight, bias, token rows
+Tile = tuple[int, slice, Tensor, Tensor | None, slice]  # item, vocabulary rows, weight, bias, token rows
 
 
 def _tile_logits(h: Tensor, w: Tensor, b: Tensor | None, math: LogitMath) -> Tensor:
@@ -46,25 +52,31 @@ def _tile_logits(h: Tensor, w: Tensor, b: Tensor | None, math: LogitMath) -> Ten
     return math.apply_(z)
 
 
-def _tiles(source: HeadSource, n: int, head_rows: int | None, tile_bytes: int) -> Iterator[Tile]:
-    """Every (vocabulary chunk, token chunk) tile, in the order that suits the source.
+def _tiles(source: HeadSource, sizes: list[int], head_rows: int | None, tile_bytes: int) -> Iterator[Tile]:
+    """Every (vocabulary chunk, token chunk) tile of every item (token count in `sizes`),
+    in the order that suits the source; each item is tiled as it would be alone.
 
-    A resident head is on the device: token chunks go outside, so each token's gradient is
-    finished before the next chunk starts and only [T, H] is ever accumulated in fp32. A
-    streamed head is read chunk by chunk from host memory: vocabulary chunks go outside,
-    so the head is read once per pass.
+    A resident head is on the device: items and token chunks go outside, so each token's
+    gradient is finished before the next chunk starts and only [T, H] is ever accumulated
+    in fp32. A streamed head is read chunk by chunk from host memory: vocabulary chunks go
+    outside, so the head is read once per pass — for all items together.
     """
     rows = min(head_rows or DEFAULT_HEAD_ROWS, source.vocab_size)
     step = max(1, tile_bytes // (4 * rows))
+
+    def token_chunks(n: int) -> list[slice]:
+        return [slice(t, min(t + step, n)) for t in range(0, n, step)]
+
     if isinstance(source, ResidentHead):
-        for t in range(0, n, step):
-            ts = slice(t, min(t + step, n))
-            for sl, w, b in source.chunks(head_rows):
-                yield sl, w, b, ts
+        for k, n in enumerate(sizes):
+            for ts in token_chunks(n):
+                for sl, w, b in source.chunks(head_rows):
+                    yield k, sl, w, b, ts
     else:
         for sl, w, b in source.chunks(head_rows):
-            for t in range(0, n, step):
-                yield sl, w, b, slice(t, min(t + step, n))
+            for k, n in enumerate(sizes):
+                for ts in token_chunks(n):
+                    yield k, sl, w, b, ts
 
 
 def _target_logit(z: Tensor, sl: slice, y: Tensor) -> Tensor:
@@ -74,75 +86,89 @@ def _target_logit(z: Tensor, sl: slice, y: Tensor) -> Tensor:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
+    """The losses of items ``(hidden, targets, token_weights)``, one per item, in one pass
+    over the head; every item's numbers are those it would get alone."""
+
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor | None, targets: Tensor, token_weights: Tensor,  # type: ignore[override]
-                source: HeadSource, math: LogitMath, head_rows: int | None,
-                tile_bytes: int) -> Tensor:  # fmt: skip
-        n, dev = hidden.shape[0], hidden.device
-        m = torch.full((n,), -torch.inf, dtype=torch.float32, device=dev)
-        s = torch.zeros(n, dtype=torch.float32, device=dev)
-        tgt = torch.zeros(n, dtype=torch.float32, device=dev)
-        for sl, w, b, ts in _tiles(source, n, head_rows, tile_bytes):
-            z = _tile_logits(hidden[ts], w, b, math)
-            tgt[ts] += _target_logit(z, sl, targets[ts])
-            m_new = torch.maximum(m[ts], z.amax(dim=1))
-            s[ts] = s[ts] * torch.exp(m[ts] - m_new) + z.sub_(m_new[:, None]).exp_().sum(dim=1)
-            m[ts] = m_new
-        lse = m + torch.log(s)
-        ctx.save_for_backward(hidden, targets, token_weights, lse)
+    def forward(ctx, source: HeadSource, math: LogitMath, head_rows: int | None, tile_bytes: int,  # type: ignore[override]
+                weight: Tensor | None, *items: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+        hiddens, targets, token_weights = items[0::3], items[1::3], items[2::3]
+        dev = hiddens[0].device
+        sizes = [h.shape[0] for h in hiddens]
+        m = [torch.full((n,), -torch.inf, dtype=torch.float32, device=dev) for n in sizes]
+        s = [torch.zeros(n, dtype=torch.float32, device=dev) for n in sizes]
+        tgt = [torch.zeros(n, dtype=torch.float32, device=dev) for n in sizes]
+        for k, sl, w, b, ts in _tiles(source, sizes, head_rows, tile_bytes):
+            z = _tile_logits(hiddens[k][ts], w, b, math)
+            tgt[k][ts] += _target_logit(z, sl, targets[k][ts])
+            m_new = torch.maximum(m[k][ts], z.amax(dim=1))
+            s[k][ts] = s[k][ts] * torch.exp(m[k][ts] - m_new) + z.sub_(m_new[:, None]).exp_().sum(dim=1)
+            m[k][ts] = m_new
+        lse = [mk + torch.log(sk) for mk, sk in zip(m, s)]
+        ctx.save_for_backward(*items, *lse)
         ctx.source, ctx.math, ctx.head_rows, ctx.tile_bytes = source, math, head_rows, tile_bytes
         ctx.weight_dtype = None if weight is None else weight.dtype
         ctx.ambient = ambient_state(dev)  # the backward recomputes the logits as this forward did
-        return ((lse - tgt) * token_weights).sum()
+        return tuple(((lk - tk) * wk).sum() for lk, tk, wk in zip(lse, tgt, token_weights))
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        hidden, targets, token_weights, lse = ctx.saved_tensors
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        count = len(grads)
+        hiddens, targets, token_weights, lse = saved[0:3 * count:3], saved[1:3 * count:3], saved[2:3 * count:3], saved[3 * count:]  # fmt: skip
         source, math = ctx.source, ctx.math
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        tw = token_weights * grad.float()
-        gh = torch.empty_like(hidden) if want_h else None  # in the hidden dtype, as autograd hands it on
+        resident = isinstance(source, ResidentHead)
+        want_h = [ctx.needs_input_grad[5 + 3 * k] for k in range(count)]
+        want_w = ctx.needs_input_grad[4]
+        tw = [w * g.float() for w, g in zip(token_weights, grads)]
+        # in the hidden dtype, as autograd hands it on
+        gh = [torch.empty_like(h) if want else None for h, want in zip(hiddens, want_h)]
         gw = (
-            torch.zeros(source.vocab_size, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            torch.zeros(source.vocab_size, hiddens[0].shape[1], dtype=torch.float32, device=hiddens[0].device)
             if want_w
             else None
         )
-        acc, acc_rows = None, None
+        acc: list[Tensor | None] = [None] * count
+        acc_rows: list[slice | None] = [None] * count
         # under the forward's autocast settings: the logits its log-sum-exp came from, and the
         # matmuls in the precision resident autocast training differentiates them in
         with ambient_as(ctx.ambient):
-            for sl, w, b, ts in _tiles(source, hidden.shape[0], ctx.head_rows, ctx.tile_bytes):
-                h = hidden[ts]
+            for k, sl, w, b, ts in _tiles(
+                source, [h.shape[0] for h in hiddens], ctx.head_rows, ctx.tile_bytes
+            ):
+                h = hiddens[k][ts]
                 z = _tile_logits(h, w, b, math)
                 dfinal = math.derivative(z)  # d final logit / d raw logit (scale, softcap)
-                dz = z.sub_(lse[ts, None]).exp_()  # softmax, in place of the logits
-                local = targets[ts] - sl.start
+                dz = z.sub_(lse[k][ts, None]).exp_()  # softmax, in place of the logits
+                local = targets[k][ts] - sl.start
                 rows = torch.nonzero((local >= 0) & (local < dz.shape[1]))[:, 0]
                 dz[rows, local[rows]] -= 1.0
-                dz.mul_(tw[ts, None])
+                dz.mul_(tw[k][ts, None])
                 if dfinal is not None:
                     dz.mul_(dfinal)
                 dz = dz.to(w.dtype)  # HF's backward hands the logits gradient on in the head dtype
-                if gh is not None:
-                    if isinstance(source, ResidentHead):  # token-outer: finish this chunk, then store it
-                        if acc_rows != ts:
-                            if acc is not None:
-                                gh[acc_rows] = acc.to(gh.dtype)
-                            acc = torch.zeros(
-                                ts.stop - ts.start, hidden.shape[1], dtype=torch.float32, device=h.device
+                if gh[k] is not None:
+                    if resident:  # token-outer: finish this chunk, then store it
+                        if acc_rows[k] != ts:
+                            if acc[k] is not None:
+                                gh[k][acc_rows[k]] = acc[k].to(gh[k].dtype)
+                            acc[k] = torch.zeros(
+                                ts.stop - ts.start, h.shape[1], dtype=torch.float32, device=h.device
                             )
-                            acc_rows = ts
-                        acc += dz @ w
-                    else:  # vocabulary-outer: one fp32 accumulator for all tokens
-                        if acc is None:
-                            acc = torch.zeros(hidden.shape, dtype=torch.float32, device=h.device)
-                        acc[ts] += dz @ w
+                            acc_rows[k] = ts
+                        acc[k] += dz @ w
+                    else:  # vocabulary-outer: one fp32 accumulator for all of an item's tokens
+                        if acc[k] is None:
+                            acc[k] = torch.zeros(hiddens[k].shape, dtype=torch.float32, device=h.device)
+                        acc[k][ts] += dz @ w
                 if gw is not None:
                     gw[sl] += dz.t() @ h
-        if gh is not None:
-            gh[acc_rows if isinstance(source, ResidentHead) else slice(None)] = acc.to(gh.dtype)
-        gw = None if gw is None else gw.to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None, None, None
+        out: list[Tensor | None] = [None, None, None, None, None if gw is None else gw.to(ctx.weight_dtype)]
+        for k in range(count):
+            if gh[k] is not None:
+                gh[k][acc_rows[k] if resident else slice(None)] = acc[k].to(gh[k].dtype)
+            out += [gh[k], None, None]
+        return tuple(out)
 
 
 def linear_cross_entropy(
@@ -160,13 +186,35 @@ def linear_cross_entropy(
     trainable positions first); `token_weights` [N] fp32 carries the reduction (1/count for
     a mean). The head's weight gradient flows when ``source.trainable_weight`` is set.
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or token_weights.shape != targets.shape:
-        raise ValueError(
-            f"hidden must be [N, H] with targets and token_weights [N]; got {tuple(hidden.shape)}, "
-            f"{tuple(targets.shape)}, {tuple(token_weights.shape)}"
-        )
-    return _LinearCrossEntropy.apply(hidden, source.trainable_weight, targets, token_weights.float(), source,
-                                     source.math, head_rows, tile_bytes)  # fmt: skip
+    return linear_cross_entropies([(hidden, targets, token_weights)], source, head_rows=head_rows,
+                                  tile_bytes=tile_bytes)[0]  # fmt: skip
+
+
+def linear_cross_entropies(
+    items: Sequence[tuple[Tensor, Tensor, Tensor]],
+    source: HeadSource,
+    *,
+    head_rows: int | None = None,
+    tile_bytes: int = DEFAULT_TILE_BYTES,
+) -> list[Tensor]:
+    """`linear_cross_entropy` of several ``(hidden, targets, token_weights)`` items — the
+    micro-batches of a step — with one read of a streamed head in forward and one in
+    backward for all of them. Each item's loss and gradient are `torch.equal` to its own
+    `linear_cross_entropy`. A head that trains takes one item at a time (its gradient
+    would be summed over the items in another order)."""
+    if not items:
+        return []
+    for hidden, targets, token_weights in items:
+        if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or token_weights.shape != targets.shape:
+            raise ValueError(
+                f"hidden must be [N, H] with targets and token_weights [N]; got {tuple(hidden.shape)}, "
+                f"{tuple(targets.shape)}, {tuple(token_weights.shape)}"
+            )
+    weight = source.trainable_weight
+    if weight is not None and len(items) > 1:
+        raise ValueError("a head that trains takes one item at a time: call linear_cross_entropy for each")
+    flat = [t for hidden, targets, token_weights in items for t in (hidden, targets, token_weights.float())]
+    return list(_LinearCrossEntropy.apply(source, source.math, head_rows, tile_bytes, weight, *flat))
 
 
 def cross_entropy_from_logits(logits: Tensor, targets: Tensor, token_weights: Tensor,

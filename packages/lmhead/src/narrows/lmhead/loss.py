@@ -13,13 +13,28 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from narrows.core import HeadSource, NarrowsError, chunked_logits
+from narrows.core import HeadSource, NarrowsError, ResidentHead, chunked_logits
 
-from .chunked import DEFAULT_TILE_BYTES, cross_entropy_from_logits, linear_cross_entropy
+from .chunked import (
+    DEFAULT_TILE_BYTES,
+    cross_entropy_from_logits,
+    linear_cross_entropies,
+    linear_cross_entropy,
+)
 from .fused import FUSED_CHOICES, fused_cross_entropy, fused_reason
 from .topk import subset_head, vocabulary_subset
 
-__all__ = ["LossOptions", "NoTrainableTokensError", "causal_lm_loss", "shift_targets"]
+__all__ = [
+    "LossOptions",
+    "LossRows",
+    "NoTrainableTokensError",
+    "causal_lm_loss",
+    "loss_rows",
+    "rows_loss",
+    "rows_losses",
+    "shares_head_pass",
+    "shift_targets",
+]
 
 
 class NoTrainableTokensError(NarrowsError, ValueError):
@@ -71,6 +86,35 @@ def causal_lm_loss(
     `neighbours` is the top-k table (`neighbour_table`) when ``options.topk`` is set;
     `stats`, when given, receives the size of each batch's vocabulary subset.
     """
+    rows = loss_rows(hidden, labels, source, options, num_items_in_batch=num_items_in_batch,
+                     shift_labels=shift_labels, neighbours=neighbours, stats=stats)  # fmt: skip
+    return rows_loss(rows, options)
+
+
+@dataclass
+class LossRows:
+    """What the loss is computed from: the hidden states of the positions it reads, their
+    targets, each one's weight in the reduction, and the head (a vocabulary subset with
+    top-k)."""
+
+    hidden: Tensor  # [N, H]
+    targets: Tensor  # [N]
+    weights: Tensor  # [N] fp32
+    source: HeadSource
+
+
+def loss_rows(
+    hidden: Tensor,
+    labels: Tensor | None,
+    source: HeadSource,
+    options: LossOptions = LossOptions(),
+    *,
+    num_items_in_batch: Tensor | int | None = None,
+    shift_labels: Tensor | None = None,
+    neighbours: Tensor | None = None,
+    stats: list[int] | None = None,
+) -> LossRows:
+    """The shifted, masked rows `causal_lm_loss` computes its loss from."""
     targets = shift_targets(labels, shift_labels, options.ignore_index).reshape(-1).to(hidden.device)
     flat = hidden.reshape(-1, hidden.shape[-1])
     valid = targets != options.ignore_index
@@ -104,6 +148,12 @@ def causal_lm_loss(
         source = subset_head(source, ids)
         if stats is not None:
             stats.append(ids.numel())
+    return LossRows(flat, targets, weights, source)
+
+
+def rows_loss(rows: LossRows, options: LossOptions) -> Tensor:
+    """The loss of `rows`: fused, chunked or from logits, as `options` say."""
+    flat, targets, source, weights = rows.hidden, rows.targets, rows.source, rows.weights
     if options.chunked and options.fused != "off":
         why_not = fused_reason(flat, source)
         if why_not is None:
@@ -119,3 +169,27 @@ def causal_lm_loss(
     else:
         logits = nn.functional.linear(flat, weight, getattr(source, "bias", None))
     return cross_entropy_from_logits(logits, targets, weights, source.math)
+
+
+def shares_head_pass(rows: LossRows, options: LossOptions) -> bool:
+    """Whether `rows_loss` would read a streamed frozen head chunk by chunk, so that the
+    loss can share its pass over the head with other micro-batches' (`rows_losses`)."""
+    source = rows.source
+    return (
+        options.chunked
+        and options.topk is None
+        and not isinstance(source, ResidentHead)
+        and source.trainable_weight is None
+        and (
+            options.fused == "off"
+            or (options.fused == "auto" and fused_reason(rows.hidden, source) is not None)
+        )
+    )
+
+
+def rows_losses(many: list[LossRows], options: LossOptions) -> list[Tensor]:
+    """`rows_loss` of several rows that share a head (`shares_head_pass`), in one pass."""
+    items = [(r.hidden, r.targets, r.weights) for r in many]
+    return linear_cross_entropies(
+        items, many[0].source, head_rows=options.head_rows, tile_bytes=options.tile_bytes
+    )

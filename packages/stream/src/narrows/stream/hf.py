@@ -52,8 +52,7 @@ class StepModeTrainer(Trainer):
         if why is not None:
             raise StreamSetupError(f"StepModeTrainer cannot run this configuration exactly: {why}. "
                                    "Use transformers.Trainer on the streamed model (sequential accumulation).")  # fmt: skip
-        self._step_mode = StepTrainer(self.model, None, grad_accum=self.args.gradient_accumulation_steps,
-                                      loss_fn=_model_loss)  # fmt: skip
+        self._step_mode = StepTrainer(self.model, None, grad_accum=self.args.gradient_accumulation_steps)
         self._waiting: list[dict[str, Any]] = []
         self.step_modes: list[str] = []  # how each optimizer step ran: "block-major", or sequential and why
 
@@ -76,11 +75,3 @@ class StepModeTrainer(Trainer):
         for loss in losses:
             total = total + loss.detach().to(total.device) / divisor
         return total
-
-
-def _model_loss(output: Any, batch: dict) -> torch.Tensor:
-    if isinstance(output, dict):
-        if "loss" not in output:
-            raise ValueError(f"the model returned no loss from the inputs {', '.join(batch)}; pass labels")
-        return output["loss"]
-    return output[0]

@@ -41,7 +41,9 @@ from narrows.core import (
     HeldWeights,
     ambient_state,
     anatomy_of,
+    loss_working_set,
     measure_peaks,
+    sharing_head_pass,
     trainable_parameters,
 )
 
@@ -90,6 +92,15 @@ class _Micro:
     grad: Tensor | None = None  # gradient w.r.t. the boundary being differentiated
 
 
+def _model_loss(output: Any, batch: dict) -> Tensor:
+    """The loss the model computed (a ModelOutput's ``loss``, or the first element)."""
+    if isinstance(output, dict):
+        if "loss" not in output:
+            raise ValueError(f"the model returned no loss from the inputs {', '.join(batch)}; pass labels")
+        return output["loss"]
+    return output[0]
+
+
 def _signature(batch: dict[str, Any]) -> tuple:
     return tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, Tensor)))
 
@@ -102,7 +113,7 @@ class StepTrainer:
     trainable parameters, or a callable building one from them. After each step the
     optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
     given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
-    maps (model output, batch) to the micro-batch loss (default: ``output.loss``).
+    maps (model output, batch) to the micro-batch loss (default: the model's own, ``output.loss``).
     `scale_loss=False`: `loss_fn`'s loss is already normalised over the whole step (e.g.
     transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
     `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
@@ -159,7 +170,8 @@ class StepTrainer:
         self.divisor = grad_accum if scale_loss else 1  # what each micro-batch's loss is divided by
         self.max_grad_norm = max_grad_norm
         self.scheduler = scheduler
-        self.loss_fn = loss_fn or (lambda out, batch: out.loss)
+        self.loss_fn = loss_fn or _model_loss
+        self._own_loss = loss_fn is None  # the model's loss: it may be filed with a head sweep
         self.device = self.handle.device
         self.engine = self.handle.engine
         n = self.anat.num_layers
@@ -445,12 +457,12 @@ class StepTrainer:
         if len(micro.args) != n:
             raise StreamSetupError("step mode: the model did not call every decoder layer once in order")
 
-    def _head(self, micro: _Micro, end_state: RngState) -> Tensor:
-        """The model's forward again, every layer replaced by its computed output: the
-        final norm, the head and the loss run as in resident training, from the RNG state
-        the last layer left."""
+    def _head_forward(self, micro: _Micro, leaf: Tensor) -> Any:
+        """The model's forward again, every layer replaced by its computed output (`leaf`):
+        the final norm, the head and the loss run as in resident training, from the RNG
+        state the last layer left."""
         n = self.anat.num_layers
-        leaf = micro.out.detach().requires_grad_(True)
+        end_state = micro.states[n]
 
         def replaced(index: int) -> Callable[..., Any]:
             def forward(*args: Any, **kwargs: Any) -> Any:
@@ -462,11 +474,61 @@ class StepTrainer:
             return forward
 
         with replaced_forwards(self.anat.layers, replaced):
-            loss = self.loss_fn(self.model(**micro.batch), micro.batch)
-        (loss / self.divisor).backward()
-        micro.grad = leaf.grad
-        micro.out = None
-        return loss.detach()
+            return self.model(**micro.batch)
+
+    def _losses(self, micros: list[_Micro]) -> tuple[list[Tensor], list[RngState]]:
+        """Each micro-batch's loss and its gradient at the last layer's output, in order,
+        and the RNG state each loss left (where the next micro-batch begins).
+
+        A loss that reads the streamed head chunk by chunk (narrows-lmhead's) is filed
+        with core's head sweep and computed with the rest of its group in one pass over
+        the head: 2 head reads per group instead of 2 per micro-batch, each loss and
+        gradient the same bits (`linear_cross_entropies`)."""
+        losses: list[Tensor] = []
+        ends: list[RngState] = []
+        size = self._head_group(micros)
+        for start in range(0, len(micros), size):
+            group = micros[start : start + size]
+            leaves = [m.out.detach().requires_grad_(True) for m in group]
+            values: list[Tensor | None] = [None] * len(group)
+            with sharing_head_pass(self.model) if size > 1 else nullcontext() as sweep:
+                filed = []
+                for k, (micro, leaf) in enumerate(zip(group, leaves)):
+                    micro.out = None
+                    out = self._head_forward(micro, leaf)
+                    if sweep is not None and len(sweep) > len(filed):
+                        filed.append(k)
+                    else:
+                        loss = self.loss_fn(out, micro.batch)
+                        (loss / self.divisor).backward()
+                        values[k] = loss
+                    ends.append(capture(self.device))
+                shared = sweep.losses() if filed else []
+            if shared:  # one backward through the group's shared head pass
+                torch.autograd.backward([v / self.divisor for v in shared])
+                for k, v in zip(filed, shared):
+                    values[k] = v
+            for micro, leaf, v in zip(group, leaves, values):
+                micro.grad = leaf.grad
+                losses.append(v.detach())
+        return losses, ends
+
+    def _head_group(self, micros: list[_Micro]) -> int:
+        """How many micro-batches share a pass over the head: 1 unless the head is
+        streamed, the loss is the model's own (a custom `loss_fn` may read it), nothing
+        trains after the last layer (its gradient would be summed in another order), and
+        then as many as fit, each counted at its loss's working set, in the working set
+        the plan leaves for the loss or one layer's recompute."""
+        if self.handle.head is None or not self._own_loss or self.other_params:
+            return 1
+        room, size, used = self.handle.plan.work_bytes, 0, 0
+        for micro in micros:
+            ids = micro.batch.get("input_ids")
+            need = loss_working_set(self.model, ids.numel()) if isinstance(ids, Tensor) else None
+            if need is None or used + need > room:
+                break
+            size, used = size + 1, used + need
+        return max(1, size)
 
     def _load_input(self, micro: _Micro, index: int) -> Tensor:
         x = micro.saved[index]
@@ -509,10 +571,7 @@ class StepTrainer:
             self._park(self.layer_params[i])
 
         # the loss of each micro-batch, in order; it leaves the generator where the next begins
-        losses, ends = [], []
-        for micro in micros:
-            losses.append(self._head(micro, micro.states[n]))
-            ends.append(capture(self.device))
+        losses, ends = self._losses(micros)
         # checked before any backward: with the optimizer on the host, layers update during it
         if chained and not all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
             return None, losses
