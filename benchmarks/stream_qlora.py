@@ -262,6 +262,7 @@ def run_one(args: argparse.Namespace) -> dict:
         )
         if trainer is not None:
             out["dequantize_once"] = trainer.held_choice
+            out["head_group"] = trainer.head_group  # micro-batches per pass over a streamed head
         graphs = model.narrows_stream.graphs
         if graphs is not None:  # replays use the graphs' pool, which the allocator's peak does not see
             pool = graphs.pool_bytes()

@@ -20,26 +20,29 @@ G = 4
 STEPS = 2
 
 
-def _build(arch: str = "qwen2", dropout: float = 0.0) -> torch.nn.Module:
-    return lmh.apply(with_adapter(tiny_model(arch), "lora", dropout=dropout).train(), head_rows=ROWS)
+def _build(arch: str = "qwen2", dropout: float = 0.0, device: str = "cpu") -> torch.nn.Module:
+    model = with_adapter(tiny_model(arch), "lora", dropout=dropout).train()
+    if device == "cuda":  # the resident reference would go to Cut Cross-Entropy, the streamed head cannot
+        return lmh.apply(model.to(torch.bfloat16), head_rows=ROWS, fused="off")
+    return lmh.apply(model, head_rows=ROWS)
 
 
-def _batches(step: int) -> list[dict]:
-    return [tiny_batch(seed=100 * step + k) for k in range(G)]
+def _batches(step: int, device: str = "cpu") -> list[dict]:
+    return [{k: v.to(device) for k, v in tiny_batch(seed=100 * step + k).items()} for k in range(G)]
 
 
 def _optimizer(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _resident(arch: str, dropout: float = 0.0) -> dict:
-    model = _build(arch, dropout)
+def _resident(arch: str, dropout: float = 0.0, device: str = "cpu") -> dict:
+    model = _build(arch, dropout, device).to(device)
     torch.manual_seed(0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
     losses, grads = [], []
     for step in range(STEPS):
-        for batch in _batches(step):
+        for batch in _batches(step, device):
             loss = model(**batch).loss
             (loss / G).backward()
             losses.append(loss.detach())
@@ -50,10 +53,10 @@ def _resident(arch: str, dropout: float = 0.0) -> dict:
     return {"loss": losses, "grad": grads, "weight": [p.detach().clone() for p in params]}
 
 
-def _stepped(arch: str, dropout: float = 0.0) -> dict:
-    model = _build(arch, dropout)
+def _stepped(arch: str, dropout: float = 0.0, device: str = "cpu") -> dict:
+    model = _build(arch, dropout, device)
     torch.manual_seed(0)
-    ns.stream(model, device="cpu", head="stream", head_rows=ROWS, offload="off")
+    ns.stream(model, device=device, head="stream", head_rows=ROWS, offload="off")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
     grads: list[torch.Tensor] = []
@@ -62,7 +65,7 @@ def _stepped(arch: str, dropout: float = 0.0) -> dict:
     trainer = ns.StepTrainer(model, opt, grad_accum=G, max_grad_norm=0.5)
     losses = []
     for step in range(STEPS):
-        stats = trainer.step(_batches(step))
+        stats = trainer.step(_batches(step, device))
         # with dropout the first step learns each micro-batch's RNG draws in sequential order
         assert stats.mode == "block-major" or (dropout and step == 0)
         losses += [torch.tensor(v) for v in stats.losses]
@@ -144,7 +147,30 @@ def test_the_group_fits_the_working_set_the_plan_left(monkeypatch):
     assert trainer._head_group(micros) == 1
     room(10 * per)
     assert trainer._head_group(micros) == G
+    # a graphs' pool larger than the plan said takes its excess out of the room
+    pool = type("Pool", (), {"pool_bytes": lambda self: handle.plan.graph_bytes + 8 * per})()
+    monkeypatch.setattr(handle, "graphs", pool)
+    monkeypatch.setattr(handle, "plan", dataclasses.replace(handle.plan, graphs=True))
+    assert trainer._head_group(micros) == 2
+    monkeypatch.setattr(handle, "graphs", None)
     custom = ns.StepTrainer(model, _optimizer, grad_accum=G, loss_fn=lambda out, b: out.loss)
     assert custom._head_group(micros) == 1
     monkeypatch.setattr(handle, "head", None)
     assert trainer._head_group(micros) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_shared_head_pass_is_exact(monkeypatch):
+    """On CUDA (bf16, deterministic kernels): the head streamed from pinned memory on the
+    copy stream, read twice a step, the same bits as resident training."""
+    import os
+
+    from narrows.core import deterministic
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    deterministic(True)
+    want = _resident("qwen2", dropout=0.1, device="cuda")
+    want["loss"] = [torch.tensor(float(v)) for v in want["loss"]]
+    passes = _count_passes(monkeypatch)
+    assert _same(want, _stepped("qwen2", dropout=0.1, device="cuda"))
+    assert len(passes) == 2 * G + 2  # the first step learns the RNG draws in sequential order

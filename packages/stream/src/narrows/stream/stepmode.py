@@ -79,6 +79,7 @@ class StepStats:
     seconds: float
     peak_allocated: int | None  # device bytes (CUDA)
     bytes_h2d: int  # frozen weights copied to the device this step
+    head_group: int = 1  # micro-batches that shared each pass over a streamed head
 
 
 @dataclass
@@ -172,6 +173,7 @@ class StepTrainer:
         self.scheduler = scheduler
         self.loss_fn = loss_fn or _model_loss
         self._own_loss = loss_fn is None  # the model's loss: it may be filed with a head sweep
+        self.head_group = 1  # how many micro-batches the last step's head passes served
         self.device = self.handle.device
         self.engine = self.handle.engine
         n = self.anat.num_layers
@@ -297,10 +299,12 @@ class StepTrainer:
             torch.cuda.synchronize(self.device)
         tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
         values = [float(v) for v in losses]
+        group = self.head_group if mode == "block-major" else 1
         return StepStats(loss=sum(values) / len(values), losses=values, grad_norm=grad_norm, mode=mode,
                          micro_batches=len(batches), tokens=tokens, seconds=time.perf_counter() - t0,
                          peak_allocated=getattr(peaks, "cuda_allocated", None),
-                         bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d)  # fmt: skip
+                         bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d,
+                         head_group=group)  # fmt: skip
 
     def _adapter_bytes(self) -> int:
         return 0 if self.adapters is None else self.adapters.bytes_h2d
@@ -486,7 +490,7 @@ class StepTrainer:
         gradient the same bits (`linear_cross_entropies`)."""
         losses: list[Tensor] = []
         ends: list[RngState] = []
-        size = self._head_group(micros)
+        size = self.head_group = self._head_group(micros)
         for start in range(0, len(micros), size):
             group = micros[start : start + size]
             leaves = [m.out.detach().requires_grad_(True) for m in group]
@@ -518,10 +522,15 @@ class StepTrainer:
         streamed, the loss is the model's own (a custom `loss_fn` may read it), nothing
         trains after the last layer (its gradient would be summed in another order), and
         then as many as fit, each counted at its loss's working set, in the working set
-        the plan leaves for the loss or one layer's recompute."""
+        the plan leaves for the loss or one layer's recompute — less what the CUDA graphs'
+        pool, once captured, holds beyond the plan's estimate of it."""
         if self.handle.head is None or not self._own_loss or self.other_params:
             return 1
-        room, size, used = self.handle.plan.work_bytes, 0, 0
+        plan, graphs = self.handle.plan, self.handle.graphs
+        room = plan.work_bytes
+        if graphs is not None and plan.graphs:
+            room -= max(0, graphs.pool_bytes() - plan.graph_bytes)
+        size, used = 0, 0
         for micro in micros:
             ids = micro.batch.get("input_ids")
             need = loss_working_set(self.model, ids.numel()) if isinstance(ids, Tensor) else None
