@@ -80,9 +80,8 @@ def test_a_head_sweep_computes_each_key_once_in_filing_order():
 
     with sharing_head_pass(model) as sweep:
         assert head_sweep(model) is sweep
-        with pytest.raises(RuntimeError, match="already active"):
-            with sharing_head_pass(model):
-                pass
+        with pytest.raises(RuntimeError, match="already active"), sharing_head_pass(model):
+            pass
         sweep.file("a", 1, compute)
         sweep.file("a", 2, compute, lambda v: v * 10)
         sweep.file("b", 3, compute)
