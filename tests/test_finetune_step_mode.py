@@ -4,6 +4,7 @@ on the CPU), and neither asked (narrows-stream's choice, with its reason): the a
 every logged loss are `torch.equal` to the plain resident loop's, with dropout, and across
 a resume. Bad combinations are refused before loading."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from narrows.core.cli import main
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import tiny_model, tiny_model_folder, write_jsonl
 
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
 BUDGET = "1100KiB"  # every layer of the tiny model streamed (the minimum is 1.03 MiB)
@@ -184,3 +185,53 @@ def test_bad_step_mode_flags_are_refused_before_loading(tmp_path, capsys, flags,
     err = capsys.readouterr().err
     assert "narrows: error:" in err and message in err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(monkeypatch):
+    """Where the job chooses, the plan keeps step mode's room only if that plan would run
+    block-major; otherwise the room goes to the sequential steps. Asked for, it is kept;
+    room that does not fit the budget leaves sequential steps within it."""
+    import narrows.stream as ns
+    from narrows.core.finetune.build import _step_mode_room
+    from narrows.core.finetune.config import FinetuneConfig
+    from narrows.core.testing import with_adapter
+
+    model = with_adapter(tiny_model("llama"), "lora")
+    cuda = torch.device("cuda", 0)
+    kw = dict(device="cpu", batch_size=2, seq_len=32)
+    cfg = FinetuneConfig(grad_accum=3, batch=2, seq_len=32)
+    need = ns.step_mode_reserve(model, 3, batch_size=2, seq_len=32)
+    budget = ns.plan(model, None, **kw).predicted_peak + 2 * need
+    judged = []
+
+    def choose(answer):
+        def judge(model, g, *, world_size=1, plan=None, **kwargs):
+            judged.append(plan.reserved_bytes)
+            return answer, "stub"
+
+        monkeypatch.setattr(ns, "choose_step_mode", judge)
+
+    choose(True)
+    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == need and judged == [need]
+    choose(False)
+    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == 0
+    asked = dataclasses.replace(cfg, step_mode=True)
+    assert _step_mode_room(asked, model, budget, kw, cuda, 1) == need and len(judged) == 2
+    assert _step_mode_room(dataclasses.replace(cfg, step_mode=False), model, budget, kw, cuda, 1) == 0
+    assert _step_mode_room(cfg, model, budget, kw, torch.device("cpu"), 1) == 0
+    choose(True)
+    lo, hi = 1, budget  # the smallest budget that streams: then the room does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            ns.plan(model, mid, **kw)
+            hi = mid
+        except ns.BudgetTooSmallError:
+            lo = mid
+    tight = hi + need // 2
+    assert _step_mode_room(cfg, model, tight, kw, cuda, 1) == 0
+    assert (
+        _step_mode_room(asked, model, tight, kw, cuda, 1) == need
+    )  # asked for: streaming then says it is too small
+    with pytest.raises(ns.BudgetTooSmallError):
+        ns.plan(model, tight, reserve=need, **kw)

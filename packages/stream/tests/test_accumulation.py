@@ -177,3 +177,24 @@ def test_step_mode_reserve_is_the_largest_layers_held_weights(on_cuda):
     ns.stream(model, None, device="cpu", batch_size=2, seq_len=12, reserve=need)
     use, why = ns.choose_step_mode(on_cuda(model), G, host_available=1 << 40)
     assert use and "its 4-bit weights dequantised once per pass" in why, why
+
+
+def test_block_major_needs_room_for_the_layer_boundaries(on_cuda, monkeypatch):
+    """A plan filled to its budget has no room for the G + 1 layer boundaries step mode
+    keeps on the device: sequential, and why; the same plan with them reserved (twin)
+    runs block-major. `plan=` judges a plan before streaming, the same way."""
+    model = on_cuda(streamed())
+    handle = model.narrows_stream
+    boundaries = (G + 1) * 2 * 12 * model.config.hidden_size * 4  # batch 2 x 12 tokens, fp32
+    full = dataclasses.replace(handle.plan, budget=handle.plan.predicted_peak)
+    monkeypatch.setattr(handle, "plan", full)
+    use, why = ns.choose_step_mode(model, G, host_available=1 << 40)
+    assert not use and f"keeps {G + 1} layer boundaries" in why and "reserve=step_mode_reserve" in why
+    monkeypatch.setattr(handle, "plan", dataclasses.replace(full, reserved_bytes=boundaries))
+    assert ns.choose_step_mode(model, G, host_available=1 << 40)[0]
+    monkeypatch.setattr(handle, "plan", dataclasses.replace(full, reserved_bytes=boundaries - 1))
+    assert not ns.choose_step_mode(model, G, host_available=1 << 40)[0]
+    ahead = dataclasses.replace(full, device="cuda:0", reserved_bytes=boundaries)
+    use, why = ns.choose_step_mode(build(num_hidden_layers=3), G, host_available=1 << 40, plan=ahead,
+                                   batch_size=2, seq_len=12)  # fmt: skip
+    assert use, why

@@ -20,6 +20,7 @@ plan leaves free when it was made with ``reserve=step_mode_reserve(model)``.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from narrows.core import anatomy_of, format_bytes, held_bytes
@@ -74,26 +75,43 @@ def holds_weights(
 
 
 def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, host_available: int | None = None,
-                     rates: Rates | None = None) -> tuple[bool, str]:  # fmt: skip
+                     rates: Rates | None = None, plan: Plan | None = None, batch_size: int = 1,
+                     seq_len: int = 512) -> tuple[bool, str]:  # fmt: skip
     """``(use_step_mode, why)`` for `model`, streamed by `narrows.stream.stream`, trained
     with `grad_accum` micro-batches a step on `world_size` data-parallel ranks.
     `host_available`: bytes the step's saved layer inputs may take at most twice over
-    (default: `default_host_budget`, 85% of MemAvailable now)."""
-    handle = getattr(model, "narrows_stream", None)
-    if handle is None:
-        return False, "sequential (the base is not streamed)"
-    plan, shapes = handle.plan, handle.shapes
+    (default: `default_host_budget`, 85% of MemAvailable now). `plan`: judge this plan
+    (`narrows.stream.plan` of the model, not streamed yet, for `batch_size` × `seq_len`
+    tokens) instead of the streamed model's — to decide whether to stream with
+    ``reserve=step_mode_reserve(...)`` at all. A plan with a budget must have room for the
+    micro-batches' layer boundaries that step mode keeps on the device (reserved, or spare)."""
+    if plan is None:
+        handle = getattr(model, "narrows_stream", None)
+        if handle is None:
+            return False, "sequential (the base is not streamed)"
+        plan, shapes, device = handle.plan, handle.shapes, handle.device
+    else:
+        shapes, device = _shapes(anatomy_of(model), batch_size, seq_len), torch.device(plan.device)
     if grad_accum < 2:
         return False, "sequential (one micro-batch a step: nothing to share a layer's copy)"
     if world_size > 1:
         return False, ("sequential (several ranks: DistributedDataParallel all-reduces the gradients of the "
                        "backward, which step mode would write past)")  # fmt: skip
-    if handle.device.type != "cuda":
-        return False, f"sequential ({handle.device.type} device: no host→device link to spare)"
+    if device.type != "cuda":
+        return False, f"sequential ({device.type} device: no host→device link to spare)"
     if not plan.streamed:
         return False, "sequential (every layer resident: no layer to copy fewer times)"
     if any(p.requires_grad for p in anatomy_of(model).embed.parameters()):
         return False, "sequential (the embedding trains; step mode starts from a frozen one)"
+    boundaries = (grad_accum + 1) * input_bytes(shapes)
+    if (
+        plan.budget is not None
+        and plan.predicted_peak - min(plan.reserved_bytes, boundaries) + boundaries > plan.budget
+    ):
+        return False, (f"sequential (step mode keeps {grad_accum + 1} layer boundaries on the device, "
+                       f"{format_bytes(boundaries)}, which the plan's {format_bytes(plan.predicted_peak)} leaves no "
+                       f"room for in the {format_bytes(plan.budget)} budget; stream with "
+                       f"reserve=step_mode_reserve(model, {grad_accum}, ...) to make room)")  # fmt: skip
     kept = grad_accum * shapes.layers * input_bytes(shapes)  # every layer's input, every micro-batch
     available = default_host_budget() if host_available is None else host_available
     if 2 * kept > available:

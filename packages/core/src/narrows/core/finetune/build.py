@@ -132,7 +132,8 @@ def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
                              eval_logits=False)  # fmt: skip
 
 
-def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
+                world_size: int = 1) -> nn.Module:  # fmt: skip
     """The PEFT model that trains: adapter (initialised from the run's seed), then DoRA,
     streaming and the LM-head savings as asked."""
     from peft import LoraConfig, get_peft_model
@@ -165,15 +166,35 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
         kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile, host_state=host_state,
                   graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
-        # room for step mode's held 4-bit weights and layer boundaries, wherever it may run: something streams
-        maybe_step = cfg.grad_accum > 1 and cfg.step_mode is not False and device.type == "cuda"
-        reserve = 0
-        if maybe_step and narrows.stream.plan(model, budget, **kw).streamed:
-            reserve = narrows.stream.step_mode_reserve(
-                model, cfg.grad_accum, batch_size=cfg.batch, seq_len=cfg.seq_len
-            )
+        reserve = _step_mode_room(cfg, model, budget, kw, device, world_size)
         model = narrows.stream.stream(model, budget, reserve=reserve, **kw)
     return model
+
+
+def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, budget: int | str, kw: dict, device: torch.device,
+                    world_size: int) -> int:  # fmt: skip
+    """What the plan reserves for step mode (its held 4-bit weights and the micro-batches'
+    layer boundaries): where step mode is asked for and something streams; where the job
+    chooses, only if the plan with that room would run block-major — otherwise the room
+    goes to resident layers for the sequential steps."""
+    import narrows.stream
+
+    if cfg.grad_accum < 2 or cfg.step_mode is False or device.type != "cuda":
+        return 0
+    if not narrows.stream.plan(model, budget, **kw).streamed:
+        return 0
+    reserve = narrows.stream.step_mode_reserve(
+        model, cfg.grad_accum, batch_size=cfg.batch, seq_len=cfg.seq_len
+    )
+    if cfg.step_mode:
+        return reserve
+    try:
+        reserved = narrows.stream.plan(model, budget, reserve=reserve, **kw)
+    except narrows.stream.BudgetTooSmallError:
+        return 0  # room for step mode does not fit: sequential steps within the budget
+    use, _ = narrows.stream.choose_step_mode(model, cfg.grad_accum, world_size=world_size, plan=reserved,
+                                             batch_size=cfg.batch, seq_len=cfg.seq_len)  # fmt: skip
+    return reserve if use else 0
 
 
 def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) -> tuple[bool, str]:

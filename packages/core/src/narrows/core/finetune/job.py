@@ -141,7 +141,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         ranks.agree(
             narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
         )  # the tokenised (or packed) data
-    model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype)
+    model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype, ranks.world)
     step_mode, accumulation = choose_accumulation(cfg, model, ranks.world)
     if ranks.main and accumulation:
         print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)
