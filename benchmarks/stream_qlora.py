@@ -17,7 +17,7 @@ plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-
 "-hostopt": AdamW state in host memory, each layer updated when its gradients are complete;
 "-hostadapters": that and the adapter parameters in host memory too (offload_adapters=True);
 "-held": each layer's NF4 weights dequantised once per pass, dequantize_once=True, "-noheld"
-False, neither: the library's "auto");
+False, neither: the library's "auto"; step-<size> plans with reserve=step_mode_reserve(...));
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
 checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
 memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
@@ -141,7 +141,13 @@ def run_one(args: argparse.Namespace) -> dict:
     if mode.startswith(("stream", "step")):
         budget = None if parts[1] == "min" else parts[1]
         head = "stream" if "head" in parts else "resident"
-        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
+        # a step mode with a budget leaves room for its held weights and layer boundaries, as narrows finetune does
+        reserve = (
+            ns.step_mode_reserve(model, args.grad_accum, seq_len=args.seq)
+            if parts[0] == "step" and budget
+            else 0
+        )
+        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head, reserve=reserve,
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
                   recompute="all" if "recompute" in parts else "auto",
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
