@@ -11,7 +11,7 @@ import torch
 
 import narrows.lmhead as lmh
 import narrows.stream as ns
-from narrows.core import HeadSweep, loss_working_set
+from narrows.core import HeadSweep, anatomy_of, loss_working_set
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 from narrows.stream.head import StreamedHead
 
@@ -53,10 +53,10 @@ def _resident(arch: str, dropout: float = 0.0, device: str = "cpu") -> dict:
     return {"loss": losses, "grad": grads, "weight": [p.detach().clone() for p in params]}
 
 
-def _stepped(arch: str, dropout: float = 0.0, device: str = "cpu") -> dict:
+def _stepped(arch: str, dropout: float = 0.0, device: str = "cpu", **stream_kw) -> dict:
     model = _build(arch, dropout, device)
     torch.manual_seed(0)
-    ns.stream(model, device=device, head="stream", head_rows=ROWS, offload="off")
+    ns.stream(model, device=device, head="stream", head_rows=ROWS, offload="off", **stream_kw)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
     grads: list[torch.Tensor] = []
@@ -101,6 +101,41 @@ def test_micro_batches_share_the_head_pass_and_train_identically(arch, monkeypat
     assert _same(want, got)
     # all G micro-batches in one group: one read of the head in forward, one in backward
     assert len(passes) == 2 * STEPS
+
+
+def test_resident_layers_with_a_streamed_head_step_block_major(monkeypatch):
+    """Every layer resident and recomputed, the head streamed: the micro-batches still
+    share its passes (the step runs block-major: `_stepped` asserts it), the same bits."""
+    want = _resident("qwen2")
+    want["loss"] = [torch.tensor(float(v)) for v in want["loss"]]
+    passes = _count_passes(monkeypatch)
+    assert _same(want, _stepped("qwen2", gpu_budget="fit", recompute="all"))
+    assert len(passes) == 2 * STEPS
+
+
+def test_the_choice_prices_the_streamed_head_per_group(monkeypatch):
+    """`choose_step_mode` on a plan with every layer resident: sequential steps read the
+    streamed head twice per micro-batch, block-major twice per group — chosen, and said.
+    Twins: a loss that cannot share the pass (no working set), or a resident head,
+    leaves nothing to gain."""
+    model = _build("qwen2")
+    ns.stream(model, "fit", device="cpu", head="stream", head_rows=ROWS, recompute="all",
+              batch_size=2, seq_len=12)  # fmt: skip
+    handle = model.narrows_stream
+    monkeypatch.setattr(handle, "device", torch.device("cuda", 0))
+    assert not handle.plan.streamed and handle.plan.head_h2d_bytes
+    use, why = ns.choose_step_mode(model, G, host_available=1 << 40)
+    per, room = loss_working_set(model, 24), handle.plan.work_bytes  # 2 x 12 tokens a micro-batch
+    group = min(G, room // per)
+    assert group > 1 and use and f"the streamed head read once for every {group} micro-batches" in why, why
+    monkeypatch.setattr(anatomy_of(model).model, "narrows_loss_working_set", None)
+    assert not ns.choose_step_mode(model, G, host_available=1 << 40)[0]
+    monkeypatch.undo()
+    plain = _build("qwen2")
+    ns.stream(plain, "fit", device="cpu", head_rows=ROWS, recompute="all", batch_size=2, seq_len=12)
+    monkeypatch.setattr(plain.narrows_stream, "device", torch.device("cuda", 0))
+    assert not plain.narrows_stream.plan.head_h2d_bytes
+    assert not ns.choose_step_mode(plain, G, host_available=1 << 40)[0]
 
 
 def test_with_dropout_the_shared_pass_keeps_every_rng_draw():

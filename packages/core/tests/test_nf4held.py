@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from narrows.core import HeldWeights, held_bytes, held_token, held_weight, is_nf4_linear, quantize_nf4
+from narrows.core import (
+    HeldWeights,
+    dequantized_bytes,
+    held_bytes,
+    held_token,
+    held_weight,
+    is_nf4_linear,
+    quantize_nf4,
+)
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 pytestmark = pytest.mark.bnb
@@ -103,7 +111,9 @@ def test_release_restores_bitsandbytes_even_on_error():
 def test_a_float_layer_holds_nothing():
     model = with_adapter(tiny_model("llama"), "lora")
     layer = _layers(model)[0]
-    assert held_bytes(layer) == 0 and not any(is_nf4_linear(m) for m in layer.modules())
+    assert held_bytes(layer) == dequantized_bytes(layer) == 0 and not any(
+        is_nf4_linear(m) for m in layer.modules()
+    )
     held = HeldWeights([layer], "cpu")
     with held.hold(layer) as n:
         assert n == 0 and held_token(layer) == 0
@@ -144,3 +154,14 @@ def test_real_shapes_on_cuda_are_bit_identical(tokens):
         assert not zeroed[0].any()
     else:  # bitsandbytes' own kernel: the held copy is not read
         assert torch.equal(zeroed[0], ref[0])
+
+
+def test_dequantized_bytes_is_the_largest_weight_dequantised():
+    """What one call's transient copy takes: the largest 4-bit weight in its compute
+    dtype, as bitsandbytes' own dequantisation returns it (an independent measure)."""
+    layer = _layers(_model("llama"))[0]
+    copies = [bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+              for m in layer.modules() if is_nf4_linear(m)]  # fmt: skip
+    largest = max(c.numel() * c.element_size() for c in copies)
+    assert dequantized_bytes(layer) == -(-largest // 512) * 512
+    assert dequantized_bytes(layer) < held_bytes(layer)

@@ -4,6 +4,7 @@ faster, sequential otherwise, each time with the reason; and the model's two pri
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -176,7 +177,7 @@ def test_step_mode_reserve_is_the_largest_layers_held_weights(on_cuda):
     assert ns.step_mode_reserve(model, 1, batch_size=2, seq_len=12) == need
     ns.stream(model, None, device="cpu", batch_size=2, seq_len=12, reserve=need)
     use, why = ns.choose_step_mode(on_cuda(model), G, host_available=1 << 40)
-    assert use and "its 4-bit weights dequantised once per pass" in why, why
+    assert use and "4-bit weights dequantised once per pass" in why, why
 
 
 def test_block_major_needs_room_for_the_layer_boundaries(on_cuda, monkeypatch):
@@ -198,3 +199,30 @@ def test_block_major_needs_room_for_the_layer_boundaries(on_cuda, monkeypatch):
     use, why = ns.choose_step_mode(build(num_hidden_layers=3), G, host_available=1 << 40, plan=ahead,
                                    batch_size=2, seq_len=12)  # fmt: skip
     assert use, why
+
+
+@pytest.mark.bnb
+def test_resident_layers_run_block_major_where_their_4bit_weights_are_held(on_cuda, monkeypatch):
+    """With every layer resident and recomputed, nothing crosses the link, but sequential
+    steps dequantise each 4-bit layer three times per micro-batch: block-major holding
+    them (room in the budget) is predicted faster. Twins: the same plan with layers kept
+    whole, or a float base, stays sequential."""
+    pytest.importorskip("bitsandbytes")
+    planning = sys.modules["narrows.stream.plan"]  # the module (the package exports a function of that name)
+
+    # the tiny model's layers are mostly norms and quantisation constants (a byte per
+    # parameter): price their dequantisation as a real model's
+    monkeypatch.setattr(planning, "dequant_seconds", lambda nbytes, s: 1e-6)
+    model = build(num_hidden_layers=3, base="nf4")
+    ns.stream(model, "fit", device="cpu", batch_size=2, seq_len=12, recompute="all")
+    assert not model.narrows_stream.plan.streamed and not model.narrows_stream.plan.whole
+    use, why = ns.choose_step_mode(on_cuda(model), G, host_available=1 << 40)
+    assert use and "4-bit weights dequantised once per pass" in why and "streamed layers" not in why, why
+    whole = build(num_hidden_layers=3, base="nf4")
+    ns.stream(whole, "fit", device="cpu", batch_size=2, seq_len=12)
+    assert whole.narrows_stream.plan.whole
+    use, why = ns.choose_step_mode(on_cuda(whole), G, host_available=1 << 40)
+    assert not use and "kept whole: block-major would recompute them" in why, why
+    plain = streamed("fit", recompute="all")
+    use, why = ns.choose_step_mode(on_cuda(plain), G, host_available=1 << 40)
+    assert not use and why.endswith(": every layer resident)"), why

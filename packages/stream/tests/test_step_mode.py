@@ -381,8 +381,36 @@ def test_nf4_weights_held_on_cuda_are_exact(graphs):
 
 def test_fully_resident_plans_accumulate_sequentially():
     """With every layer resident nothing crosses the link: the step runs in sequential
-    order, where the planner's whole layers skip their recompute."""
+    order, where the planner's whole layers skip their recompute — and where no layer is
+    kept whole, with nothing to dequantise once or head to share."""
     model, stats, got = stepped(dropout=0.05, gpu_budget="fit")
     assert model.narrows_stream.plan.whole
-    assert {s.mode for s in stats} == {"sequential (every layer resident)"}
+    assert {s.mode for s in stats} == {
+        f"sequential (every layer resident, {len(model.narrows_stream.plan.whole)} kept whole: "
+        "block-major would recompute them)"
+    }
     assert_identical(resident(dropout=0.05), got)
+    model, stats, got = stepped(dropout=0.05, gpu_budget="fit", recompute="all")
+    assert not model.narrows_stream.plan.whole
+    assert {s.mode for s in stats} == {
+        "sequential (every layer resident: no copy, dequantisation or head pass to share)"
+    }
+    assert_identical(resident(dropout=0.05), got)
+
+
+@pytest.mark.bnb
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_resident_nf4_layers_step_block_major_with_their_weights_held(dropout):
+    """Every layer resident and recomputed, 4-bit weights held: block-major still pays —
+    two dequantisations per linear a step instead of three per micro-batch — and trains
+    the same numbers (with dropout, after the first step learns the RNG draws)."""
+    pytest.importorskip("bitsandbytes")
+    model, stats, got = stepped(dropout=dropout, base="nf4", gpu_budget="fit", recompute="all",
+                                trainer={"dequantize_once": True})  # fmt: skip
+    assert not model.narrows_stream.plan.streamed
+    assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
+    assert_identical(resident(dropout=dropout, base="nf4"), got)
+    linears = sum(1 for m in model.modules() if is_nf4_linear(m))
+    with _Dequantizations() as seen:
+        model.narrows_step_trainer.step(_batches(STEPS))
+    assert seen.count == 2 * linears

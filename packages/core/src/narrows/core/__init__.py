@@ -67,7 +67,7 @@ from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_
 from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
 
 # NF4
-from .nf4held import HeldWeights, held_bytes, held_token, held_weight
+from .nf4held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
 
 # frozen storage
 from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
@@ -120,6 +120,7 @@ __all__ = [
     "attach_head_source",
     "chunked_logits",
     "copies",
+    "dequantized_bytes",
     "deterministic",
     "disable_cpu_repacking",
     "ensure_architecture",

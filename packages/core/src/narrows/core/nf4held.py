@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .nf4 import is_nf4_linear
 
-__all__ = ["HeldWeights", "held_bytes", "held_token", "held_weight"]
+__all__ = ["HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"]
 
 _ALIGN = 512  # bytes: where the caching allocator starts every block
 _held: dict[int, Tensor] = {}  # id(Params4bit) → its dequantised copy, while held
@@ -69,6 +69,14 @@ def _size(module: nn.Module) -> int:
 def held_bytes(layer: nn.Module) -> int:
     """Device bytes `layer`'s NF4 weights take dequantised (what holding it costs)."""
     return sum(_size(m) for m in _linears(layer))
+
+
+def dequantized_bytes(layer: nn.Module) -> int:
+    """The largest of `layer`'s 4-bit weights dequantised (0 without any): the transient
+    copy a call makes when its weights are not held, which a CUDA graph's private pool
+    keeps among the layer's activations."""
+    return max((_size(m) for m in layer.modules() if is_nf4_linear(m) and m.weight.quant_state is not None),
+               default=0)  # fmt: skip
 
 
 def held_token(layer: nn.Module) -> int:

@@ -7,7 +7,10 @@ why it chose. `narrows finetune` asks it when neither ``--step-mode`` nor
 
 Block-major is chosen where the step-time model (`plan.step_seconds`) predicts it at least
 5% faster: where a streamed layer's copy takes longer than the compute it hides behind —
-short sequences, small batches, a narrow link. It costs host memory: the layer inputs of every
+short sequences, small batches, a narrow link — or, with every layer resident, where
+the 4-bit weights dequantised once per pass and a streamed head read once for a group of
+micro-batches save that much (a plan with layers kept whole stays sequential: block-major
+recomputes every layer). It costs host memory: the layer inputs of every
 micro-batch of the step wait in pinned host memory, so it is also refused when they would
 take more than half of what the host has available.
 
@@ -23,10 +26,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from narrows.core import anatomy_of, format_bytes, held_bytes
+from narrows.core import anatomy_of, format_bytes, held_bytes, loss_working_set
 
 from .api import _shapes
-from .plan import Plan, Rates, input_bytes, step_seconds
+from .plan import Plan, Rates, Shapes, input_bytes, step_seconds
 from .pretrained import default_host_budget
 
 __all__ = ["choose_step_mode", "holds_weights", "step_mode_reserve"]
@@ -99,8 +102,9 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
                        "backward, which step mode would write past)")  # fmt: skip
     if device.type != "cuda":
         return False, f"sequential ({device.type} device: no host→device link to spare)"
-    if not plan.streamed:
-        return False, "sequential (every layer resident: no layer to copy fewer times)"
+    if not plan.streamed and plan.whole:
+        return False, (f"sequential (every layer resident, {len(plan.whole)} of them kept whole: block-major "
+                       "would recompute them)")  # fmt: skip
     if any(p.requires_grad for p in anatomy_of(model).embed.parameters()):
         return False, "sequential (the embedding trains; step mode starts from a frozen one)"
     boundaries = (grad_accum + 1) * input_bytes(shapes)
@@ -121,9 +125,31 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
     held, _ = holds_weights(plan, step_mode_reserve(model), grad_accum)
     sequential = step_seconds(*args, micro_batches=grad_accum)
     block = step_seconds(*args, micro_batches=grad_accum, block_major=True, held=held)
+    group = head_group(model, plan, shapes, grad_accum)
+    if plan.head_h2d_bytes:  # a streamed head: read per micro-batch, or per group of them
+        head = plan.head_h2d_bytes / (rates or Rates()).h2d
+        sequential += grad_accum * head
+        block += -(-grad_accum // group) * head
     said = f"predicted {block:.3g} s of layer time a step, against {sequential:.3g} s sequential"
     if block > (1 - MARGIN) * sequential:  # a gain the model cannot resolve is not worth the host memory
-        return False, f"sequential (block-major {said}: the copies already hide behind the compute)"
-    return True, (f"block-major (step mode: each of the {len(plan.streamed)} streamed layers copied twice a step "
-                  f"instead of {2 * grad_accum} times" + (", its 4-bit weights dequantised once per pass" if held else "")
-                  + f"; {said}; {format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip
+        why = "the copies already hide behind the compute" if plan.streamed else "every layer resident"
+        return False, f"sequential (block-major {said}: {why})"
+    gains = [
+        f"each of the {len(plan.streamed)} streamed layers copied twice a step instead of {2 * grad_accum} times"
+    ]
+    if held:
+        gains.append("each layer's 4-bit weights dequantised once per pass")
+    if plan.head_h2d_bytes and group > 1:
+        gains.append(f"the streamed head read once for every {group} micro-batches")
+    return True, (f"block-major (step mode: {', '.join(gains if plan.streamed else gains[1:])}; {said}; "
+                  f"{format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip
+
+
+def head_group(model: nn.Module, plan: Plan, shapes: Shapes, grad_accum: int) -> int:
+    """How many micro-batches a block-major step can pass over a streamed head together
+    (predicted; `StepTrainer` decides per step): as many as their loss's working sets
+    (`narrows.core.loss_working_set`) fit in the plan's working set, at least one."""
+    need = loss_working_set(model, shapes.batch * shapes.seq)
+    if not plan.head_h2d_bytes or not need:
+        return 1
+    return max(1, min(grad_accum, plan.work_bytes // need))

@@ -23,6 +23,7 @@ from narrows.core import (
     attach_head_source,
     chunked_logits,
     copies,
+    dequantized_bytes,
     ensure_architecture,
     frozen_slots,
     loss_working_set,
@@ -152,6 +153,7 @@ def _shapes(anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
         seq=seq_len,
         eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
         loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
+        dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0),
     )
 
 

@@ -53,6 +53,7 @@ class Shapes:
     seq: int
     eager_attention: bool
     loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
+    dequant_bytes: int = 0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes)
 
 
 # what of the training state (adapters, their gradients, the optimizer's) step mode keeps
@@ -92,6 +93,7 @@ class Plan:
     graphs_choice: str = ""  # with graphs="auto": why they are on or off
     reserved_bytes: int = 0  # left free in the budget for the caller (step mode's held weights); in the peak
     host_state: str = "none"  # what of the training state waits in host memory (step mode's offload)
+    head_h2d_bytes: int = 0  # a streamed LM head's two passes (forward, backward) of one micro-batch
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -176,18 +178,26 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
 
 
 GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the pool's rounding
+GRAPH_ACTIVATIONS = 1.05  # the pool's intermediates, in layer working sets (`layer_work_bytes`)
+GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
 
 
-def graph_bytes(s: Shapes, tile: int | None = None) -> int:
+def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
     """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
-    layer's forward graph and of one recompute-and-backward graph (they are not live at
-    once, but the pool keeps the blocks of both), plus the capture stream's workspaces,
-    plus the static buffers of the other batch shapes kept (hidden states in and out, and
-    their gradients: four hidden-sized tensors each, at most the planned length).
-    (H100, Qwen2.5 NF4 shapes at 512 tokens, one shape: measured 0.44 GiB at 7B, pool 0.68
-    GiB at 32B; this predicts 0.56 and 0.76 GiB.)"""
+    layer's forward graph and of one recompute-and-backward graph (not live at once, and
+    the pool reuses their blocks), and — unless step mode holds them — the 4-bit weights
+    each call dequantises, whose blocks the pool cannot fully reuse for one another; plus
+    the capture stream's workspaces, plus the static buffers of the other batch shapes
+    kept (hidden states in and out, and their gradients: four hidden-sized tensors each,
+    at most the planned length). Held weights live in `reserved` room (step mode's
+    reserve); where they are not held, that room is free for the pool's copies, so only
+    what exceeds it is added.
+    (Fitted above the H100 pools at the Qwen2.5 NF4 shapes, 512 tokens, one shape, in GB
+    measured / predicted without the other shapes' buffers: weights dequantised per call 0.375 / 0.57 at 7B, 0.730 / 0.91
+    at 32B, 1.281 / 1.33 at 72B; held 0.388 / 0.46 at 32B, 0.505 / 0.55 at 72B.)"""
     other_shapes = (DEFAULT_SHAPES - 1) * 4 * input_bytes(s)
-    return 2 * layer_work_bytes(s, tile) + GRAPH_WORKSPACE + other_shapes
+    dequant = max(0, int(GRAPH_DEQUANT * s.dequant_bytes) - reserved)
+    return int(GRAPH_ACTIVATIONS * layer_work_bytes(s, tile)) + dequant + GRAPH_WORKSPACE + other_shapes
 
 
 def work_bytes(s: Shapes, tile: int | None = None) -> int:
@@ -301,7 +311,7 @@ def make_plan(
         return (kept - whole + min(2, n - kept)) * a + whole * kept_whole
 
     def pool(t: int | None, whole: int) -> int:  # the graphs' pool, while any layer is graphed
-        return graph_bytes(shapes, t) if graphs and whole < n and device.startswith("cuda") else 0
+        return graph_bytes(shapes, t, reserved) if graphs and whole < n and device.startswith("cuda") else 0
 
     def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
         return (
@@ -394,6 +404,7 @@ def make_plan(
         step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
         reserved_bytes=reserved,
         host_state=host_state,
+        head_h2d_bytes=head_h2d_bytes,
     )
 
 

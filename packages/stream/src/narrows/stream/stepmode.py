@@ -194,8 +194,9 @@ class StepTrainer:
             else None
         )
         self.adapters = self._host_adapters(offload_adapters)
-        self._check_host_state()
         self.held, self.held_choice = self._held_weights(dequantize_once)
+        self.resident_why = self._resident_sequential()
+        self._check_host_state()
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
 
@@ -229,13 +230,31 @@ class StepTrainer:
                 f"the model was streamed with host_state={state!r}, whose plan leaves that state out of the device "
                 f"budget: build the StepTrainer with {flag[state]}, or stream with host_state='none'"
             )
-        if state == "adapters" and (self.grad_accum == 1 or not self.handle.plan.streamed):
-            why = "one micro-batch a step" if self.grad_accum == 1 else "every layer is resident"
+        if state == "adapters" and (self.grad_accum == 1 or self.resident_why):
+            why = "one micro-batch a step" if self.grad_accum == 1 else self.resident_why
             raise StreamSetupError(
                 f"host_state='adapters' plans one layer's adapters on the device at a time, as a block-major step "
                 f"keeps them; with {why} step mode runs in sequential order, every layer's adapters on the device: "
                 "stream with host_state='optimizer' instead"
             )
+
+    def _shares_head(self) -> bool:
+        """Whether micro-batches may share a pass over the head: it is streamed, the loss
+        is the model's own (a custom `loss_fn` may read the head), and nothing trains
+        after the last layer (its gradient would be summed in another order)."""
+        return self.handle.head is not None and self._own_loss and not self.other_params
+
+    def _resident_sequential(self) -> str | None:
+        """With every layer resident, why steps run in sequential order; None where
+        block-major still saves work (or layers stream)."""
+        plan = self.handle.plan
+        if plan.streamed:
+            return None
+        if plan.whole:
+            return f"every layer resident, {len(plan.whole)} kept whole: block-major would recompute them"
+        if self.held is None and not self._shares_head():
+            return "every layer resident: no copy, dequantisation or head pass to share"
+        return None
 
     def _sequential_over_budget(self, why: str) -> None:
         """A sequential step brings every layer's adapters to the device, which a plan
@@ -358,9 +377,8 @@ class StepTrainer:
         sigs = [_signature(b) for b in batches]
         if len(batches) == 1:
             return "sequential (one micro-batch)", self._sequential(batches, sigs, seeds)
-        if not self.handle.plan.streamed:
-            # nothing crosses the link: block-major would only give up the whole layers
-            return "sequential (every layer resident)", self._sequential(batches, sigs, seeds)
+        if self.resident_why:
+            return f"sequential ({self.resident_why})", self._sequential(batches, sigs, seeds)
         if seeds is not None:  # every micro-batch starts from its own seed: nothing to predict
             ends, losses = self._block_major(batches, [self._seeded(s) for s in seeds], chained=False)
             restore(ends[-1])
@@ -405,7 +423,7 @@ class StepTrainer:
                     seeds: Sequence[int] | None = None) -> list[Tensor]:  # fmt: skip
         losses = []
         # block-major can follow, once it knows each shape's draws
-        learn = len(batches) > 1 and bool(self.handle.plan.streamed) and seeds is None
+        learn = len(batches) > 1 and not self.resident_why and seeds is None
         self.adapters_to_device()  # the whole model runs: every layer's adapters on the device
         for k, (batch, sig) in enumerate(zip(batches, sigs)):
             if seeds is not None:
@@ -518,13 +536,11 @@ class StepTrainer:
         return losses, ends
 
     def _head_group(self, micros: list[_Micro]) -> int:
-        """How many micro-batches share a pass over the head: 1 unless the head is
-        streamed, the loss is the model's own (a custom `loss_fn` may read it), nothing
-        trains after the last layer (its gradient would be summed in another order), and
-        then as many as fit, each counted at its loss's working set, in the working set
+        """How many micro-batches share a pass over the head: 1 unless they may
+        (`_shares_head`), and then as many as fit, each counted at its loss's working set, in the working set
         the plan leaves for the loss or one layer's recompute — less what the CUDA graphs'
         pool, once captured, holds beyond the plan's estimate of it."""
-        if self.handle.head is None or not self._own_loss or self.other_params:
+        if not self._shares_head():
             return 1
         plan, graphs = self.handle.plan, self.handle.graphs
         room = plan.work_bytes

@@ -174,14 +174,12 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
 def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, budget: int | str, kw: dict, device: torch.device,
                     world_size: int) -> int:  # fmt: skip
     """What the plan reserves for step mode (its held 4-bit weights and the micro-batches'
-    layer boundaries): where step mode is asked for and something streams; where the job
-    chooses, only if the plan with that room would run block-major — otherwise the room
-    goes to resident layers for the sequential steps."""
+    layer boundaries): where step mode is asked for; where the job chooses, only if the
+    plan with that room would run block-major — otherwise the room goes to resident (or
+    whole) layers for the sequential steps."""
     import narrows.stream
 
     if cfg.grad_accum < 2 or cfg.step_mode is False or device.type != "cuda":
-        return 0
-    if not narrows.stream.plan(model, budget, **kw).streamed:
         return 0
     reserve = narrows.stream.step_mode_reserve(
         model, cfg.grad_accum, batch_size=cfg.batch, seq_len=cfg.seq_len
