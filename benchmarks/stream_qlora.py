@@ -141,7 +141,8 @@ def run_one(args: argparse.Namespace) -> dict:
     if mode.startswith(("stream", "step")):
         budget = None if parts[1] == "min" else parts[1]
         head = "stream" if "head" in parts else "resident"
-        # a step mode with a budget leaves room for its held weights and layer boundaries, as narrows finetune does
+        # a step mode with a budget leaves room for its held weights and layer boundaries, and (block-major
+        # recomputes every layer) keeps no layer whole, as narrows finetune does
         reserve = (
             ns.step_mode_reserve(model, args.grad_accum, seq_len=args.seq)
             if parts[0] == "step" and budget
@@ -149,7 +150,7 @@ def run_one(args: argparse.Namespace) -> dict:
         )
         ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head, reserve=reserve,
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
-                  recompute="all" if "recompute" in parts else "auto",
+                  recompute="all" if "recompute" in parts or parts[0] == "step" else "auto",
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
                   host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none")  # fmt: skip
         plan = model.narrows_stream.plan

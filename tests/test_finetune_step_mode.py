@@ -211,14 +211,15 @@ def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(mon
 
         monkeypatch.setattr(ns, "choose_step_mode", judge)
 
+    room = {"reserve": need, "recompute": "all"}  # block-major keeps no layer whole
     choose(True)
-    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == need and judged == [need]
+    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == room and judged == [need]
     choose(False)
-    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == 0
+    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == {}
     asked = dataclasses.replace(cfg, step_mode=True)
-    assert _step_mode_room(asked, model, budget, kw, cuda, 1) == need and len(judged) == 2
-    assert _step_mode_room(dataclasses.replace(cfg, step_mode=False), model, budget, kw, cuda, 1) == 0
-    assert _step_mode_room(cfg, model, budget, kw, torch.device("cpu"), 1) == 0
+    assert _step_mode_room(asked, model, budget, kw, cuda, 1) == room and len(judged) == 2
+    assert _step_mode_room(dataclasses.replace(cfg, step_mode=False), model, budget, kw, cuda, 1) == {}
+    assert _step_mode_room(cfg, model, budget, kw, torch.device("cpu"), 1) == {}
     choose(True)
     lo, hi = 1, budget  # the smallest budget that streams: then the room does not fit
     while hi - lo > 1:
@@ -229,9 +230,9 @@ def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(mon
         except ns.BudgetTooSmallError:
             lo = mid
     tight = hi + need // 2
-    assert _step_mode_room(cfg, model, tight, kw, cuda, 1) == 0
+    assert _step_mode_room(cfg, model, tight, kw, cuda, 1) == {}
     assert (
-        _step_mode_room(asked, model, tight, kw, cuda, 1) == need
+        _step_mode_room(asked, model, tight, kw, cuda, 1) == room
     )  # asked for: streaming then says it is too small
     with pytest.raises(ns.BudgetTooSmallError):
         ns.plan(model, tight, reserve=need, **kw)

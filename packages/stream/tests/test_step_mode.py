@@ -6,6 +6,7 @@ fault-injected twin that proves it can fail."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -414,3 +415,28 @@ def test_resident_nf4_layers_step_block_major_with_their_weights_held(dropout):
     with _Dequantizations() as seen:
         model.narrows_step_trainer.step(_batches(STEPS))
     assert seen.count == 2 * linears
+
+
+def test_step_mode_plans_no_whole_layers(caplog, monkeypatch):
+    """Block-major recomputes every layer: a StepTrainer that streams the model plans with
+    recompute="all" (the budget goes to resident layers), and one given a plan with whole
+    layers says their memory lies unused (twin: the default plan keeps layers whole)."""
+    planning = sys.modules["narrows.stream.plan"]  # the module (the package exports a function of that name)
+    real, fast = (
+        planning.step_seconds,
+        ns.Rates(h2d=1e18),
+    )  # copies free: whole layers pay, streaming costs nothing
+    monkeypatch.setattr(planning, "step_seconds", lambda lb, s, r, w, rates=None, graphs=False, **k:
+                        real(lb, s, r, w, fast, graphs, **k))  # fmt: skip
+    kw = dict(device="cpu", batch_size=1, seq_len=64, offload="off")
+    budget = 2 * ns.plan(build(num_hidden_layers=6), None, **kw).predicted_peak
+    own = build(num_hidden_layers=6)
+    ns.StepTrainer(own, _optimizer, grad_accum=G, gpu_budget=budget, **kw)
+    assert not own.narrows_stream.plan.whole
+    given = build(num_hidden_layers=6)
+    ns.stream(given, budget, **kw)
+    assert given.narrows_stream.plan.whole and given.narrows_stream.plan.streamed
+    with caplog.at_level("WARNING", logger="narrows.stream"):
+        ns.StepTrainer(given, _optimizer, grad_accum=G)
+    assert "recompute='all'" in caplog.text
+    assert len(own.narrows_stream.plan.resident) > len(given.narrows_stream.plan.resident)

@@ -110,7 +110,9 @@ class StepTrainer:
     """One optimizer step per call over `grad_accum` micro-batches, block-major.
 
     `model` is a PEFT model streamed with `narrows.stream.stream` (or a plain one, which
-    is streamed here with `stream_kwargs`). `optimizer`: an optimizer over the model's
+    is streamed here with `stream_kwargs`, and with ``recompute="all"`` unless given: a
+    block-major step recomputes every layer, so a plan's whole layers would only hold
+    memory — streaming it yourself, pass that too). `optimizer`: an optimizer over the model's
     trainable parameters, or a callable building one from them. After each step the
     optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
     given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
@@ -154,6 +156,8 @@ class StepTrainer:
         if getattr(model, "narrows_stream", None) is None:
             from .api import stream
 
+            if grad_accum > 1:  # block-major recomputes every layer: plan no memory for whole ones
+                stream_kwargs.setdefault("recompute", "all")
             stream(model, **stream_kwargs)
         elif stream_kwargs:
             raise StreamSetupError("the model is already streamed: pass stream options to stream(), not here")
@@ -197,6 +201,11 @@ class StepTrainer:
         self.held, self.held_choice = self._held_weights(dequantize_once)
         self.resident_why = self._resident_sequential()
         self._check_host_state()
+        plan = self.handle.plan
+        if grad_accum > 1 and plan.whole and not self.resident_why:
+            log.warning("narrows.stream step mode: the plan keeps %d layers whole (every activation saved), but "
+                        "block-major steps recompute every layer, so that memory lies unused; stream with "
+                        "recompute='all' to spend it on resident layers", len(plan.whole))  # fmt: skip
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
 

@@ -166,33 +166,35 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
         kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile, host_state=host_state,
                   graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
-        reserve = _step_mode_room(cfg, model, budget, kw, device, world_size)
-        model = narrows.stream.stream(model, budget, reserve=reserve, **kw)
+        model = narrows.stream.stream(
+            model, budget, **kw, **_step_mode_room(cfg, model, budget, kw, device, world_size)
+        )
     return model
 
 
 def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, budget: int | str, kw: dict, device: torch.device,
-                    world_size: int) -> int:  # fmt: skip
-    """What the plan reserves for step mode (its held 4-bit weights and the micro-batches'
-    layer boundaries): where step mode is asked for; where the job chooses, only if the
-    plan with that room would run block-major — otherwise the room goes to resident (or
-    whole) layers for the sequential steps."""
+                    world_size: int) -> dict[str, object]:  # fmt: skip
+    """The stream options a plan for step mode takes ({} for sequential steps): room
+    reserved for its held 4-bit weights and the micro-batches' layer boundaries, and no
+    layer kept whole (block-major recomputes every layer: their memory would lie unused).
+    Where step mode is asked for, always; where the job chooses, only if the plan with
+    that room would run block-major — otherwise the memory goes to resident (or whole)
+    layers for the sequential steps."""
     import narrows.stream
 
     if cfg.grad_accum < 2 or cfg.step_mode is False or device.type != "cuda":
-        return 0
-    reserve = narrows.stream.step_mode_reserve(
-        model, cfg.grad_accum, batch_size=cfg.batch, seq_len=cfg.seq_len
-    )
+        return {}
+    room = dict(reserve=narrows.stream.step_mode_reserve(model, cfg.grad_accum, batch_size=cfg.batch,
+                                                         seq_len=cfg.seq_len), recompute="all")  # fmt: skip
     if cfg.step_mode:
-        return reserve
+        return room
     try:
-        reserved = narrows.stream.plan(model, budget, reserve=reserve, **kw)
+        reserved = narrows.stream.plan(model, budget, reserve=room["reserve"], **kw)
     except narrows.stream.BudgetTooSmallError:
-        return 0  # room for step mode does not fit: sequential steps within the budget
+        return {}  # room for step mode does not fit: sequential steps within the budget
     use, _ = narrows.stream.choose_step_mode(model, cfg.grad_accum, world_size=world_size, plan=reserved,
                                              batch_size=cfg.batch, seq_len=cfg.seq_len)  # fmt: skip
-    return reserve if use else 0
+    return room if use else {}
 
 
 def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) -> tuple[bool, str]:
