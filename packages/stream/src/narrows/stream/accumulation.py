@@ -125,7 +125,7 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
     held, _ = holds_weights(plan, step_mode_reserve(model), grad_accum)
     sequential = step_seconds(*args, micro_batches=grad_accum)
     block = step_seconds(*args, micro_batches=grad_accum, block_major=True, held=held)
-    group = head_group(model, plan, shapes, grad_accum)
+    group = _head_group(model, plan, shapes, grad_accum)
     if plan.head_h2d_bytes:  # a streamed head: read per micro-batch, or per group of them
         head = plan.head_h2d_bytes / (rates or Rates()).h2d
         sequential += grad_accum * head
@@ -145,7 +145,7 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
                   f"{format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip
 
 
-def head_group(model: nn.Module, plan: Plan, shapes: Shapes, grad_accum: int) -> int:
+def _head_group(model: nn.Module, plan: Plan, shapes: Shapes, grad_accum: int) -> int:
     """How many micro-batches a block-major step can pass over a streamed head together
     (predicted; `StepTrainer` decides per step): as many as their loss's working sets
     (`narrows.core.loss_working_set`) fit in the plan's working set, at least one."""

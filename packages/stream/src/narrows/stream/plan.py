@@ -192,9 +192,10 @@ def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
     at most the planned length). Held weights live in `reserved` room (step mode's
     reserve); where they are not held, that room is free for the pool's copies, so only
     what exceeds it is added.
-    (Fitted above the H100 pools at the Qwen2.5 NF4 shapes, 512 tokens, one shape, in GB
-    measured / predicted without the other shapes' buffers: weights dequantised per call 0.375 / 0.57 at 7B, 0.730 / 0.91
-    at 32B, 1.281 / 1.33 at 72B; held 0.388 / 0.46 at 32B, 0.505 / 0.55 at 72B.)"""
+    (Fitted above the H100 pools at the Qwen2.5 NF4 shapes, 512 tokens, one shape; GB
+    measured / predicted, leaving out the other shapes' buffers. Weights dequantised per
+    call: 0.375 / 0.57 at 7B, 0.730 / 0.91 at 32B, 1.281 / 1.33 at 72B. Held: 0.388 / 0.46
+    at 32B, 0.505 / 0.55 at 72B. `test_plan_graphs.py` checks each.)"""
     other_shapes = (DEFAULT_SHAPES - 1) * 4 * input_bytes(s)
     dequant = max(0, int(GRAPH_DEQUANT * s.dequant_bytes) - reserved)
     return int(GRAPH_ACTIVATIONS * layer_work_bytes(s, tile)) + dequant + GRAPH_WORKSPACE + other_shapes

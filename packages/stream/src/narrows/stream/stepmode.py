@@ -546,9 +546,9 @@ class StepTrainer:
 
     def _head_group(self, micros: list[_Micro]) -> int:
         """How many micro-batches share a pass over the head: 1 unless they may
-        (`_shares_head`), and then as many as fit, each counted at its loss's working set, in the working set
-        the plan leaves for the loss or one layer's recompute — less what the CUDA graphs'
-        pool, once captured, holds beyond the plan's estimate of it."""
+        (`_shares_head`), and then as many as fit, each counted at its loss's working
+        set, in the working set the plan leaves for the loss or one layer's recompute —
+        less what the CUDA graphs' pool, once captured, holds beyond the plan's estimate."""
         if not self._shares_head():
             return 1
         plan, graphs = self.handle.plan, self.handle.graphs
