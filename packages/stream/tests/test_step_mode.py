@@ -422,10 +422,8 @@ def test_step_mode_plans_no_whole_layers(caplog, monkeypatch):
     recompute="all" (the budget goes to resident layers), and one given a plan with whole
     layers says their memory lies unused (twin: the default plan keeps layers whole)."""
     planning = sys.modules["narrows.stream.plan"]  # the module (the package exports a function of that name)
-    real, fast = (
-        planning.step_seconds,
-        ns.Rates(h2d=1e18),
-    )  # copies free: whole layers pay, streaming costs nothing
+    real = planning.step_seconds
+    fast = ns.Rates(h2d=1e18)  # copies free: whole layers pay, streaming costs nothing
     monkeypatch.setattr(planning, "step_seconds", lambda lb, s, r, w, rates=None, graphs=False, **k:
                         real(lb, s, r, w, fast, graphs, **k))  # fmt: skip
     kw = dict(device="cpu", batch_size=1, seq_len=64, offload="off")
