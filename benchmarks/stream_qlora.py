@@ -251,7 +251,7 @@ def run_one(args: argparse.Namespace) -> dict:
     if plan is not None:
         moved = (moved_h2d() - loads0) / args.steps
         out.update(
-            predicted_peak=plan.predicted_peak,
+            predicted_peak=plan.predicted_peak if trainer is None else trainer.predicted_peak,
             resident_layers=len(plan.resident),
             layers=len(plan.layer_bytes),
             prefetch=plan.prefetch,

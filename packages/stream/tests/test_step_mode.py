@@ -326,6 +326,17 @@ def test_streams_a_plain_model_itself():
     assert stats.mode == "block-major" and stats.tokens == 2 * 24 and stats.loss > 0
 
 
+def test_the_predicted_peak_counts_the_boundaries_the_plan_left_out():
+    """With no budget nothing is reserved: the trainer's prediction adds the G + 1 layer
+    boundaries a block-major step keeps; reserved (twin), they are counted once; one
+    micro-batch a step keeps none."""
+    boundary = 2 * 12 * build(dropout=0.0).config.hidden_size * 4  # batch 2 x 12 tokens, fp32
+    for reserve, g, extra in ((0, G, (G + 1) * boundary), ((G + 1) * boundary, G, 0), (0, 1, 0)):
+        model = ns.stream(build(dropout=0.0), device="cpu", batch_size=2, seq_len=12, reserve=reserve)
+        trainer = ns.StepTrainer(model, _optimizer, grad_accum=g)
+        assert trainer.predicted_peak == model.narrows_stream.plan.predicted_peak + extra, (reserve, g)
+
+
 def test_rng_restore_and_capture_round_trip():
     state = rng.capture(torch.device("cpu"))
     torch.rand(5)

@@ -53,6 +53,7 @@ from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer
 from .hostparams import HostAdapters
 from .offload import ActivationOffload, Offloaded
+from .plan import input_bytes
 from .remat import layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
 from .rngplan import RandomOps, same_state
@@ -291,6 +292,18 @@ class StepTrainer:
             self.handle.plan, step_mode_reserve(self.model), self.grad_accum, dequantize_once
         )
         return (HeldWeights(self.anat.layers, self.device) if hold else None), why
+
+    @property
+    def predicted_peak(self) -> int:
+        """Device bytes a step is predicted to peak at: the plan's peak plus what a
+        block-major step keeps beyond it that the plan did not reserve — the held weights
+        and the G + 1 layer boundaries (`step_mode_reserve`). With no budget (the smallest
+        footprint) nothing is reserved, so this is where they are counted."""
+        need = step_mode_reserve(self.model) if self.held is not None else 0
+        if self.grad_accum > 1 and not self.resident_why:
+            need += (self.grad_accum + 1) * input_bytes(self.handle.shapes)
+        plan = self.handle.plan
+        return plan.predicted_peak + max(0, need - plan.reserved_bytes)
 
     def _hold(self, layer: nn.Module) -> Any:
         return self.held.hold(layer) if self.held is not None else nullcontext()
