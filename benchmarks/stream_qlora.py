@@ -18,6 +18,8 @@ plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-
 "-hostadapters": that and the adapter parameters in host memory too (offload_adapters=True);
 "-held": each layer's NF4 weights dequantised once per pass, dequantize_once=True, "-noheld"
 False, neither: the library's "auto"; step-<size> plans with reserve=step_mode_reserve(...));
+"-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
+cast of an input shared by Q/K/V or gate/up made and saved once);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
 checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
 memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
@@ -134,6 +136,10 @@ def run_one(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t0
     plan = engine = None
     parts = mode.split("-")
+    if "fuse" in parts:  # each LoRA branch one autograd node, a shared input cast once
+        from narrows.core import fuse_lora
+
+        fuse_lora(model)
     if "lmhead" in parts:  # masked + chunked exact CE through core's head hook
         import narrows.lmhead as lmh
 

@@ -14,7 +14,7 @@ from helpers import assert_identical, build
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import narrows.stream as ns
-from narrows.core import is_nf4_linear
+from narrows.core import fuse_lora, is_nf4_linear
 from narrows.core.testing import tiny_batch
 from narrows.stream import rng
 from narrows.stream.errors import StreamSetupError
@@ -44,9 +44,11 @@ def _record(params, opt, losses):
 
 
 @functools.cache
-def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False):
-    """Plain sequential accumulation on the resident model: the reference."""
-    model = build(arch, dropout=dropout, base=base).to(device)
+def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False,
+             dtype=torch.float32):  # fmt: skip
+    """Plain sequential accumulation on the resident model (PEFT's own LoRA forwards):
+    the reference."""
+    model = build(arch, dropout=dropout, base=base, dtype=dtype).to(device)
     torch.manual_seed(0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
@@ -81,9 +83,13 @@ def stepped(
     device="cpu",
     seeded=False,
     trainer=None,
+    dtype=torch.float32,
+    fuse=False,
     **stream_kwargs,
 ):
-    model = build(arch, dropout=dropout, base=base)
+    model = build(arch, dropout=dropout, base=base, dtype=dtype)
+    if fuse:
+        fuse_lora(model)
     torch.manual_seed(0)
     stream_kwargs.setdefault("offload", "off")
     ns.stream(model, device=device, **stream_kwargs)
@@ -119,6 +125,18 @@ def test_block_major_is_identical_to_sequential_accumulation_without_dropout():
     _, stats, got = stepped(dropout=0.0)
     assert [s.mode for s in stats] == ["block-major"] * STEPS
     assert_identical(resident(dropout=0.0), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_lora_streams_block_major_bit_identically(dtype):
+    """`fuse_lora`'s one-node branches (bf16: float32 adapters, the input cast once per
+    shared input), streamed and stepped block-major: the same bits as PEFT's own
+    forwards trained resident in sequence."""
+    model, stats, got = stepped(dropout=0.0, dtype=dtype, fuse=True)
+    assert [s.mode for s in stats] == ["block-major"] * STEPS
+    assert any(type(m.forward).__name__ == "method" and m.forward.__func__.__name__ == "_fused_forward"
+               for m in model.modules() if "forward" in m.__dict__)  # fmt: skip
+    assert_identical(resident(dropout=0.0, dtype=dtype), got)
 
 
 def test_block_major_with_dropout_learns_the_rng_draws_then_reproduces_them():
@@ -382,6 +400,10 @@ def test_nf4_weights_held_on_cuda_are_exact(graphs):
                                 trainer={"dequantize_once": True})  # fmt: skip
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=0.05, device="cuda", base="nf4"), got)
+    # fused LoRA branches (bf16 model, float32 adapters: the shared cast), same gates
+    _, _, fused = stepped(dropout=0.0, device="cuda", base="nf4", graphs=graphs, dtype=torch.bfloat16, fuse=True,
+                          trainer={"dequantize_once": True})  # fmt: skip
+    assert_identical(resident(dropout=0.0, device="cuda", base="nf4", dtype=torch.bfloat16), fused)
     if graphs:
         assert model.narrows_stream.graphs.stats.replays > 0
     else:

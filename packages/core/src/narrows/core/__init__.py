@@ -62,6 +62,9 @@ from .head import (
 from .loader import load_blockwise
 from .logits import LogitMath
 
+# LoRA branches as one autograd node each (same bits as PEFT)
+from .lorafuse import LoraBranch, fuse_lora, lora_branch_reference, unfuse_lora
+
 # memory
 from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
 from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
@@ -99,6 +102,7 @@ __all__ = [
     "HeadSweep",
     "HeldWeights",
     "LogitMath",
+    "LoraBranch",
     "MemoryPeaks",
     "MissingDependencyError",
     "NF4Rows",
@@ -126,6 +130,7 @@ __all__ = [
     "ensure_architecture",
     "format_bytes",
     "frozen_slots",
+    "fuse_lora",
     "head_source",
     "head_sweep",
     "held_bytes",
@@ -134,6 +139,7 @@ __all__ = [
     "is_announced",
     "is_nf4_linear",
     "load_blockwise",
+    "lora_branch_reference",
     "loss_working_set",
     "measure_peaks",
     "nf4_rows",
@@ -155,6 +161,7 @@ __all__ = [
     "snapshot",
     "supported_architectures",
     "trainable_parameters",
+    "unfuse_lora",
     "unwrap_model",
     "verify_architecture",
 ]

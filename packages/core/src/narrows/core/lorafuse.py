@@ -1,0 +1,177 @@
+"""PEFT's LoRA linears with the adapter branch as one autograd node, and one cast of a
+shared input: the same bits as PEFT, fewer nodes, less saved memory.
+
+PEFT computes a LoRA linear as ``base(x) + B(A(dropout(x))) * s``. With float32 adapters
+on a bf16 model (QLoRA's usual setup) it first casts ``x`` to float32, and the A matmul
+saves that copy for its backward. Q, K and V read the same ``x``, so a decoder layer
+keeps three float32 copies of its attention input, and gate and up two of their input.
+`fuse_lora(model)` makes each covered linear run its branch as one autograd node
+(`LoraBranch`) that takes the input already cast; the cast is made once for every
+linear that reads the same tensor, and saved once. Autograd's ~10 nodes per linear
+(cast, two folded matmuls with their views and transposes, scale, add, cast) become one.
+
+Why the bits are PEFT's: the node's forward runs PEFT's operations in PEFT's order
+(`lora_branch_reference` is that formula). Its backward issues what autograd issues
+for them — for a matmul ``x2 @ w.t()`` of a row-major ``x2`` and a transposed weight,
+``grad @ w`` for the input and ``grad.t() @ x2`` for the weight (`mm_mat1_backward` /
+`mm_mat2_backward` in PyTorch), the casts back to each input's dtype, the scale as a
+float32 multiply — and it returns the gradient of ``x`` through its own edge when PEFT's
+branch would have (the node is created where PEFT's branch is, after the base layer),
+so ``x``'s gradient is summed in the same order as PEFT's graph sums it.
+
+A call the node does not cover goes to PEFT's forward unchanged: an active dropout,
+several active adapters, a LoRA variant (DoRA), merged or disabled adapters, autocast,
+a bias on the adapter, hooks on the adapter's modules, a non-contiguous input, extra
+arguments. Only PEFT's ``lora.Linear`` and bitsandbytes ``lora.Linear4bit`` are covered
+(their forwards differ: the first adds in the promoted dtype, the second casts first).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"]
+
+
+def lora_branch_reference(
+    result: Tensor, x: Tensor, a: Tensor, b: Tensor, scaling: float, promote: bool
+) -> Tensor:
+    """What PEFT computes (the oracle): `promote` adds in the promoted dtype, then casts
+    back (``lora.Linear``); otherwise the branch is cast to the result's dtype first
+    (``lora.Linear4bit``)."""
+    lora = nn.functional.linear(nn.functional.linear(x.to(a.dtype), a), b) * scaling
+    if promote:
+        return (result + lora).to(result.dtype)
+    return result + lora.to(result.dtype)
+
+
+class LoraBranch(torch.autograd.Function):
+    """``lora_branch_reference(result, x, a, b, scaling, promote)`` as one node, where
+    `xa` is `x` in the adapter's dtype (`x` itself when they agree), computed outside
+    and not differentiated: the gradient of `x` is this node's."""
+
+    @staticmethod
+    def forward(ctx, result, x, xa, a, b, scaling, promote):  # type: ignore[override]
+        h2 = xa.reshape(-1, xa.shape[-1]).mm(a.t())  # (tokens, r)
+        lora = h2.mm(b.t()).view(*xa.shape[:-1], b.shape[0]) * scaling  # (..., out)
+        out = (result + lora).to(result.dtype) if promote else result + lora.to(result.dtype)
+        ctx.save_for_backward(xa, h2, a, b)
+        ctx.scaling, ctx.promote = scaling, promote
+        ctx.dtypes = (result.dtype, x.dtype, lora.dtype, torch.result_type(result, lora))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        xa, h2, a, b = ctx.saved_tensors
+        result_dtype, x_dtype, lora_dtype, sum_dtype = ctx.dtypes
+        if ctx.promote:  # out = (result + lora).to(result dtype)
+            g_sum = grad.to(sum_dtype)
+            g_result, g_lora = g_sum.to(result_dtype), g_sum.to(lora_dtype)
+        else:  # out = result + lora.to(result dtype)
+            g_result, g_lora = grad, grad.to(lora_dtype)
+        g2 = (g_lora * ctx.scaling).reshape(-1, g_lora.shape[-1])  # (tokens, out)
+        gh = g2.mm(b)  # (tokens, r)
+        need = ctx.needs_input_grad
+        g_b = g2.t().mm(h2) if need[4] else None
+        g_x = gh.mm(a).view(xa.shape).to(x_dtype) if need[1] else None
+        g_a = gh.t().mm(xa.reshape(-1, xa.shape[-1])) if need[3] else None
+        return (g_result if need[0] else None), g_x, None, g_a, g_b, None, None
+
+
+_last_cast: tuple | None = None  # (x, its version, dtype, the cast) — weak references
+
+
+def _cast_once(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x` in `dtype`, the same tensor for every call on the same `x` (unchanged since)
+    while the first cast is alive — so linears that share an input save one copy."""
+    global _last_cast
+    if x.dtype == dtype:
+        return x
+    if _last_cast is not None:
+        x_ref, version, cast_dtype, cast_ref = _last_cast
+        cast = cast_ref()
+        if x_ref() is x and version == x._version and cast_dtype == dtype and cast is not None:
+            return cast
+    with torch.no_grad():
+        cast = x.to(dtype)
+    _last_cast = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
+    return cast
+
+
+def _kinds() -> dict[type, bool]:
+    """The covered PEFT classes, each with whether it adds in the promoted dtype."""
+    from peft.tuners.lora.layer import Linear
+
+    kinds = {Linear: True}
+    try:
+        from peft.tuners.lora.bnb import Linear4bit
+    except ImportError:  # no bitsandbytes
+        return kinds
+    kinds[Linear4bit] = False
+    return kinds
+
+
+def _plain(module: nn.Module) -> bool:
+    return not (module._forward_hooks or module._forward_pre_hooks)
+
+
+def _covered(self: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | None:
+    """The active adapter when the node computes this call as PEFT would; else None."""
+    if args or kwargs or self.disable_adapters or self.merged or len(self.active_adapters) != 1:
+        return None
+    name = self.active_adapters[0]
+    if name not in self.lora_A or name in self.lora_variant or torch.is_autocast_enabled(x.device.type):
+        return None
+    a, b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
+    if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
+        return None
+    if type(dropout) is not nn.Identity or not all(map(_plain, (a, b, dropout))):
+        return None
+    if x.dim() < 2 or not x.is_contiguous() or b.weight.dtype != a.weight.dtype:
+        return None
+    if x.dtype != a.weight.dtype and not getattr(self, "cast_input_dtype_enabled", True):
+        return None
+    return name
+
+
+def _fused_forward(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    name = _covered(self, x, args, kwargs)
+    if name is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    promote = self._narrows_promote
+    result = self.base_layer(x)
+    if not promote:
+        result = result.clone()  # as PEFT's Linear4bit does
+    a, b = self.lora_A[name].weight, self.lora_B[name].weight
+    return LoraBranch.apply(result, x, _cast_once(x, a.dtype), a, b, self.scaling[name], promote)
+
+
+def fuse_lora(model: nn.Module) -> int:
+    """Run `model`'s PEFT LoRA linears through `LoraBranch` where it computes what PEFT
+    would (the rest of the calls go to PEFT unchanged). Patches the instances, not the
+    classes; returns how many linears it covers. `unfuse_lora` undoes it."""
+    kinds = _kinds()
+    count = 0
+    for module in model.modules():
+        promote = kinds.get(type(module))
+        if promote is None:
+            continue
+        module._narrows_promote = promote
+        module.forward = types.MethodType(_fused_forward, module)
+        count += 1
+    return count
+
+
+def unfuse_lora(model: nn.Module) -> int:
+    """Back to PEFT's forwards; returns how many linears were fused."""
+    count = 0
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is _fused_forward:
+            del module.forward
+            count += 1
+    return count
