@@ -37,9 +37,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _models import add_lora, load_config, random_nf4_model  # noqa: E402
+from _models import add_lora, load_config, random_nf4_model
 
-from narrows.core import deterministic, fuse_lora, unfuse_lora  # noqa: E402
+from narrows.core import deterministic, fuse_lora, unfuse_lora
 
 
 def _parts(m):
