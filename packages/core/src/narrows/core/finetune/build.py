@@ -16,6 +16,7 @@ from .._env import is_available
 from ..checkpoint import CheckpointFolder
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from ..errors import NarrowsError
+from ..lorafuse import fuse_lora
 from ..memory import parse_bytes
 from .config import FinetuneConfig, parse_lmhead
 
@@ -149,6 +150,9 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         import narrows.dora
 
         narrows.dora.use_narrows_dora(model)
+    # each LoRA branch one autograd node, a shared input cast once: PEFT's bits, less saved
+    # memory, 2-10% shorter steps on the H100 (benchmarks/h100/fuse_*.json)
+    fuse_lora(model)
     tile = cfg.tile()
     if cfg.gpu_budget == "off":
         model.to(device)
