@@ -75,6 +75,16 @@ def test_fused_linears_train_bit_identically(arch, dtype, base):
     assert _same(ref, _run(model))
 
 
+def test_fused_linears_under_gradient_checkpointing():
+    """transformers' checkpointing recomputes each layer in the backward (in autograd's
+    thread): the casts are made and shared again there, and the bits stay PEFT's."""
+    model = _model("llama", torch.bfloat16)
+    ref = _run(model)
+    model.gradient_checkpointing_enable()
+    fuse_lora(model)
+    assert _same(ref, _run(model))
+
+
 def test_the_reference_is_what_peft_computes():
     """`lora_branch_reference` against a PEFT layer's own forward, both forms."""
     model = _model("llama", torch.bfloat16)

@@ -5,6 +5,7 @@
 - frozen slots and slabs: every frozen tensor (NF4 quantisation state included) as a
   re-pointable reference, and the packed layout that moves a layer in one copy
 - NF4 quantisation through bitsandbytes (optional extra ``narrows-core[nf4]``)
+- PEFT's LoRA branches as one autograd node each, a shared input cast once (PEFT's bits)
 - checkpoint folders read one decoder layer at a time (the full float model never exists)
 - the LM-head hook: the head's weight served in vocabulary chunks, resident or streamed
 - memory measurement and byte sizes

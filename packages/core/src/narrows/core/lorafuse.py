@@ -28,6 +28,7 @@ arguments. Only PEFT's ``lora.Linear`` and bitsandbytes ``lora.Linear4bit`` are 
 
 from __future__ import annotations
 
+import threading
 import types
 import weakref
 
@@ -59,14 +60,15 @@ class LoraBranch(torch.autograd.Function):
         h2 = xa.reshape(-1, xa.shape[-1]).mm(a.t())  # (tokens, r)
         lora = h2.mm(b.t()).view(*xa.shape[:-1], b.shape[0]) * scaling  # (..., out)
         out = (result + lora).to(result.dtype) if promote else result + lora.to(result.dtype)
-        ctx.save_for_backward(xa, h2, a, b)
+        ctx.save_for_backward(xa, h2, a.t(), b.t())  # views, as PEFT's matmuls save them
         ctx.scaling, ctx.promote = scaling, promote
         ctx.dtypes = (result.dtype, x.dtype, lora.dtype, torch.result_type(result, lora))
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        xa, h2, a, b = ctx.saved_tensors
+        xa, h2, a_t, b_t = ctx.saved_tensors
+        a, b = a_t.t(), b_t.t()
         result_dtype, x_dtype, lora_dtype, sum_dtype = ctx.dtypes
         if ctx.promote:  # out = (result + lora).to(result dtype)
             g_sum = grad.to(sum_dtype)
@@ -82,23 +84,23 @@ class LoraBranch(torch.autograd.Function):
         return (g_result if need[0] else None), g_x, None, g_a, g_b, None, None
 
 
-_last_cast: tuple | None = None  # (x, its version, dtype, the cast) — weak references
+_local = threading.local()  # per thread (a checkpoint's recompute runs in autograd's): the last cast
 
 
 def _cast_once(x: Tensor, dtype: torch.dtype) -> Tensor:
     """`x` in `dtype`, the same tensor for every call on the same `x` (unchanged since)
     while the first cast is alive — so linears that share an input save one copy."""
-    global _last_cast
     if x.dtype == dtype:
         return x
-    if _last_cast is not None:
-        x_ref, version, cast_dtype, cast_ref = _last_cast
+    last = getattr(_local, "last", None)  # weak references: (x, its version, dtype, the cast)
+    if last is not None:
+        x_ref, version, cast_dtype, cast_ref = last
         cast = cast_ref()
         if x_ref() is x and version == x._version and cast_dtype == dtype and cast is not None:
             return cast
     with torch.no_grad():
         cast = x.to(dtype)
-    _last_cast = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
+    _local.last = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
     return cast
 
 
