@@ -11,7 +11,7 @@ import torch
 
 import narrows.core.lorafuse as lorafuse
 from narrows.core import LoraBranch, fuse_lora, lora_branch_reference, quantize_nf4, unfuse_lora
-from narrows.core.testing import tiny_batch, tiny_model, with_adapter
+from narrows.core.testing import TINY_ARCHITECTURES, tiny_batch, tiny_model, with_adapter
 
 
 def _model(arch="llama", dtype=torch.bfloat16, base="float", kind="lora", dropout=0.0):
@@ -54,8 +54,6 @@ def _same(a, b) -> bool:
 CASES = [
     ("llama", torch.bfloat16, "float"),  # float32 adapters on bf16: the cast path, adds promoted
     ("qwen2", torch.float32, "float"),  # no cast; biased q/k/v
-    ("phi3", torch.bfloat16, "float"),  # fused qkv_proj and gate_up_proj
-    ("gpt_neox", torch.bfloat16, "float"),  # parallel residual: one input, attention and MLP
     pytest.param("llama", torch.bfloat16, "nf4", marks=pytest.mark.bnb),  # Linear4bit: casts, then adds
     pytest.param("qwen2", torch.float32, "nf4", marks=pytest.mark.bnb),
 ]
@@ -72,6 +70,16 @@ def test_fused_linears_train_bit_identically(arch, dtype, base):
     assert _branch_nodes(model) == linears
     assert _same(ref, _run(model))
     assert unfuse_lora(model) == linears and _branch_nodes(model) == 0
+    assert _same(ref, _run(model))
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+def test_every_architecture_trains_the_same_bits_fused(arch):
+    """bf16 models with PEFT's float32 adapters (the shared cast) on every architecture
+    narrows announces: MoE experts, fused projections, parallel residuals included."""
+    model = _model(arch, torch.bfloat16)
+    ref = _run(model)
+    assert fuse_lora(model) > 0
     assert _same(ref, _run(model))
 
 
