@@ -371,8 +371,9 @@ def main() -> None:
             start = next((i for i, x in enumerate(said) if x.startswith("peak ")), len(said))
             print(f"{mode}:", *said[start : start + 26], sep="\n", flush=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        row = json.loads(line[7:]) if line else {"mode": mode, "error": tail[0][-300:]}
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:] or ["no output"]
+        row = json.loads(line[7:]) if line else {"mode": mode, "error": " | ".join(tail)[-600:],
+                                                 "returncode": proc.returncode}  # fmt: skip
         if "h2d_bytes_per_step" in row and bw == bw:
             row["transfer_floor_s"] = row["h2d_bytes_per_step"] / bw
         rows.append(row)
