@@ -167,6 +167,57 @@ def test_a_shared_input_is_cast_and_saved_once(monkeypatch):
     assert _saved_bytes(model) == peft
 
 
+@pytest.mark.parametrize("frozen", ["lora_A", "lora_B"])
+def test_frozen_adapter_weights_save_no_more_than_peft(frozen):
+    """A matmul keeps its input only where its weight trains: with lora_A (or lora_B)
+    frozen PEFT keeps no cast input (no low-rank input), and neither does the node."""
+    model = _model("llama", torch.bfloat16)
+    for name, p in model.named_parameters():
+        if frozen in name:
+            p.requires_grad_(False)
+    ref, peft = _run(model), _saved_bytes(model)
+    fuse_lora(model)
+    assert _same(ref, _run(model))
+    assert _saved_bytes(model) == peft if frozen == "lora_A" else _saved_bytes(model) < peft
+
+
+def test_inference_mode_and_pickling():
+    """Inference tensors carry no version counter: each call casts anew, same outputs.
+    A pickled fused model loads back, still fused."""
+    import io
+
+    model = _model("llama", torch.bfloat16)
+    batch = tiny_batch()
+    with torch.inference_mode():
+        ref = model(**batch).logits
+    fuse_lora(model)
+    with torch.inference_mode():
+        assert torch.equal(ref, model(**batch).logits)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert _branch_nodes(loaded) == _branch_nodes(model) > 0
+    with torch.inference_mode():
+        assert torch.equal(ref, loaded(**batch).logits)
+
+
+def test_hooks_keep_peft_s_forward():
+    """A backward hook on an adapter's module, or a forward something else replaced on the
+    linear (accelerate's hooks), keeps that linear on PEFT's path: the hooks still run."""
+    model = _model("llama", torch.bfloat16)
+    attn = model.base_model.model.model.layers[0].self_attn
+    fired = []
+    attn.q_proj.lora_A["default"].register_full_backward_hook(lambda *args: fired.append(1))
+    original = attn.k_proj.forward
+    attn.k_proj.forward = lambda x, *a, **k: original(x, *a, **k)
+    linears = sum(1 for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
+    assert fuse_lora(model) == linears - 1  # k_proj left alone
+    assert _branch_nodes(model) == linears - 2  # q_proj's calls go to PEFT
+    model(**tiny_batch()).loss.backward()
+    assert fired
+
+
 @pytest.mark.parametrize("why", ["dropout", "dora", "autocast", "disabled", "two adapters"])
 def test_calls_the_node_does_not_cover_go_to_peft(why):
     model = _model("llama", torch.float32, kind="dora" if why == "dora" else "lora",

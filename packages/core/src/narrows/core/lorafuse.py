@@ -24,12 +24,14 @@ several active adapters, a LoRA variant (DoRA), merged or disabled adapters, aut
 a bias on the adapter, hooks on the adapter's modules, a non-contiguous input, extra
 arguments. Only PEFT's ``lora.Linear`` and bitsandbytes ``lora.Linear4bit`` are covered
 (their forwards differ: the first adds in the promoted dtype, the second casts first).
+The shared cast trusts PyTorch's version counters: an input changed in place through
+``.data`` (which bumps none) between two linears that read it would reach the second
+with the first's cast.
 """
 
 from __future__ import annotations
 
 import threading
-import types
 import weakref
 
 import torch
@@ -60,9 +62,11 @@ class LoraBranch(torch.autograd.Function):
         h2 = xa.reshape(-1, xa.shape[-1]).mm(a.t())  # (tokens, r)
         lora = h2.mm(b.t()).view(*xa.shape[:-1], b.shape[0]) * scaling  # (..., out)
         out = (result + lora).to(result.dtype) if promote else result + lora.to(result.dtype)
-        ctx.save_for_backward(xa, h2, a.t(), b.t())  # views, as PEFT's matmuls save them
-        ctx.scaling, ctx.promote = scaling, promote
-        ctx.dtypes = (result.dtype, x.dtype, lora.dtype, torch.result_type(result, lora))
+        # what PEFT's matmuls keep: an input only where its weight trains; the weights as views
+        need = ctx.needs_input_grad
+        ctx.save_for_backward(xa if need[3] else None, h2 if need[4] else None, a.t(), b.t())
+        ctx.scaling, ctx.promote, ctx.x_shape = scaling, promote, xa.shape
+        ctx.dtypes = (result.dtype, x.dtype, lora.dtype, torch.promote_types(result.dtype, lora.dtype))
         return out
 
     @staticmethod
@@ -79,7 +83,7 @@ class LoraBranch(torch.autograd.Function):
         gh = g2.mm(b)  # (tokens, r)
         need = ctx.needs_input_grad
         g_b = g2.t().mm(h2) if need[4] else None
-        g_x = gh.mm(a).view(xa.shape).to(x_dtype) if need[1] else None
+        g_x = gh.mm(a).view(ctx.x_shape).to(x_dtype) if need[1] else None
         g_a = gh.t().mm(xa.reshape(-1, xa.shape[-1])) if need[3] else None
         return (g_result if need[0] else None), g_x, None, g_a, g_b, None, None
 
@@ -92,6 +96,8 @@ def _cast_once(x: Tensor, dtype: torch.dtype) -> Tensor:
     while the first cast is alive — so linears that share an input save one copy."""
     if x.dtype == dtype:
         return x
+    if x.is_inference():  # no version counter to trust: cast per call
+        return x.to(dtype)
     last = getattr(_local, "last", None)  # weak references: (x, its version, dtype, the cast)
     if last is not None:
         x_ref, version, cast_dtype, cast_ref = last
@@ -118,7 +124,18 @@ def _kinds() -> dict[type, bool]:
 
 
 def _plain(module: nn.Module) -> bool:
-    return not (module._forward_hooks or module._forward_pre_hooks)
+    """No hooks and no replaced forward (accelerate's offload hooks replace it): the node
+    would skip them."""
+    return not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or module._backward_pre_hooks or "forward" in module.__dict__
+    )  # fmt: skip
+
+
+def _no_global_hooks() -> bool:
+    m = nn.modules.module
+    return not (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)  # fmt: skip
 
 
 def _covered(self: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | None:
@@ -131,7 +148,7 @@ def _covered(self: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | Non
     a, b, dropout = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
     if type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None or b.bias is not None:
         return None
-    if type(dropout) is not nn.Identity or not all(map(_plain, (a, b, dropout))):
+    if type(dropout) is not nn.Identity or not all(map(_plain, (a, b, dropout))) or not _no_global_hooks():
         return None
     if x.dim() < 2 or not x.is_contiguous() or b.weight.dtype != a.weight.dtype:
         return None
@@ -140,30 +157,45 @@ def _covered(self: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | Non
     return name
 
 
-def _fused_forward(self: nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
-    name = _covered(self, x, args, kwargs)
-    if name is None:
-        return type(self).forward(self, x, *args, **kwargs)
-    promote = self._narrows_promote
-    result = self.base_layer(x)
-    if not promote:
-        result = result.clone()  # as PEFT's Linear4bit does
-    a, b = self.lora_A[name].weight, self.lora_B[name].weight
-    return LoraBranch.apply(result, x, _cast_once(x, a.dtype), a, b, self.scaling[name], promote)
+class _FusedForward:
+    """A fused module's ``forward``: a callable object rather than a bound function, so a
+    pickled model (``torch.save(model)``) loads back."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def __reduce__(self):
+        return _FusedForward, (self.module,)
+
+    def __call__(self, x: Tensor, *args, **kwargs) -> Tensor:
+        module = self.module
+        name = _covered(module, x, args, kwargs)
+        if name is None:
+            return type(module).forward(module, x, *args, **kwargs)
+        promote = module._narrows_promote
+        result = module.base_layer(x)
+        if not promote:
+            result = result.clone()  # as PEFT's Linear4bit does
+        a, b = module.lora_A[name].weight, module.lora_B[name].weight
+        return LoraBranch.apply(result, x, _cast_once(x, a.dtype), a, b, module.scaling[name], promote)
 
 
 def fuse_lora(model: nn.Module) -> int:
     """Run `model`'s PEFT LoRA linears through `LoraBranch` where it computes what PEFT
     would (the rest of the calls go to PEFT unchanged). Patches the instances, not the
-    classes; returns how many linears it covers. `unfuse_lora` undoes it."""
+    classes, and leaves alone a linear whose forward something else replaced (accelerate's
+    hooks); returns how many linears it covers. `unfuse_lora` undoes it."""
     kinds = _kinds()
     count = 0
     for module in model.modules():
         promote = kinds.get(type(module))
         if promote is None:
             continue
+        forward = module.__dict__.get("forward")
+        if forward is not None and not isinstance(forward, _FusedForward):
+            continue
         module._narrows_promote = promote
-        module.forward = types.MethodType(_fused_forward, module)
+        module.forward = _FusedForward(module)
         count += 1
     return count
 
@@ -172,8 +204,7 @@ def unfuse_lora(model: nn.Module) -> int:
     """Back to PEFT's forwards; returns how many linears were fused."""
     count = 0
     for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is _fused_forward:
+        if isinstance(module.__dict__.get("forward"), _FusedForward):
             del module.forward
             count += 1
     return count
