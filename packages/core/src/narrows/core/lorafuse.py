@@ -98,15 +98,19 @@ def _cast_once(x: Tensor, dtype: torch.dtype) -> Tensor:
         return x
     if x.is_inference():  # no version counter to trust: cast per call
         return x.to(dtype)
-    last = getattr(_local, "last", None)  # weak references: (x, its version, dtype, the cast)
+    # a cast made outside a CUDA graph's capture is not in the graph: a replay would read
+    # it stale, so one made eagerly never serves a capture (and the reverse)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (x._version, dtype, capturing)
+    last = getattr(_local, "last", None)  # (weak x, key, weak cast)
     if last is not None:
-        x_ref, version, cast_dtype, cast_ref = last
+        x_ref, last_key, cast_ref = last
         cast = cast_ref()
-        if x_ref() is x and version == x._version and cast_dtype == dtype and cast is not None:
+        if x_ref() is x and last_key == key and cast is not None:
             return cast
     with torch.no_grad():
         cast = x.to(dtype)
-    _local.last = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
+    _local.last = (weakref.ref(x), key, weakref.ref(cast))
     return cast
 
 
