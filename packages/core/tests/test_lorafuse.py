@@ -202,6 +202,23 @@ def test_inference_mode_and_pickling():
         assert torch.equal(ref, loaded(**batch).logits)
 
 
+def test_a_fused_model_is_freed_with_its_last_reference():
+    """The fused forward holds its module weakly: no reference cycle keeps a deleted model
+    (and its device memory) alive until the garbage collector runs."""
+    import gc
+    import weakref
+
+    model = _model("llama", torch.float32)
+    fuse_lora(model)
+    gone = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_hooks_keep_peft_s_forward():
     """A backward hook on an adapter's module, or a forward something else replaced on the
     linear (accelerate's hooks), keeps that linear on PEFT's path: the hooks still run."""

@@ -163,16 +163,17 @@ def _covered(self: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | Non
 
 class _FusedForward:
     """A fused module's ``forward``: a callable object rather than a bound function, so a
-    pickled model (``torch.save(model)``) loads back."""
+    pickled model (``torch.save(model)``) loads back; it holds its module weakly, so the
+    model is freed when its last reference goes (no cycle left for the collector)."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
+        self.module = weakref.ref(module)
 
     def __reduce__(self):
-        return _FusedForward, (self.module,)
+        return _FusedForward, (self.module(),)
 
     def __call__(self, x: Tensor, *args, **kwargs) -> Tensor:
-        module = self.module
+        module = self.module()
         name = _covered(module, x, args, kwargs)
         if name is None:
             return type(module).forward(module, x, *args, **kwargs)
