@@ -299,7 +299,7 @@ class StepTrainer:
         block-major step keeps beyond it that the plan did not reserve — the held weights
         and the G + 1 layer boundaries (`step_mode_reserve`). With no budget (the smallest
         footprint) nothing is reserved, so this is where they are counted."""
-        need = step_mode_reserve(self.model) if self.held is not None else 0
+        need = self.held.nbytes if self.held is not None else 0
         if self.grad_accum > 1 and not self.resident_why:
             need += (self.grad_accum + 1) * input_bytes(self.handle.shapes)
         plan = self.handle.plan
