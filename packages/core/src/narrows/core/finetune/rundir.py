@@ -159,10 +159,20 @@ class RunFolder:
             return FinetuneConfig.from_dict(saved["config"], str(self.config)), list(saved.get("history", []))
         return FinetuneConfig.from_dict(saved, str(self.config)), []  # written before settings had a history
 
-    def write_config(self, cfg: FinetuneConfig, history: list[dict]) -> None:
+    def read_inputs(self) -> dict | None:
+        """What the run trains on, by content (`finetune.inputs`); None for a run from
+        before narrows recorded it."""
+        try:
+            return json.loads(self.config.read_text()).get("inputs")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            return None
+
+    def write_config(self, cfg: FinetuneConfig, history: list[dict], inputs: dict | None = None) -> None:
         import dataclasses
 
         body = {"format": FORMAT, "config": dataclasses.asdict(cfg), "history": history}
+        if inputs is not None:
+            body["inputs"] = inputs
         self.guard(self.config, lambda: atomic_write(self.config, lambda p: p.write_text(json.dumps(body, indent=2))))  # fmt: skip
 
     # --- checkpoints ---------------------------------------------------------------------
