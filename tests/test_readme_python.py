@@ -62,7 +62,10 @@ BLOCKS = (
     Block("from-pretrained", "from peft import LoraConfig, get_peft_model"),
     Block("lmhead", "import narrows.lmhead as lmh", "setup"),
 )
-STREAM_LINE = 'ns.stream(model, gpu_budget="4GiB")\n'  # the TRL block's; dropped for its resident twin
+# The TRL block's stream line, and what its twins put there: the resident model, and every
+# layer streamed and recomputed (at the block's budget the tiny model's layers all stay whole).
+STREAM_LINE = 'ns.stream(model, gpu_budget="4GiB")\n'
+TRL_TWINS = {"trl-resident": "", "trl-streamed": "ns.stream(model, gpu_budget=None)\n"}
 
 
 def readme_blocks() -> list[str]:
@@ -105,7 +108,9 @@ for job in spec["jobs"]:
             exec(compile(code, job["name"], "exec"), ns)
         if job["save"]:
             model = ns["model"]
-            torch.save({n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}, job["save"])
+            handle = getattr(model, "narrows_stream", None)
+            saved = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+            torch.save({"params": saved, "streamed": handle and list(handle.plan.streamed)}, job["save"])
         results[job["name"]] = "ok"
     except BaseException:
         results[job["name"]] = traceback.format_exc()
@@ -147,11 +152,13 @@ def workspace(tmp_path_factory):
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
         save = str(tmp / f"{b.name}.pt") if b.name == "trl" else None
         jobs.append(dict(name=b.name, chain=chain(b.name), cwd=str(tmp / "cwd" / b.name), env=env, save=save))
-    resident = chain("trl")
-    assert resident[-1].count(STREAM_LINE) == 1
-    resident[-1] = resident[-1].replace(STREAM_LINE, "")
-    jobs.append(dict(name="trl-resident", chain=resident, cwd=str(tmp / "cwd" / "trl-resident"), env={},
-                     save=str(tmp / "trl-resident.pt")))  # fmt: skip
+    for name, line in TRL_TWINS.items():
+        twin = chain("trl")
+        assert twin[-1].count(STREAM_LINE) == 1
+        twin[-1] = twin[-1].replace(STREAM_LINE, line)
+        jobs.append(
+            dict(name=name, chain=twin, cwd=str(tmp / "cwd" / name), env={}, save=str(tmp / f"{name}.pt"))
+        )
     spec = tmp / "spec.json"
     spec.write_text(json.dumps({"jobs": jobs, "results": str(tmp / "results.json")}))
     runner = tmp / "runner.py"
@@ -190,14 +197,21 @@ def test_block_runs(workspace, name):
     assert results[name] == "ok", results[name]
 
 
-def test_sft_trainer_streamed_equals_resident(workspace):
-    """The README's SFTTrainer example trains the streamed model as it trains the resident
-    one: every adapter tensor `torch.equal`, and the adapters moved."""
+@pytest.mark.parametrize("name", ["trl", "trl-streamed"])
+def test_sft_trainer_streamed_equals_resident(workspace, name):
+    """The README's SFTTrainer example (LoRA dropout on) trains the streamed model as it
+    trains the resident one: every adapter tensor `torch.equal`, and the adapters moved.
+    "trl" is the block as written; "trl-streamed" streams and recomputes every layer."""
     import torch
 
     tmp, results = workspace
-    assert results["trl-resident"] == "ok", results["trl-resident"]
-    streamed, resident = torch.load(tmp / "trl.pt"), torch.load(tmp / "trl-resident.pt")
-    assert streamed.keys() == resident.keys() and streamed
-    assert all(torch.equal(streamed[k], resident[k]) for k in streamed)
-    assert any(k.endswith("lora_B.default.weight") and streamed[k].abs().sum() > 0 for k in streamed)
+    for run in (name, "trl-resident"):
+        assert results[run] == "ok", results[run]
+    streamed, resident = torch.load(tmp / f"{name}.pt"), torch.load(tmp / "trl-resident.pt")
+    assert resident["streamed"] is None and streamed["streamed"] is not None
+    if name == "trl-streamed":
+        assert streamed["streamed"] == [0, 1, 2]  # the tiny model's three layers
+    a, b = streamed["params"], resident["params"]
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.endswith("lora_B.default.weight") and a[k].abs().sum() > 0 for k in a)
