@@ -138,6 +138,5 @@ class WandB:
     def close(self) -> None:
         import sys
 
-        self.run.finish(
-            exit_code=0 if sys.exc_info()[0] is None else 1
-        )  # called while an error unwinds: failed
+        failed = sys.exc_info()[0] is not None  # closed while an error unwinds (RunFolder.release)
+        self.run.finish(exit_code=1 if failed else 0)
