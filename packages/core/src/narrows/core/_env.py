@@ -19,6 +19,8 @@ OPTIONAL: dict[str, tuple[str, str | None]] = {
     "gguf": ("gguf", "narrows-core[gguf]"),
     "matplotlib": ("matplotlib", "narrows-core[plot]"),
     "cut_cross_entropy": ("cut-cross-entropy", None),
+    "tensorboard": ("tensorboard", "narrows-core[tensorboard]"),
+    "wandb": ("wandb", "narrows-core[wandb]"),
 }
 
 # narrows packages by import name -> distribution name

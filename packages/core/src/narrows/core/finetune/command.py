@@ -113,5 +113,9 @@ def add_parser(sub) -> None:
       "any other is refused (see --override)")  # fmt: skip
     a("--override", action="store_true", help="with --resume: apply flags that change what the run trains "
       "(e.g. --lr), recorded in the run's config.json history")  # fmt: skip
+    a("--report-to", help="where the run shows up besides metrics.jsonl, as transformers' report_to: "
+      "tensorboard (event files in RUN/tensorboard, needs narrows-core[tensorboard]), wandb (honours WANDB_MODE, "
+      "WANDB_PROJECT; default project narrows; needs narrows-core[wandb]), comma-separated, all (those installed) "
+      "or none (default, as transformers 5's TrainingArguments)")  # fmt: skip
     a("--no-progress", action="store_true", help="one line per step instead of a progress bar")
     p.set_defaults(func=_run)

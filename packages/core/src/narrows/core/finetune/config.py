@@ -11,6 +11,7 @@ from .._env import require
 from ..data import open_source, parse_columns
 from ..errors import NarrowsError
 from ..memory import parse_bytes
+from .reporters import parse_report_to
 
 __all__ = [
     "ADAPTERS",
@@ -38,6 +39,7 @@ RESUMABLE = {
     "cuda_graphs": "how the layers' kernels are launched; the numbers trained are the same",
     "offload_optimizer": "where the optimizer state waits between steps; the numbers trained are the same",
     "offload_adapters": "where the adapters wait between steps; the numbers trained are the same",
+    "report_to": "where the metrics are shown besides metrics.jsonl; the numbers trained are the same",
 }
 
 
@@ -86,6 +88,7 @@ class FinetuneConfig:
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
     deterministic: bool = False  # deterministic kernels: on CUDA, what makes runs reproducible bit for bit
     out: str = "runs/default"
+    report_to: str = "none"  # tensorboard, wandb (comma-separated), all (those installed) or none
     world_size: int = 1  # ranks the run trains on (torchrun); not a flag: set by the launch
 
     @classmethod
@@ -194,6 +197,7 @@ class FinetuneConfig:
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)
         self.tile()
+        parse_report_to(self.report_to)
 
     def tile(self) -> int | str | None:
         """``--seq-tile`` as narrows-stream takes it: None, "auto" or tokens per tile."""

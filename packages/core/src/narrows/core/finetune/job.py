@@ -21,6 +21,7 @@ from .inputs import INPUTS, absolute_inputs, check_inputs, record_inputs
 from .loop import Progress, train
 from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
+from .reporters import open_reporters, summary_row
 from .rundir import RunFolder
 
 __all__ = ["finetune", "resume"]
@@ -179,6 +180,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
     entry.update(step=step, narrows=__version__, argv=sys.argv[1:])
     if ranks.main:
         run.write_config(cfg, [*(history or []), entry], inputs)
+        run.reporters = open_reporters(dataclasses.asdict(cfg), run.root, step)  # --report-to
     setup_s = time.perf_counter() - t_setup
 
     state = Progress(step=step, history=rows)
@@ -202,6 +204,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         summary["stream"]["accumulation"] = accumulation
     run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root))
     summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
+    run.report(summary_row(summary, cfg.steps))
     text = json.dumps(summary, indent=2)
     run.guard(
         run.root / "summary.json",

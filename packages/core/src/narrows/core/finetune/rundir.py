@@ -53,6 +53,7 @@ class RunFolder:
         self.lock_path = self.root / ".lock"
         self._fd: int | None = None
         self._created: list[Path] = []  # folders claim_new made (--out and missing parents)
+        self.reporters: list = []  # where each row goes too (TensorBoard, W&B: `reporters`), closed on release
 
     # --- ownership ---------------------------------------------------------------------
 
@@ -125,6 +126,8 @@ class RunFolder:
     def release(self) -> None:
         """Let go of the folder (the lock file goes); a folder this run created and left
         without a run is removed."""
+        while self.reporters:
+            self.reporters.pop().close()
         if self._fd is None:
             return
         import fcntl
@@ -296,6 +299,12 @@ class RunFolder:
                 f.write(line)
 
         self.guard(self.metrics, write)
+        self.report(row)
+
+    def report(self, row: dict) -> None:
+        """Pass a row to the reporters alone (the final summary's exact match)."""
+        for reporter in self.reporters:
+            reporter.log(row)
 
 
 class _Hashing:
