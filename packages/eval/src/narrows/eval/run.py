@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from narrows.core import NarrowsError
+from narrows.core.finetune import run_base
 
-from .loading import resolve_adapter
+from .loading import choose_adapter
 from .report import compare, write_report
 
 __all__ = ["TASK_DIR", "evaluate", "resolve_tasks", "run_tasks"]
@@ -50,36 +52,69 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | float | None = None
 
 
 def evaluate(
-    model: str | os.PathLike,
+    model: str | os.PathLike | None,
     adapter: str | os.PathLike,
-    tasks: list[str],
-    out: str | os.PathLike,
+    tasks: list[str] | None = None,
+    out: str | os.PathLike | None = None,
     *,
+    checkpoint: int | str | None = None,
     gpu_budget: str | None = None,
     host_budget: str | None = None,
     quant: str | None = None,
-    dtype: str = "auto",
+    dtype: str | None = None,
     device: str | None = None,
     batch_size: int = 8,
     limit: int | float | None = None,
     num_fewshot: int | None = None,
     include_path: list[str] | None = None,
+    how: str = "--checkpoint {}",
 ) -> dict:
     """Evaluate `model` alone and with `adapter` on `tasks`; write the report into `out`.
-    Returns the report's paths and both lm-eval result dicts."""
+    Returns the report's paths and both lm-eval result dicts.
+
+    `adapter` may be a `narrows finetune` run folder: it is scored at its final adapter (an
+    unfinished run is refused, unless `checkpoint` — a step or "latest" — picks a checkpoint),
+    and what is not given comes from the run: the base (`model` None), its quantisation and
+    dtype, the tasks (the embedded default's GSM8K held-out problems) and `out` (RUN/eval, or
+    RUN/eval-step-N for a checkpoint). The step scored is printed and recorded in the report."""
     from .lm import NarrowsLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    adapter_dir = resolve_adapter(adapter)  # a wrong path fails before the first (slow) run
+    choice = choose_adapter(adapter, checkpoint, how=how)  # a wrong path or an unfinished run fails first
+    run = choice.run
+    base = run_base(run.config) if run is not None else None
+    if model is None:
+        if base is None:
+            raise NarrowsError(f"{choice.folder} is not a `narrows finetune` run (no config.json), so its base model "
+                               "is unknown: give --model (the HF folder or .gguf file it was trained on)")  # fmt: skip
+        model = base.path
+    if run is not None:
+        quant = quant or run.config.quant
+        dtype = dtype or run.config.dtype
+    quant = None if quant in (None, "none") else quant
+    dtype = dtype or "auto"
+    if not tasks:
+        if run is None or run.config.model is not None:
+            raise NarrowsError("--tasks is needed: narrows has no task matching "
+                               + (f"the data of {choice.folder} (--data {run.config.data})" if run else "a PEFT folder")
+                               + "; give e.g. --tasks arc_easy,hellaswag, or your own task files with --include-path")  # fmt: skip
+        tasks = ["gsm8k"]
+        print("narrows: tasks: gsm8k (the GSM8K problems the embedded default held out of its training)",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if out is None:
+        out = choice.folder / ("eval" if choice.checkpoint is None else f"eval-step-{choice.checkpoint}")
+    print(f"narrows: base: {model}" + (f" ({base.origin})" if base is not None and model == base.path else ""),
+          file=sys.stderr, flush=True)  # fmt: skip
+    print(f"narrows: scoring {choice.describe()}", file=sys.stderr, flush=True)
     manager, names = resolve_tasks(tasks, include_path)
     results, runs = {}, {}
-    for which, adp in (("base", None), ("adapted", str(adapter_dir))):
+    for which, adp in (("base", None), ("adapted", str(choice.folder))):
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        lm = NarrowsLM(pretrained=str(model), adapter=adp, gpu_budget=gpu_budget, host_budget=host_budget,
-                       quant=quant, dtype=dtype,
+        lm = NarrowsLM(pretrained=str(model), adapter=adp, checkpoint=choice.checkpoint if adp else None,
+                       gpu_budget=gpu_budget, host_budget=host_budget, quant=quant, dtype=dtype,
                        device=device, batch_size=batch_size)  # fmt: skip
         results[which] = run_tasks(lm, names, manager, limit=limit, num_fewshot=num_fewshot)
         runs[which] = {"seconds": round(time.perf_counter() - start, 1),
@@ -87,7 +122,10 @@ def evaluate(
         del lm
         gc.collect()
     rows = compare(results["base"], results["adapted"])
-    meta = {"model": str(model), "adapter": str(adapter_dir), "tasks": names, "limit": limit,
-            "gpu_budget": gpu_budget, "quant": quant, "runs": runs}  # fmt: skip
-    title = f"{Path(model).name}: base vs {adapter_dir.name}"
-    return {"paths": write_report(rows, out, title=title, meta=meta), "rows": rows, "results": results}
+    meta = {"model": str(model), "adapter": str(choice.folder), "adapter_step": choice.step,
+            "checkpoint": choice.checkpoint, "scored": choice.describe(), "tasks": names, "limit": limit,
+            "gpu_budget": gpu_budget, "quant": quant, "dtype": dtype, "runs": runs}  # fmt: skip
+    step = f" (step {choice.step})" if choice.step is not None else ""
+    title = f"{Path(model).name}: base vs {choice.folder.name}{step}"
+    return {"paths": write_report(rows, out, title=title, meta=meta), "rows": rows, "results": results,
+            "choice": choice}  # fmt: skip
