@@ -118,7 +118,10 @@ def _name_base_in_card(card_path: Path, base: RunBase) -> None:
     from huggingface_hub import ModelCard
 
     card = ModelCard.load(card_path) if card_path.is_file() else ModelCard("---\n---\n")
-    card.data.base_model = base.hub_id  # PEFT put the model's own (cache) path there; a hub id or nothing
+    # PEFT names the loaded model's own path (a cache folder, for a GGUF): a hub id or nothing
+    card.data.base_model = base.hub_id
+    tags = [t for t in card.data.tags or [] if not t.startswith("base_model:")]
+    card.data.tags = tags + [f"base_model:adapter:{base.hub_id}"] * bool(base.hub_id) or None
     card.text = (f"\n# Adapter trained by narrows finetune\n\nBase model: `{base.name}`: {base.origin}.\n"
                  f"Load it with `narrows eval <this folder>`, or PeftModel.from_pretrained(base, <this folder>).\n"
                  + card.text)  # fmt: skip

@@ -173,10 +173,15 @@ class RunState:
 def run_state(folder: str | os.PathLike) -> RunState | None:
     """The state of the ``narrows finetune`` run in `folder`; None where `folder` holds no
     run (e.g. a folder PEFT's save_pretrained wrote)."""
-    from .rundir import RunFolder
+    from .rundir import FORMAT, RunFolder
 
     run = RunFolder(folder)
-    if not run.config.is_file():
+    try:
+        written = json.loads(run.config.read_text()).get("format")
+    except (OSError, ValueError, AttributeError):
+        return None
+    # a model folder has a config.json too; runs from before the format field have checkpoints
+    if written != FORMAT and not run.checkpoints.is_dir():
         return None
     cfg, _ = run.read_config()
     has_adapter = (run.root / "adapter_config.json").is_file() and any(
