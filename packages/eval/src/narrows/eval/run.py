@@ -6,6 +6,7 @@ import gc
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,10 +14,10 @@ import torch
 from narrows.core import NarrowsError
 from narrows.core.finetune import run_base
 
-from .loading import choose_adapter
+from .loading import AdapterChoice, choose_adapter
 from .report import compare, write_report
 
-__all__ = ["TASK_DIR", "evaluate", "resolve_tasks", "run_tasks"]
+__all__ = ["TASK_DIR", "EvalPlan", "evaluate", "plan_evaluation", "resolve_tasks", "run_tasks"]
 
 TASK_DIR = Path(__file__).parent / "tasks"  # narrows' task files (lm-eval's --include_path)
 
@@ -51,6 +52,56 @@ def run_tasks(lm, tasks: list[str], manager, *, limit: int | float | None = None
                            fewshot_random_seed=seed, log_samples=False)  # fmt: skip
 
 
+@dataclass(frozen=True)
+class EvalPlan:
+    """What an evaluation runs, every default filled in (from the run, where the adapter is
+    one), and what to tell the user about it (`said`)."""
+
+    choice: AdapterChoice
+    model: Path
+    tasks: list[str]
+    out: Path
+    quant: str | None
+    dtype: str
+    said: list[str]
+
+
+def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike, tasks: list[str] | None = None,
+                    out: str | os.PathLike | None = None, *, checkpoint: int | str | None = None,
+                    quant: str | None = None, dtype: str | None = None, how: str = "--checkpoint {}") -> EvalPlan:  # fmt: skip
+    """The settings of `evaluate`, checked before anything slow (see there)."""
+    choice = choose_adapter(adapter, checkpoint, how=how)  # a wrong path or an unfinished run fails first
+    run = choice.run
+    base = run_base(run.config) if run is not None else None
+    said = []
+    if model is None:
+        if base is None:
+            raise NarrowsError(f"{choice.folder} is not a `narrows finetune` run (no config.json), so its base model "
+                               "is unknown: give --model (the HF folder or .gguf file it was trained on)")  # fmt: skip
+        model = base.path
+        said.append(f"base: {model} ({base.origin})")
+    if run is not None:
+        quant = quant or run.config.quant
+        dtype = dtype or run.config.dtype
+    if not tasks:
+        if run is None or run.config.model is not None:
+            of = (
+                f"the data of {choice.folder} (--data {run.config.data})"
+                if run
+                else "a PEFT folder's training"
+            )
+            raise NarrowsError(f"--tasks is needed: narrows has no task that matches {of}; give e.g. --tasks "
+                               "arc_easy,hellaswag (narrows eval --print-task-dir lists them), or your own task files "
+                               "with --include-path")  # fmt: skip
+        tasks = ["gsm8k"]
+        said.append("tasks: gsm8k (the GSM8K problems the embedded default held out of its training)")
+    if out is None:
+        out = choice.folder / ("eval" if choice.checkpoint is None else f"eval-step-{choice.checkpoint}")
+    said.append(f"scoring {choice.describe()}")
+    return EvalPlan(choice, Path(model), list(tasks), Path(out), None if quant in (None, "none") else quant,
+                    dtype or "auto", said)  # fmt: skip
+
+
 def evaluate(
     model: str | os.PathLike | None,
     adapter: str | os.PathLike,
@@ -81,33 +132,13 @@ def evaluate(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    choice = choose_adapter(adapter, checkpoint, how=how)  # a wrong path or an unfinished run fails first
-    run = choice.run
-    base = run_base(run.config) if run is not None else None
-    if model is None:
-        if base is None:
-            raise NarrowsError(f"{choice.folder} is not a `narrows finetune` run (no config.json), so its base model "
-                               "is unknown: give --model (the HF folder or .gguf file it was trained on)")  # fmt: skip
-        model = base.path
-    if run is not None:
-        quant = quant or run.config.quant
-        dtype = dtype or run.config.dtype
-    quant = None if quant in (None, "none") else quant
-    dtype = dtype or "auto"
-    if not tasks:
-        if run is None or run.config.model is not None:
-            raise NarrowsError("--tasks is needed: narrows has no task matching "
-                               + (f"the data of {choice.folder} (--data {run.config.data})" if run else "a PEFT folder")
-                               + "; give e.g. --tasks arc_easy,hellaswag, or your own task files with --include-path")  # fmt: skip
-        tasks = ["gsm8k"]
-        print("narrows: tasks: gsm8k (the GSM8K problems the embedded default held out of its training)",
-              file=sys.stderr, flush=True)  # fmt: skip
-    if out is None:
-        out = choice.folder / ("eval" if choice.checkpoint is None else f"eval-step-{choice.checkpoint}")
-    print(f"narrows: base: {model}" + (f" ({base.origin})" if base is not None and model == base.path else ""),
-          file=sys.stderr, flush=True)  # fmt: skip
-    print(f"narrows: scoring {choice.describe()}", file=sys.stderr, flush=True)
-    manager, names = resolve_tasks(tasks, include_path)
+    plan = plan_evaluation(
+        model, adapter, tasks, out, checkpoint=checkpoint, quant=quant, dtype=dtype, how=how
+    )
+    choice, model, quant, dtype = plan.choice, plan.model, plan.quant, plan.dtype
+    for line in plan.said:
+        print(f"narrows: {line}", file=sys.stderr, flush=True)
+    manager, names = resolve_tasks(plan.tasks, include_path)
     results, runs = {}, {}
     for which, adp in (("base", None), ("adapted", str(choice.folder))):
         start = time.perf_counter()
@@ -127,5 +158,5 @@ def evaluate(
             "gpu_budget": gpu_budget, "quant": quant, "dtype": dtype, "runs": runs}  # fmt: skip
     step = f" (step {choice.step})" if choice.step is not None else ""
     title = f"{Path(model).name}: base vs {choice.folder.name}{step}"
-    return {"paths": write_report(rows, out, title=title, meta=meta), "rows": rows, "results": results,
+    return {"paths": write_report(rows, plan.out, title=title, meta=meta), "rows": rows, "results": results,
             "choice": choice}  # fmt: skip
