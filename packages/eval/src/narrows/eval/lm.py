@@ -36,8 +36,9 @@ class NarrowsLM(HFLM):
     ``quant`` (``nf4``), ``dtype`` (``auto``: bf16 on CUDA, fp32 on CPU), ``device``,
     ``batch_size``, ``max_length`` and the rest of HFLM's own arguments."""
 
-    def __init__(self, pretrained=None, tokenizer=None, adapter: str | None = None, checkpoint: str | int | None = None,
-                 gpu_budget: str | None = None, host_budget: str | None = None, quant: str | None = None, dtype: str = "auto", device: str | None = None,
+    def __init__(self, pretrained=None, tokenizer=None, adapter: str | None = None,
+                 checkpoint: str | int | None = None, gpu_budget: str | None = None, host_budget: str | None = None,
+                 quant: str | None = None, dtype: str = "auto", device: str | None = None,
                  batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
         device = _none(device)
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
