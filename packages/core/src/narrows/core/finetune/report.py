@@ -123,7 +123,8 @@ def _name_base_in_card(card_path: Path, base: RunBase) -> None:
     tags = [t for t in card.data.tags or [] if not t.startswith("base_model:")]
     card.data.tags = tags + [f"base_model:adapter:{base.hub_id}"] * bool(base.hub_id) or None
     card.text = (f"\n# Adapter trained by narrows finetune\n\nBase model: `{base.name}`: {base.origin}.\n"
-                 f"Load it with `narrows eval <this folder>`, or PeftModel.from_pretrained(base, <this folder>).\n"
+                 "Score it with `narrows eval RUN` (its run folder), or load it with "
+                 "`PeftModel.from_pretrained(base, <this folder>)`.\n"
                  + card.text)  # fmt: skip
     card.save(card_path)
 
