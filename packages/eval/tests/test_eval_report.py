@@ -42,4 +42,5 @@ def test_narrows_eval_on_an_unfinished_run_says_how_to_finish_it(tiny_folder, tm
     rc = main(["eval", "--model", str(tiny_folder), "--adapter", str(run), "--tasks", "arc_easy"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("narrows: error:"), err
-    assert "has not finished" in err and "step-000004" in err and f"narrows finetune --resume {run}" in err
+    assert "no final adapter yet, newest checkpoint step 4 of 40" in err  # a run of the default 40 steps
+    assert f"narrows finetune --resume {run}" in err and "--checkpoint 4" in err

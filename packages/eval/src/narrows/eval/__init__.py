@@ -6,22 +6,25 @@
 - task files for ARC-Easy, PIQA, HellaSwag, MMLU subjects, LAMBADA and the GSM8K held-out
   split in `TASK_DIR` (``--include_path``), their data read from installed packages
 - `evaluate` / ``narrows eval``: base and adapted in one go, and a report (JSON, Markdown,
-  bar chart) that flags differences beyond two standard errors
+  bar chart) that flags differences beyond two standard errors; ``narrows eval runs/NAME``
+  takes the base and defaults from the run, and scores only its newest state (`choose_adapter`)
 """
 
 from importlib.metadata import version as _version
 
-from .loading import EvalModel, load_for_eval, resolve_adapter
+from .loading import AdapterChoice, EvalModel, choose_adapter, load_for_eval, resolve_adapter
 from .report import Row, compare, write_report
 from .run import TASK_DIR, evaluate, resolve_tasks
 
 __version__ = _version("narrows-eval")
 __all__ = [
     "TASK_DIR",
+    "AdapterChoice",
     "EvalModel",
     "NarrowsLM",
     "Row",
     "__version__",
+    "choose_adapter",
     "compare",
     "evaluate",
     "load_for_eval",

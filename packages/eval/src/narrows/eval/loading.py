@@ -12,9 +12,10 @@ from torch import nn
 
 from narrows.core import NarrowsError, quantize_nf4
 from narrows.core._env import require
+from narrows.core.finetune import RunState, run_base, run_state
 from narrows.core.models import load_causal_lm
 
-__all__ = ["EvalModel", "load_for_eval", "resolve_adapter"]
+__all__ = ["AdapterChoice", "EvalModel", "choose_adapter", "load_for_eval", "resolve_adapter"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,25 +27,63 @@ class EvalModel:
     device: torch.device
     streamed: bool
     adapter: str | None
+    choice: AdapterChoice | None = None  # what `adapter` is: a run's step, or a PEFT folder
 
 
-def resolve_adapter(path: str | os.PathLike) -> Path:
-    """The folder holding ``adapter_config.json``: the path itself (a run folder of
-    ``narrows finetune`` or any PEFT save) or, failing that, a clear error."""
+@dataclass(frozen=True)
+class AdapterChoice:
+    """The adapter an evaluation scores: a PEFT folder, or a `narrows finetune` run (`run`)
+    at `step` — its final adapter, or checkpoint `checkpoint`'s weights."""
+
+    folder: Path
+    run: RunState | None = None
+    step: int | None = None
+    checkpoint: int | None = None
+
+    def describe(self) -> str:
+        """What is scored, in words (printed, and recorded in the report)."""
+        if self.run is None:
+            return f"adapter {self.folder} (a PEFT folder: its training step is not recorded)"
+        if self.checkpoint is not None:
+            return (f"run {self.folder} at step {self.step}: checkpoint step-{self.step:06d} of "
+                    f"{self.run.steps} steps ({self.run.unfinished() or 'the run finished'})")  # fmt: skip
+        return f"run {self.folder} at step {self.step} (its final adapter)"
+
+
+def choose_adapter(path: str | os.PathLike, checkpoint: int | str | None = None, *,
+                   how: str = "--checkpoint {}") -> AdapterChoice:  # fmt: skip
+    """The adapter in `path`: a `narrows finetune` run folder or a PEFT folder. A run is
+    scored only at its newest state: its final adapter when it finished, else refused with
+    the choices (finish it, or a `checkpoint` — a step or "latest" — asked for explicitly,
+    `how` the way to ask). Errors name the path and what to do."""
     p = Path(path).expanduser()
-    if (p / "adapter_config.json").is_file():
-        return p
     if not p.exists():
         raise NarrowsError(f"adapter path {str(p)!r} does not exist: give a run folder of `narrows finetune` or a "
                            "folder written by PEFT's save_pretrained")  # fmt: skip
-    if (p / "config.json").is_file() and (p / "checkpoints").is_dir():  # a `narrows finetune` run folder
-        from narrows.core.finetune import RunFolder
+    run = run_state(p)
+    if run is None:
+        if checkpoint is not None:
+            raise NarrowsError(f"{how.format(checkpoint)} picks a checkpoint of a `narrows finetune` run; {str(p)!r} "
+                               "is not one (no config.json)")  # fmt: skip
+        if (p / "adapter_config.json").is_file():
+            return AdapterChoice(p)
+        raise NarrowsError(f"{str(p)!r} holds no adapter_config.json: it is not a PEFT adapter folder")
+    if checkpoint is not None:
+        return AdapterChoice(p, run, *([run.checkpoint(checkpoint)] * 2))
+    why = run.unfinished()
+    if why is None:
+        return AdapterChoice(p, run, run.adapter_step)
+    finish = f"finish it (narrows finetune --resume {p})"
+    pick = (f", or evaluate a checkpoint explicitly ({how.format(run.newest)}, or {how.format('latest')})"
+            if run.checkpoints else "")  # fmt: skip
+    raise NarrowsError(f"{str(p)!r} is a `narrows finetune` run whose newest state is not its final adapter "
+                       f"({why}): {finish}{pick}")  # fmt: skip
 
-        steps = RunFolder(p).saved_steps()
-        newest = f"its newest checkpoint is {steps[0].name}" if steps else "it has no checkpoint yet"
-        raise NarrowsError(f"{str(p)!r} is a `narrows finetune` run that has not finished ({newest}), so it holds no "
-                           f"adapter yet; finish it with: narrows finetune --resume {p}")  # fmt: skip
-    raise NarrowsError(f"{str(p)!r} holds no adapter_config.json: it is not a PEFT adapter folder")
+
+def resolve_adapter(path: str | os.PathLike) -> Path:
+    """The folder holding the adapter to score: a finished `narrows finetune` run, or any
+    PEFT save; anything else (an unfinished run included) is a clear error."""
+    return choose_adapter(path).folder
 
 
 def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -58,10 +97,11 @@ def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 def load_for_eval(
-    pretrained: str | os.PathLike | nn.Module,
+    pretrained: str | os.PathLike | nn.Module | None,
     *,
     tokenizer: object | None = None,
     adapter: str | os.PathLike | None = None,
+    checkpoint: int | str | None = None,
     dtype: str | torch.dtype = "auto",
     quant: str | None = None,
     gpu_budget: str | int | None = None,
@@ -77,7 +117,10 @@ def load_for_eval(
     only what fits the budget stays on the device, the rest comes from host memory layer by
     layer with prefetch, no autograd state kept. A DoRA adapter runs through narrows-dora
     when it is installed (same numbers as PEFT's, without the dense B·A). `pretrained` may
-    also be a model already in host memory (then pass its `tokenizer`).
+    also be a model already in host memory (then pass its `tokenizer`), or None for the base
+    a run folder given as `adapter` trained on. A run folder is scored at its final adapter,
+    and refused while that is not its newest state, unless `checkpoint` (a step or
+    ``"latest"``) asks for a checkpoint's weights.
     """
     dev = (
         torch.device(device)
@@ -86,7 +129,18 @@ def load_for_eval(
     )
     if quant not in (None, "none", "nf4"):
         raise NarrowsError(f"quant must be nf4 or none, got {quant!r}")
-    adapter_dir = resolve_adapter(adapter) if adapter else None  # before the slow load
+    choice = (
+        choose_adapter(adapter, checkpoint, how="checkpoint={}") if adapter else None
+    )  # before the slow load
+    if checkpoint is not None and choice is None:
+        raise NarrowsError(
+            f"checkpoint={checkpoint} picks a checkpoint of a run: give the run as the adapter too"
+        )
+    if pretrained is None:
+        if choice is None or choice.run is None:
+            raise NarrowsError("no base model given (pretrained): give a model folder or .gguf file, or a "
+                               "`narrows finetune` run folder as the adapter, whose base it then is")  # fmt: skip
+        pretrained = run_base(choice.run.config).path
     if gpu_budget is not None:
         require("narrows.stream", "evaluation with gpu_budget (streaming the base)")
     elif host_budget is not None:
@@ -106,10 +160,13 @@ def load_for_eval(
         model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev), quant=quant, device=dev)
     if quant == "nf4" and not getattr(model, "is_loaded_in_4bit", False):  # a model passed in memory
         quantize_nf4(model, device=dev if dev.type == "cuda" else None, park="cpu")
-    if adapter_dir is not None:
+    if choice is not None and choice.checkpoint is not None:
+        model = choice.run.load_checkpoint(model, choice.checkpoint)
+        _use_narrows_dora(model)
+    elif choice is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+        model = PeftModel.from_pretrained(model, str(choice.folder), is_trainable=False)
         _use_narrows_dora(model)
     model.eval()
     model.requires_grad_(False)  # nothing trains here: no gradient or optimizer room is planned for any of it
@@ -120,7 +177,9 @@ def load_for_eval(
         ns.stream(model, budget, device=dev, batch_size=batch_size, seq_len=seq_len, inference=True)
     else:
         model.to(dev)
-    return EvalModel(model, tokenizer, dev, gpu_budget is not None, str(adapter_dir) if adapter_dir else None)
+    return EvalModel(
+        model, tokenizer, dev, gpu_budget is not None, str(choice.folder) if choice else None, choice
+    )
 
 
 def _use_narrows_dora(model: nn.Module) -> None:

@@ -3,7 +3,8 @@
 The main job, apart from core's protocol modules: `config` (what a run depends on),
 `rundir` (the run folder: lock, settings, checkpoints, metrics), `build` (inputs checked,
 model loaded and wrapped), `loop` (the training steps), `evaluate` (held-out loss, exact
-match), `report` (summary, adapter, plot), `job` (new and resumed runs), `ranks` (several
+match), `report` (summary, adapter, plot), `job` (new and resumed runs), `runstate` (what
+state a run folder is in, for whoever scores it), `ranks` (several
 ranks launched by torchrun) and `command` (the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
 """
 
@@ -12,16 +13,21 @@ from .evaluate import eval_loss, exact_match
 from .job import finetune, resume
 from .report import format_summary
 from .rundir import RunFolder
+from .runstate import RunBase, RunState, run_base, run_state
 
 __all__ = [
     "RESUMABLE",
     "FinetuneConfig",
     "LMHeadSpec",
+    "RunBase",
     "RunFolder",
+    "RunState",
     "eval_loss",
     "exact_match",
     "finetune",
     "format_summary",
     "parse_lmhead",
     "resume",
+    "run_base",
+    "run_state",
 ]

@@ -137,15 +137,13 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
                 world_size: int = 1) -> nn.Module:  # fmt: skip
     """The PEFT model that trains: adapter (initialised from the run's seed), then DoRA,
     streaming and the LM-head savings as asked."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    from .runstate import lora_config
 
     target_modules = _targets(model, cfg.targets)
     seed_all(cfg.seed)  # the adapter's initialisation
-    lora = LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, lora_dropout=cfg.dropout,
-        target_modules=target_modules, use_dora=cfg.adapter == "dora", task_type="CAUSAL_LM",
-    )  # fmt: skip
-    model = get_peft_model(model, lora)
+    model = get_peft_model(model, lora_config(cfg, target_modules))
     if cfg.adapter == "dora":
         import narrows.dora
 

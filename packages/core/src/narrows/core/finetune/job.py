@@ -23,6 +23,7 @@ from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .reporters import open_reporters, summary_row
 from .rundir import RunFolder
+from .runstate import run_base
 
 __all__ = ["finetune", "resume"]
 
@@ -202,7 +203,9 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
                         state.seconds)  # fmt: skip
     if accumulation and "stream" in summary:
         summary["stream"]["accumulation"] = accumulation
-    run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root))
+    base = run_base(cfg)
+    summary.update(adapter_step=state.step, base_model=base.name, base_origin=base.origin)  # read by runstate
+    run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root, base))
     summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
     run.report(summary_row(summary, cfg.steps))
     text = json.dumps(summary, indent=2)

@@ -16,6 +16,7 @@ from ..files import atomic_write
 from ..memory import format_bytes, host_rss_high_water
 from .config import FinetuneConfig
 from .evaluate import exact_match
+from .runstate import RunBase
 
 __all__ = ["format_summary", "plot_losses", "save_adapter", "summarize"]
 
@@ -93,15 +94,39 @@ def plot_losses(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def save_adapter(model: nn.Module, root: Path) -> None:
-    """PEFT's own files, each renamed into place (a reader never sees a half-written one)."""
+def save_adapter(model: nn.Module, root: Path, base: RunBase | None = None) -> None:
+    """PEFT's own files, each renamed into place (a reader never sees a half-written one).
+    With `base`, ``adapter_config.json`` names the base as a user would (its hub id, or the
+    path they gave), never the cache folder a GGUF was converted into, and the model card
+    (README.md) says where its weights came from."""
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".adapter.", suffix=".tmp"))
     try:
-        model.save_pretrained(tmp)
+        if base is not None:
+            for config in model.peft_config.values():
+                config.base_model_name_or_path = base.name
+        # narrows never resizes the vocabulary; "auto" would look the base up on the hub to check
+        model.save_pretrained(tmp, save_embedding_layers=False)
+        if base is not None:
+            _name_base_in_card(tmp / "README.md", base)
         for f in tmp.iterdir():
             f.replace(root / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _name_base_in_card(card_path: Path, base: RunBase) -> None:
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(card_path) if card_path.is_file() else ModelCard("---\n---\n")
+    # PEFT names the loaded model's own path (a cache folder, for a GGUF): a hub id or nothing
+    card.data.base_model = base.hub_id
+    tags = [t for t in card.data.tags or [] if not t.startswith("base_model:")]
+    card.data.tags = tags + [f"base_model:adapter:{base.hub_id}"] * bool(base.hub_id) or None
+    card.text = (f"\n# Adapter trained by narrows finetune\n\nBase model: `{base.name}`: {base.origin}.\n"
+                 "Score it with `narrows eval RUN` (its run folder), or load it with "
+                 "`PeftModel.from_pretrained(base, <this folder>)`.\n"
+                 + card.text)  # fmt: skip
+    card.save(card_path)
 
 
 def format_summary(summary: dict) -> str:

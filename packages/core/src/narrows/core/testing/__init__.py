@@ -15,6 +15,7 @@ from .contract import (
 from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
 from .maps import mapped_file, mapping_memory
 from .processes import child_env, private_cache
+from .runs import finetune_cli
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "check_partition",
     "check_slots_cover_forward",
     "child_env",
+    "finetune_cli",
     "forward_backward",
     "mapped_file",
     "mapping_memory",
