@@ -16,7 +16,13 @@ nox.options.default_venv_backend = "uv"
 nox.options.error_on_missing_interpreters = True
 
 # package -> extras its own tests need
-PACKAGES = {"core": ["nf4", "data", "tensorboard"], "stream": ["nf4"], "dora": [], "lmhead": [], "eval": ["data"]}
+PACKAGES = {
+    "core": ["nf4", "data", "tensorboard"],
+    "stream": ["nf4"],
+    "dora": [],
+    "lmhead": [],
+    "eval": ["data"],
+}
 TEST_TOOLS = ["pytest>=8"]
 
 
