@@ -236,3 +236,33 @@ def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(mon
     )  # asked for: streaming then says it is too small
     with pytest.raises(ns.BudgetTooSmallError):
         ns.plan(model, tight, reserve=need, **kw)
+
+
+def test_moe_router_logits_keep_the_job_in_sequence_or_stop_it_when_asked(tmp_path, monkeypatch, capsys):
+    """A MoE base with its router's aux loss on (qwen2_moe, output_router_logits=True): step
+    mode cannot collect the router logits. Chosen by the job (stubbed: a CPU never gets
+    it), StepTrainer refuses when built and the run goes on in sequence, saying why — the
+    same numbers as the resident loop; asked for with --step-mode, it stops with the
+    reason. (It used to die with an IndexError inside transformers' load-balancing loss.)"""
+    import narrows.stream as ns
+
+    model = tiny_model_folder(tmp_path / "moe", "qwen2_moe", output_router_logits=True)
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+
+    def moe(name, *extra):
+        return main(["finetune", "--model", str(model), "--data", str(data), "--steps", "1", "--batch", "2",
+                     "--seq-len", "32", "--rank", "4", "--eval-rows", "0", "--grad-accum", "2", "--dropout", "0.1",
+                     "--no-progress", "--out", str(tmp_path / name), *extra])  # fmt: skip
+
+    assert moe("resident") == 0
+    monkeypatch.setattr(ns, "choose_step_mode", lambda model, g, world_size=1: (True, "block-major (stub)"))
+    capsys.readouterr()
+    assert moe("chosen", "--gpu-budget", "1300KiB") == 0  # every layer streamed (the minimum is 1.23 MiB)
+    err = capsys.readouterr().err
+    assert "sequential, step mode refused this model (step mode cannot train this model exactly: MoE router " \
+           "logits are on (config.output_router_logits=True" in err  # fmt: skip
+    assert_same(result(tmp_path, "resident"), result(tmp_path, "chosen"))
+    assert moe("asked", "--gpu-budget", "1300KiB", "--step-mode") == 2
+    err = capsys.readouterr().err
+    assert "narrows: error: step mode cannot train this model exactly: MoE router logits are on" in err
+    assert "Traceback" not in err

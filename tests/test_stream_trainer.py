@@ -111,3 +111,18 @@ def test_step_mode_trainer_refuses_a_custom_loss(tmp_path):
 
     with pytest.raises(ns.StreamSetupError, match="compute_loss is overridden"):
         _train_step_mode(tmp_path, "x", Custom)
+
+
+def test_step_mode_trainer_refuses_moe_router_logits_when_built(tmp_path):
+    """A MoE model with its router's aux loss on: refused when the Trainer is built (before
+    any gradient), naming the field — it used to die in transformers' load-balancing loss
+    at the first block-major step."""
+    from transformers import TrainingArguments
+
+    model = with_adapter(tiny_model("qwen2_moe", output_router_logits=True), "lora").train()
+    ns.stream(model, device="cpu")
+    args = TrainingArguments(output_dir=str(tmp_path / "moe"), max_steps=1, per_device_train_batch_size=1,
+                             gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+    with pytest.raises(ns.StreamSetupError, match=r"config\.output_router_logits=True"):
+        ns.StepModeTrainer(model=model, args=args, train_dataset=_Rows(4))
+    assert all(p.grad is None for p in model.parameters())

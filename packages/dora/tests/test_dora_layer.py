@@ -168,3 +168,31 @@ def test_a_row_of_small_norm_is_divided_by_its_own_norm(adapter_dtype, tol):
         torch.testing.assert_close(
             out[:, row], ref[:, row], rtol=tol, atol=tol * ref[:, row].abs().max().item()
         )
+
+
+@pytest.mark.parametrize("row_norm", [1e-9, 1e-14])
+def test_the_fp32_norm_floor_is_1e_12(row_norm):
+    """Where ε decides: a row of norm 1e-9 (above the fp32 floor) is divided by its own norm,
+    one of 1e-14 (below it) by ε = 1e-12. The reference is DoRA's formula in fp64 with
+    ε = 1e-12, computed here; an ε of 1e-6 scales the first row down a thousandfold, an ε
+    of 1e-16 the second up a hundredfold."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(32, 6, bias=False)
+    with torch.no_grad():
+        base.weight[0] *= row_norm / base.weight[0].norm()
+    layer = nd.DoraLinear(base, r=2, alpha=4, adapter_dtype=torch.float32)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(0, 1e-4)
+        layer.lora_B.weight[0].mul_(row_norm)  # row 0's composed norm stays near `row_norm`
+        layer.magnitude.mul_(1.5)
+    x = torch.randn(5, 32)
+    w, a, b = base.weight.double(), layer.lora_A.weight.double(), layer.lora_B.weight.double()
+    composed = w + layer.scaling * b @ a
+    norm = composed.norm(dim=1, keepdim=True)
+    assert 0.5 * row_norm < norm[0].item() < 2 * row_norm
+    ref = x.double() @ (layer.magnitude.double()[:, None] * composed / norm.clamp_min(1e-12)).t()
+    out = layer(x).double()
+    for row in (0, slice(1, None)):  # the small row on its own scale, then the others
+        torch.testing.assert_close(
+            out[:, row], ref[:, row], rtol=1e-5, atol=1e-5 * ref[:, row].abs().max().item()
+        )

@@ -31,6 +31,7 @@ from narrows.core import anatomy_of, format_bytes, held_bytes, loss_working_set
 from .api import _shapes
 from .plan import Plan, Rates, Shapes, input_bytes, step_seconds
 from .pretrained import default_host_budget
+from .sideouts import router_logits_refusal
 
 __all__ = ["choose_step_mode", "holds_weights", "step_mode_reserve"]
 
@@ -97,6 +98,9 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
         shapes, device = _shapes(anatomy_of(model), batch_size, seq_len), torch.device(plan.device)
     if grad_accum < 2:
         return False, "sequential (one micro-batch a step: nothing to share a layer's copy)"
+    refusal = router_logits_refusal(anatomy_of(model).config)
+    if refusal:
+        return False, f"sequential (step mode refuses this model: {refusal})"
     if world_size > 1:
         return False, ("sequential (several ranks: DistributedDataParallel all-reduces the gradients of the "
                        "backward, which step mode would write past)")  # fmt: skip

@@ -356,6 +356,28 @@ def _no_checkpointing(model: nn.Module) -> None:
         m.gradient_checkpointing_enable = refuse
 
 
+def _refuse_layerdrop(model: nn.Module) -> None:
+    """LayerDrop (XGLM, OPT, …) skips decoder layers at random in training: the plan, the
+    prefetch order and step mode's capture all expect every layer once, in order, and
+    whether a run would notice would depend on the RNG. Refused whatever the RNG state."""
+    lm = unwrap_model(model)
+    config = getattr(lm, "config", None)
+    configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
+    found = [("config.layerdrop", getattr(c, "layerdrop", 0)) for c in configs]
+    found += [
+        (f"{name or type(lm).__name__}.layerdrop", getattr(m, "layerdrop", 0))
+        for name, m in lm.named_modules()
+    ]
+    for where, p in found:
+        if isinstance(p, int | float) and not isinstance(p, bool) and p > 0:
+            raise StreamSetupError(
+                f"{where}={p}: in training this model skips each decoder layer at random (LayerDrop), which "
+                "narrows.stream cannot run layer by layer as resident training does. Set config.layerdrop = 0 "
+                "(load with from_pretrained(..., layerdrop=0), or on a loaded model set model.config.layerdrop = 0 "
+                "and the decoder's .layerdrop = 0), then stream it"
+            )
+
+
 def _check_args(index: int, args: tuple, kwargs: dict) -> None:
     def walk(x: Any) -> None:
         if isinstance(x, Tensor) and x.requires_grad:
@@ -466,6 +488,10 @@ def stream(
     optimizer state on the device) or "adapters" (`offload_adapters=True` too: one
     layer's adapters, gradients and state; block-major steps only).
     `StepTrainer` must then keep it there, and refuses otherwise.
+    The model's config is left as it was given (``use_cache`` included: a streamed layer
+    drops the KV cache per call in training, and with packed rows the cache decides the
+    attention mask, so pass ``use_cache=False`` yourself for per-sequence masks). A model
+    with LayerDrop (``layerdrop`` > 0) is refused for training, whatever the RNG state.
     Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
     """
     if getattr(model, "narrows_stream", None) is not None:
@@ -473,6 +499,8 @@ def stream(
     _check_graphs(graphs)
     if inference and graphs == "auto":
         graphs = False  # forward passes only: nothing is recomputed, and no step repeats a capture
+    if not inference:
+        _refuse_layerdrop(model)
     if deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")
@@ -500,8 +528,10 @@ def stream(
     if the_plan.tile_tokens is not None:
         tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
 
+    # the user's config stays as it is (use_cache included: with packed rows it decides the
+    # attention mask, so changing it would change the user's own resident runs); a streamed
+    # layer drops the KV cache per call where its recompute would write it twice
     _no_checkpointing(model)
-    anat.model.config.use_cache = anat.config.use_cache = False  # the recompute would write a KV cache twice
 
     host_embedding = _host_embedding(anat, stream_head)
     outside = _parts(model, anat, host_embedding, stream_head)

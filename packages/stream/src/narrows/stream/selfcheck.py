@@ -35,7 +35,7 @@ def _capture_layer_inputs(model: nn.Module, anat: Anatomy, device: torch.device)
     ids = (torch.arange(8, device=device) * 7 + 3).remainder(anat.config.vocab_size).unsqueeze(0)
     try:
         with replaced_forwards(anat.layers[:1], lambda i: capture), torch.no_grad():
-            model(input_ids=ids)
+            model(input_ids=ids, use_cache=False)  # no cache built for a forward cut short
     except _Captured:
         pass
     if "args" not in got:

@@ -15,11 +15,15 @@ their incoming gradients are differentiated together with the layer's output.
 
 A hook that replaces a submodule's output (returns a value) would compute on a stand-in
 and break the layer's own graph: that is refused, never trained through.
+
+Step mode's block-major order computes the loss in a forward without the layers' routers,
+so MoE router logits cannot reach the aux loss there: `router_logits_refusal` says so,
+for `StepTrainer` to refuse and `choose_step_mode` to stay sequential.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,7 +31,24 @@ from torch import Tensor, nn
 
 from .errors import StreamSetupError
 
-__all__ = ["SideOutputs"]
+__all__ = ["SideOutputs", "router_logits_refusal"]
+
+
+def router_logits_refusal(config: Any, batches: Sequence[dict[str, Any]] = ()) -> str | None:
+    """Why a block-major step could not reproduce this model's loss, or None: MoE router
+    logits are on (the config's ``output_router_logits``, or a batch passing it), and step
+    mode computes the loss in one more model forward whose decoder layers are replaced by
+    their outputs — no router runs there, so transformers would collect no router logits
+    for its load-balancing loss (its ``load_balancing_loss_func`` fails on none)."""
+    default = bool(getattr(config, "output_router_logits", False))
+    asked = [b.get("output_router_logits") for b in batches]
+    if not any(default if a is None else a for a in asked or [None]):
+        return None
+    coef = getattr(config, "router_aux_loss_coef", None)
+    where = "a batch passes output_router_logits=True" if any(asked) else "config.output_router_logits=True"
+    return (f"MoE router logits are on ({where}" + (f", router_aux_loss_coef={coef}" if coef is not None else "")
+            + "): step mode computes the loss in a forward whose decoder layers are replaced by their outputs, "
+            "where no router runs, so the router's auxiliary loss could not be computed")  # fmt: skip
 
 
 def _carries_grad(x: Any) -> bool:

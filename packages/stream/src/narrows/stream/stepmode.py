@@ -57,6 +57,7 @@ from .plan import input_bytes
 from .remat import layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
 from .rngplan import RandomOps, same_state
+from .sideouts import router_logits_refusal
 
 log = logging.getLogger("narrows.stream")
 
@@ -133,6 +134,9 @@ class StepTrainer:
     matmuls on the held copy, so the same bits); True, False, or "auto" (default): when
     the plan reserved the room (``stream(..., reserve=step_mode_reserve(model))``) or
     its budget has it to spare. ``held_choice`` says which and why.
+    A MoE model with router logits on (``output_router_logits``, config or batch) is
+    refused with `StreamSetupError` before any gradient where a step could run
+    block-major: the router's aux loss cannot be collected there (`sideouts`).
 
     The result is `torch.equal` to resident sequential accumulation::
 
@@ -201,6 +205,8 @@ class StepTrainer:
         self.adapters = self._host_adapters(offload_adapters)
         self.held, self.held_choice = self._held_weights(dequantize_once)
         self.resident_why = self._resident_sequential()
+        if grad_accum > 1 and not self.resident_why:
+            self._refuse_router_logits()
         self._check_host_state()
         plan = self.handle.plan
         if grad_accum > 1 and plan.whole and not self.resident_why:
@@ -224,6 +230,17 @@ class StepTrainer:
         adapters.serve(self.anat.layers, self.layer_params)  # evaluation between steps
         self.host_optimizer.adapters = adapters
         return adapters
+
+    def _refuse_router_logits(self, batches: Sequence[dict[str, Any]] = ()) -> None:
+        """MoE router logits cannot be collected by a block-major step (`router_logits_refusal`):
+        refused before any gradient, so a caller can go on in sequential order."""
+        why = router_logits_refusal(self.anat.config, batches)
+        if why:
+            raise StreamSetupError(
+                f"step mode cannot train this model exactly: {why}. Train in sequential order (loss.backward() "
+                "per micro-batch on the streamed model; narrows finetune --no-step-mode), or set "
+                "config.output_router_logits = False to train without the router's auxiliary loss"
+            )
 
     def _check_host_state(self) -> None:
         """The plan left out of the budget what its `host_state` says waits in host memory:
@@ -401,6 +418,7 @@ class StepTrainer:
             return "sequential (one micro-batch)", self._sequential(batches, sigs, seeds)
         if self.resident_why:
             return f"sequential ({self.resident_why})", self._sequential(batches, sigs, seeds)
+        self._refuse_router_logits(batches)  # a batch may ask for them: before any work
         if seeds is not None:  # every micro-batch starts from its own seed: nothing to predict
             ends, losses = self._block_major(batches, [self._seeded(s) for s in seeds], chained=False)
             restore(ends[-1])
