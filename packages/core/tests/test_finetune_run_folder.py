@@ -361,6 +361,20 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_it_used(finished, 
     ]
 
 
+@pytest.mark.parametrize(
+    "meta", ["{}", "[]", '{"bytes": "12", "sha256": "x"}', '{"bytes": 12}', '{"sha256": "x"}', "null"]
+)
+def test_a_meta_json_without_its_size_and_checksum_is_damage(meta, tmp_path):
+    """restore() sets aside whatever `_damage` names; a meta.json of the wrong shape is named."""
+    from narrows.core.finetune.rundir import _damage
+
+    step = tmp_path / "step-000002"
+    step.mkdir()
+    (step / "state.pt").write_bytes(b"\0" * 12)
+    (step / "meta.json").write_text(meta)
+    assert _damage(step) == "meta.json lacks its byte count and sha256"
+
+
 # --- 6. a full disk ---------------------------------------------------------------------------------
 
 
