@@ -5,6 +5,8 @@ and the table printed at the end."""
 from __future__ import annotations
 
 import math
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -97,11 +99,28 @@ def save_adapter(model: nn.Module, root: Path) -> None:
     """PEFT's own files, each renamed into place (a reader never sees a half-written one)."""
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".adapter.", suffix=".tmp"))
     try:
-        model.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+        except (
+            Exception
+        ) as e:  # safetensors reports a failed write without an errno: RunFolder.guard needs one
+            code = _os_errno(e)
+            if code is None or isinstance(e, OSError):
+                raise
+            raise OSError(code, os.strerror(code), str(tmp)) from e
         for f in tmp.iterdir():
             f.replace(root / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _os_errno(e: Exception) -> int | None:
+    """The errno of an OS error safetensors wrapped in its SafetensorError's text
+    ("... (os error 28)", or "Os { code: 28, ...}" in older versions)."""
+    if type(e).__name__ != "SafetensorError":
+        return None
+    found = re.search(r"\(os error (\d+)\)|Os \{ code: (\d+)", str(e))
+    return int(found[1] or found[2]) if found else None
 
 
 def format_summary(summary: dict) -> str:
