@@ -407,6 +407,14 @@ def test_header_dtype_disagreeing_with_the_data_size_is_refused(tmp_path, weight
     assert weights_read == []
 
 
+def test_unknown_model_type_is_refused_naming_config_json(tmp_path, weights_read):
+    save(tmp_path)
+    edit_config(tmp_path, model_type="no-such-type")
+    with pytest.raises(NarrowsError, match=r"config\.json: model_type 'no-such-type' is not a model type"):
+        load_blockwise(tmp_path, dtype=BF16)
+    assert weights_read == []
+
+
 def test_unsupported_tensor_dtype_is_refused(tmp_path):
     save(tmp_path)
     key = "model.layers.0.input_layernorm.weight"

@@ -133,6 +133,22 @@ class CheckpointFolder:
         )
         raise NarrowsError(f"{self.path} holds no *.safetensors weights.{hint}")
 
+    def check_model_type(self) -> None:
+        """Refuse a config.json whose model_type this transformers cannot build, before any
+        weight is read (transformers would say so only when building the model)."""
+        kind = self.config.get("model_type")
+        if kind is None:
+            return  # transformers guesses from the folder's name, and says so if it cannot
+        import transformers
+        from transformers import CONFIG_MAPPING
+
+        if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+            raise NarrowsError(
+                f"{self.path / 'config.json'}: model_type {kind!r} is not a model type transformers "
+                f"{transformers.__version__} knows. Install a transformers that supports it "
+                "(pip install -U transformers), or correct model_type in config.json if it is wrong."
+            )
+
     # --- quantisation --------------------------------------------------------------------
     @cached_property
     def quantization(self) -> dict[str, Any] | None:
