@@ -192,3 +192,24 @@ def test_paths_that_are_not_local_datasets(tmp_path, make, message):
         open_source(str(make(tmp_path / "x")))
     with pytest.raises(DataError, match="--data-split chooses a split of a save_to_disk folder"):
         open_source(str(write_jsonl(tmp_path / "d.jsonl", ROWS)), "train")
+
+
+@pytest.mark.parametrize(
+    "name,data",
+    [
+        ("d.jsonl", '{"text": "fine"}\n\n{"text": "caf\xe9 au lait"}\n'.encode("latin-1")),
+        ("d.csv", "prompt,response\nq,a\nqu\xe9,r\xe9ponse\n".encode("latin-1")),
+        ("head.csv", "pr\xe9mpt,response\nq,a\n".encode("latin-1")),  # the header narrows reads itself
+        ("d.json", json.dumps([{"text": "fine"}, {"text": "caf\xe9"}], ensure_ascii=False).encode("latin-1")),
+    ],
+)
+def test_text_that_is_not_utf8_names_file_line_and_byte(tmp_path, tok, name, data):
+    path = tmp_path / name
+    path.write_bytes(data)
+    bad = data.index(b"\xe9")
+    line = data[:bad].count(b"\n") + 1
+    with pytest.raises(DataError) as e:
+        tokenize(open_source(str(path)), tok, 512, cache=False)
+    said = str(e.value)
+    assert said.startswith(f"{path}:{line}: not UTF-8 (byte 0xe9 at byte offset {bad} of the file"), said
+    assert "re-save the file as UTF-8" in said and f"iconv -f latin1 -t utf-8 {path}" in said

@@ -112,7 +112,8 @@ def test_an_interrupted_run_resumes_to_the_same_adapter(job, how, packing):
     proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     if how == "ctrl-c":
-        assert proc.returncode == 2 and "interrupted at step" in err and f"--resume {cut}" in err
+        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert "narrows: interrupted at step" in err and f"--resume {cut}" in err
     assert not (cut / "adapter_model.safetensors").exists()
     r = cli("--resume", str(cut), "--no-progress")
     assert r.returncode == 0, r.stderr
@@ -186,3 +187,53 @@ def test_cuda_graphs_flag_is_three_way():
     ]
     assert got == [None, True, False]
     assert FinetuneConfig.cuda_graphs is None
+
+
+def test_inputs_that_used_to_end_in_a_traceback_are_refused_naming_the_file(
+    job, capsys, tmp_path, monkeypatch
+):
+    """Not UTF-8 data, an unknown model_type, a file with GGUF's magic that is not GGUF: each
+    is exit 2 and one `narrows: error:` naming the file, before the model is loaded."""
+    import shutil
+
+    import narrows.core.finetune.job as job_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(job_module, "load_model", no_load)
+    monkeypatch.setenv("NARROWS_CACHE", str(tmp_path / "cache"))
+    _, args = job
+    base = dict(zip(args[::2], args[1::2]))
+    out = ["--out", str(tmp_path / "run")]
+
+    def says(*argv) -> str:
+        err = refused(capsys, *argv, *out)
+        assert err.startswith("narrows: error: ") and err.count("narrows: error:") == 1, err
+        assert "Traceback" not in err
+        return err
+
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps({"text": "caf\xe9"}, ensure_ascii=False).encode("latin-1") + b"\n")
+    err = says("--model", base["--model"], "--data", str(latin))
+    offset = latin.read_bytes().index(b"\xe9")
+    assert (
+        f"{latin}:1: not UTF-8 (byte 0xe9 at byte offset {offset} " in err
+        and "iconv -f latin1 -t utf-8" in err
+    )
+
+    model = shutil.copytree(base["--model"], tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_type": "no-such-type"}))
+    err = says("--model", str(model), "--data", base["--data"])
+    assert f"{model / 'config.json'}: model_type 'no-such-type' is not a model type transformers" in err
+    assert "pip install -U transformers" in err and "correct model_type" in err
+
+    if is_available("gguf"):
+        import struct
+
+        fake = tmp_path / "fake.gguf"  # GGUF's magic and version, then a key that is not UTF-8
+        fake.write_bytes(b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 5) + b"ab\xffcd" + bytes(16))
+        err = says("--model", str(fake), "--data", base["--data"])
+        assert f"{fake} starts like a GGUF file but its header does not parse" in err and "re-export" in err
+    assert not (tmp_path / "run").exists()

@@ -55,6 +55,30 @@ torch.save = save
 sys.exit(narrows.core.cli.main(sys.argv[1:]))
 """
 
+# the same with the adapter's safetensors file at the end of the run: safetensors raises its
+# own SafetensorError (no errno, not an OSError) with the OS error in its text
+ADAPTER_DISK_FULL = """
+import sys, safetensors, safetensors.torch
+import narrows.core.cli
+def serialize_file(*args, **kwargs):
+    raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+safetensors.torch.serialize_file = serialize_file
+sys.exit(narrows.core.cli.main(sys.argv[1:]))
+"""
+
+# `narrows finetune` whose model load says so on stderr, then waits to be interrupted
+SLOW_LOAD = """
+import sys, time
+import narrows.core.cli, narrows.core.finetune.job as job
+real = job.load_model
+def load_model(*args, **kwargs):
+    print("LOADING", file=sys.stderr, flush=True)
+    time.sleep(300)
+    return real(*args, **kwargs)
+job.load_model = load_model
+sys.exit(narrows.core.cli.main(sys.argv[1:]))
+"""
+
 
 def _env() -> dict:
     return child_env()
@@ -361,6 +385,20 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_it_used(finished, 
     ]
 
 
+@pytest.mark.parametrize(
+    "meta", ["{}", "[]", '{"bytes": "12", "sha256": "x"}', '{"bytes": 12}', '{"sha256": "x"}', "null"]
+)
+def test_a_meta_json_without_its_size_and_checksum_is_damage(meta, tmp_path):
+    """restore() sets aside whatever `_damage` names; a meta.json of the wrong shape is named."""
+    from narrows.core.finetune.rundir import _damage
+
+    step = tmp_path / "step-000002"
+    step.mkdir()
+    (step / "state.pt").write_bytes(b"\0" * 12)
+    (step / "meta.json").write_text(meta)
+    assert _damage(step) == "meta.json lacks its byte count and sha256"
+
+
 # --- 6. a full disk ---------------------------------------------------------------------------------
 
 
@@ -379,6 +417,41 @@ def test_a_full_disk_stops_the_run_with_the_way_back_and_resume_finishes_it(job,
     ok(cli("--resume", out, "--no-progress"))
     assert_same_adapter(finished.six, out)
     assert trajectory(out) == trajectory(finished.six)
+
+
+def test_a_full_disk_at_the_final_adapter_write_says_the_way_back_and_resume_finishes_it(
+    job, finished, tmp_path
+):
+    out = tmp_path / "run"
+    r = cli(*job.args, "--steps", "4", "--save-every", "2", "--out", out, script=ADAPTER_DISK_FULL)
+    err = refused(r, notices=True)
+    assert f"no space left on the device of {out} writing adapter_model.safetensors" in err
+    assert f"the last checkpoint, {out / 'checkpoints' / 'step-000004'}, is intact" in err
+    assert f"--resume {out}" in err
+    assert not (out / "adapter_model.safetensors").exists()
+    assert not list(out.glob(".adapter.*"))  # no temporary folder left
+
+    ok(cli("--resume", out, "--no-progress"))
+    assert_same_adapter(finished.four, out)
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(job, tmp_path):
+    out = tmp_path / "run"
+    proc = cli(*job.args, "--steps", "4", "--out", out, wait=False, script=SLOW_LOAD)
+    lines = []
+    for line in proc.stderr:  # warnings may come first
+        lines.append(line)
+        if line.strip() == "LOADING":
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(lines) + rest
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    said = rest.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("narrows: interrupted"), err
+    assert "run the command again" in said[0]
+    assert not out.exists()  # the run had written nothing: its folder goes
 
 
 def test_a_full_disk_under_torch_save_keeps_its_errno_and_becomes_a_narrows_error(tmp_path):

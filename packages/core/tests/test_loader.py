@@ -385,6 +385,36 @@ def test_moe_checkpoint_missing_an_expert_tensor_is_refused_naming_it(tmp_path):
         load_blockwise(tmp_path, dtype=BF16)
 
 
+def test_header_dtype_disagreeing_with_the_data_size_is_refused(tmp_path, weights_read):
+    """A header edited from F32 to F16 (same length) declares half the bytes its span holds."""
+    save(tmp_path, dtype=torch.float32)
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    key = "model.layers.1.self_attn.q_proj.weight"
+    header[key]["dtype"] = "F16"
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(raw) == n
+    file.write_bytes(data[:8] + raw + data[8 + n :])
+    shape = header[key]["shape"]
+    with pytest.raises(NarrowsError) as e:
+        load_blockwise(tmp_path, dtype=BF16)
+    said = str(e.value)
+    for part in (str(file), repr(key), "F16", str(shape), f"{2 * shape[0] * shape[1]} bytes",
+                 f"spans {4 * shape[0] * shape[1]} bytes", "re-download"):  # fmt: skip
+        assert part in said, (part, said)
+    assert weights_read == []
+
+
+def test_unknown_model_type_is_refused_naming_config_json(tmp_path, weights_read):
+    save(tmp_path)
+    edit_config(tmp_path, model_type="no-such-type")
+    with pytest.raises(NarrowsError, match=r"config\.json: model_type 'no-such-type' is not a model type"):
+        load_blockwise(tmp_path, dtype=BF16)
+    assert weights_read == []
+
+
 def test_unsupported_tensor_dtype_is_refused(tmp_path):
     save(tmp_path)
     key = "model.layers.0.input_layernorm.weight"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ __all__ = ["BNB_STATS", "CheckpointFolder", "TensorInfo"]
 # what transformers writes beside a pre-quantised bitsandbytes 4-bit weight
 BNB_STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _BNB_STATE = ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+# bytes per element of each safetensors dtype code whose elements are whole bytes
+_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,15 @@ def _read_header(path: Path) -> _Shard:
     for name, meta in header.items():
         start, stop = meta["data_offsets"]
         end = max(end, stop)
-        tensors[name] = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), 8 + n + start, stop - start)
+        info = TensorInfo(path, meta["dtype"], tuple(meta["shape"]), 8 + n + start, stop - start)
+        size_of = _ITEMSIZE.get(info.dtype)  # another dtype is refused when read (loader.read_tensor)
+        if size_of is not None and math.prod(info.shape) * size_of != info.nbytes:
+            raise NarrowsError(
+                f"{path}: tensor {name!r} is declared {info.dtype} of shape {list(info.shape)}, which is "
+                f"{math.prod(info.shape) * size_of} bytes, but its data spans {info.nbytes} bytes; the header "
+                "does not match the data (an edited or damaged file): re-download or re-save it"
+            )
+        tensors[name] = info
     if 8 + n + end > size:
         raise NarrowsError(
             f"{path} is truncated: its header declares {8 + n + end} bytes of data, the file has {size}. "
@@ -118,6 +132,22 @@ class CheckpointFolder:
             else ""
         )
         raise NarrowsError(f"{self.path} holds no *.safetensors weights.{hint}")
+
+    def check_model_type(self) -> None:
+        """Refuse a config.json whose model_type this transformers cannot build, before any
+        weight is read (transformers would say so only when building the model)."""
+        kind = self.config.get("model_type")
+        if kind is None:
+            return  # transformers guesses from the folder's name, and says so if it cannot
+        import transformers
+        from transformers import CONFIG_MAPPING
+
+        if not isinstance(kind, str) or kind not in CONFIG_MAPPING:
+            raise NarrowsError(
+                f"{self.path / 'config.json'}: model_type {kind!r} is not a model type transformers "
+                f"{transformers.__version__} knows. Install a transformers that supports it "
+                "(pip install -U transformers), or correct model_type in config.json if it is wrong."
+            )
 
     # --- quantisation --------------------------------------------------------------------
     @cached_property

@@ -11,9 +11,15 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from .errors import NarrowsError
+from .errors import Interrupted, NarrowsError
 
 __all__ = ["build_parser", "main"]
+
+# files are written under a temporary name and renamed, so a stop anywhere leaves none half-written
+_INTERRUPTED = (
+    "narrows: interrupted; nothing half-written was kept (every file is renamed into place whole): "
+    "run the command again, or continue a run that has a checkpoint with narrows finetune --resume RUN"
+)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -52,9 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except NarrowsError as e:  # bad input or an interrupted run: say what is wrong, no traceback
+    except Interrupted as e:  # Ctrl-C in training: where the run stands and how to continue it
+        print(f"narrows: {e}", file=sys.stderr)
+        return e.exit_code
+    except NarrowsError as e:  # bad input: say what is wrong, no traceback
         print(f"narrows: error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C anywhere else (reading data, loading the model)
+        print(_INTERRUPTED, file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

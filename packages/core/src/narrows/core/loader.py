@@ -314,6 +314,7 @@ def load_blockwise(
     checkpoint's tensors for that layer are not read. The model is returned on the CPU in eval mode, checked for support.
     """
     folder = CheckpointFolder(path)
+    folder.check_model_type()
     stored = folder.check_quantization()
     if quant not in (None, "none", "nf4"):
         raise NarrowsError(f"quant={quant!r}: narrows quantises to 'nf4' or loads float ('none')")

@@ -40,12 +40,17 @@ def gguf_as_folder(path: str | os.PathLike) -> Path:
     if (folder / "config.json").is_file():
         return folder
     require("gguf", "loading a GGUF model file")
+    _check_gguf(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with atomic_dir(folder) as tmp:
         kw = {"gguf_file": path.name}
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
+        except (ValueError, KeyError, IndexError) as e:  # UnicodeDecodeError is a ValueError
+            raise NarrowsError(f"{path}: transformers cannot read this GGUF file ({type(e).__name__}: "
+                               f"{_first_line(e)}); re-export it, or give the model's HF folder") from None  # fmt: skip
         # transformers refuses to save a GGUF-loaded model while it is marked quantised;
         # the weights are plain float tensors by now
         model.hf_quantizer = None
@@ -54,6 +59,26 @@ def gguf_as_folder(path: str | os.PathLike) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return folder
+
+
+def _first_line(e: Exception) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def _check_gguf(path: Path) -> None:
+    """Refuse a file that starts with GGUF's magic but whose header does not parse, or that
+    names no architecture or tensor, before transformers spends time on it."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the reader raises whatever its parse meets first
+        raise NarrowsError(f"{path} starts like a GGUF file but its header does not parse ({type(e).__name__}: "
+                           f"{_first_line(e)}); the file is damaged or not GGUF: re-download or re-export it") from None  # fmt: skip
+    if "general.architecture" not in reader.fields or not reader.tensors:
+        raise NarrowsError(f"{path} is a GGUF file without a model (no general.architecture or no tensors); "
+                           "give the GGUF file of a model")  # fmt: skip
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path:

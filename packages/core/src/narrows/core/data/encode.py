@@ -65,24 +65,78 @@ def _chat(tokenizer, chat: Chat, where: str) -> tuple[list[int], list[int]]:
     return ids, labels
 
 
+def _encode(shape: Chat | Pair | Text, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    if isinstance(shape, Chat):
+        return _chat(tokenizer, shape, where)
+    if isinstance(shape, Pair):
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        prompt, answer = _ids(tokenizer, shape.prompt), _ids(tokenizer, shape.response) + eos
+        return prompt + answer, [IGNORE] * len(prompt) + answer
+    assert isinstance(shape, Text)
+    ids = _ids(tokenizer, shape.text)
+    return ids, list(ids)
+
+
+def _cut(shape: Chat | Pair | Text, chars: int) -> tuple[Chat | Pair | Text, bool]:
+    """`shape` with every text cut to its first `chars` characters; True if any was cut."""
+    if isinstance(shape, Chat):
+        messages = [{**m, "content": m["content"][:chars]} if isinstance(m.get("content"), str) else m
+                    for m in shape.messages]  # fmt: skip
+        cut = any(m is not n and len(n["content"]) > chars for m, n in zip(messages, shape.messages))
+        return Chat(messages, shape.train_from), cut
+    if isinstance(shape, Pair):
+        return Pair(shape.prompt[:chars], shape.response[:chars]), max(
+            map(len, (shape.prompt, shape.response))
+        ) > chars
+    return Text(shape.text[:chars]), len(shape.text) > chars
+
+
+# characters per token the first cut allows (most tokenizers average 3 to 5 on text); a row
+# whose kept tokens need more is cut again at twice as many, until the window is settled
+_CHARS_PER_TOKEN = 8
+
+
+def _window(
+    shape: Chat | Pair | Text, tokenizer, seq_len: int, where: str
+) -> tuple[list[int], list[int], bool]:
+    """(ids, labels, whole): the row's tokens, at least its first `seq_len` as tokenising it
+    whole gives them, without tokenising a long row whole (a 50 MB row took 10 GiB).
+
+    Every text is cut to C characters and encoded, then cut to 2C and encoded again. Text
+    beyond a cut changes only the tokens near it (a token spans a few characters, a
+    tokenizer's pre-split looks a character or so ahead), so when both encodings hold more
+    than `seq_len` tokens and agree on the first `seq_len` + 1 (the one after the window
+    too, so the last kept token cannot grow), the cut lies far behind the window and every
+    longer cut, the whole row included, gives the same window. Otherwise C doubles, up to
+    the whole row. `whole`: no text was cut, so the ids are the whole row's."""
+    chars = _CHARS_PER_TOKEN * (seq_len + 1) + 64
+    short, cut = _cut(shape, chars)
+    if not cut:
+        return (*_encode(shape, tokenizer, where), True)
+    n = seq_len + 1
+    ids, labels = _encode(short, tokenizer, where)
+    while True:
+        chars *= 2
+        short, cut = _cut(shape, chars)
+        more_ids, more_labels = _encode(short if cut else shape, tokenizer, where)
+        if not cut:
+            return more_ids, more_labels, True
+        if len(ids) >= n and ids[:n] == more_ids[:n] and labels[:n] == more_labels[:n]:
+            return ids, labels, False
+        ids, labels = more_ids, more_labels
+
+
 def encode_row(
     row: dict, tokenizer, seq_len: int, where: str = "row", renames: dict[str, str] | None = None
 ) -> tuple[str, Example]:
-    """(format name, example) of one row, truncated to `seq_len`, checked to train."""
+    """(format name, example) of one row, truncated to `seq_len`, checked to train. A row
+    longer than that is cut before it is tokenised (`_window`), to the same tokens."""
     name, shape = normalize(row, where, bool(getattr(tokenizer, "chat_template", None)), renames)
-    if isinstance(shape, Chat):
-        ids, labels = _chat(tokenizer, shape, where)
-    elif isinstance(shape, Pair):
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        prompt, answer = _ids(tokenizer, shape.prompt), _ids(tokenizer, shape.response) + eos
-        ids, labels = prompt + answer, [IGNORE] * len(prompt) + answer
-    else:
-        assert isinstance(shape, Text)
-        ids = _ids(tokenizer, shape.text)
-        labels = list(ids)
+    ids, labels, whole = _window(shape, tokenizer, seq_len, where)
     ex = Example(tuple(ids[:seq_len]), tuple(labels[:seq_len]), where)
     if ex.trainable == 0:
-        why = (f"truncation to --seq-len {seq_len} cut every trainable token (the row has {len(ids)} tokens)"
+        size = f"{len(ids)} tokens" if whole else f"more than {seq_len} tokens"
+        why = (f"truncation to --seq-len {seq_len} cut every trainable token (the row has {size})"
                if len(ids) > seq_len else "no token after the first is trainable")  # fmt: skip
         raise DataError(f"{where}: no trainable token: {why}")
     return name, ex

@@ -12,6 +12,7 @@ import csv
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "j
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
     """``(where, row)`` for every non-blank line; a malformed line is an error naming it."""
     path = Path(path).expanduser()
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f, _utf8(path):
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -39,6 +40,47 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
             if not isinstance(row, dict):
                 raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
             yield where, row
+
+
+@contextmanager
+def _utf8(path: Path, parsed_elsewhere: bool = False) -> Iterator[None]:
+    """A text file that is not UTF-8 becomes a DataError naming its first bad byte. With
+    `parsed_elsewhere` (a file `datasets` parses, whose readers report a bad byte in words of
+    their own), any error but a DataError is checked for one."""
+    try:
+        yield
+    except DataError:
+        raise
+    except Exception as e:
+        if not (isinstance(e, UnicodeDecodeError) or parsed_elsewhere):
+            raise
+        said = _not_utf8(path)
+        if said is None:
+            if isinstance(e, UnicodeDecodeError):
+                said = f"{path} is not UTF-8 text ({e.reason}); {_resave(path)}"
+            else:
+                raise
+        raise DataError(said) from None
+
+
+def _not_utf8(path: Path) -> str | None:
+    """Where `path` first fails to decode as UTF-8 and how to fix it (None: it decodes). Found
+    by reading it again line by line: a decoder's position is within its buffer, not the file."""
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
+                        f"of the file, {e.reason}); {_resave(path)}")  # fmt: skip
+            offset += len(raw)
+    return None
+
+
+def _resave(path: Path) -> str:
+    return (f"narrows reads text data as UTF-8: re-save the file as UTF-8, e.g. for Latin-1 text "
+            f"iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8' + path.suffix)}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,8 +95,9 @@ class Source:
         if self.kind == "jsonl":
             yield from read_jsonl(self.path)
             return
-        for i, row in enumerate(self._dataset()):
-            yield f"{self.path} [row {i}]", row
+        with _utf8(self.path, parsed_elsewhere=True) if self.kind in ("csv", "json") else nullcontext():
+            for i, row in enumerate(self._dataset()):
+                yield f"{self.path} [row {i}]", row
 
     def identity(self) -> list:
         """What the tokenised cache is keyed on: the path (row names in messages carry it)
@@ -70,7 +113,7 @@ class Source:
         # CSV cells stay text as written (no guessed numbers, no empty cell turned None)
         options = {}
         if self.kind == "csv":
-            with open(self.path, newline="", encoding="utf-8") as f:
+            with open(self.path, newline="", encoding="utf-8") as f, _utf8(self.path):
                 header = next(csv.reader(f), [])
             text = datasets.Features({name: datasets.Value("string") for name in header})
             options = {"features": text, "keep_default_na": False}

@@ -44,7 +44,9 @@ def check_model_files(cfg: FinetuneConfig) -> Path:
 
         return resolve_model_path(smollm2_gguf())
     folder = resolve_model_path(cfg.model)
-    CheckpointFolder(folder).check_quantization()
+    checkpoint = CheckpointFolder(folder)
+    checkpoint.check_model_type()  # before the tokenizer, which reads config.json too
+    checkpoint.check_quantization()
     return folder
 
 

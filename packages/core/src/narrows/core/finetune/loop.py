@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..data import TRAINING, Example, collate, micro_batches
-from ..errors import NarrowsError
+from ..errors import Interrupted
 from ..memory import format_bytes, reset_peaks
 from .config import FinetuneConfig
 from .evaluate import eval_row, graph_captures, measured_peak, to_device
@@ -142,7 +142,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
         if bar is not None:
             bar.close()
         last = run.saved_steps()
-        raise NarrowsError(
+        raise Interrupted(
             f"interrupted at step {progress.step}; the last checkpoint ({last[0].name if last else 'none yet'}) "
             f"is intact: continue with: narrows finetune --resume {run.root}"
         ) from None

@@ -5,6 +5,8 @@ and the table printed at the end."""
 from __future__ import annotations
 
 import math
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -105,7 +107,14 @@ def save_adapter(model: nn.Module, root: Path, base: RunBase | None = None) -> N
             for config in model.peft_config.values():
                 config.base_model_name_or_path = base.name
         # narrows never resizes the vocabulary; "auto" would look the base up on the hub to check
-        model.save_pretrained(tmp, save_embedding_layers=False)
+        try:
+            model.save_pretrained(tmp, save_embedding_layers=False)
+        except Exception as e:
+            # safetensors reports a failed write without an errno: RunFolder.guard needs one
+            code = _os_errno(e)
+            if code is None or isinstance(e, OSError):
+                raise
+            raise OSError(code, os.strerror(code), str(tmp)) from e
         if base is not None:
             _name_base_in_card(tmp / "README.md", base)
         for f in tmp.iterdir():
@@ -127,6 +136,15 @@ def _name_base_in_card(card_path: Path, base: RunBase) -> None:
                  "`PeftModel.from_pretrained(base, <this folder>)`.\n"
                  + card.text)  # fmt: skip
     card.save(card_path)
+
+
+def _os_errno(e: Exception) -> int | None:
+    """The errno of an OS error safetensors wrapped in its SafetensorError's text
+    ("... (os error 28)", or "Os { code: 28, ...}" in older versions)."""
+    if type(e).__name__ != "SafetensorError":
+        return None
+    found = re.search(r"\(os error (\d+)\)|Os \{ code: (\d+)", str(e))
+    return int(found[1] or found[2]) if found else None
 
 
 def format_summary(summary: dict) -> str:

@@ -362,6 +362,10 @@ def _damage(path: Path) -> str | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, json.JSONDecodeError):
         return "meta.json is unreadable"
+    if not (
+        isinstance(meta, dict) and type(meta.get("bytes")) is int and isinstance(meta.get("sha256"), str)
+    ):
+        return "meta.json lacks its byte count and sha256"
     size = state.stat().st_size
     if size != meta["bytes"]:
         return f"state.pt has {size} bytes, {meta['bytes']} were written"
