@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from narrows.core._env import is_available
 from narrows.core.cli import main
-from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, interruptible, tiny_model_folder, write_jsonl
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
@@ -45,7 +45,8 @@ def cli(*args, wait=True):
     env = child_env()
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=interruptible)  # fmt: skip
 
 
 def losses(out):

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from narrows.core.errors import NarrowsError
 from narrows.core.finetune.rundir import RunFolder, _Hashing
-from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
+from narrows.core.testing import child_env, interruptible, tiny_model_folder, write_jsonl
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
@@ -89,7 +89,8 @@ def cli(*args, wait=True, script=None):
     head = ["-c", script] if script else ["-m", "narrows.core.cli"]
     cmd = [sys.executable, *head, "finetune", *map(str, args)]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                preexec_fn=interruptible)  # fmt: skip
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     r.seconds = time.perf_counter() - t0

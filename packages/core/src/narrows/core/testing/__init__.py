@@ -14,7 +14,7 @@ from .contract import (
 )
 from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
 from .maps import mapped_file, mapping_memory
-from .processes import child_env, private_cache
+from .processes import child_env, interruptible, private_cache
 from .runs import finetune_cli
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
@@ -30,6 +30,7 @@ __all__ = [
     "child_env",
     "finetune_cli",
     "forward_backward",
+    "interruptible",
     "mapped_file",
     "mapping_memory",
     "private_cache",

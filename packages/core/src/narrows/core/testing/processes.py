@@ -21,6 +21,16 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def interruptible() -> None:
+    """`preexec_fn` of a child a test sends SIGINT: Ctrl-C's default action restored before
+    exec. A shell running the tests in the background starts them with SIGINT ignored, an
+    ignored signal stays ignored across exec, and Python then never raises
+    KeyboardInterrupt."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @contextmanager
 def private_cache(folder: str | os.PathLike) -> Iterator[None]:
     """``$NARROWS_CACHE`` set to `folder` while the block runs, for this process and the
