@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from .._env import require
 from ..data import open_source, parse_columns
 from ..errors import NarrowsError
-from ..memory import parse_bytes
 
 __all__ = [
     "ADAPTERS",
@@ -220,6 +219,8 @@ def _flag(name: str) -> str:
 
 def size(flag: str, text: str) -> int:
     """A byte size given on the command line; a malformed one is a NarrowsError naming the flag."""
+    from ..memory import parse_bytes  # imports torch: not when the CLI only parses its flags
+
     try:
         return parse_bytes(text)
     except ValueError as e:
