@@ -30,6 +30,7 @@ RESUMABLE = {
     "steps": "the run ends at the new step count; the learning-rate schedule decays over it from here on",
     "save_every": "checkpoints are written at the new interval",
     "exact_match": "only the final report changes",
+    "eval_every": "only the steps the held-out loss is measured at change",
     "gpu_budget": "where the frozen base lives; streamed training computes what resident training does",
     "host_budget": "where the frozen base lives; the numbers trained are the same",
     "cache": "where the prepared slabs live; the numbers trained are the same",
@@ -81,6 +82,7 @@ class FinetuneConfig:
     seed: int = 0
     save_every: int = 10
     eval_rows: int = 32  # held-out rows used for the eval loss
+    eval_every: int | None = None  # held-out loss every N steps, 0 and the last too (None: steps / 4)
     exact_match: int = 8  # held-out problems generated and scored (embedded default only)
     dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
     deterministic: bool = False  # deterministic kernels: on CUDA, what makes runs reproducible bit for bit
@@ -98,6 +100,11 @@ class FinetuneConfig:
         return cls(**fields)
 
     @property
+    def eval_interval(self) -> int:
+        """Steps between held-out evaluations: a newcomer's 40 steps show 5 points (0, 10, ..., 40)."""
+        return self.eval_every if self.eval_every is not None else max(1, self.steps // 4)
+
+    @property
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
@@ -110,6 +117,9 @@ class FinetuneConfig:
         for name in ("rank", "steps", "batch", "grad_accum", "seq_len", "save_every", "world_size"):
             if getattr(self, name) < 1:
                 raise NarrowsError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.eval_every is not None and self.eval_every < 1:
+            raise NarrowsError(f"--eval-every must be at least 1 (steps between held-out evaluations), "
+                               f"got {self.eval_every}")  # fmt: skip
         for name in ("eval_rows", "exact_match", "seed"):
             if getattr(self, name) < 0:
                 raise NarrowsError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
