@@ -123,6 +123,10 @@ def _finished(run: RunFolder, saved: FinetuneConfig, changes: dict) -> dict | No
     return summary
 
 
+def _steps(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps"
+
+
 def _launch(world: int) -> str:
     return "without torchrun" if world == 1 else f"torchrun with {world} ranks in all"
 
@@ -198,7 +202,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
     state = Progress(step=step, history=rows)
     if ranks.main and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
         stage(
-            f"held-out loss before training ({len(evals)} rows; again every {cfg.eval_interval} steps and at the end)"
+            f"held-out loss before training ({len(evals)} rows; again every {_steps(cfg.eval_interval)} and at the end)"
         )
         row = {"step": 0, **eval_row(model, evals, cfg.batch, pad_id, device, show=progress)}
         run.log(row)

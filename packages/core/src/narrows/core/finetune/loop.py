@@ -73,8 +73,12 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 print(f"narrows: step mode: held 4-bit weights {stepper.held_choice}{hosted}", file=sys.stderr,
                       flush=True)  # fmt: skip
     if ranks.main and progress.step < cfg.steps:
-        say(f"step {progress.step + 1} of {cfg.steps}: the first step takes longer (memory allocated, kernels "
-            "chosen and cached)")  # fmt: skip
+        first = (f"step {progress.step + 1} of {cfg.steps}: the first step takes longer (memory allocated, "
+                 "kernels chosen and cached)")  # fmt: skip
+        if bar is not None:  # above the bar, which stays the last line
+            bar.write(f"narrows: {first}", file=sys.stderr)
+        else:
+            say(first)
     t_train = time.perf_counter()
     try:
         while progress.step < cfg.steps:
