@@ -22,8 +22,8 @@ __all__ = ["format_summary", "plot_losses", "save_adapter", "summarize"]
 
 # what each held-out figure measures, in summary.json (``measures``) and the printed table
 MEASURES = {
-    "eval_loss": "mean cross-entropy per answer token of the held-out rows (lower is better), at steps "
-                 "eval_loss_by_step",
+    "eval_loss": "mean cross-entropy per answer token of the held-out rows (lower is better); "
+                 "eval_loss_by_step holds it at each step it was evaluated",
     "answer_format": "share of held-out GSM8K problems whose generated answer ends in a '#### <number>' line, "
                      "the form of every training answer (greedy decoding)",
     "exact_match": "share of held-out GSM8K problems whose generated '#### <number>' is the right answer",
