@@ -34,6 +34,17 @@ def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     )
     assert summary["eval_loss_after"] < summary["eval_loss_before"]  # 2 steps at 5e-4 already move it
     assert summary["loss_png"] and (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    # the held-out measures say what they measure; the answers are scored for the GSM8K form and the number
+    assert "'#### N' answers (2 held-out)" in r.stdout and "eval loss by step" in r.stdout
+    assert set(summary["measures"]) == {"eval_loss", "answer_format", "exact_match"}
+    for k in ("answer_format_before", "answer_format_after", "exact_match_before", "exact_match_after"):
+        assert summary[k] in (0.0, 0.5, 1.0), k
+    assert summary["exact_match_after"] <= summary["answer_format_after"]  # a right number is a formed answer
+    assert [s for s, _ in summary["eval_loss_by_step"]] == [0, 1, 2]  # --steps 2: every step
+    # third-party notices a user cannot act on stay out of the run's output (narrows doctor lists them)
+    assert "kernels-community" not in r.stderr and "FutureWarning" not in r.stderr, r.stderr[-2000:]
+    for stage in ("answers with the adapter: problem 2/2", "answers of the base model: problem 2/2"):
+        assert stage in r.stderr, r.stderr[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert {"lr", "tokens_per_s", "peak_bytes"} <= rows[-1].keys()

@@ -42,3 +42,41 @@ def test_console_script_is_installed():
         pytest.skip("no `narrows` script beside this interpreter or on PATH (installed with --target?)")
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "narrows-core 0.1.0"
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_the_parser_builds_without_torch():
+    """`narrows --help` answers in a fraction of a second: building the whole parser, the
+    sibling packages' subcommands included, imports neither torch nor transformers nor peft."""
+    code = ("import sys; from narrows.core.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules))")  # fmt: skip
+    r = _python(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+# what each silenced notice needs to be raised, as a library user would meet it
+_RAISE = {
+    "bitsandbytes.backends.cpu.ops": "import bitsandbytes",
+    "transformers.modeling_utils": "import types; "
+    "from transformers import PreTrainedModel as P; "
+    "P.is_gradient_checkpointing.fget(types.SimpleNamespace(is_activation_checkpointing=False))",
+}
+
+
+@pytest.mark.parametrize("source", sorted(_RAISE))
+def test_third_party_notices_are_silenced_and_shown_by_doctor(source):
+    from narrows.core.notices import NOTICES
+
+    notice = next(n for n in NOTICES if n.source == source)
+    plain = _python(_RAISE[source])
+    if notice.pattern not in plain.stderr:
+        pytest.skip(f"{source} does not raise {notice.pattern!r} on this machine")
+    quiet = _python("import narrows.core; " + _RAISE[source])
+    assert quiet.returncode == 0 and notice.pattern not in quiet.stderr, quiet.stderr
+    doctor = subprocess.run([sys.executable, "-m", "narrows.core.cli", "doctor", "--json"], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    assert any(n["message"].startswith(notice.pattern) for n in json.loads(doctor)["notices"])

@@ -80,6 +80,24 @@ def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
     assert not [p.name for p in runs[0].iterdir() if p.name.startswith(".")]  # no temporary left behind
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    # held out at step 0, every quarter of the steps (6 // 4: every step) and at the end; the summary's curve
+    # and the table are those rows, and they say what they measure
+    evaluated = [(s, e) for s, _, e in losses(runs[0]) if e is not None]
+    assert [s for s, _ in evaluated] == [0, 1, 2, 3, 4, 5, 6]
+    assert [tuple(p) for p in summary["eval_loss_by_step"]] == evaluated
+    assert "eval_loss" in summary["measures"] and "eval loss by step" in r.stdout
+    # every setup stage says what it does before it does it (--no-progress: plain lines)
+    for stage in ("checking its files", "loading the tokenizer", "reading and tokenising the data",
+                  "loading the model on cpu", "building the lora adapter", "held-out loss before training",
+                  "the first step takes longer", "saving the adapter"):  # fmt: skip
+        assert f"narrows: {stage}" in r.stderr or stage in r.stderr, stage
+
+    # --resume of a finished run says so at once, loads nothing, and prints the summary again
+    again = cli("--resume", str(runs[0]), "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert f"{runs[0]} finished at step 6" in again.stderr and "--steps 12" in again.stderr
+    assert "loading the model" not in again.stderr and "eval loss before → after" in again.stdout
+    assert losses(runs[0]) == losses(runs[1])  # nothing trained or logged
 
     # plain PEFT loads the adapter and computes what the run's own eval computed
     from peft import PeftModel
@@ -170,6 +188,50 @@ def test_a_missing_sibling_package_is_named(job, capsys, tmp_path):
     err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--adapter", "dora",
                   "--out", str(tmp_path / "run"))  # fmt: skip
     assert "narrows-dora" in err and "pip install" in err
+
+
+def test_eval_every_sets_the_held_out_points(job, tmp_path):
+    _, args = job
+    out = tmp_path / "run"
+    r = cli(*args, "--steps", "5", "--eval-every", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert [s for s, _, e in losses(out) if e is not None] == [0, 2, 4, 5]  # step 0, every 2, the last
+    assert (
+        "--eval-every must be at least 1"
+        in cli(*args, "--eval-every", "0", "--out", str(tmp_path / "x")).stderr
+    )
+
+
+def test_answers_stop_once_the_answer_line_is_complete():
+    """Generation ends at the GSM8K answer's "#### N" line, not after max_new_tokens: a stub
+    model that continues past it token by token, as `generate` does, asking the stopping
+    criteria after each token."""
+    from narrows.core.finetune.evaluate import answer_scores, generate_answers
+    from narrows.core.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    said = "Half of 84 is 42.\n#### 42\nNow a second problem nobody asked for: what is 6 * 7?"
+    continuation = tok(said, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    class Stub(torch.nn.Module):
+        asked = 0
+
+        def generate(self, input_ids, max_new_tokens, stopping_criteria, **kw):
+            out = input_ids
+            for t in continuation[0, :max_new_tokens]:
+                out = torch.cat([out, t.view(1, 1)], dim=1)
+                Stub.asked += 1
+                if all(c(out, None).all() for c in stopping_criteria):
+                    break
+            return out
+
+    rows = [{"messages": [{"role": "user", "content": "Half of 84?"}], "answer": "42"}]
+    texts = generate_answers(Stub(), tok, rows, torch.device("cpu"), max_new_tokens=500)
+    assert texts == ["Half of 84 is 42.\n#### 42\n"]
+    assert Stub.asked == len(tok("Half of 84 is 42.\n#### 42\n", add_special_tokens=False)["input_ids"])
+    # scored: a number after the last ####, commas dropped, and whether it is the answer
+    answers = [{"answer": "1000"}, {"answer": "8"}, {"answer": "3"}, {"answer": "5"}]
+    assert answer_scores(["so\n#### 1,000\n", "#### 7", "no answer line", "#### five"], answers) == (2, 1)
 
 
 def test_cuda_graphs_flag_is_three_way():

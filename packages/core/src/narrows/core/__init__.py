@@ -13,80 +13,173 @@
 - deterministic kernels: the condition for bit-identical results on a GPU
 """
 
+from importlib import import_module as _import_module
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
-# adapter protocol
-from .adapters import (
-    AdapterType,
-    AdapterView,
-    PeftLoraAdapter,
-    adapter_type_of,
-    adapter_view,
-    adapter_views,
-    register_adapter_type,
-    registered_adapter_types,
-)
+from .notices import install as _install_notices
 
-# checkpoints, read one decoder layer at a time
-from .ambient import Ambient, ambient_as, ambient_state
+_install_notices()  # third-party messages a user cannot act on, silenced before anything imports them
 
-# anatomy
-from .anatomy import (
-    Anatomy,
-    ArchitectureSpec,
-    anatomy_of,
-    is_announced,
-    register_architecture,
-    supported_architectures,
-    unwrap_model,
-)
-from .checkpoint import CheckpointFolder
-from .determinism import deterministic
+if TYPE_CHECKING:
+    # adapter protocol
+    from .adapters import (
+        AdapterType,
+        AdapterView,
+        PeftLoraAdapter,
+        adapter_type_of,
+        adapter_view,
+        adapter_views,
+        register_adapter_type,
+        registered_adapter_types,
+    )
 
-# errors
-from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
+    # checkpoints, read one decoder layer at a time
+    from .ambient import Ambient, ambient_as, ambient_state
 
-# LM-head hook
-from .head import (
-    DEFAULT_HEAD_ROWS,
-    HeadSource,
-    HeadSweep,
-    ResidentHead,
-    attach_head_source,
-    chunked_logits,
-    head_source,
-    head_sweep,
-    loss_working_set,
-    set_loss_working_set,
-    sharing_head_pass,
-)
-from .loader import load_blockwise
-from .logits import LogitMath
+    # anatomy
+    from .anatomy import (
+        Anatomy,
+        ArchitectureSpec,
+        anatomy_of,
+        is_announced,
+        register_architecture,
+        supported_architectures,
+        unwrap_model,
+    )
+    from .checkpoint import CheckpointFolder
+    from .determinism import deterministic
 
-# LoRA branches as one autograd node each (same bits as PEFT)
-from .lorafuse import LoraBranch, fuse_lora, lora_branch_reference, unfuse_lora
+    # errors
+    from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
 
-# memory
-from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
-from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
+    # LM-head hook
+    from .head import (
+        DEFAULT_HEAD_ROWS,
+        HeadSource,
+        HeadSweep,
+        ResidentHead,
+        attach_head_source,
+        chunked_logits,
+        head_source,
+        head_sweep,
+        loss_working_set,
+        set_loss_working_set,
+        sharing_head_pass,
+    )
+    from .loader import load_blockwise
+    from .logits import LogitMath
 
-# NF4
-from .nf4held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
+    # LoRA branches as one autograd node each (same bits as PEFT)
+    from .lorafuse import LoraBranch, fuse_lora, lora_branch_reference, unfuse_lora
 
-# frozen storage
-from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
-from .slots import FrozenSlot, assign, copies, frozen_slots, pointed_at, snapshot, trainable_parameters
+    # memory
+    from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
+    from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
 
-# architecture checks
-from .twin import shrink_config, shrunk_twin, side_output_overrides
-from .verify import (
-    ArchitectureCheckError,
-    ensure_architecture,
-    register_architecture_check,
-    verify_architecture,
-)
+    # NF4
+    from .nf4held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
+
+    # frozen storage
+    from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
+    from .slots import FrozenSlot, assign, copies, frozen_slots, pointed_at, snapshot, trainable_parameters
+
+    # architecture checks
+    from .twin import shrink_config, shrunk_twin, side_output_overrides
+    from .verify import (
+        ArchitectureCheckError,
+        ensure_architecture,
+        register_architecture_check,
+        verify_architecture,
+    )
+
+# each module -> the public names it holds, imported on first use (PEP 562): `narrows --help`
+# and the other light entry points never import torch
+_MODULES = {
+    "adapters": (
+        "AdapterType",
+        "AdapterView",
+        "PeftLoraAdapter",
+        "adapter_type_of",
+        "adapter_view",
+        "adapter_views",
+        "register_adapter_type",
+        "registered_adapter_types",
+    ),
+    "ambient": ("Ambient", "ambient_as", "ambient_state"),
+    "anatomy": (
+        "Anatomy",
+        "ArchitectureSpec",
+        "anatomy_of",
+        "is_announced",
+        "register_architecture",
+        "supported_architectures",
+        "unwrap_model",
+    ),
+    "checkpoint": ("CheckpointFolder",),
+    "determinism": ("deterministic",),
+    "errors": ("MissingDependencyError", "NarrowsError", "SlotMismatchError", "UnsupportedArchitectureError"),
+    "head": (
+        "DEFAULT_HEAD_ROWS",
+        "HeadSource",
+        "HeadSweep",
+        "ResidentHead",
+        "attach_head_source",
+        "chunked_logits",
+        "head_source",
+        "head_sweep",
+        "loss_working_set",
+        "set_loss_working_set",
+        "sharing_head_pass",
+    ),
+    "loader": ("load_blockwise",),
+    "logits": ("LogitMath",),
+    "lorafuse": ("LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"),
+    "memory": ("MemoryPeaks", "format_bytes", "measure_peaks", "parse_bytes", "read_peaks", "reset_peaks"),
+    "nf4": (
+        "NF4Rows",
+        "disable_cpu_repacking",
+        "is_nf4_linear",
+        "nf4_rows",
+        "quantize_layer_nf4",
+        "quantize_nf4",
+    ),
+    "nf4held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
+    "slab": ("SLAB_ALIGNMENT", "SlabEntry", "SlabLayout"),
+    "slots": (
+        "FrozenSlot",
+        "assign",
+        "copies",
+        "frozen_slots",
+        "pointed_at",
+        "snapshot",
+        "trainable_parameters",
+    ),
+    "twin": ("shrink_config", "shrunk_twin", "side_output_overrides"),
+    "verify": (
+        "ArchitectureCheckError",
+        "ensure_architecture",
+        "register_architecture_check",
+        "verify_architecture",
+    ),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 __version__ = _version("narrows-core")
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "DEFAULT_HEAD_ROWS",

@@ -3,6 +3,7 @@ and optional backends can be used here."""
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class DoctorReport:
     optional: dict[str, dict[str, object]]  # backend -> {version, usable, note}
     devices: list[dict[str, object]]
     host: dict[str, object]
+    notices: list[dict[str, str]]  # third-party messages narrows silences: {"message", "why"}
 
     def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -48,6 +50,30 @@ def _probe_triton() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "installed, but kernels need a CUDA device (eager fallback is used)"
     return True, "CUDA device present"
+
+
+def _probe_notices() -> list[dict[str, str]]:
+    """The messages `notices` silences that this machine raises: bitsandbytes imported
+    (its logger's filter records what it said), transformers' deprecated property read."""
+    import warnings
+    from types import SimpleNamespace
+
+    from .notices import NOTICES, seen
+
+    raised = []
+    if is_available("bitsandbytes"):
+        with contextlib.suppress(Exception):  # a failure is reported under optional backends
+            import bitsandbytes  # noqa: F401
+        raised += seen()
+    with warnings.catch_warnings(record=True) as caught, contextlib.suppress(Exception):
+        warnings.simplefilter("always")
+        from transformers import PreTrainedModel
+
+        prop = getattr(PreTrainedModel, "is_gradient_checkpointing", None)
+        if isinstance(prop, property):  # what PEFT reads when it wraps a model
+            prop.fget(SimpleNamespace(is_activation_checkpointing=False, modules=lambda: []))
+    raised += [str(w.message) for w in caught]
+    return [{"message": m, "why": n.why} for m in raised for n in NOTICES if m.startswith(n.pattern)]
 
 
 def collect() -> DoctorReport:
@@ -90,6 +116,7 @@ def collect() -> DoctorReport:
         optional=optional,
         devices=devices,
         host=host,
+        notices=_probe_notices(),
     )
 
 
@@ -113,4 +140,6 @@ def render(report: DoctorReport) -> str:
         lines.append("  (no CUDA device: narrows runs its CPU paths)")
     if "memory" in report.host:
         lines += ["", f"host: {report.host.get('cpus')} CPUs, {format_bytes(report.host['memory'])} RAM"]
+    lines += ["", "notices (silenced in narrows' output; nothing to act on, shown for bug reports):"]
+    lines += [f"  {n['message']}\n    why: {n['why']}" for n in report.notices] or ["  none raised here"]
     return "\n".join(lines)

@@ -10,11 +10,26 @@
   takes the base and defaults from the run, and scores only its newest state (`choose_adapter`)
 """
 
+from importlib import import_module as _import_module
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
-from .loading import AdapterChoice, EvalModel, choose_adapter, load_for_eval, resolve_adapter
-from .report import Row, compare, write_report
-from .run import TASK_DIR, evaluate, resolve_tasks
+if TYPE_CHECKING:
+    from .lm import NarrowsLM
+    from .loading import AdapterChoice, EvalModel, choose_adapter, load_for_eval, resolve_adapter
+    from .report import Row, compare, write_report
+    from .run import TASK_DIR, evaluate, resolve_tasks
+
+# each module -> its public names, imported on first use (PEP 562): `narrows --help` (the
+# ``narrows eval`` entry point, `cli`) registers without torch; `lm` imports lm-eval and
+# registers the model ``narrows`` with it, only when NarrowsLM is asked for
+_MODULES = {
+    "lm": ("NarrowsLM",),
+    "loading": ("AdapterChoice", "EvalModel", "choose_adapter", "load_for_eval", "resolve_adapter"),
+    "report": ("Row", "compare", "write_report"),
+    "run": ("TASK_DIR", "evaluate", "resolve_tasks"),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 __version__ = _version("narrows-eval")
 __all__ = [
@@ -35,8 +50,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "NarrowsLM":  # imports lm-eval and registers the model: only when asked for
-        from .lm import NarrowsLM
-
-        return NarrowsLM
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -14,31 +14,50 @@ them within the budget). ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
+from importlib import import_module as _import_module
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
-from narrows.core import register_architecture_check as _register_check
+if TYPE_CHECKING:
+    from .accumulation import choose_step_mode, holds_weights, step_mode_reserve
+    from .api import StreamHandle, plan, stream
+    from .distributed import check_ranks, data_parallel
+    from .engine import TransferStats
+    from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
+    from .hf import StepModeTrainer
+    from .plan import Plan, Rates
+    from .pretrained import default_host_budget, from_pretrained, prepare
+    from .profile import LayerTimes, Profile
+    from .stepmode import StepStats, StepTrainer
+    from .tiling import tile_sequence
 
-from .accumulation import choose_step_mode, holds_weights, step_mode_reserve
-from .api import StreamHandle, plan, stream
-from .distributed import check_ranks, data_parallel
-from .engine import TransferStats
-from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
-from .plan import Plan, Rates
-from .pretrained import default_host_budget, from_pretrained, prepare
-from .profile import LayerTimes, Profile
-from .stepmode import StepStats, StepTrainer
-from .tiling import tile_sequence
-from .twincheck import check_stream as _check_stream
-
-_register_check("stream", _check_stream)
+# each module -> its public names, imported on first use (PEP 562): `narrows --help` (the
+# ``narrows prepare`` entry point, `cli`) registers without torch. `hf` (transformers.Trainer,
+# accelerate) loads only when StepModeTrainer is asked for.
+_MODULES = {
+    "accumulation": ("choose_step_mode", "holds_weights", "step_mode_reserve"),
+    "api": ("StreamHandle", "plan", "stream"),
+    "distributed": ("check_ranks", "data_parallel"),
+    "engine": ("TransferStats",),
+    "errors": ("BudgetTooSmallError", "SelfCheckError", "StreamSetupError"),
+    "hf": ("StepModeTrainer",),
+    "plan": ("Plan", "Rates"),
+    "pretrained": ("default_host_budget", "from_pretrained", "prepare"),
+    "profile": ("LayerTimes", "Profile"),
+    "stepmode": ("StepStats", "StepTrainer"),
+    "tiling": ("tile_sequence",),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str):
-    if name == "StepModeTrainer":  # transformers.Trainer (and accelerate) load only when asked for
-        from .hf import StepModeTrainer
-
-        return StepModeTrainer
-    raise AttributeError(f"module 'narrows.stream' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'narrows.stream' has no attribute {name!r}")
+    _import_module(".twincheck", __name__)  # registers the "stream" architecture check
+    value = getattr(_import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
 
 
 __version__ = _version("narrows-stream")

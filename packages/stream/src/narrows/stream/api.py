@@ -47,6 +47,7 @@ from .selfcheck import self_check
 from .sideouts import SideOutputs
 from .tiers import DiskReader, Tiers
 from .tiling import tile_sequence
+from .twincheck import check_stream as _check_stream  # noqa: F401  (registers the "stream" check)
 
 log = logging.getLogger("narrows.stream")
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from narrows.core import ArchitectureCheckError, shrunk_twin, side_output_overrides, unwrap_model
+from narrows.core import (
+    ArchitectureCheckError,
+    register_architecture_check,
+    shrunk_twin,
+    side_output_overrides,
+    unwrap_model,
+)
 
 __all__ = ["check_stream"]
 
@@ -71,3 +77,6 @@ def check_stream(model: nn.Module) -> None:
                 f"streamed and resident training differ in the {key} "
                 f"(max {(a.double() - b.double()).abs().max().item():.3g}){hint}"
             )
+
+
+register_architecture_check("stream", check_stream)  # on import: `api` imports this module

@@ -8,12 +8,32 @@ state a run folder is in, for whoever scores it), `ranks` (several
 ranks launched by torchrun) and `command` (the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
 """
 
-from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead
-from .evaluate import eval_loss, exact_match
-from .job import finetune, resume
-from .report import format_summary
-from .rundir import RunFolder
-from .runstate import RunBase, RunState, run_base, run_state
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead
+    from .evaluate import eval_loss, exact_match
+    from .job import finetune, resume
+    from .report import format_summary
+    from .rundir import RunFolder
+    from .runstate import RunBase, RunState, run_base, run_state
+
+# imported on first use (PEP 562): the CLI's flags (`command`) load without torch
+_LAZY = {"RESUMABLE": "config", "FinetuneConfig": "config", "LMHeadSpec": "config", "parse_lmhead": "config",
+         "eval_loss": "evaluate", "exact_match": "evaluate", "finetune": "job", "resume": "job",
+         "format_summary": "report", "RunFolder": "rundir", "RunBase": "runstate", "RunState": "runstate",
+         "run_base": "runstate", "run_state": "runstate"}  # fmt: skip
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "RESUMABLE",

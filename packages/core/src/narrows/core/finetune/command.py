@@ -102,6 +102,8 @@ def add_parser(sub) -> None:
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")
     a("--save-every", type=int, help="checkpoint every N steps (default 10)")
     a("--eval-rows", type=int, help="held-out rows for the eval loss (default 32)")
+    a("--eval-every", type=int, help="held-out loss every N steps, plus step 0 and the last (default: a quarter of "
+      "--steps, 5 points in loss.png for the default 40)")  # fmt: skip
     a("--exact-match", type=int, help="held-out GSM8K problems generated and scored (default 8; 0: off)")
     a("--deterministic", action="store_true", default=None,
       help="deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace): on CUDA the "

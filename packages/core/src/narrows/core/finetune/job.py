@@ -16,7 +16,7 @@ from ..errors import NarrowsError
 from ..files import atomic_write
 from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
 from .config import RESUMABLE, FinetuneConfig, resume_changes
-from .evaluate import eval_row
+from .evaluate import eval_row, say
 from .inputs import INPUTS, absolute_inputs, check_inputs, record_inputs
 from .loop import Progress, train
 from .ranks import Ranks, data_parallel
@@ -60,9 +60,11 @@ def resume(
     with ranks.joined(device):
         saved, history = ranks.first(lambda: (run.claim_existing(), run.read_config())[1])
         try:
-            return _resume(
-                run, ranks, device, saved, history, changes or {}, override, progress, run.read_inputs()
-            )
+            done = _finished(run, saved, changes or {})
+            if done is not None:
+                return done if ranks.main else None
+            return _resume(run, ranks, device, saved, history, changes or {}, override, progress,
+                           run.read_inputs())  # fmt: skip
         finally:
             run.release()
 
@@ -120,6 +122,26 @@ def _resume(run: RunFolder, ranks: Ranks, device: torch.device, saved: FinetuneC
                 inputs=found.inputs)  # fmt: skip
 
 
+def _finished(run: RunFolder, saved: FinetuneConfig, changes: dict) -> dict | None:
+    """The summary of a run that already ended, said at once (nothing loaded), when
+    ``--resume`` changes nothing: None where there is something left to do."""
+    allowed, refused = resume_changes(saved, {k: v for k, v in changes.items() if k != "out"})
+    summary_path = run.root / "summary.json"
+    if allowed or refused or not summary_path.is_file() or run.newest_step() < saved.steps:
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return None  # damaged: the resumed run writes it again
+    say(f"{run.root} finished at step {saved.steps}; nothing to resume. To train further, extend it: "
+        f"narrows finetune --resume {run.root} --steps {2 * saved.steps}")  # fmt: skip
+    return summary
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps"
+
+
 def _launch(world: int) -> str:
     return "without torchrun" if world == 1 else f"torchrun with {world} ranks in all"
 
@@ -145,13 +167,21 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
     dtype = run_dtype(cfg, device)
     t_setup = time.perf_counter()
 
+    def stage(message: str) -> None:  # a line before each stage that may take a while
+        if ranks.main:
+            say(message)
+
     if inputs is None:  # the model and data by content, before either is read
         inputs = record_inputs(cfg, loud=ranks.main)
+    stage("model: checking its files (the embedded default: its GGUF converted to a float folder once, "
+          "cached under $NARROWS_CACHE/gguf)" if cfg.model is None else f"model {cfg.model}: checking its files")  # fmt: skip
     folder = check_model_files(cfg)  # headers, before any weight
+    stage("loading the tokenizer")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    stage("reading and tokenising the data (cached under $NARROWS_CACHE/data after the first run)")
     train_set, evals, em_rows, said = load_data(cfg, tokenizer)  # every row, before the model
     if ranks.main:
         for line in said:
@@ -160,7 +190,11 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         ranks.agree(
             narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
         )  # the tokenised (or packed) data
-    model = build_model(cfg, load_model(cfg, folder, dtype, device), device, dtype, ranks.world)
+    stage(f"loading the model on {device} ({str(dtype).removeprefix('torch.')}"
+          + (", streamed within --gpu-budget" if cfg.gpu_budget != "off" else "") + ")")  # fmt: skip
+    loaded = load_model(cfg, folder, dtype, device)
+    stage(f"building the {cfg.adapter} adapter (rank {cfg.rank}, {cfg.targets})")
+    model = build_model(cfg, loaded, device, dtype, ranks.world)
     step_mode, accumulation = choose_accumulation(cfg, model, ranks.world)
     if ranks.main and accumulation:
         print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)
@@ -186,7 +220,10 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
 
     state = Progress(step=step, history=rows)
     if ranks.main and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
-        row = {"step": 0, **eval_row(model, evals, cfg.batch, pad_id, device)}
+        stage(
+            f"held-out loss before training ({len(evals)} rows; again every {_steps(cfg.eval_interval)} and at the end)"
+        )
+        row = {"step": 0, **eval_row(model, evals, cfg.batch, pad_id, device, show=progress)}
         run.log(row)
         state.history.append(row)
     bar = None
@@ -200,7 +237,9 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         return None
 
     summary = summarize(cfg, model, tokenizer, state.history, em_rows, device, dtype, state.tokens, setup_s,
-                        state.seconds)  # fmt: skip
+                        state.seconds, show=progress)  # fmt: skip
+    summary["eval_rows"] = len(evals)  # what was evaluated: --eval-rows, or fewer held-out rows
+    say("saving the adapter, summary.json and loss.png")
     if accumulation and "stream" in summary:
         summary["stream"]["accumulation"] = accumulation
     base = run_base(cfg)

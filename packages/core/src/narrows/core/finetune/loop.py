@@ -21,7 +21,7 @@ from ..data import TRAINING, Example, collate, micro_batches
 from ..errors import Interrupted
 from ..memory import format_bytes, reset_peaks
 from .config import FinetuneConfig
-from .evaluate import eval_row, graph_captures, measured_peak, to_device
+from .evaluate import eval_row, graph_captures, measured_peak, say, to_device
 from .ranks import Ranks, micro_seed
 from .rundir import RunFolder
 
@@ -72,6 +72,13 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 )
                 print(f"narrows: step mode: held 4-bit weights {stepper.held_choice}{hosted}", file=sys.stderr,
                       flush=True)  # fmt: skip
+    if ranks.main and progress.step < cfg.steps:
+        first = (f"step {progress.step + 1} of {cfg.steps}: the first step takes longer (memory allocated, "
+                 "kernels chosen and cached)")  # fmt: skip
+        if bar is not None:  # above the bar, which stays the last line
+            bar.write(f"narrows: {first}", file=sys.stderr)
+        else:
+            say(first)
     t_train = time.perf_counter()
     try:
         while progress.step < cfg.steps:
@@ -126,8 +133,8 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                    "step_s": dt, "peak_bytes": peak}  # fmt: skip
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
-            if step == cfg.steps and evals:
-                row.update(eval_row(model, evals, cfg.batch, pad_id, device))
+            if evals and (step == cfg.steps or step % cfg.eval_interval == 0):
+                row.update(eval_row(model, evals, cfg.batch, pad_id, device, show=bar is not None))
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
             progress.history.append(row)
             if step % cfg.save_every == 0 or step == cfg.steps:
@@ -136,7 +143,8 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{tokens / dt:.0f}", peak=format_bytes(peak))
                 bar.update(1)
             else:
-                print(f"step {step}/{cfg.steps} loss {loss_sum:.4f} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
+                held = f" eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
+                print(f"step {step}/{cfg.steps} loss {loss_sum:.4f}{held} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
                       flush=True)  # fmt: skip
     except KeyboardInterrupt:
         if bar is not None:

@@ -17,16 +17,27 @@ from ..anatomy import anatomy_of
 from ..files import atomic_write
 from ..memory import format_bytes, host_rss_high_water
 from .config import FinetuneConfig
-from .evaluate import exact_match
+from .evaluate import answer_scores, generate_answers, progress_bar, say
 from .runstate import RunBase
 
 __all__ = ["format_summary", "plot_losses", "save_adapter", "summarize"]
 
 
+# what each held-out figure measures, in summary.json (``measures``) and the printed table
+MEASURES = {
+    "eval_loss": "mean cross-entropy per answer token of the held-out rows (lower is better); "
+                 "eval_loss_by_step holds it at each step it was evaluated",
+    "answer_format": "share of held-out GSM8K problems whose generated answer ends in a '#### <number>' line, "
+                     "the form of every training answer (greedy decoding)",
+    "exact_match": "share of held-out GSM8K problems whose generated '#### <number>' is the right answer",
+}  # fmt: skip
+
+
 def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[dict], em_rows: list[dict],
-              device, dtype, tokens_seen: int, setup_s: float, train_s: float) -> dict:  # fmt: skip
-    """The run's summary; exact match (embedded default only) is generated here, with and
-    without the adapter."""
+              device, dtype, tokens_seen: int, setup_s: float, train_s: float, show: bool | None = None) -> dict:  # fmt: skip
+    """The run's summary; the answers to `em_rows` (embedded default only) are generated
+    here, with and without the adapter, and scored for format and exact match. `show`: a
+    bar (True), lines (False) or nothing (None) while they are generated."""
     first_eval = next(
         (r["eval_loss"] for r in history if r.get("step") == 0 and "eval_loss" in r), float("nan")
     )
@@ -43,6 +54,8 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
         "eval_peak_bytes": max((r.get("eval_peak_bytes", 0) for r in history), default=0),
         "tokens_per_s": tokens_seen / train_s if tokens_seen else None,
         "setup_s": setup_s, "train_s": train_s,
+        "eval_rows": cfg.eval_rows,
+        "eval_loss_by_step": [[r["step"], r["eval_loss"]] for r in history if "eval_loss" in r],
     }  # fmt: skip
     stream = getattr(model, "narrows_stream", None)
     if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
@@ -64,11 +77,26 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
     lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
+    measures = ["eval_loss"]
     if em_rows:
-        summary["exact_match_after"] = exact_match(model, tokenizer, em_rows, device)
-        with model.disable_adapter():
-            summary["exact_match_before"] = exact_match(model, tokenizer, em_rows, device)
-        summary["exact_match_problems"] = len(em_rows)
+        n = len(em_rows)
+        bar = progress_bar(2 * n, "answers (adapter, then base)", "problem", show)
+        if show is False:
+            say(f"generating answers to {n} held-out problems with the adapter, then without (up to 200 tokens "
+                "each, stopping at the final '#### N' line)")  # fmt: skip
+        try:
+            after = answer_scores(generate_answers(model, tokenizer, em_rows, device, bar=bar,
+                                                   label="answers with the adapter"), em_rows)  # fmt: skip
+            with model.disable_adapter():
+                before = answer_scores(generate_answers(model, tokenizer, em_rows, device, bar=bar,
+                                                        label="answers of the base model"), em_rows)  # fmt: skip
+        finally:
+            if bar is not None:
+                bar.close()
+        summary.update(answer_format_before=before[0] / n, answer_format_after=after[0] / n,
+                       exact_match_before=before[1] / n, exact_match_after=after[1] / n, exact_match_problems=n)  # fmt: skip
+        measures += ["answer_format", "exact_match"]
+    summary["measures"] = {k: MEASURES[k] for k in measures}
     return summary
 
 
@@ -153,19 +181,25 @@ def format_summary(summary: dict) -> str:
             return "–" if math.isnan(v) else f"{v:.4f}"
         return str(v)
 
+    def share(key: str, n: int) -> str:
+        return f"{round(summary[key + '_before'] * n)}/{n} → {round(summary[key + '_after'] * n)}/{n}"
+
+    held = f" ({summary['eval_rows']} held-out rows)" if summary.get("eval_rows") else ""
     rows = [
         ("model", summary["model"]), ("adapter", f"{summary['adapter']} r{summary['rank']}"),
         ("steps", summary["steps"]), ("train loss first → last", f"{fmt(summary['first_loss'])} → {fmt(summary['last_loss'])}"),
-        ("eval loss before → after", f"{fmt(summary['eval_loss_before'])} → {fmt(summary['eval_loss_after'])}"),
+        ("eval loss before → after", f"{fmt(summary['eval_loss_before'])} → {fmt(summary['eval_loss_after'])}"
+         f"{held}: cross-entropy per answer token, lower is better"),
     ]  # fmt: skip
+    curve = summary.get("eval_loss_by_step") or []
+    if len(curve) > 2:
+        rows.append(("eval loss by step", ", ".join(f"{s}: {fmt(v)}" for s, v in curve)))
     if "exact_match_after" in summary:
         n = summary["exact_match_problems"]
-        rows.append(
-            (
-                f"exact match ({n} held-out)",
-                f"{fmt(summary['exact_match_before'])} → {fmt(summary['exact_match_after'])}",
-            )
-        )
+        if "answer_format_after" in summary:
+            rows.append((f"'#### N' answers ({n} held-out)", share("answer_format", n)
+                         + ": generated answers ending in a GSM8K '#### <number>' line"))  # fmt: skip
+        rows.append((f"exact match ({n} held-out)", share("exact_match", n) + ": that number is right"))
     rows += [
         ("tokens/s", f"{summary['tokens_per_s']:.0f}" if summary["tokens_per_s"] else "–"),
         ("peak memory", format_bytes(summary["peak_bytes"])
