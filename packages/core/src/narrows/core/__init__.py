@@ -13,10 +13,10 @@
 - deterministic kernels: the condition for bit-identical results on a GPU
 """
 
-from importlib import import_module as _import_module
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
 
+from .lazy import lazy_attributes as _lazy_attributes
 from .notices import install as _install_notices
 
 _install_notices()  # third-party messages a user cannot act on, silenced before anything imports them
@@ -164,21 +164,9 @@ _MODULES = {
     ),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
 __version__ = _version("narrows-core")
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

@@ -10,9 +10,10 @@
   takes the base and defaults from the run, and scores only its newest state (`choose_adapter`)
 """
 
-from importlib import import_module as _import_module
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
+
+from narrows.core.lazy import lazy_attributes as _lazy_attributes
 
 if TYPE_CHECKING:
     from .lm import NarrowsLM
@@ -30,6 +31,7 @@ _MODULES = {
     "run": ("TASK_DIR", "evaluate", "resolve_tasks"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
 __version__ = _version("narrows-eval")
 __all__ = [
@@ -47,12 +49,3 @@ __all__ = [
     "resolve_tasks",
     "write_report",
 ]
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value

@@ -14,9 +14,10 @@ them within the budget). ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
-from importlib import import_module as _import_module
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
+
+from narrows.core.lazy import lazy_attributes as _lazy_attributes
 
 if TYPE_CHECKING:
     from .accumulation import choose_step_mode, holds_weights, step_mode_reserve
@@ -48,16 +49,8 @@ _MODULES = {
     "tiling": ("tile_sequence",),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'narrows.stream' has no attribute {name!r}")
-    _import_module(".twincheck", __name__)  # registers the "stream" architecture check
-    value = getattr(_import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+# twincheck first: it registers the "stream" architecture check
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, first="twincheck")
 
 
 __version__ = _version("narrows-stream")

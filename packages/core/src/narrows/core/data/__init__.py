@@ -11,9 +11,9 @@ padded or packed.
 - `batches`: padded or packed batches, and the seeded micro-batch stream a resume re-reads.
 """
 
-from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
+from ..lazy import lazy_attributes as _lazy_attributes
 from .encode import IGNORE, Example, encode_row
 from .formats import FIELDS, DataError, parse_columns
 from .sources import Source, open_source, read_jsonl
@@ -25,15 +25,7 @@ if TYPE_CHECKING:
 # the modules that need torch, imported on first use (PEP 562): the CLI's checks load without it
 _LAZY = {**dict.fromkeys(("TRAINING", "Packed", "check_packing", "collate", "micro_batches", "pack_bins"), "batches"),
          **dict.fromkeys(("Tokenized", "tokenize", "tokenize_rows", "tokenizer_digest"), "store")}  # fmt: skip
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

@@ -8,8 +8,9 @@ state a run folder is in, for whoever scores it), `ranks` (several
 ranks launched by torchrun) and `command` (the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
 """
 
-from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_attributes as _lazy_attributes
 
 if TYPE_CHECKING:
     from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead
@@ -24,15 +25,7 @@ _LAZY = {"RESUMABLE": "config", "FinetuneConfig": "config", "LMHeadSpec": "confi
          "eval_loss": "evaluate", "exact_match": "evaluate", "finetune": "job", "resume": "job",
          "format_summary": "report", "RunFolder": "rundir", "RunBase": "runstate", "RunState": "runstate",
          "run_base": "runstate", "run_state": "runstate"}  # fmt: skip
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
