@@ -207,3 +207,13 @@ def test_the_token_cache_misses_when_content_changes_under_the_old_times(tmp_pat
     assert how.startswith("tokenised"), how
     assert not torch.equal(changed.ids, first.ids)
     assert changed.ids.tolist() == tokenize(open_source(str(path)), tok, 64, cache=False)[0].ids.tolist()
+
+
+def test_tokenising_a_large_corpus_says_how_far_it_got(capsys):
+    from narrows.core.data.store import _ticking
+
+    rows = [(f"r{i}", {"text": "x"}) for i in range(3)]
+    assert list(_ticking(iter(rows), "d.jsonl", every=0.0)) == rows
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" rows")[0] for line in lines] == [f"narrows: tokenising d.jsonl: {n}" for n in (1, 2, 3)]
+    assert list(_ticking(iter(rows), "d.jsonl")) == rows and capsys.readouterr().err == ""

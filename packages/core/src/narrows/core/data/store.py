@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import time
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -127,8 +129,22 @@ def tokenize(
     return Tokenized.load(folder), f"tokenised, cached in {folder}"
 
 
+def _ticking(rows: Iterable[tuple[str, dict]], what: str, every: float = 10.0) -> Iterator[tuple[str, dict]]:
+    """`rows` passed through, with a line on stderr every `every` seconds saying how far
+    tokenising has got: a large corpus is never silent for long."""
+    start = last = time.monotonic()
+    n = 0
+    for n, row in enumerate(rows, 1):
+        yield row
+        now = time.monotonic()
+        if now - last >= every:
+            last = now
+            print(f"narrows: tokenising {what}: {n} rows in {now - start:.0f} s ({n / (now - start):.0f} rows/s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
 def _read(source: Source, tokenizer, seq_len: int, renames: dict[str, str] | None) -> Tokenized:
-    tokens = tokenize_rows(source.rows(), tokenizer, seq_len, renames)
+    tokens = tokenize_rows(_ticking(source.rows(), str(source.path)), tokenizer, seq_len, renames)
     if not len(tokens):
         raise DataError(f"data {str(source.path)!r} has no rows")
     return tokens
