@@ -272,7 +272,9 @@ def test_inputs_that_used_to_end_in_a_traceback_are_refused_naming_the_file(
 
     def says(*argv) -> str:
         err = refused(capsys, *argv, *out)
-        assert err.startswith("narrows: error: ") and err.count("narrows: error:") == 1, err
+        lines = err.strip().splitlines()  # the run's stage lines, then the one error line
+        assert lines[-1].startswith("narrows: error: ") and err.count("narrows: error:") == 1, err
+        assert all(line.startswith("narrows: ") for line in lines), err
         assert "Traceback" not in err
         return err
 

@@ -215,5 +215,7 @@ def test_tokenising_a_large_corpus_says_how_far_it_got(capsys):
     rows = [(f"r{i}", {"text": "x"}) for i in range(3)]
     assert list(_ticking(iter(rows), "d.jsonl", every=0.0)) == rows
     lines = capsys.readouterr().err.splitlines()
-    assert [line.split(" rows")[0] for line in lines] == [f"narrows: tokenising d.jsonl: {n}" for n in (1, 2, 3)]
+    assert [line.split(" rows")[0] for line in lines] == [
+        f"narrows: tokenising d.jsonl: {n}" for n in (1, 2, 3)
+    ]
     assert list(_ticking(iter(rows), "d.jsonl")) == rows and capsys.readouterr().err == ""

@@ -104,15 +104,16 @@ def cli_all(*commands):
 
 
 def refused(r, *, notices=False) -> str:
-    """The stderr of a refusal: exit 2, one `narrows: error:` line and no traceback. With
-    `notices`, lines (warnings, `narrows:` notices) may come before the error line."""
+    """The stderr of a refusal: exit 2, one `narrows: error:` line, last, and no traceback;
+    before it only the run's own `narrows:` stage lines. With `notices`, other lines
+    (warnings) may come before it too."""
     err = r.stderr
     assert r.returncode == 2, (r.stdout, err)
     assert "Traceback" not in err, err
-    if notices:
-        assert err.strip().splitlines()[-1].startswith("narrows: error: "), err
-    else:
-        assert err.startswith("narrows: error: "), err
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("narrows: error: "), err
+    if not notices:
+        assert all(line.startswith("narrows: ") for line in lines), err
     assert err.count("narrows: error:") == 1, err
     return err
 

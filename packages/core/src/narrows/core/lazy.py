@@ -8,6 +8,7 @@ A package names where each public attribute lives and binds the returned pair:
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable
 from importlib import import_module
 
@@ -34,4 +35,24 @@ def lazy_attributes(
     def __dir__() -> list[str]:
         return sorted({*vars(sys.modules[package]), *where})
 
+    sys.modules[package].__class__ = _make_keeper(package, where)
     return __getattr__, __dir__
+
+
+def _make_keeper(package: str, where: dict[str, str]) -> type[types.ModuleType]:
+    """A module class that keeps a public name from being replaced by the submodule of
+    the same name (``narrows.stream.plan``, the function, and ``narrows.stream.plan``, the
+    module): importing a submodule sets it on its package, which an eager ``from .api
+    import plan`` used to undo afterwards."""
+
+    class Package(types.ModuleType):
+        def __setattr__(self, name: str, value: object) -> None:
+            if (
+                name in where
+                and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{package}.{name}"
+            ):
+                return  # the submodule stays in sys.modules; the package's name stays the public one
+            super().__setattr__(name, value)
+
+    return Package

@@ -42,7 +42,7 @@ from .head import StreamedHead
 from .offload import ActivationOffload
 from .plan import HOST_STATE_NOTES, OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Rates, Shapes, make_plan
 from .profile import Profile
-from .remat import LayerCall, streamed_call
+from .remat import LayerCall, drop_cache, streamed_call
 from .selfcheck import self_check
 from .sideouts import SideOutputs
 from .tiers import DiskReader, Tiers
@@ -408,8 +408,8 @@ def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload
             hidden, args = args[0], args[1:]
         else:
             hidden = kwargs.pop("hidden_states")
-        if torch.is_grad_enabled() and kwargs.get("past_key_values") is not None:
-            kwargs["past_key_values"] = None  # a cache would be written twice by the recompute
+        if torch.is_grad_enabled():
+            drop_cache(kwargs)
         _check_args(index, args, kwargs)
         call = LayerCall(index, original, args, kwargs, engine, params, side, offload, graphs=graphs)
         return streamed_call(call, hidden)

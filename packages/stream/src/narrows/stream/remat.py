@@ -122,6 +122,19 @@ class StreamedLayer(torch.autograd.Function):
         return (None, grad_h, *grad_params)
 
 
+# what decoder layers call the KV cache they write (transformers' names across architectures:
+# GPT-NeoX, for one, passes its layers ``layer_past``)
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def drop_cache(kwargs: dict[str, Any]) -> None:
+    """A layer call's KV cache set to None: its recompute would write the cache a second
+    time (the config's ``use_cache`` is the user's, and stays as it is)."""
+    for name in CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+
+
 def layer_original(layer: nn.Module) -> Callable[..., Any]:
     """The layer's own forward: under narrows' wrapper, or the layer's (a whole layer is
     not wrapped). Not ``__wrapped__``: transformers' decorators set that to the unbound

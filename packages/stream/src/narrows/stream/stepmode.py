@@ -54,7 +54,7 @@ from .hostopt import HostOptimizer
 from .hostparams import HostAdapters
 from .offload import ActivationOffload, Offloaded
 from .plan import input_bytes
-from .remat import layer_original, replaced_forwards
+from .remat import drop_cache, layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
 from .rngplan import RandomOps, same_state
 from .sideouts import router_logits_refusal
@@ -500,8 +500,7 @@ class StepTrainer:
                         "block-major accumulation needs layers chained directly — train it with loss.backward()")  # fmt: skip
                 if index == 0:
                     micro.saved.append(hidden)
-                if kwargs.get("past_key_values") is not None:
-                    kwargs["past_key_values"] = None
+                drop_cache(kwargs)
                 micro.args.append(args)
                 micro.kwargs.append(kwargs)
                 prev[0] = hidden

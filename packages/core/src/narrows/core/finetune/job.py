@@ -22,7 +22,7 @@ from .loop import Progress, train
 from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .reporters import open_reporters, summary_row
-from .rundir import RunFolder
+from .rundir import RunFolder, _damage
 from .runstate import run_base
 
 __all__ = ["finetune", "resume"]
@@ -33,8 +33,8 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict | None:
     (None on ranks other than 0)."""
     ranks = Ranks.from_env()
     cfg.world_size = ranks.world
-    absolute_inputs(cfg)  # config.json names the same files wherever the run is resumed from
     cfg.check()
+    absolute_inputs(cfg)  # config.json names the same files wherever the run is resumed from
     device = ranks.device()
     run = RunFolder(cfg.out)
     with ranks.joined(device):
@@ -128,6 +128,8 @@ def _finished(run: RunFolder, saved: FinetuneConfig, changes: dict) -> dict | No
     allowed, refused = resume_changes(saved, {k: v for k, v in changes.items() if k != "out"})
     summary_path = run.root / "summary.json"
     if allowed or refused or not summary_path.is_file() or run.newest_step() < saved.steps:
+        return None
+    if _damage(run.saved_steps()[0]) is not None:  # the resumed run sets it aside and trains again
         return None
     try:
         summary = json.loads(summary_path.read_text())
