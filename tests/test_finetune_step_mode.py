@@ -140,7 +140,7 @@ def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
         log(self, row)
 
     monkeypatch.setattr(RunFolder, "log", interrupted)
-    assert run(tmp_path, "cut", *flags) == 2
+    assert run(tmp_path, "cut", *flags) == 130  # Ctrl-C
     monkeypatch.setattr(RunFolder, "log", log)
     assert not (tmp_path / "cut" / "adapter_model.safetensors").exists()
     assert main(["finetune", "--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
