@@ -11,6 +11,8 @@ import gc
 import os
 import subprocess
 import sys
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -147,8 +149,13 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     homes = {mapped_file(h.data_ptr()) for h in own.homes}
     assert own.shared == () and homes and str(own.cache.path) not in homes  # anonymous memory
     assert not mapped_file(own_model.get_input_embeddings().weight.data_ptr()).endswith(".safetensors")
+    gone = weakref.ref(own)
     del own_model, own  # its cache map too: the file's pages mapped twice here would halve their Pss
-    gc.collect()
+    deadline = time.monotonic() + 30  # a loader thread may hold the last reference a moment longer
+    while gone() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert gone() is None, "the private model's tiers outlived it"
     alone = ns.from_pretrained(
         folder, dtype=torch.float32, cache=tmp_path / "cache", share=True
     ).narrows_tiers
