@@ -8,7 +8,6 @@ keyed by the file's sha256, so later runs load it in about a second.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -19,18 +18,11 @@ from torch import nn
 from ._env import require
 from .errors import NarrowsError
 from .files import atomic_dir, cache_dir
+from .fingerprint import file_sha256  # one hash per file and process: the run's fingerprint reuses it
 from .loader import LayerCallback, load_blockwise
 from .verify import ensure_architecture
 
 __all__ = ["file_sha256", "gguf_as_folder", "load_causal_lm", "resolve_model_path"]
-
-
-def file_sha256(path: str | os.PathLike, block: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def gguf_as_folder(path: str | os.PathLike) -> Path:

@@ -369,7 +369,7 @@ def _damage(path: Path) -> str | None:
     size = state.stat().st_size
     if size != meta["bytes"]:
         return f"state.pt has {size} bytes, {meta['bytes']} were written"
-    from ..models import file_sha256
+    from ..fingerprint import file_sha256
 
     if file_sha256(state) != meta["sha256"]:
         return "state.pt fails its sha256"
