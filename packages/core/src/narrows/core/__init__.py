@@ -13,10 +13,10 @@
 - deterministic kernels: the condition for bit-identical results on a GPU
 """
 
-from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
 
 from .lazy import lazy_attributes as _lazy_attributes
+from .versions import installed_version as _installed_version
 from .notices import install as _install_notices
 
 _install_notices()  # third-party messages a user cannot act on, silenced before anything imports them
@@ -166,7 +166,7 @@ _MODULES = {
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
-__version__ = _version("narrows-core")
+__version__ = _installed_version("narrows-core")
 
 
 __all__ = [

@@ -15,7 +15,7 @@ routes run the same `dora_delta` and give the same numbers. Not supported: conv 
 embedding layers.
 """
 
-from importlib.metadata import version as _version
+from narrows.core.versions import installed_version as _installed_version
 
 from .adapter import DEFAULT_TARGETS, NarrowsDoraAdapter, add_dora, dora_layers, load_dora, save_dora
 from .compose import FUSED_MIN_ELEMENTS, compose, fused_reason, magnitude_scale, norm_epsilon
@@ -23,7 +23,7 @@ from .layer import DoraLinear, dora_delta
 from .norm import DEFAULT_CHUNK_BUDGET, assemble_norm, base_row_norm_sq, dense_row_norm, factored_row_norm
 from .peft import use_narrows_dora
 
-__version__ = _version("narrows-dora")
+__version__ = _installed_version("narrows-dora")
 __all__ = [
     "DEFAULT_CHUNK_BUDGET",
     "DEFAULT_TARGETS",

@@ -10,7 +10,7 @@
   takes the base and defaults from the run, and scores only its newest state (`choose_adapter`)
 """
 
-from importlib.metadata import version as _version
+from narrows.core.versions import installed_version as _installed_version
 from typing import TYPE_CHECKING
 
 from narrows.core.lazy import lazy_attributes as _lazy_attributes
@@ -33,7 +33,7 @@ _MODULES = {
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
-__version__ = _version("narrows-eval")
+__version__ = _installed_version("narrows-eval")
 __all__ = [
     "TASK_DIR",
     "AdapterChoice",

@@ -10,7 +10,7 @@ without importing it. The pieces are usable alone: `causal_lm_loss`,
 one read of a streamed head), `neighbour_table`.
 """
 
-from importlib.metadata import version as _version
+from narrows.core.versions import installed_version as _installed_version
 
 from narrows.core import register_architecture_check as _register_check
 
@@ -28,7 +28,7 @@ from .twincheck import check_lmhead as _check_lmhead
 
 _register_check("lmhead", _check_lmhead)
 
-__version__ = _version("narrows-lmhead")
+__version__ = _installed_version("narrows-lmhead")
 __all__ = [
     "FUSED_CHOICES",
     "LMHeadHandle",

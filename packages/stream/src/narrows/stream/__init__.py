@@ -14,7 +14,7 @@ them within the budget). ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
-from importlib.metadata import version as _version
+from narrows.core.versions import installed_version as _installed_version
 from typing import TYPE_CHECKING
 
 from narrows.core.lazy import lazy_attributes as _lazy_attributes
@@ -53,7 +53,7 @@ _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, first="twincheck")
 
 
-__version__ = _version("narrows-stream")
+__version__ = _installed_version("narrows-stream")
 __all__ = [
     "BudgetTooSmallError",
     "LayerTimes",
