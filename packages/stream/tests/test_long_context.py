@@ -201,7 +201,7 @@ def test_a_retained_graph_is_backwarded_twice_or_refused(offload):
     if offload == "off":
         assert_identical(run(None), run({"offload": offload}))
     else:
-        with pytest.raises(RuntimeError, match="offload='off'"):
+        with pytest.raises(RuntimeError, match="offload_inputs='off'"):
             run({"offload": offload})
 
 

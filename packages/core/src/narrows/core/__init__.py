@@ -16,8 +16,8 @@
 from typing import TYPE_CHECKING
 
 from .lazy import lazy_attributes as _lazy_attributes
-from .versions import installed_version as _installed_version
 from .notices import install as _install_notices
+from .versions import installed_version as _installed_version
 
 _install_notices()  # third-party messages a user cannot act on, silenced before anything imports them
 

@@ -1,6 +1,7 @@
 """narrows.stream — train adapters on a frozen base that lives in host memory.
 
-``narrows.stream.stream(model, gpu_budget="12GiB")`` parks every decoder layer's frozen
+``narrows.stream.stream(model, "12GiB")`` (or ``stream(model, StreamConfig(...))``: every
+setting in one frozen object) parks every decoder layer's frozen
 storage (NF4 quantisation state included) in one host slab per layer and streams it to the
 GPU with prefetch; backward recomputes each layer under its saved RNG state (resident
 layers the budget can afford run whole, without the recompute). Training is
@@ -14,14 +15,15 @@ them within the budget). ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
-from narrows.core.versions import installed_version as _installed_version
 from typing import TYPE_CHECKING
 
 from narrows.core.lazy import lazy_attributes as _lazy_attributes
+from narrows.core.versions import installed_version as _installed_version
 
 if TYPE_CHECKING:
     from .accumulation import choose_step_mode, holds_weights, step_mode_reserve
     from .api import StreamHandle, plan, stream
+    from .config import StreamConfig
     from .distributed import check_ranks, data_parallel
     from .engine import TransferStats
     from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 _MODULES = {
     "accumulation": ("choose_step_mode", "holds_weights", "step_mode_reserve"),
     "api": ("StreamHandle", "plan", "stream"),
+    "config": ("StreamConfig",),
     "distributed": ("check_ranks", "data_parallel"),
     "engine": ("TransferStats",),
     "errors": ("BudgetTooSmallError", "SelfCheckError", "StreamSetupError"),
@@ -64,6 +67,7 @@ __all__ = [
     "StepModeTrainer",
     "StepStats",
     "StepTrainer",
+    "StreamConfig",
     "StreamHandle",
     "StreamSetupError",
     "TransferStats",

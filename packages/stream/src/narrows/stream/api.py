@@ -3,7 +3,6 @@ decoder layers streamed from host memory, and the handle it leaves on the model.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,12 +34,13 @@ from narrows.core import (
 )
 from narrows.core import deterministic as set_deterministic
 
+from .config import StreamConfig, tile_option
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .plan import HOST_STATE_NOTES, OFFLOAD_MODES, RECOMPUTE_MODES, Plan, Rates, Shapes, make_plan
+from .plan import Plan, Rates, Shapes, make_plan
 from .profile import Profile
 from .remat import LayerCall, drop_cache, streamed_call
 from .selfcheck import self_check
@@ -68,6 +68,7 @@ class StreamHandle:
     graphs: LayerGraphs | None = None  # CUDA graphs of the layers narrows runs
     replan: Callable[[Rates], Plan] | None = None  # the same plan made with other rates
     shapes: Shapes | None = None  # the model's and the batch's, as the plan took them
+    config: StreamConfig | None = None  # what the model was streamed with (device resolved)
 
     @contextmanager
     def profiling(self) -> Iterator[Profile]:
@@ -187,11 +188,7 @@ def _head_rows(anat: Anatomy, rows: int | None) -> int:
 
 
 def _check_head(anat: Anatomy, head: str) -> bool:
-    """Whether the head is streamed; refuses what cannot be."""
-    if head not in ("resident", "stream"):
-        raise StreamSetupError(
-            f"head={head!r}: use 'resident' (default, bit-exact) or 'stream' (vocabulary chunks)"
-        )
+    """Whether the head is streamed; refuses a head that cannot be."""
     if head == "resident":
         return False
     if any(p.requires_grad for p in anat.head.parameters()):
@@ -203,76 +200,37 @@ def _check_head(anat: Anatomy, head: str) -> bool:
     return True
 
 
-def _check_layer_options(
-    offload: str, seq_tile: int | str | None, recompute: str = "auto"
-) -> int | str | None:
-    """The tile option as the planner takes it; refuses recompute, offload and tile
-    values it cannot take."""
-    if recompute not in RECOMPUTE_MODES:
-        raise StreamSetupError(f"recompute={recompute!r}: use 'auto' (default: resident layers run without "
-                               "recompute while the budget holds their activations) or 'all'")  # fmt: skip
-    if offload not in OFFLOAD_MODES:
-        raise StreamSetupError(f"offload={offload!r}: use 'auto' (default: saved layer inputs go to host memory "
-                               "only when the budget needs it), 'off' or 'all'")  # fmt: skip
-    if seq_tile in (None, "off"):
-        return None
-    if seq_tile == "auto" or (isinstance(seq_tile, int) and not isinstance(seq_tile, bool) and seq_tile > 0):
-        return seq_tile
-    raise StreamSetupError(f"seq_tile={seq_tile!r}: use None (default: never tile), 'auto' (tile the MLP over the "
-                           "sequence only when the budget needs it) or a tile size in tokens, e.g. 4096")  # fmt: skip
-
-
-def _check_graphs(graphs: object) -> None:
-    if not (isinstance(graphs, bool) or graphs == "auto"):
-        raise StreamSetupError(f"graphs={graphs!r}: use True (CUDA graphs), False (default: eager layers) or "
-                               "'auto' (graphs where the planner predicts them faster)")  # fmt: skip
-
-
-def plan(model: nn.Module, gpu_budget: str | int | None = None, *, device: torch.device | str | None = None,
-         batch_size: int = 1, seq_len: int = 512, prefetch: int = 1, head: str = "resident",
-         head_rows: int | None = None, offload: str = "auto", seq_tile: int | str | None = None,
-         recompute: str = "auto", rates: Rates | None = None, graphs: bool | str = "auto",
-         reserve: int = 0, host_state: str = "none") -> Plan:  # fmt: skip
-    """What `stream` would do with this budget, without moving anything (`rates`: what
-    the step-time model takes for the machine; default: fitted to the H100; `graphs`: as
-    `stream`'s, whose pool the budget then holds; `reserve`, `host_state`: as `stream`'s)."""
-    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
-        raise StreamSetupError(f"reserve={reserve!r}: give a number of bytes ≥ 0")
-    _check_host_state(host_state)
-    tile = _check_layer_options(offload, seq_tile, recompute)
-    _check_graphs(graphs)
+def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
+         **options: Any) -> Plan:  # fmt: skip
+    """What `stream` would do with this config, without moving anything. `config`: a
+    `StreamConfig`, or its budget with any other fields as keywords (`options`).
+    `rates`: what the step-time model takes for the machine (default: fitted to the H100)."""
+    cfg = StreamConfig.of(config, **options)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
-    dev = _resolve_device(device)
-    stream_head = _check_head(anat, head)
+    dev = _resolve_device(cfg.device)
+    stream_head = _check_head(anat, cfg.head)
     host_embedding = _host_embedding(anat, stream_head)
     outside = _parts(model, anat, host_embedding, stream_head)
-    fixed = _nbytes(s.tensor for s in outside) + _training_bytes(model, anat, host_state) + reserve
+    fixed = _nbytes(s.tensor for s in outside) + _training_bytes(model, anat, cfg.host_state) + cfg.reserve
     fixed += _matmul_workspaces(dev)
     head_h2d = 0
     if stream_head:
         w = anat.head.weight
-        fixed += 2 * _head_rows(anat, head_rows) * w.shape[1] * w.element_size()  # two chunk buffers
+        fixed += 2 * _head_rows(anat, cfg.head_rows) * w.shape[1] * w.element_size()  # two chunk buffers
         head_h2d = 2 * _nbytes([w])  # one pass in forward, one in backward
     layer_bytes = [
         SlabLayout.of(frozen_slots(layer, prefix=path)).nbytes
         for path, layer in zip(anat.layer_paths, anat.layers)
     ]
     tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
-    return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, batch_size, seq_len),
-                     budget=_budget(gpu_budget, dev), device=str(dev), prefetch=prefetch,
+    return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, cfg.batch_size, cfg.seq_len),
+                     budget=_budget(cfg.gpu_budget, dev), device=str(dev), prefetch=cfg.prefetch_depth,
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
-                     host_budget=tiers.host_budget if tiers else None, offload=offload, tile=tile,
-                     recompute=recompute, rates=rates, graphs=graphs, reserved=reserve,
-                     host_state=host_state)  # fmt: skip
-
-
-def _check_host_state(host_state: str) -> None:
-    if host_state not in HOST_STATE_NOTES:
-        raise StreamSetupError(
-            f"host_state={host_state!r}: use one of {', '.join(map(repr, HOST_STATE_NOTES))}"
-        )
+                     host_budget=tiers.host_budget if tiers else None, offload=cfg.offload_inputs,
+                     tile=tile_option(cfg), recompute=cfg.recompute, rates=rates, graphs=cfg.graphs,
+                     reserved=cfg.reserve, host_state=cfg.host_state)  # fmt: skip
 
 
 def _training_bytes(model: nn.Module, anat: Anatomy, host_state: str) -> int:
@@ -418,97 +376,40 @@ def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload
     return forward
 
 
-def stream(
-    model: nn.Module,
-    gpu_budget: str | int | None = None,
-    *,
-    device: torch.device | str | None = None,
-    batch_size: int = 1,
-    seq_len: int = 512,
-    prefetch: int = 1,
-    head: str = "resident",
-    head_rows: int | None = None,
-    check: bool = True,
-    inference: bool = False,
-    deterministic: bool = False,
-    offload: str = "auto",
-    seq_tile: int | str | None = None,
-    recompute: str = "auto",
-    graphs: bool | str = "auto",
-    reserve: int = 0,
-    host_state: str = "none",
-) -> nn.Module:
-    """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to `device`.
+def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, **options: Any) -> nn.Module:
+    """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to the device.
 
-    `gpu_budget`: bytes or a size like ``"12GiB"`` the run may use on the device; ``"fit"``
-    keeps as many layers resident as the free memory allows; None streams every layer
-    with the smallest footprint. `batch_size`/`seq_len` size the activation estimate.
+    `config`: a `StreamConfig` (what each setting means is there), or its budget with any
+    other fields as keywords: ``stream(model, "12GiB", seq_len=1024)``. The planner
+    (`plan`) decides every setting left at "auto", once; the handle left on the model,
+    ``model.narrows_stream``, keeps the config and the plan with its reasons.
     Training afterwards is bit-identical to training the same model fully resident, given
     deterministic kernels: always on the CPU; on CUDA pass ``deterministic=True`` (or call
     `narrows.core.deterministic()`), which makes the resident run itself reproducible.
     An architecture narrows does not announce is first checked on its shrunk twin.
-    `head="stream"` also keeps a frozen LM head in host memory and serves it in vocabulary
-    chunks through core's head hook (with a tied embedding, both read the one host copy);
-    the head's input gradient is then summed over chunks, so it equals the resident head
-    up to summation order — bit-exact against the same chunked head kept resident.
-    `head_rows` sets the vocabulary rows per chunk (default 8192).
-    `check` runs a one-layer streamed-vs-resident self-check first (``check=False`` skips
-    it, e.g. for a model whose layers are known to be nondeterministic).
-    `inference=True` streams a model for forward passes only (evaluation): nothing needs
-    to train, and the self-check (which compares gradients) is skipped. Under ``no_grad``
-    each layer then runs as a plain prefetched forward either way.
-    `offload`: where each layer's saved input waits for its backward. "auto" (default)
-    keeps it on the device while the budget allows and moves the rest to host memory
-    (bit-identical either way; with no budget, all of them move); "off" never moves one;
-    "all" moves every one. `seq_tile`: None (default) never tiles; "auto" runs the MLPs
-    over sequence tiles only when the budget cannot hold the whole-sequence working set;
-    a number of tokens always does. Tiled training is `torch.equal` to the same tiling
-    resident (`narrows.stream.tile_sequence`) and equal to untiled training up to
-    summation order. `recompute`: "auto" (default) runs resident layers *whole* — as
-    resident training runs them, activations saved, no recompute — while the budget holds
-    their activations (with every layer whole, a step is plain PEFT training without
-    checkpointing); "all" recomputes every layer in backward. `graphs=True` replays each
-    layer narrows runs itself (streamed or recomputed) as CUDA graphs — its forward, and
-    its recompute with its backward — the same kernels on the same inputs, so still
-    bit-identical, without the host's per-kernel cost; a layer whose forward waits for
-    the host runs eagerly (``model.narrows_stream.graphs.stats.refused`` says why). The
-    plan then counts the graphs' pool and prices graphed layers without the host's
-    per-kernel cost, so at short sequences it recomputes resident layers rather than
-    keep them whole. "auto": on a CUDA device with a budget, graphs when the plan with
-    them fits and is predicted faster (the plan's report says which and why); off for the
-    smallest footprint (no budget), for `inference=True`, and on a CPU, which has no
-    graphs (True there runs the same buffer path eagerly, for tests). "auto" is the
-    default. A batch shape is captured when it comes round again, and graphs are kept for
-    the four most recent shapes, so batches padded to varying widths hold bounded memory
-    (the plan counts it); widths that never repeat run eagerly. `reserve`: device bytes
-    the plan leaves free within the budget, for step mode's dequantised weights
-    (`step_mode_reserve`; `StepTrainer` holds them when they were reserved).
-    `host_state`: what of the training state the plan may leave in host memory, for
-    `StepTrainer`'s offload: "none" (default: the adapters, their gradients and AdamW's
-    state all on the device), "optimizer" (`offload_optimizer=True`: one layer's
-    optimizer state on the device) or "adapters" (`offload_adapters=True` too: one
-    layer's adapters, gradients and state; block-major steps only).
-    `StepTrainer` must then keep it there, and refuses otherwise.
     The model's config is left as it was given (``use_cache`` included: a streamed layer
     drops the KV cache per call in training, and with packed rows the cache decides the
     attention mask, so pass ``use_cache=False`` yourself for per-sequence masks). A model
     with LayerDrop (``layerdrop`` > 0) is refused for training, whatever the RNG state.
-    Returns the same model object; ``model.narrows_stream`` holds the plan and statistics.
+    Returns the same model object.
     """
+    cfg = StreamConfig.of(config, **options)
     if getattr(model, "narrows_stream", None) is not None:
         raise StreamSetupError("this model is already streamed")
-    _check_graphs(graphs)
-    if inference and graphs == "auto":
-        graphs = False  # forward passes only: nothing is recomputed, and no step repeats a capture
-    if not inference:
+    if cfg.inference and cfg.graphs == "auto":
+        cfg = cfg.replace(
+            graphs=False
+        )  # forward passes only: nothing is recomputed, no step repeats a capture
+    if not cfg.inference:
         _refuse_layerdrop(model)
-    if deterministic:
+    if cfg.deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
-    dev = _resolve_device(device)
+    dev = _resolve_device(cfg.device)
+    cfg = cfg.replace(device=dev)
     trainables = trainable_parameters(model)
-    if not trainables and not inference:
+    if not trainables and not cfg.inference:
         raise StreamSetupError(
             "nothing in this model trains: add adapters first, e.g. "
             "model = peft.get_peft_model(model, LoraConfig(...)), then call narrows.stream.stream(model); "
@@ -522,10 +423,8 @@ def stream(
             "memory. Load the model on the CPU (no device_map, or device_map='cpu') and let "
             "narrows.stream.stream() place what belongs on the GPU."
         )
-    the_plan = plan(model, gpu_budget, device=dev, batch_size=batch_size, seq_len=seq_len, prefetch=prefetch,
-                    head=head, head_rows=head_rows, offload=offload, seq_tile=seq_tile,
-                    recompute=recompute, graphs=graphs, reserve=reserve, host_state=host_state)  # fmt: skip
-    stream_head = _check_head(anat, head)
+    the_plan = plan(model, cfg)
+    stream_head = _check_head(anat, cfg.head)
     if the_plan.tile_tokens is not None:
         tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
 
@@ -557,7 +456,7 @@ def stream(
     streamed_head = None
     if stream_head:
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
-                                     copy_stream=engine.copy_stream, rows=_head_rows(anat, head_rows),
+                                     copy_stream=engine.copy_stream, rows=_head_rows(anat, cfg.head_rows),
                                      math=anat.logit_math)  # fmt: skip
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
@@ -573,10 +472,11 @@ def stream(
         anat.embed.forward = embed
 
     # the same plan with other rates (a profile's): the budget as this plan resolved it
-    replan = functools.partial(plan, model, the_plan.budget, device=dev, batch_size=batch_size, seq_len=seq_len,
-                               prefetch=prefetch, head=head, head_rows=head_rows, offload=offload,
-                               seq_tile=seq_tile, recompute=recompute, graphs=graphs, reserve=reserve,
-                               host_state=host_state)  # fmt: skip
+    replanned = cfg.replace(gpu_budget=the_plan.budget)
+
+    def replan(rates: Rates) -> Plan:
+        return plan(model, replanned, rates=rates)
+
     for m in {id(model): model, id(anat.model): anat.model}.values():
         m.to = _refuse_move(m, dev)
         # any DistributedDataParallel wrapping it (yours, accelerate's, Trainer's) leaves the
@@ -587,9 +487,9 @@ def stream(
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        layer_graphs, lambda rates: replan(rates=rates),
-                                        _shapes(anat, batch_size, seq_len))  # fmt: skip
-    if check and not inference:
+                                        layer_graphs, replan, _shapes(anat, cfg.batch_size, cfg.seq_len),
+                                        cfg)  # fmt: skip
+    if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)
     return model

@@ -156,7 +156,7 @@ class ActivationOffload:
             raise RuntimeError(
                 f"narrows.stream: layer {saved.index}'s saved input was offloaded to host memory and has been used "
                 "by a backward already; backward through the graph a second time (retain_graph=True) needs "
-                "stream(..., offload='off')"
+                "stream(..., offload_inputs='off')"
             )
         if saved.fetched is None:
             self.start_fetch(saved)

@@ -438,7 +438,7 @@ def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, wor
                      "--offload-optimizer) or the adapters too (host_state='adapters'; --offload-adapters) in host "
                      "memory")  # fmt: skip
     if offload == "off":
-        hints.append("allow offloading the saved layer inputs to host memory (offload='auto')")
+        hints.append("allow offloading the saved layer inputs to host memory (offload_inputs='auto')")
     if tile is None and tiled_minimum is not None and tiled_minimum < minimum:
         hints.append(f"tile the MLP over the sequence (seq_tile='auto'; equal to untiled training up to summation "
                      f"order), which needs {format_bytes(tiled_minimum)}")  # fmt: skip

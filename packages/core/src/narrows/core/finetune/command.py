@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..errors import NarrowsError
 from .config import RESUMABLE, FinetuneConfig
+from .configfile import read_config_file
 
 __all__ = ["add_parser"]
 
@@ -18,6 +19,11 @@ def _run(args: argparse.Namespace) -> int:
 
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if args.config is not None:
+        if args.resume:
+            raise NarrowsError(f"--config {args.config} starts a new run; --resume {args.resume} continues one with "
+                               "its own config.json: give one of them")  # fmt: skip
+        given = {**read_config_file(args.config), **given}  # a flag on the command line wins over the file
     if args.resume:
         if (
             args.out is not None
@@ -49,6 +55,8 @@ def add_parser(sub) -> None:
         "arguments: SmolLM2-135M-Instruct on GSM8K worked answers (both bundled through narrows-core[default]).",
     )
     a = p.add_argument
+    a("--config", metavar="FILE", help="settings from a JSON file (field names as config.json writes them, e.g. "
+      '{"model": "...", "steps": 200}; a run folder\'s own config.json works); flags given too win over it')  # fmt: skip
     a("--model", help="local HF model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     a("--data", help="training data, a local file (.jsonl, .parquet, .arrow, .csv, .json) or a save_to_disk folder: "
       "messages, ShareGPT conversations, prompt/response or prompt/completion, Alpaca or text rows")  # fmt: skip
@@ -120,4 +128,47 @@ def add_parser(sub) -> None:
       "WANDB_PROJECT; default project narrows; needs narrows-core[wandb]), comma-separated, all (those installed) "
       "or none (default, as transformers 5's TrainingArguments)")  # fmt: skip
     a("--no-progress", action="store_true", help="one line per step instead of a progress bar")
+    a(
+        "--help-advanced",
+        action=_AdvancedHelp,
+        help="show the advanced flags too (planner overrides and more)",
+    )
+    _hide_advanced(p)
     p.set_defaults(func=_run)
+
+
+# flags a newcomer does not need: they override a choice the planner makes (and the run
+# says what it chose), or tune evaluation, data columns and the adapter's shape
+ADVANCED = (
+    "--data-split", "--eval-split", "--columns", "--alpha", "--dropout", "--targets", "--host-budget", "--cache",
+    "--lmhead", "--seq-tile", "--step-mode", "--offload-optimizer", "--offload-adapters", "--cuda-graphs",
+    "--warmup", "--seed", "--save-every", "--eval-rows", "--eval-every", "--exact-match", "--dtype",
+    "--no-progress",
+)  # fmt: skip
+
+
+def _hide_advanced(p: argparse.ArgumentParser) -> None:
+    """Move the advanced flags into their own group, their help shown by --help-advanced only."""
+    group = p.add_argument_group(
+        "advanced",
+        f"{len(ADVANCED)} more flags override the planner's choices (each run says what it chose and why) or tune "
+        "evaluation, data columns and the adapter's shape: narrows finetune --help-advanced",
+    )
+    for action in p._actions:
+        if any(flag in ADVANCED for flag in action.option_strings):
+            p._optionals._group_actions.remove(action)
+            group._group_actions.append(action)
+            action.narrows_help = action.help  # type: ignore[attr-defined]
+            action.help = argparse.SUPPRESS
+
+
+class _AdvancedHelp(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        for action in parser._actions:
+            if hasattr(action, "narrows_help"):
+                action.help = action.narrows_help
+        parser.print_help()
+        parser.exit()

@@ -1,0 +1,132 @@
+"""``narrows finetune --config FILE``: settings from a JSON file (or a run folder's own
+config.json) train what the same flags train; flags on the command line win; a bad file
+is refused naming the file and the field. ``--help`` shows the common flags, and
+``--help-advanced`` the planner overrides besides."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from narrows.core.cli import main
+from narrows.core.finetune.command import ADVANCED
+from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"{a}*{b}?"}, {"role": "assistant", "content": f"{a * b}"}]}
+    for a in range(5)
+    for b in range(4)
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("configfile")
+    settings = {
+        "model": str(tiny_model_folder(root / "model")),
+        "data": str(write_jsonl(root / "train.jsonl", ROWS[:16])),
+        "eval_data": str(write_jsonl(root / "eval.jsonl", ROWS[16:])),
+        "rank": 4,
+        "batch": 2,
+        "seq_len": 64,
+        "lr": 1e-2,
+        "steps": 2,
+        "eval_rows": 2,
+        "exact_match": 0,
+    }
+    return root, settings
+
+
+def _flags(settings: dict) -> list[str]:
+    return [a for k, v in settings.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def _finetune(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--no-progress", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+
+
+def _adapter(run) -> dict[str, torch.Tensor]:
+    return load_file(run / "adapter_model.safetensors")
+
+
+def _config(run) -> dict:
+    return json.loads((run / "config.json").read_text())["config"]
+
+
+def test_a_config_file_and_a_run_folder_train_what_the_flags_train(inputs):
+    root, settings = inputs
+    by_flags = _finetune(*_flags(settings), "--out", str(root / "flags"))
+    assert by_flags.returncode == 0, by_flags.stderr
+    file = root / "settings.json"
+    file.write_text(json.dumps(settings))
+    by_file = _finetune("--config", str(file), "--out", str(root / "file"))
+    assert by_file.returncode == 0, by_file.stderr
+    # the first run's folder as the next run's settings (its out is replaced by the flag)
+    by_run = _finetune("--config", str(root / "flags"), "--out", str(root / "again"))
+    assert by_run.returncode == 0, by_run.stderr
+    want = _adapter(root / "flags")
+    for run in ("file", "again"):
+        got = _adapter(root / run)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), run
+        assert {k: v for k, v in _config(root / run).items() if k != "out"} == {
+            k: v for k, v in _config(root / "flags").items() if k != "out"
+        }
+    # a flag on the command line wins over the file, and is what the run records
+    longer = _finetune("--config", str(file), "--steps", "3", "--out", str(root / "longer"))
+    assert longer.returncode == 0, longer.stderr
+    assert _config(root / "longer")["steps"] == 3 and _config(root / "longer")["rank"] == 4
+
+
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        ({"stepz": 3}, "unknown settings ['stepz']"),
+        ({"seq-len": 64}, "write 'seq_len': field names, not flags"),
+        ({"steps": "40"}, "steps = '40' should be int"),
+        ({"packing": 1}, "packing = 1 should be bool"),
+        ({"rank": True}, "rank = True should be int"),
+        ([1, 2], "expected a JSON object of settings"),
+        ("{not json", "not readable as JSON"),
+    ],
+)
+def test_a_bad_config_file_is_refused_naming_the_file_and_field(tmp_path, capsys, content, said):
+    file = tmp_path / "run.json"
+    file.write_text(content if isinstance(content, str) else json.dumps(content))
+    code = main(["finetune", "--config", str(file), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("narrows: error:") and str(file) in err and said in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_with_resume_or_a_missing_file_is_refused(tmp_path, capsys):
+    assert main(["finetune", "--config", str(tmp_path / "none.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "s.json").write_text("{}")
+    assert main(["finetune", "--config", str(tmp_path / "s.json"), "--resume", str(tmp_path)]) == 2
+    assert "starts a new run" in capsys.readouterr().err
+
+
+def test_help_shows_the_common_flags_and_help_advanced_the_rest():
+    def helped(flag: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "narrows.core.cli", "finetune", flag], capture_output=True,
+                           text=True, env={**child_env(), "COLUMNS": "100"}, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    short, full = helped("--help"), helped("--help-advanced")
+    assert len(short.splitlines()) <= 60
+    for flag in ("--model", "--data", "--gpu-budget", "--steps", "--config", "--resume"):
+        assert flag in short and flag in full
+    def listed(flag: str, text: str) -> bool:  # an option's own line (help text wraps deeper)
+        return re.search(rf"^  {re.escape(flag)}\b", text, re.M) is not None
+
+    for flag in ADVANCED:
+        assert not listed(flag, short) and listed(flag, full), flag
+    assert "--step-mode" in ADVANCED and "--help-advanced" in short

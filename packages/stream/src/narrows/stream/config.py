@@ -1,0 +1,199 @@
+"""`StreamConfig`: everything a user may set about streaming a model, in one frozen
+object, validated once here, each refusal naming its field.
+
+Every mode defaults to "the planner decides" where the planner can decide (``"auto"``).
+`stream(model, config)` and `plan(model, config)` take it; both also take the same
+settings as keywords (``stream(model, "12GiB", seq_len=1024)``), which become a config
+here, so there is one place that knows what a setting may be.
+
+Names say one thing each: ``prefetch_depth`` is how many layers ahead the copy of the
+frozen weights runs (the device slabs beyond the one in use); ``offload_inputs`` is
+where each layer's saved *input* waits for its backward; ``host_state`` is what of the
+*training state* (optimizer state, adapters) step mode keeps in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from narrows.core import parse_bytes
+
+from .errors import StreamSetupError
+
+__all__ = ["HOST_STATES", "OFFLOAD_INPUTS", "RECOMPUTE", "StreamConfig"]
+
+OFFLOAD_INPUTS = ("auto", "off", "all")
+RECOMPUTE = ("auto", "all")
+HOST_STATES = ("none", "optimizer", "adapters")
+HEADS = ("resident", "stream")
+BUDGET_WORDS = ("fit", "min")
+
+# keywords the API took before the config had names of its own: old name -> field
+RENAMED = {"offload": "offload_inputs", "prefetch": "prefetch_depth"}
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """What `narrows.stream.stream` may be told; each field's comment gives its values.
+
+    `gpu_budget`: bytes or a size like ``"12GiB"`` the run may use on the device; ``"fit"``
+    keeps as many layers resident as the free memory allows; None streams every layer
+    with the smallest footprint. `batch_size` × `seq_len` size the activation estimate.
+    `head="stream"` keeps a frozen LM head in host memory and serves it in vocabulary
+    chunks of `head_rows` through core's head hook (with a tied embedding, both read the
+    one host copy); its input gradient is then summed over chunks, so it equals the
+    resident head up to summation order — bit-exact against the same chunked head
+    resident. `check` runs a one-layer streamed-vs-resident self-check first (False for
+    layers known to be nondeterministic). `inference=True` streams for forward passes
+    only: nothing needs to train, and the self-check (which compares gradients) and the
+    graphs are off.
+    `offload_inputs`: where each layer's saved input waits for its backward. "auto" keeps
+    it on the device while the budget allows and moves the rest to host memory
+    (bit-identical either way; with no budget, all of them move); "off" never moves one;
+    "all" moves every one. `seq_tile`: None never tiles; "auto" runs the MLPs over
+    sequence tiles only when the budget cannot hold the whole-sequence working set; a
+    number of tokens always does. Tiled training is `torch.equal` to the same tiling
+    resident (`narrows.stream.tile_sequence`) and equal to untiled training up to
+    summation order. `recompute`: "auto" runs resident layers *whole* — as resident
+    training runs them, activations saved, no recompute — while the budget holds their
+    activations (with every layer whole, a step is plain PEFT training without
+    checkpointing); "all" recomputes every layer in backward.
+    `graphs=True` replays each layer narrows runs itself (streamed or recomputed) as CUDA
+    graphs — its forward, and its recompute with its backward — the same kernels on the
+    same inputs, so still bit-identical, without the host's per-kernel cost; a layer
+    whose forward waits for the host runs eagerly (``model.narrows_stream.graphs.stats.
+    refused`` says why). The plan then counts the graphs' pool and prices graphed layers
+    without the host's per-kernel cost, so at short sequences it recomputes resident
+    layers rather than keep them whole. "auto": on a CUDA device with a budget, graphs
+    when the plan with them fits and is predicted faster (the plan says which and why);
+    off for the smallest footprint, for inference, and on a CPU, which has no graphs
+    (True there runs the same buffer path eagerly, for tests). A batch shape is captured
+    when it comes round again, and graphs are kept for the four most recent shapes, so
+    batches padded to varying widths hold bounded memory (the plan counts it).
+    `reserve`: device bytes the plan leaves free within the budget, for step mode's
+    dequantised weights and layer boundaries (`step_mode_reserve`; `StepTrainer` holds
+    the weights when they were reserved). `host_state`: what of the training state the
+    plan may leave out of the device budget: "none" (the adapters, their gradients and
+    AdamW's state all on the device), "optimizer" (one layer's optimizer state on the
+    device: `StepTrainer(offload_optimizer=True)`) or "adapters" (one layer's adapters,
+    gradients and state: ``offload_adapters=True`` too; block-major steps only).
+    `StepTrainer` must then keep it there, and refuses otherwise.
+    """
+
+    # budget and the batch the plan sizes activations for
+    gpu_budget: int | str | None = (
+        None  # bytes or "12GiB"; "fit": what the device has free; None/"min": smallest
+    )
+    device: Any = None  # torch.device or its name; None: CUDA when there is one, else the CPU
+    batch_size: int = 1
+    seq_len: int = 512
+    # residency of the frozen weights
+    prefetch_depth: int = (
+        1  # layers whose copy runs ahead of the compute (device slabs beyond the one in use)
+    )
+    head: str = "resident"  # "stream": a frozen LM head served from host memory in vocabulary chunks
+    head_rows: int | None = None  # vocabulary rows per chunk of a streamed head (None: 8192)
+    # activations
+    offload_inputs: str = (
+        "auto"  # saved layer inputs to host memory: "auto" (as the budget needs), "off", "all"
+    )
+    seq_tile: int | str | None = (
+        None  # the MLP in sequence tiles: None (never), "auto" (as the budget needs), tokens
+    )
+    recompute: str = (
+        "auto"  # "auto": resident layers run whole while the budget holds them; "all": recompute every one
+    )
+    graphs: bool | str = (
+        "auto"  # CUDA graphs of the layers narrows runs: True, False, "auto" (where predicted faster)
+    )
+    # step mode (`StepTrainer`)
+    reserve: int = 0  # device bytes left free in the budget for step mode (`step_mode_reserve`)
+    host_state: str = "none"  # training state in host memory: "none", "optimizer", "adapters"
+    # the run
+    check: bool = True  # a one-layer streamed-vs-resident self-check before training
+    inference: bool = False  # forward passes only (evaluation): nothing trains
+    deterministic: bool = False  # deterministic kernels (on CUDA, the condition for bit-identical)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @classmethod
+    def of(cls, config: StreamConfig | int | str | None = None, /, **options: Any) -> StreamConfig:
+        """A config from what a caller gave: a `StreamConfig` (with `options` replacing
+        fields of it), or a budget and fields as keywords. The names the API used
+        before (``offload``, ``prefetch``) are taken for their fields."""
+        for old, new in RENAMED.items():
+            if old in options:
+                if new in options:
+                    raise StreamSetupError(f"{old}= and {new}= name the same setting: give {new}= alone")
+                options[new] = options.pop(old)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise StreamSetupError(
+                f"unknown stream setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}: "
+                f"StreamConfig takes {', '.join(sorted(known))}"
+            )
+        if isinstance(config, StreamConfig):
+            return replace(config, **options) if options else config
+        if "gpu_budget" in options and config is not None:
+            raise StreamSetupError("the budget is given twice: positionally and as gpu_budget=")
+        if config is not None:
+            options["gpu_budget"] = config
+        return cls(**options)
+
+    def replace(self, **options: Any) -> StreamConfig:
+        """This config with some fields changed (validated again)."""
+        return StreamConfig.of(self, **options)
+
+
+def _whole(value: object, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _choice(config: StreamConfig, name: str, choices: tuple[str, ...], meaning: str) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise StreamSetupError(f"{name}={value!r}: use {' or '.join(map(repr, choices))} ({meaning})")
+
+
+def _check(c: StreamConfig) -> None:
+    """Every field's value, refused with its name and what to give instead."""
+    budget = c.gpu_budget
+    if budget is not None and budget not in BUDGET_WORDS:
+        try:
+            parse_bytes(budget)
+        except (ValueError, TypeError) as e:
+            raise StreamSetupError(
+                f"gpu_budget={budget!r}: {e}; or 'fit', or None for the smallest footprint"
+            ) from None
+    for name, least in (("batch_size", 1), ("seq_len", 1), ("prefetch_depth", 0)):
+        if not _whole(getattr(c, name), least):
+            raise StreamSetupError(f"{name}={getattr(c, name)!r}: give a whole number ≥ {least}")
+    if c.head_rows is not None and not _whole(c.head_rows, 1):
+        raise StreamSetupError(
+            f"head_rows={c.head_rows!r}: give a whole number of vocabulary rows ≥ 1, or None"
+        )
+    _choice(c, "head", HEADS, "'resident' is bit-exact; 'stream' serves a frozen head in vocabulary chunks")
+    _choice(c, "offload_inputs", OFFLOAD_INPUTS, "'auto', the default, moves saved layer inputs to host memory "
+            "only when the budget needs it")  # fmt: skip
+    _choice(c, "recompute", RECOMPUTE, "'auto', the default: resident layers run without recompute while the "
+            "budget holds their activations")  # fmt: skip
+    if not (c.seq_tile is None or c.seq_tile in ("off", "auto") or _whole(c.seq_tile, 1)):
+        raise StreamSetupError(f"seq_tile={c.seq_tile!r}: use None (default: never tile), 'auto' (tile the MLP over "
+                               "the sequence only when the budget needs it) or a tile size in tokens, e.g. 4096")  # fmt: skip
+    if not (isinstance(c.graphs, bool) or c.graphs == "auto"):
+        raise StreamSetupError(f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
+                               "(default: graphs where the planner predicts them faster)")  # fmt: skip
+    if not _whole(c.reserve, 0):
+        raise StreamSetupError(f"reserve={c.reserve!r}: give a number of bytes ≥ 0")
+    _choice(c, "host_state", HOST_STATES, "what of the training state StepTrainer keeps in host memory")
+    for name in ("check", "inference", "deterministic"):
+        if not isinstance(getattr(c, name), bool):
+            raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True or False")
+
+
+def tile_option(config: StreamConfig) -> int | str | None:
+    """The tile as the planner takes it: None for never ("off" says the same)."""
+    return None if config.seq_tile in (None, "off") else config.seq_tile
