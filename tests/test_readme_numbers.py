@@ -1,8 +1,10 @@
-"""Every number README.md quotes as a measurement is in the JSON file it points at.
+"""Every number README.md and benchmarks/README.md quote as a measurement is in the JSON
+file it points at.
 
-Checked: all of "## Measured", "## Loading your checkpoint" from its first H100
-measurement on (tables and prose), and any table in "## Taking the LM head off the peak".
-The text is cut into blocks (paragraphs; table rows). A block's JSON files are the
+Checked: every "## " section of benchmarks/README.md after its "## Contents", except the
+last, "## Measured, not recorded here" (tables and prose), and the table of README.md's
+"## Results". The text is cut into blocks (paragraphs; table rows; markdown link targets
+dropped). A block's JSON files are the
 `*.json` names in its code spans (globs allowed, resolved under benchmarks/, and each must
 exist); a paragraph naming none continues the block before it, and a table row naming none
 takes the files of the paragraph above its table (the caption). Each quoted number must
@@ -12,6 +14,7 @@ GB/s against bytes or bytes/s, ms against seconds or milliseconds, % against fra
 percentages. Not checked: code spans (flags, file names, commands), numbers glued to
 letters (Qwen2.5-7B, r16, fp32, top-1000) and the settings in NOT_MEASURED. The few
 derived numbers are in DERIVED, each recomputed here from the JSON it comes from.
+README.md's links into benchmarks/README.md must name one of its sections.
 No torch, no narrows import: the checks take well under a second.
 """
 
@@ -31,6 +34,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BENCHMARKS = ROOT / "benchmarks"
+BENCH_README = BENCHMARKS / "README.md"
+# the sections of benchmarks/README.md before its measurements, and the one after them
+BENCH_UNCHECKED = ("Running them", "Contents", "Measured, not recorded here")
 GIB, MIB = 2**30, 2**20
 
 
@@ -77,6 +83,12 @@ DERIVED: dict[str, Callable[[], float]] = {
     ),
 }
 
+# Counts of a JSON's rows, quoted as a phrase (a regex whose group is the count) -> the count.
+COUNTED: dict[str, Callable[[], int]] = {
+    # "trained 15 tiny architectures this way": the probe's rows, one per architecture
+    r"trained (\d+) tiny architectures": lambda: len(_json("architecture_probe_cuda_graphs.json")["rows"]),
+}
+
 # Settings, not measurements, in the text checked here.
 NOT_MEASURED = [
     r"planner 24 GiB",  # the planner's budget (benchmarks/stream_qlora.py mode stream-24GiB)
@@ -120,20 +132,25 @@ class Quoted:
 
 
 def _section(text: str, title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## )", text, re.S | re.M)
-    assert match, f"README.md has no section '## {title}'"
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"no section '## {title}'"
     return match.group(1)
 
 
-def checked_text(readme: str) -> str:
-    loading = _section(readme, "Loading your checkpoint")
-    lm_head = _section(readme, "Taking the LM head off the peak")
+def _sections(text: str) -> dict[str, str]:
+    """Each "## " section's title -> its text (subsections included)."""
+    parts = re.split(r"^## (.*)\n", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def checked_text(readme: str, bench: str) -> str:
+    """README.md's results table, then benchmarks/README.md's measurement sections."""
+    results = _section(readme, "Results")
+    measured = {t: body for t, body in _sections(bench).items() if t not in BENCH_UNCHECKED}
+    assert set(BENCH_UNCHECKED) <= set(_sections(bench)), "benchmarks/README.md's sections moved"
+    assert len(measured) >= 15, "too few measurement sections in benchmarks/README.md"
     return "\n\n".join(
-        [
-            _section(readme, "Measured"),
-            loading[loading.index("Measured on the H100 machine") :],
-            "\n".join(line for line in lm_head.splitlines() if line.startswith("|")),
-        ]
+        ["\n".join(line for line in results.splitlines() if line.startswith("|")), *measured.values()]
     )
 
 
@@ -169,12 +186,13 @@ def blocks(text: str) -> list[tuple[str, frozenset[Path]]]:
     return out
 
 
-def quoted_numbers(readme: str) -> list[Quoted]:
+def quoted_numbers(readme: str, bench: str) -> list[Quoted]:
     out = []
-    for block, files in blocks(checked_text(readme)):
-        text = re.sub(r"`[^`]*`", " ", block)  # code spans: flags, file names, commands
+    for block, files in blocks(checked_text(readme, bench)):
+        text = re.sub(r"\]\([^)]*\)", "]", block)  # link targets: paths and anchors
+        text = re.sub(r"`[^`]*`", " ", text)  # code spans: flags, file names, commands
         text = RANGE.sub(r"\1 \3 – \2 \3", text)  # 2.14–2.24 GiB: both ends in GiB
-        for pattern in NOT_MEASURED:
+        for pattern in [*NOT_MEASURED, *COUNTED]:
             text = re.sub(pattern, " ", text)
         for m in NUMBER.finditer(text):
             sign, digits, unit = m.group(1), m.group(2), m.group(3) or ""
@@ -217,9 +235,14 @@ def found(values: list[float], q: Quoted) -> bool:
     return False
 
 
-def problems(readme: str) -> list[str]:
+def problems(readme: str, bench: str) -> list[str]:
     out = []
-    for q in quoted_numbers(readme):
+    text = " ".join(checked_text(readme, bench).split())
+    for pattern, count in COUNTED.items():
+        quoted = [int(n) for n in re.findall(pattern, text)]
+        if not quoted or any(n != count() for n in quoted):
+            out.append(f"{pattern!r} quotes {quoted}, the JSON counts {count()}")
+    for q in quoted_numbers(readme, bench):
         if q.text in DERIVED:
             now = DERIVED[q.text]()
             if abs(now - q.value) > q.half_unit * (1 + 1e-9):
@@ -232,33 +255,65 @@ def problems(readme: str) -> list[str]:
     return out
 
 
-def test_every_measured_number_in_the_readme_is_in_the_json_it_points_at():
-    readme = README.read_text()
-    assert len(quoted_numbers(readme)) > 150, "too few numbers found: did a section move?"
-    found_problems = problems(readme)
-    assert not found_problems, "README.md numbers without their JSON:\n" + "\n".join(found_problems)
+def _texts() -> tuple[str, str]:
+    return README.read_text(), BENCH_README.read_text()
+
+
+def test_every_measured_number_in_the_readmes_is_in_the_json_it_points_at():
+    readme, bench = _texts()
+    assert len(quoted_numbers(readme, bench)) > 150, "too few numbers found: did a section move?"
+    found_problems = problems(readme, bench)
+    assert not found_problems, "numbers without their JSON:\n" + "\n".join(found_problems)
+
+
+def test_the_results_table_quotes_numbers_with_their_json():
+    """README.md's results table is checked: it has rows, and each row names its JSON."""
+    rows = [line for line in _section(README.read_text(), "Results").splitlines()
+            if line.startswith("|") and not re.fullmatch(r"\|[-|\s]+\|", line)][1:]  # fmt: skip
+    assert 5 <= len(rows) <= 12, f"{len(rows)} rows in README.md's results table"
+    assert all(JSON_NAME.search(row) for row in rows), "a results row names no JSON"
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def test_links_into_benchmarks_readme_name_its_sections():
+    readme, bench = _texts()
+    anchors = {_anchor(t) for t in re.findall(r"^#{1,6} (.*)$", bench, flags=re.M)}
+    links = re.findall(r"\]\(benchmarks/README\.md#([^)]+)\)", readme)
+    assert links, "README.md links to no section of benchmarks/README.md"
+    assert not set(links) - anchors, f"README.md links to missing sections: {set(links) - anchors}"
+    toc = re.findall(r"\]\(#([^)]+)\)", bench)
+    assert not set(toc) - anchors, f"benchmarks/README.md's contents name missing sections: {set(toc) - anchors}"
 
 
 def test_every_derived_number_is_still_quoted():
-    quoted = {q.text for q in quoted_numbers(README.read_text())}
+    quoted = {q.text for q in quoted_numbers(*_texts())}
     assert not set(DERIVED) - quoted, (
-        f"DERIVED lists numbers README.md no longer quotes: {set(DERIVED) - quoted}"
+        f"DERIVED lists numbers the READMEs no longer quote: {set(DERIVED) - quoted}"
     )
 
 
 @pytest.mark.parametrize(
-    ("old", "new"),
+    ("readme", "old", "new"),
     [
-        ("10.90 GiB, 0.33 s", "10.97 GiB, 0.33 s"),  # a table cell
-        ("0.7688 with exact CE", "0.7699 with exact CE"),  # prose, no unit
-        ("| 23.48 GiB | 67 ms |", "| 23.48 GiB | 61 ms |"),  # milliseconds
-        ("6.29 GiB | 6.11 GiB", "6.29 GiB | 6.19 GiB"),  # the loading section's table
-        ("9.8 tokens/s", "9.3 tokens/s"),  # the loading section's prose
-        ("19.4 s (disk)", "19.6 s (disk)"),  # a derived number
-        ("`stream_qwen2.5-32b_512.json`", "`stream_qwen2.5-7b_512.json`"),  # the wrong JSON
+        ("bench", "10.90 GiB, 0.33 s", "10.97 GiB, 0.33 s"),  # a table cell
+        ("bench", "0.7688 with exact CE", "0.7699 with exact CE"),  # prose, no unit
+        ("bench", "| 23.48 GiB | 67 ms |", "| 23.48 GiB | 61 ms |"),  # milliseconds
+        ("bench", "6.29 GiB | 6.11 GiB", "6.29 GiB | 6.19 GiB"),  # the loading section's table
+        ("bench", "9.8 tokens/s", "9.3 tokens/s"),  # the loading section's prose
+        ("bench", "19.4 s (disk)", "19.6 s (disk)"),  # a derived number
+        ("bench", "`stream_qwen2.5-32b_512.json`", "`stream_qwen2.5-7b_512.json`"),  # the wrong JSON
+        ("bench", "1.92 GB/s", "1.82 GB/s"),  # GB/s
+        ("bench", "trained 15 tiny", "trained 16 tiny"),  # a count of a JSON's rows
+        ("readme", "1.02 GiB, 1.525 s", "1.02 GiB, 1.425 s"),  # the results table
+        ("readme", "`floor_shared_qwen2.5-72b_g16.json`", "`floor_shared_qwen2.5-7b_g8.json`"),  # its JSON
     ],
 )
-def test_a_changed_number_or_source_is_caught(old, new):
-    readme = README.read_text()
-    assert old in readme, f"README.md no longer contains {old!r}: update this test"
-    assert problems(readme.replace(old, new, 1))
+def test_a_changed_number_or_source_is_caught(readme, old, new):
+    texts = dict(zip(("readme", "bench"), _texts()))
+    assert old in texts[readme], f"{readme} no longer contains {old!r}: update this test"
+    texts[readme] = texts[readme].replace(old, new, 1)
+    assert problems(texts["readme"], texts["bench"])
