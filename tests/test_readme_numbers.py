@@ -286,7 +286,9 @@ def test_links_into_benchmarks_readme_name_its_sections():
     assert links, "README.md links to no section of benchmarks/README.md"
     assert not set(links) - anchors, f"README.md links to missing sections: {set(links) - anchors}"
     toc = re.findall(r"\]\(#([^)]+)\)", bench)
-    assert not set(toc) - anchors, f"benchmarks/README.md's contents name missing sections: {set(toc) - anchors}"
+    assert not set(toc) - anchors, (
+        f"benchmarks/README.md's contents name missing sections: {set(toc) - anchors}"
+    )
 
 
 def test_every_derived_number_is_still_quoted():

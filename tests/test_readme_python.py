@@ -61,7 +61,10 @@ BLOCKS = (
     Block("data-parallel", "# torchrun --nproc-per-node 2 train.py", "setup", dist=True),
     Block("from-pretrained", "from peft import LoraConfig, get_peft_model"),
     Block("lmhead", "import narrows.lmhead as lmh", "setup"),
-    Block("dora", "from peft import LoraConfig, get_peft_model\nfrom transformers import AutoModelForCausalLM\nimport narrows.dora"),
+    Block(
+        "dora",
+        "from peft import LoraConfig, get_peft_model\nfrom transformers import AutoModelForCausalLM\nimport narrows.dora",
+    ),
 )
 # The TRL block's stream line, and what its twins put there: the resident model, and every
 # layer streamed and recomputed (at the block's budget the tiny model's layers all stay whole).

@@ -124,6 +124,7 @@ def test_help_shows_the_common_flags_and_help_advanced_the_rest():
     assert len(short.splitlines()) <= 60
     for flag in ("--model", "--data", "--gpu-budget", "--steps", "--config", "--resume"):
         assert flag in short and flag in full
+
     def listed(flag: str, text: str) -> bool:  # an option's own line (help text wraps deeper)
         return re.search(rf"^  {re.escape(flag)}\b", text, re.M) is not None
 

@@ -360,14 +360,24 @@ def test_host_state_takes_the_training_state_out_of_the_fixed_cost():
 
 
 def test_a_trainer_must_keep_in_host_memory_what_the_plan_left_there():
+    """Not told, the trainer keeps in host memory what the plan left there (the plan
+    decides); told to keep it on the device, it refuses."""
     for state, kw, message in (
-        ("optimizer", {}, "offload_optimizer=True"),
-        ("adapters", {"offload_optimizer": True}, "offload_optimizer=True, offload_adapters=True"),
-    ):
+        ("optimizer", {"offload_optimizer": False}, "offload_optimizer=True"),
+        ("adapters", {"offload_optimizer": True, "offload_adapters": False},
+         "offload_optimizer=True, offload_adapters=True"),
+    ):  # fmt: skip
         model = build("llama")
         ns.stream(model, device="cpu", host_state=state)
         with pytest.raises(StreamSetupError, match=message):
             ns.StepTrainer(model, _optimizer, grad_accum=G, **kw)
+        follows = ns.StepTrainer(model, _optimizer, grad_accum=G)
+        assert follows.host_optimizer is not None
+        assert (follows.adapters is not None) == (state == "adapters")
+    plain = build("llama")
+    ns.stream(plain, device="cpu")
+    trainer = ns.StepTrainer(plain, _optimizer, grad_accum=G)
+    assert trainer.host_optimizer is None and trainer.adapters is None
     model = build("llama")
     ns.stream(model, device="cpu", host_state="adapters")
     with pytest.raises(StreamSetupError, match="one micro-batch a step"):

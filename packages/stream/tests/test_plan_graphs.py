@@ -13,7 +13,6 @@ from helpers import build
 
 import narrows.stream as ns
 from narrows.core import anatomy_of
-from narrows.stream import api
 from narrows.stream.errors import BudgetTooSmallError
 from narrows.stream.graphs import DEFAULT_SHAPES
 from narrows.stream.plan import (
@@ -83,7 +82,7 @@ def test_the_budget_holds_the_pool():
     """Every graphed plan's peak includes the pool and stays within its budget; a budget that
     holds the eager minimum but not the pool on top of it is refused with graphs on."""
     model = _tiny()
-    shapes = api._shapes(anatomy_of(model), 2, 12)
+    shapes = Shapes.of(anatomy_of(model), 2, 12)
     smallest = ns.plan(model, None, **SHAPE)
     floor = smallest.predicted_peak  # one slab, every input offloaded: the eager minimum
     assert ns.plan(model, floor, **SHAPE).predicted_peak <= floor

@@ -49,7 +49,7 @@ def test_every_default_is_valid_and_the_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.seq_len = 4  # type: ignore[misc]
     assert c.replace(seq_len=64).seq_len == 64 and c.seq_len == 512
-    with pytest.raises(StreamSetupError, match="^seq_len="):
+    with pytest.raises(StreamSetupError, match=r"^seq_len="):
         c.replace(seq_len=0)
 
 

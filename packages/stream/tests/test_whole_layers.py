@@ -12,9 +12,8 @@ from helpers import assert_identical, build, train
 import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
-from narrows.stream import api
 from narrows.stream.errors import StreamSetupError
-from narrows.stream.plan import input_bytes, step_seconds, whole_bytes
+from narrows.stream.plan import Shapes, input_bytes, step_seconds, whole_bytes
 
 SHAPE = {"batch_size": 2, "seq_len": 12, "device": "cpu"}  # tiny_batch(): 2 rows of 12 positions
 SIZE = {"batch_size": 2, "seq_len": 12}
@@ -48,7 +47,7 @@ def _resident(dropout=0.05, base="float"):
 
 
 def _seconds(model, p):
-    return step_seconds(p.layer_bytes, api._shapes(anatomy_of(model), 2, 12), len(p.resident), len(p.whole))
+    return step_seconds(p.layer_bytes, Shapes.of(anatomy_of(model), 2, 12), len(p.resident), len(p.whole))
 
 
 def test_planner_spends_a_growing_budget_on_a_faster_step():
@@ -74,7 +73,7 @@ def test_planner_spends_a_growing_budget_on_a_faster_step():
 def test_step_model_prefers_residency_when_copies_are_exposed():
     """A transfer-bound layer (the copy longer than the compute hiding it) is made resident
     before any layer is kept whole; a compute-bound one is kept whole instead."""
-    shapes = api._shapes(anatomy_of(_model()), 1, 512)
+    shapes = Shapes.of(anatomy_of(_model()), 1, 512)
     copy_bound = [10**9] * 8  # 25 ms a copy against microseconds of compute
     assert step_seconds(copy_bound, shapes, 2, 0) < step_seconds(copy_bound, shapes, 1, 1)
     tiny = [10**3] * 8
@@ -85,7 +84,7 @@ def test_whole_layers_cost_what_the_planner_says():
     """Each whole layer holds `whole_bytes` in place of its saved input."""
     model = _model()
     p = ns.plan(model, _mixed_budget(), **SHAPE)
-    shapes = api._shapes(anatomy_of(model), 2, 12)
+    shapes = Shapes.of(anatomy_of(model), 2, 12)
     k = len(p.offloaded)
     expected = (N - len(p.whole) - k + min(2, k)) * input_bytes(shapes) + len(p.whole) * whole_bytes(shapes)
     assert p.activation_bytes == expected and len(p.whole) > 1
@@ -157,7 +156,7 @@ def test_disk_tier_layers_and_whole_layers_never_collide():
 
     model = _model()
     base = ns.plan(model, "fit", **SHAPE)
-    shapes = api._shapes(anatomy_of(model), 2, 12)
+    shapes = Shapes.of(anatomy_of(model), 2, 12)
     seen_whole_disk = False
     for p in _budgets(model):
         q = make_plan(base.layer_bytes, fixed_bytes=base.fixed_bytes, shapes=shapes, budget=p.budget,

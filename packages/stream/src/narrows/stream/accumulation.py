@@ -28,7 +28,6 @@ from torch import nn
 
 from narrows.core import anatomy_of, format_bytes, held_bytes, loss_working_set
 
-from .api import _shapes
 from .plan import Plan, Rates, Shapes, input_bytes, step_seconds
 from .pretrained import default_host_budget
 from .sideouts import router_logits_refusal
@@ -52,7 +51,7 @@ def step_mode_reserve(
     held = max((held_bytes(layer) for layer in anat.layers), default=0)
     if grad_accum < 2:
         return held
-    return held + (grad_accum + 1) * input_bytes(_shapes(anat, batch_size, seq_len))
+    return held + (grad_accum + 1) * input_bytes(Shapes.of(anat, batch_size, seq_len))
 
 
 def holds_weights(
@@ -95,7 +94,7 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
             return False, "sequential (the base is not streamed)"
         plan, shapes, device = handle.plan, handle.shapes, handle.device
     else:
-        shapes, device = _shapes(anatomy_of(model), batch_size, seq_len), torch.device(plan.device)
+        shapes, device = Shapes.of(anatomy_of(model), batch_size, seq_len), torch.device(plan.device)
     if grad_accum < 2:
         return False, "sequential (one micro-batch a step: nothing to share a layer's copy)"
     refusal = router_logits_refusal(anatomy_of(model).config)

@@ -22,10 +22,8 @@ from narrows.core import (
     attach_head_source,
     chunked_logits,
     copies,
-    dequantized_bytes,
     ensure_architecture,
     frozen_slots,
-    loss_working_set,
     measure_peaks,
     parse_bytes,
     read_peaks,
@@ -141,24 +139,6 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _shapes(anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
-    cfg = anat.config
-    act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
-    return Shapes(
-        layers=anat.num_layers,
-        hidden=cfg.hidden_size,
-        intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
-        heads=cfg.num_attention_heads,
-        vocab=cfg.vocab_size,
-        act_bytes=act,
-        batch=batch_size,
-        seq=seq_len,
-        eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
-        loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
-        dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0),
-    )
-
-
 def _budget(gpu_budget: str | int | None, device: torch.device) -> int | None:
     if gpu_budget is None or gpu_budget == "min":
         return None
@@ -224,7 +204,7 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
         for path, layer in zip(anat.layer_paths, anat.layers)
     ]
     tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
-    return make_plan(layer_bytes, fixed_bytes=fixed, shapes=_shapes(anat, cfg.batch_size, cfg.seq_len),
+    return make_plan(layer_bytes, fixed_bytes=fixed, shapes=Shapes.of(anat, cfg.batch_size, cfg.seq_len),
                      budget=_budget(cfg.gpu_budget, dev), device=str(dev), prefetch=cfg.prefetch_depth,
                      head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                      host_bytes=tiers.predicted_host_bytes() if tiers else None,
@@ -487,7 +467,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        layer_graphs, replan, _shapes(anat, cfg.batch_size, cfg.seq_len),
+                                        layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
                                         cfg)  # fmt: skip
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .engine import TransferStats
-from .tiers import _aligned_pinned
+from .tiers import aligned_pinned
 
 __all__ = ["ActivationOffload", "Offloaded"]
 
@@ -84,7 +84,7 @@ class ActivationOffload:
             self.free.remove(buf)
             return buf
         self.free = [b for b in self.free if b.data.numel() >= nbytes]
-        return _Buffer(_aligned_pinned(nbytes, self.cuda))
+        return _Buffer(aligned_pinned(nbytes, self.cuda))
 
     def _give_back(self, buf: _Buffer) -> None:
         self.free.append(buf)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 
-from narrows.core import format_bytes
+from narrows.core import Anatomy, dequantized_bytes, format_bytes, loss_working_set
 
 from .errors import BudgetTooSmallError
 from .graphs import DEFAULT_SHAPES
@@ -54,6 +54,25 @@ class Shapes:
     eager_attention: bool
     loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
     dequant_bytes: int = 0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes)
+
+    @classmethod
+    def of(cls, anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
+        """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens."""
+        cfg = anat.config
+        act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
+        return cls(
+            layers=anat.num_layers,
+            hidden=cfg.hidden_size,
+            intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+            heads=cfg.num_attention_heads,
+            vocab=cfg.vocab_size,
+            act_bytes=act,
+            batch=batch_size,
+            seq=seq_len,
+            eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
+            loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
+            dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0),
+        )
 
 
 # what of the training state (adapters, their gradients, the optimizer's) step mode keeps

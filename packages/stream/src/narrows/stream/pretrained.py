@@ -34,7 +34,7 @@ from narrows.core.models import resolve_model_path
 
 from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
 from .plan import spread
-from .tiers import Tiers, _aligned_pinned, pin_shared, restore_layer
+from .tiers import Tiers, aligned_pinned, pin_shared, restore_layer
 
 log = logging.getLogger("narrows.stream")
 
@@ -280,7 +280,7 @@ def _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, r
         sources = _file_sources(layer, slots) if in_place else None
         layer.__dict__.pop("narrows_file_sources", None)
         pinned = placer.pinned_here(i, layout.nbytes)
-        slab = _aligned_pinned(layout.nbytes, pin and pinned)  # a disk layer's slab only passes through
+        slab = aligned_pinned(layout.nbytes, pin and pinned)  # a disk layer's slab only passes through
         assign(slots, layout.pack([s.tensor for s in slots], slab))
         entry = None
         if writer is not None:
@@ -367,7 +367,7 @@ class _WarmReader:
                 self.shared.add(i)
                 return mapped, crc32(mapped) == entry.crc
             self.why_not = why
-        buf = _aligned_pinned(size, self.pin and pinned)
+        buf = aligned_pinned(size, self.pin and pinned)
         self.prepared.read_into(i, buf)
         return (buf if pinned else None), crc32(buf[:size]) == entry.crc
 

@@ -123,7 +123,8 @@ class StepTrainer:
     transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
     `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
     layer as soon as its gradients are complete (see `hostopt`): same result, less device
-    memory. `offload_adapters=True` (with `offload_optimizer=True`) keeps
+    memory. Not given, both follow the plan: what ``stream(..., host_state=...)`` left out of
+    the device budget stays in host memory. `offload_adapters=True` (with `offload_optimizer=True`) keeps
     the adapter parameters there too: each layer's come to the device for its forward and
     for its backward and update, one layer at a time (see `hostparams`); between steps
     ``.data`` is the host buffer; a forward pass under ``torch.no_grad()`` (evaluation)
@@ -147,7 +148,7 @@ class StepTrainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
                  grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
                  loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
-                 offload_optimizer: bool = False, offload_adapters: bool = False,
+                 offload_optimizer: bool | None = None, offload_adapters: bool | None = None,
                  dequantize_once: bool | str = "auto",
                  **stream_kwargs: Any):  # fmt: skip
         if not isinstance(grad_accum, int) or grad_accum < 1:
@@ -193,6 +194,13 @@ class StepTrainer:
         ]
         in_layers = {id(p) for params in self.layer_params for p in params}
         self.other_params = tuple(p for p in self.params if id(p) not in in_layers)  # e.g. a trained head
+        # what of the training state waits in host memory is the plan's decision (`host_state`):
+        # not given, the trainer keeps there what the plan left there
+        state = self.handle.plan.host_state
+        if offload_optimizer is None:
+            offload_optimizer = state in ("optimizer", "adapters")
+        if offload_adapters is None:
+            offload_adapters = state == "adapters"
         if not isinstance(offload_optimizer, bool):
             raise StreamSetupError(f"offload_optimizer={offload_optimizer!r}: use True or False")
         if offload_optimizer and self.optimizer is None:
@@ -255,7 +263,8 @@ class StepTrainer:
         ):
             raise StreamSetupError(
                 f"the model was streamed with host_state={state!r}, whose plan leaves that state out of the device "
-                f"budget: build the StepTrainer with {flag[state]}, or stream with host_state='none'"
+                f"budget, but this StepTrainer was told to keep it on the device: leave its offload flags unset "
+                f"(it then follows the plan) or pass {flag[state]}, or stream with host_state='none'"
             )
         if state == "adapters" and (self.grad_accum == 1 or self.resident_why):
             why = "one micro-batch a step" if self.grad_accum == 1 else self.resident_why

@@ -99,7 +99,7 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
     assign(slots, [views[n] for n in names])
 
 
-def _aligned_pinned(nbytes: int, pin: bool) -> Tensor:
+def aligned_pinned(nbytes: int, pin: bool) -> Tensor:
     """A page-aligned host buffer of exactly `nbytes` (rounded to a page), page-locked for
     the GPU when `pin`.
 
@@ -158,7 +158,7 @@ class DiskReader:
     def __init__(self, cache: PreparedCache, layers: list[int], *, ring: int, pin: bool):
         self.cache = cache
         size = max((cache.layers[i].layout.nbytes for i in layers), default=0)
-        self.free = [_aligned_pinned(size, pin) for _ in range(ring if layers else 0)]
+        self.free = [aligned_pinned(size, pin) for _ in range(ring if layers else 0)]
         self.pending: dict[int, tuple[Tensor, Future]] = {}
         self.returns: list[tuple[Tensor, object]] = []
         self.lock = threading.Lock()
