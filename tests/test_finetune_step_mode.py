@@ -213,13 +213,18 @@ def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(mon
 
     room = {"reserve": need, "recompute": "all"}  # block-major keeps no layer whole
     choose(True)
-    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == room and judged == [need]
+    assert _step_mode_room(cfg, model, ns.StreamConfig(budget, **kw), cuda, 1) == room and judged == [need]
     choose(False)
-    assert _step_mode_room(cfg, model, budget, kw, cuda, 1) == {}
+    assert _step_mode_room(cfg, model, ns.StreamConfig(budget, **kw), cuda, 1) == {}
     asked = dataclasses.replace(cfg, step_mode=True)
-    assert _step_mode_room(asked, model, budget, kw, cuda, 1) == room and len(judged) == 2
-    assert _step_mode_room(dataclasses.replace(cfg, step_mode=False), model, budget, kw, cuda, 1) == {}
-    assert _step_mode_room(cfg, model, budget, kw, torch.device("cpu"), 1) == {}
+    assert _step_mode_room(asked, model, ns.StreamConfig(budget, **kw), cuda, 1) == room and len(judged) == 2
+    assert (
+        _step_mode_room(
+            dataclasses.replace(cfg, step_mode=False), model, ns.StreamConfig(budget, **kw), cuda, 1
+        )
+        == {}
+    )
+    assert _step_mode_room(cfg, model, ns.StreamConfig(budget, **kw), torch.device("cpu"), 1) == {}
     choose(True)
     lo, hi = 1, budget  # the smallest budget that streams: then the room does not fit
     while hi - lo > 1:
@@ -230,9 +235,9 @@ def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(mon
         except ns.BudgetTooSmallError:
             lo = mid
     tight = hi + need // 2
-    assert _step_mode_room(cfg, model, tight, kw, cuda, 1) == {}
+    assert _step_mode_room(cfg, model, ns.StreamConfig(tight, **kw), cuda, 1) == {}
     assert (
-        _step_mode_room(asked, model, tight, kw, cuda, 1) == room
+        _step_mode_room(asked, model, ns.StreamConfig(tight, **kw), cuda, 1) == room
     )  # asked for: streaming then says it is too small
     with pytest.raises(ns.BudgetTooSmallError):
         ns.plan(model, tight, reserve=need, **kw)
@@ -266,3 +271,27 @@ def test_moe_router_logits_keep_the_job_in_sequence_or_stop_it_when_asked(tmp_pa
     err = capsys.readouterr().err
     assert "narrows: error: step mode cannot train this model exactly: MoE router logits are on" in err
     assert "Traceback" not in err
+
+
+def test_the_jobs_flags_map_to_one_stream_config():
+    """`stream_config` is the one place the job's flags become stream settings: budget,
+    batch, tiles, graphs and what step mode keeps in host memory; the planner's choices
+    stay "auto" where no flag overrides them."""
+    import narrows.stream as ns
+    from narrows.core.finetune.build import stream_config
+    from narrows.core.finetune.config import FinetuneConfig
+    from narrows.core.testing import with_adapter
+
+    model = with_adapter(tiny_model("llama"), "lora")
+    cpu = torch.device("cpu")
+    cfg = FinetuneConfig(gpu_budget="3GiB", batch=2, seq_len=32)
+    got = stream_config(cfg, model, cpu)
+    assert got == ns.StreamConfig(gpu_budget=3 * 2**30, device=cpu, batch_size=2, seq_len=32)
+    assert (got.graphs, got.seq_tile, got.host_state, got.reserve) == ("auto", None, "none", 0)
+    told = dataclasses.replace(cfg, gpu_budget="fit", seq_tile="1024", cuda_graphs=False, offload_optimizer=True,
+                               offload_adapters=True, step_mode=True)  # fmt: skip
+    got = stream_config(told, model, cpu)
+    assert (got.gpu_budget, got.seq_tile, got.graphs, got.host_state) == ("fit", 1024, False, "adapters")
+    assert (
+        stream_config(dataclasses.replace(told, offload_adapters=False), model, cpu).host_state == "optimizer"
+    )

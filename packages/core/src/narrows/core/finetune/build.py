@@ -20,7 +20,15 @@ from ..lorafuse import fuse_lora
 from ..memory import parse_bytes
 from .config import FinetuneConfig, parse_lmhead
 
-__all__ = ["build_model", "check_model_files", "load_data", "load_model", "run_dtype", "seed_all"]
+__all__ = [
+    "build_model",
+    "check_model_files",
+    "load_data",
+    "load_model",
+    "run_dtype",
+    "seed_all",
+    "stream_config",
+]
 
 
 def seed_all(seed: int) -> None:
@@ -165,20 +173,32 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
         import narrows.stream
 
         _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
-        budget = cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget)
-        # what step mode keeps in host memory stays out of the budget
-        host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
-        kw = dict(device=device, batch_size=cfg.batch, seq_len=cfg.seq_len, seq_tile=tile, host_state=host_state,
-                  graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs)  # fmt: skip
-        model = narrows.stream.stream(
-            model, budget, **kw, **_step_mode_room(cfg, model, budget, kw, device, world_size)
-        )
+        model = narrows.stream.stream(model, stream_config(cfg, model, device, world_size))
     return model
 
 
-def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, budget: int | str, kw: dict, device: torch.device,
+def stream_config(cfg: FinetuneConfig, model: nn.Module, device: torch.device, world_size: int = 1):
+    """The job's flags as one `narrows.stream.StreamConfig`: the budget and batch, what step
+    mode keeps in host memory (left out of the budget), the tiles and graphs asked for
+    (else the planner's), and the room a plan for step mode takes (`_step_mode_room`)."""
+    import narrows.stream
+
+    host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
+    config = narrows.stream.StreamConfig(
+        gpu_budget=cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget),
+        device=device,
+        batch_size=cfg.batch,
+        seq_len=cfg.seq_len,
+        seq_tile=cfg.tile(),
+        host_state=host_state,
+        graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs,
+    )
+    return config.replace(**_step_mode_room(cfg, model, config, device, world_size))
+
+
+def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, config, device: torch.device,
                     world_size: int) -> dict[str, object]:  # fmt: skip
-    """The stream options a plan for step mode takes ({} for sequential steps): room
+    """The stream settings a plan for step mode takes ({} for sequential steps): room
     reserved for its held 4-bit weights and the micro-batches' layer boundaries, and no
     layer kept whole (block-major recomputes every layer: their memory would lie unused).
     Where step mode is asked for, always; where the job chooses, only if the plan with
@@ -193,7 +213,7 @@ def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, budget: int | str, kw
     if cfg.step_mode:
         return room
     try:
-        reserved = narrows.stream.plan(model, budget, reserve=room["reserve"], **kw)
+        reserved = narrows.stream.plan(model, config.replace(reserve=room["reserve"]))
     except narrows.stream.BudgetTooSmallError:
         return {}  # room for step mode does not fit: sequential steps within the budget
     use, _ = narrows.stream.choose_step_mode(model, cfg.grad_accum, world_size=world_size, plan=reserved,
