@@ -10,10 +10,10 @@
   takes the base and defaults from the run, and scores only its newest state (`choose_adapter`)
 """
 
-from narrows.core.versions import installed_version as _installed_version
 from typing import TYPE_CHECKING
 
 from narrows.core.lazy import lazy_attributes as _lazy_attributes
+from narrows.core.versions import installed_version as _installed_version
 
 if TYPE_CHECKING:
     from .lm import NarrowsLM

@@ -10,9 +10,8 @@ without importing it. The pieces are usable alone: `causal_lm_loss`,
 one read of a streamed head), `neighbour_table`.
 """
 
-from narrows.core.versions import installed_version as _installed_version
-
 from narrows.core import register_architecture_check as _register_check
+from narrows.core.versions import installed_version as _installed_version
 
 from .api import LMHeadHandle, apply, remove
 from .chunked import (
