@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from narrows.core._env import OPTIONAL
 from narrows.core.cli import main
+from narrows.core.optional import OPTIONAL
 
 
 def test_doctor_reports_versions_devices_and_backends():

@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core._env import is_available
 from narrows.core.cli import main
+from narrows.core.optional import is_available
 from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 HERE = Path(__file__).parent

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from test_finetune_run_folder import ROWS, cli, metrics, ok
 
-from narrows.core._env import is_available
 from narrows.core.cli import main
 from narrows.core.finetune import job as job_module
 from narrows.core.finetune.config import FinetuneConfig
 from narrows.core.finetune.reporters import WandB, parse_report_to
+from narrows.core.optional import is_available
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
 pytest.importorskip("tensorboard")

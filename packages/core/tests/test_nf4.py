@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-import narrows.core._env as env
+import narrows.core.optional as env
 from narrows.core import (
     MissingDependencyError,
     NarrowsError,

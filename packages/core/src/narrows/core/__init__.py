@@ -11,6 +11,9 @@
 - memory measurement and byte sizes
 - architecture checks: shrunk twins of unannounced architectures, checked before training
 - deterministic kernels: the condition for bit-identical results on a GPU
+- optional packages: what is installed, and the install line when it is not
+- inference: a base plus a PEFT adapter or a ``narrows finetune`` run, loaded to be scored,
+  resident or streamed (narrows-stream) — the main job's way of loading the base
 """
 
 from typing import TYPE_CHECKING
@@ -67,6 +70,9 @@ if TYPE_CHECKING:
         set_loss_working_set,
         sharing_head_pass,
     )
+
+    # a base plus an adapter, loaded for inference
+    from .inference import AdapterChoice, InferenceModel, choose_adapter, load_base, load_for_inference
     from .loader import load_blockwise
     from .logits import LogitMath
 
@@ -79,6 +85,9 @@ if TYPE_CHECKING:
 
     # NF4
     from .nf4held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
+
+    # optional packages
+    from .optional import distribution_version, is_available, require
 
     # frozen storage
     from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
@@ -132,6 +141,7 @@ _MODULES = {
         "set_loss_working_set",
         "sharing_head_pass",
     ),
+    "inference": ("AdapterChoice", "InferenceModel", "choose_adapter", "load_base", "load_for_inference"),
     "loader": ("load_blockwise",),
     "logits": ("LogitMath",),
     "lorafuse": ("LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"),
@@ -145,6 +155,7 @@ _MODULES = {
         "quantize_nf4",
     ),
     "nf4held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
+    "optional": ("distribution_version", "is_available", "require"),
     "slab": ("SLAB_ALIGNMENT", "SlabEntry", "SlabLayout"),
     "slots": (
         "FrozenSlot",
@@ -172,6 +183,7 @@ __version__ = _installed_version("narrows-core")
 __all__ = [
     "DEFAULT_HEAD_ROWS",
     "SLAB_ALIGNMENT",
+    "AdapterChoice",
     "AdapterType",
     "AdapterView",
     "Ambient",
@@ -183,6 +195,7 @@ __all__ = [
     "HeadSource",
     "HeadSweep",
     "HeldWeights",
+    "InferenceModel",
     "LogitMath",
     "LoraBranch",
     "MemoryPeaks",
@@ -204,11 +217,13 @@ __all__ = [
     "anatomy_of",
     "assign",
     "attach_head_source",
+    "choose_adapter",
     "chunked_logits",
     "copies",
     "dequantized_bytes",
     "deterministic",
     "disable_cpu_repacking",
+    "distribution_version",
     "ensure_architecture",
     "format_bytes",
     "frozen_slots",
@@ -219,8 +234,11 @@ __all__ = [
     "held_token",
     "held_weight",
     "is_announced",
+    "is_available",
     "is_nf4_linear",
+    "load_base",
     "load_blockwise",
+    "load_for_inference",
     "lora_branch_reference",
     "loss_working_set",
     "measure_peaks",
@@ -234,6 +252,7 @@ __all__ = [
     "register_architecture",
     "register_architecture_check",
     "registered_adapter_types",
+    "require",
     "reset_peaks",
     "set_loss_working_set",
     "sharing_head_pass",

@@ -8,8 +8,8 @@ import platform
 import sys
 from dataclasses import dataclass
 
-from ._env import NARROWS_PACKAGES, OPTIONAL, distribution_version, is_available
 from .memory import format_bytes, host_rss_bytes
+from .optional import NARROWS_PACKAGES, OPTIONAL, distribution_version, is_available
 
 __all__ = ["DoctorReport", "collect", "render"]
 

@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._env import require
 from .anatomy import Anatomy, accepting_unannounced, anatomy_of
 from .checkpoint import BNB_STATS, CheckpointFolder
 from .errors import NarrowsError
 from .nf4 import quantize_layer_nf4
+from .optional import require
 
 log = logging.getLogger("narrows.core")
 

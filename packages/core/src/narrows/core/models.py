@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._env import require
 from .errors import NarrowsError
 from .files import atomic_dir, cache_dir
 from .fingerprint import file_sha256  # one hash per file and process: the run's fingerprint reuses it
 from .loader import LayerCallback, load_blockwise
+from .optional import require
 from .verify import ensure_architecture
 
 __all__ = ["file_sha256", "gguf_as_folder", "load_causal_lm", "resolve_model_path"]

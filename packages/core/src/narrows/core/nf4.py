@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._env import require
 from .anatomy import anatomy_of
 from .errors import NarrowsError
+from .optional import require
 
 __all__ = [
     "NF4Rows",

@@ -15,7 +15,7 @@ import os
 import torch
 from torch import Tensor
 
-from narrows.core._env import is_available
+from narrows.core.optional import is_available
 
 __all__ = ["FUSED_MIN_ELEMENTS", "compose", "fused_reason", "magnitude_scale", "norm_epsilon"]
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from narrows.core import NF4Rows
-from narrows.core._env import is_available
+from narrows.core.optional import is_available
 
 __all__ = [
     "DEFAULT_CHUNK_BUDGET",

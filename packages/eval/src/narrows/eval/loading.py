@@ -1,5 +1,9 @@
 """Build the model an evaluation runs: a base (HF folder or GGUF, float or NF4) plus an
-optional PEFT adapter, resident on the device or streamed from host memory."""
+optional PEFT adapter, resident on the device or streamed from host memory.
+
+The loading itself is core's (`narrows.core.inference`), the path the main job's base
+loading shares: narrows-eval depends on core alone, and core composes narrows-stream and
+narrows-dora where they are installed."""
 
 from __future__ import annotations
 
@@ -10,14 +14,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from narrows.core import NarrowsError, quantize_nf4
-from narrows.core._env import require
-from narrows.core.finetune import RunState, run_base, run_state
-from narrows.core.models import load_causal_lm
+from narrows.core.inference import AdapterChoice, choose_adapter, load_for_inference
 
 __all__ = ["AdapterChoice", "EvalModel", "choose_adapter", "load_for_eval", "resolve_adapter"]
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -30,70 +29,10 @@ class EvalModel:
     choice: AdapterChoice | None = None  # what `adapter` is: a run's step, or a PEFT folder
 
 
-@dataclass(frozen=True)
-class AdapterChoice:
-    """The adapter an evaluation scores: a PEFT folder, or a `narrows finetune` run (`run`)
-    at `step` — its final adapter, or checkpoint `checkpoint`'s weights."""
-
-    folder: Path
-    run: RunState | None = None
-    step: int | None = None
-    checkpoint: int | None = None
-
-    def describe(self) -> str:
-        """What is scored, in words (printed, and recorded in the report)."""
-        if self.run is None:
-            return f"adapter {self.folder} (a PEFT folder: its training step is not recorded)"
-        if self.checkpoint is not None:
-            return (f"run {self.folder} at step {self.step}: checkpoint step-{self.step:06d} of "
-                    f"{self.run.steps} steps ({self.run.unfinished() or 'the run finished'})")  # fmt: skip
-        return f"run {self.folder} at step {self.step} (its final adapter)"
-
-
-def choose_adapter(path: str | os.PathLike, checkpoint: int | str | None = None, *,
-                   how: str = "--checkpoint {}") -> AdapterChoice:  # fmt: skip
-    """The adapter in `path`: a `narrows finetune` run folder or a PEFT folder. A run is
-    scored only at its newest state: its final adapter when it finished, else refused with
-    the choices (finish it, or a `checkpoint` — a step or "latest" — asked for explicitly,
-    `how` the way to ask). Errors name the path and what to do."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise NarrowsError(f"adapter path {str(p)!r} does not exist: give a run folder of `narrows finetune` or a "
-                           "folder written by PEFT's save_pretrained")  # fmt: skip
-    run = run_state(p)
-    if run is None:
-        if checkpoint is not None:
-            raise NarrowsError(f"{how.format(checkpoint)} picks a checkpoint of a `narrows finetune` run; {str(p)!r} "
-                               "is not one (no config.json)")  # fmt: skip
-        if (p / "adapter_config.json").is_file():
-            return AdapterChoice(p)
-        raise NarrowsError(f"{str(p)!r} holds no adapter_config.json: it is not a PEFT adapter folder")
-    if checkpoint is not None:
-        return AdapterChoice(p, run, *([run.checkpoint(checkpoint)] * 2))
-    why = run.unfinished()
-    if why is None:
-        return AdapterChoice(p, run, run.adapter_step)
-    finish = f"finish it (narrows finetune --resume {p})"
-    pick = (f", or evaluate a checkpoint explicitly ({how.format(run.newest)}, or {how.format('latest')})"
-            if run.checkpoints else "")  # fmt: skip
-    raise NarrowsError(f"{str(p)!r} is a `narrows finetune` run whose newest state is not its final adapter "
-                       f"({why}): {finish}{pick}")  # fmt: skip
-
-
 def resolve_adapter(path: str | os.PathLike) -> Path:
     """The folder holding the adapter to score: a finished `narrows finetune` run, or any
     PEFT save; anything else (an unfinished run included) is a clear error."""
     return choose_adapter(path).folder
-
-
-def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise NarrowsError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
 
 
 def load_for_eval(
@@ -120,76 +59,12 @@ def load_for_eval(
     also be a model already in host memory (then pass its `tokenizer`), or None for the base
     a run folder given as `adapter` trained on. A run folder is scored at its final adapter,
     and refused while that is not its newest state, unless `checkpoint` (a step or
-    ``"latest"``) asks for a checkpoint's weights.
+    ``"latest"``) asks for a checkpoint's weights. See `narrows.core.inference.load_for_inference`.
     """
-    dev = (
-        torch.device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    if quant not in (None, "none", "nf4"):
-        raise NarrowsError(f"quant must be nf4 or none, got {quant!r}")
-    choice = (
-        choose_adapter(adapter, checkpoint, how="checkpoint={}") if adapter else None
-    )  # before the slow load
-    if checkpoint is not None and choice is None:
-        raise NarrowsError(
-            f"checkpoint={checkpoint} picks a checkpoint of a run: give the run as the adapter too"
-        )
-    if pretrained is None:
-        if choice is None or choice.run is None:
-            raise NarrowsError("no base model given (pretrained): give a model folder or .gguf file, or a "
-                               "`narrows finetune` run folder as the adapter, whose base it then is")  # fmt: skip
-        pretrained = run_base(choice.run.config).path
-    if gpu_budget is not None:
-        require("narrows.stream", "evaluation with gpu_budget (streaming the base)")
-    elif host_budget is not None:
-        raise NarrowsError("host_budget bounds the host copy of a streamed base: give gpu_budget too")
-    if isinstance(pretrained, nn.Module):
-        if tokenizer is None:
-            raise NarrowsError(
-                "a model passed as an object needs its tokenizer: load_for_eval(model, tokenizer=...)"
-            )
-        model = pretrained
-    elif gpu_budget is not None:  # straight into host tiers: pinned within host_budget, the rest on disk
-        import narrows.stream as ns
-
-        model, tokenizer = load_causal_lm(pretrained, load=lambda folder: ns.from_pretrained(
-            folder, quant=quant, dtype=_dtype(dtype, dev), host_budget=host_budget, device=dev))  # fmt: skip
-    else:
-        model, tokenizer = load_causal_lm(pretrained, dtype=_dtype(dtype, dev), quant=quant, device=dev)
-    if quant == "nf4" and not getattr(model, "is_loaded_in_4bit", False):  # a model passed in memory
-        quantize_nf4(model, device=dev if dev.type == "cuda" else None, park="cpu")
-    if choice is not None and choice.checkpoint is not None:
-        model = choice.run.load_checkpoint(model, choice.checkpoint)
-        _use_narrows_dora(model)
-    elif choice is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(choice.folder), is_trainable=False)
-        _use_narrows_dora(model)
-    model.eval()
-    model.requires_grad_(False)  # nothing trains here: no gradient or optimizer room is planned for any of it
-    if gpu_budget is not None:
-        import narrows.stream as ns
-
-        budget = None if gpu_budget in ("min", "none") else gpu_budget
-        ns.stream(model, budget, device=dev, batch_size=batch_size, seq_len=seq_len, inference=True)
-    else:
-        model.to(dev)
-    return EvalModel(
-        model, tokenizer, dev, gpu_budget is not None, str(choice.folder) if choice else None, choice
-    )
-
-
-def _use_narrows_dora(model: nn.Module) -> None:
-    from narrows.core._env import is_available
-
-    if not is_available("narrows.dora"):
-        return
-    from peft.tuners.lora.dora import DoraLinearLayer
-
-    if any(type(m) is DoraLinearLayer for m in model.modules()):
-        import narrows.dora
-
-        narrows.dora.use_narrows_dora(model)
+    loaded = load_for_inference(pretrained, tokenizer=tokenizer, adapter=adapter, checkpoint=checkpoint,
+                                dtype=dtype, quant=quant, gpu_budget=gpu_budget, host_budget=host_budget,
+                                device=device, seq_len=seq_len, batch_size=batch_size,
+                                caller="load_for_eval")  # fmt: skip
+    choice = loaded.choice
+    return EvalModel(loaded.model, loaded.tokenizer, loaded.device, loaded.streamed,
+                     str(choice.folder) if choice else None, choice)  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from narrows.core import HeadSource, ResidentHead
-from narrows.core._env import is_available, require
+from narrows.core.optional import is_available, require
 
 __all__ = ["FUSED_CHOICES", "fused_cross_entropy", "fused_reason"]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._env import is_available
 from ..checkpoint import CheckpointFolder
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from ..errors import NarrowsError
 from ..lorafuse import fuse_lora
 from ..memory import parse_bytes
+from ..optional import is_available
 from .config import FinetuneConfig, parse_lmhead
 
 __all__ = [
@@ -105,16 +105,13 @@ def _packed(cfg: FinetuneConfig, train: Tokenized, said: list[str]) -> Sequence[
 
 def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The frozen base: a streamed one goes straight into its host tiers (pinned RAM within
-    --host-budget, the rest on disk in the prepared-slab cache)."""
-    from ..models import load_causal_lm
-
-    if cfg.gpu_budget == "off":
-        return load_causal_lm(folder, dtype=dtype, quant=cfg.quant, device=device)[0]
-    import narrows.stream
+    --host-budget, the rest on disk in the prepared-slab cache). The same loading as a
+    scored model's (`narrows.core.inference`)."""
+    from ..inference import load_base
 
     cache = False if cfg.cache == "off" else (cfg.cache or True)
-    return load_causal_lm(folder, load=lambda f: narrows.stream.from_pretrained(
-        f, quant=cfg.quant, dtype=dtype, host_budget=cfg.host_budget, cache=cache, device=device))[0]  # fmt: skip
+    return load_base(folder, dtype=dtype, quant=cfg.quant, device=device, streamed=cfg.gpu_budget != "off",
+                     host_budget=cfg.host_budget, cache=cache)[0]  # fmt: skip
 
 
 def _targets(model: nn.Module, targets: str) -> str | list[str]:

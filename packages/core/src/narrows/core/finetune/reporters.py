@@ -13,8 +13,8 @@ import secrets
 import string
 from pathlib import Path
 
-from .._env import is_available, require
 from ..errors import NarrowsError
+from ..optional import is_available, require
 
 __all__ = ["REPORTERS", "open_reporters", "parse_report_to", "summary_row"]
 
