@@ -7,9 +7,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .._env import require
 from ..data import open_source, parse_columns
 from ..errors import NarrowsError
+from ..optional import require
 from .reporters import parse_report_to
 
 __all__ = [
