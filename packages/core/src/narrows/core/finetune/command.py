@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ..errors import NarrowsError
 from .config import RESUMABLE, FinetuneConfig
-from .configfile import read_config_file
 
 __all__ = ["add_parser"]
 
@@ -20,6 +19,8 @@ def _run(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     if args.config is not None:
+        from .configfile import read_config_file  # here: the run folder's module imports torch
+
         if args.resume:
             raise NarrowsError(f"--config {args.config} starts a new run; --resume {args.resume} continues one with "
                                "its own config.json: give one of them")  # fmt: skip
