@@ -49,18 +49,9 @@ def load_for_eval(
     seq_len: int = 2048,
     batch_size: int = 1,
 ) -> EvalModel:
-    """Load `pretrained` (+ `adapter`) for forward-only evaluation.
-
-    `quant="nf4"` quantises the decoder linears (bitsandbytes). `gpu_budget` (bytes, a size
-    like ``"8GiB"``, or ``"fit"``/``"min"``) streams the frozen base through narrows-stream:
-    only what fits the budget stays on the device, the rest comes from host memory layer by
-    layer with prefetch, no autograd state kept. A DoRA adapter runs through narrows-dora
-    when it is installed (same numbers as PEFT's, without the dense B·A). `pretrained` may
-    also be a model already in host memory (then pass its `tokenizer`), or None for the base
-    a run folder given as `adapter` trained on. A run folder is scored at its final adapter,
-    and refused while that is not its newest state, unless `checkpoint` (a step or
-    ``"latest"``) asks for a checkpoint's weights. See `narrows.core.inference.load_for_inference`.
-    """
+    """Load `pretrained` (+ `adapter`) for forward-only evaluation: core's
+    `narrows.core.inference.load_for_inference` (which says what each argument does),
+    returned as an `EvalModel` that names the adapter scored."""
     loaded = load_for_inference(pretrained, tokenizer=tokenizer, adapter=adapter, checkpoint=checkpoint,
                                 dtype=dtype, quant=quant, gpu_budget=gpu_budget, host_budget=host_budget,
                                 device=device, seq_len=seq_len, batch_size=batch_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from ..lorafuse import fuse_lora
 from ..memory import parse_bytes
 from ..optional import is_available
 from .config import FinetuneConfig, parse_lmhead
+
+if TYPE_CHECKING:  # narrows-stream is optional: imported where a streamed run needs it
+    from narrows.stream import StreamConfig
 
 __all__ = [
     "build_model",
@@ -174,7 +178,9 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
     return model
 
 
-def stream_config(cfg: FinetuneConfig, model: nn.Module, device: torch.device, world_size: int = 1):
+def stream_config(
+    cfg: FinetuneConfig, model: nn.Module, device: torch.device, world_size: int = 1
+) -> StreamConfig:
     """The job's flags as one `narrows.stream.StreamConfig`: the budget and batch, what step
     mode keeps in host memory (left out of the budget), the tiles and graphs asked for
     (else the planner's), and the room a plan for step mode takes (`_step_mode_room`)."""
@@ -193,7 +199,7 @@ def stream_config(cfg: FinetuneConfig, model: nn.Module, device: torch.device, w
     return config.replace(**_step_mode_room(cfg, model, config, device, world_size))
 
 
-def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, config, device: torch.device,
+def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, config: StreamConfig, device: torch.device,
                     world_size: int) -> dict[str, object]:  # fmt: skip
     """The stream settings a plan for step mode takes ({} for sequential steps): room
     reserved for its held 4-bit weights and the micro-batches' layer boundaries, and no
