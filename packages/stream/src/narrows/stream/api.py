@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,6 @@ from narrows.core import (
     anatomy_of,
     assign,
     attach_head_source,
-    chunked_logits,
     copies,
     ensure_architecture,
     frozen_slots,
@@ -35,17 +34,16 @@ from narrows.core import deterministic as set_deterministic
 from .config import StreamConfig, tile_option
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
+from .executor import EagerExecutor, LayerExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
 from .plan import Plan, Rates, Shapes, make_plan
 from .profile import Profile
-from .remat import LayerCall, drop_cache, streamed_call
 from .selfcheck import self_check
-from .sideouts import SideOutputs
 from .tiers import DiskReader, Tiers
-from .tiling import tile_sequence
 from .twincheck import check_stream as _check_stream  # noqa: F401  (registers the "stream" check)
+from .wiring import executor_for, install_forwards, tile_mlps
 
 log = logging.getLogger("narrows.stream")
 
@@ -63,7 +61,7 @@ class StreamHandle:
     host_embedding: bool  # embedding rows are gathered on the host
     head: StreamedHead | None = None  # set when the LM head is streamed in vocabulary chunks
     offload: ActivationOffload | None = None  # saved layer inputs in host memory
-    graphs: LayerGraphs | None = None  # CUDA graphs of the layers narrows runs
+    executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the layers narrows runs (`wiring`)
     replan: Callable[[Rates], Plan] | None = None  # the same plan made with other rates
     shapes: Shapes | None = None  # the model's and the batch's, as the plan took them
     config: StreamConfig | None = None  # what the model was streamed with (device resolved)
@@ -80,6 +78,11 @@ class StreamHandle:
         finally:
             self.engine.profiler = None
             prof.finish()
+
+    @property
+    def graphs(self) -> LayerGraphs | None:
+        """The executor when it is CUDA graphs (their stats, pool and pause), else None."""
+        return self.executor if isinstance(self.executor, LayerGraphs) else None
 
     @property
     def stats(self):
@@ -317,45 +320,6 @@ def _refuse_layerdrop(model: nn.Module) -> None:
             )
 
 
-def _check_args(index: int, args: tuple, kwargs: dict) -> None:
-    def walk(x: Any) -> None:
-        if isinstance(x, Tensor) and x.requires_grad:
-            raise StreamSetupError(
-                f"layer {index} received a tensor argument that requires grad besides its hidden states; "
-                "narrows.stream differentiates only the hidden states and the adapters."
-            )
-        if isinstance(x, tuple | list):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-
-    walk(args)
-    walk(kwargs)
-
-
-def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload: ActivationOffload,
-                   graphs: LayerGraphs | None = None) -> Callable[..., Any]:  # fmt: skip
-    original = layer.forward
-    params = tuple(p for p in layer.parameters() if p.requires_grad)
-    side = SideOutputs(layer, index)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            hidden, args = args[0], args[1:]
-        else:
-            hidden = kwargs.pop("hidden_states")
-        if torch.is_grad_enabled():
-            drop_cache(kwargs)
-        _check_args(index, args, kwargs)
-        call = LayerCall(index, original, args, kwargs, engine, params, side, offload, graphs=graphs)
-        return streamed_call(call, hidden)
-
-    forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]
-    return forward
-
-
 def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, **options: Any) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to the device.
 
@@ -405,8 +369,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         )
     the_plan = plan(model, cfg)
     stream_head = _check_head(anat, cfg.head)
-    if the_plan.tile_tokens is not None:
-        tile_sequence(model, the_plan.tile_tokens)  # before anything moves: refuses an MLP it cannot tile
+    tile_mlps(model, the_plan)  # before anything moves: refuses an MLP it cannot tile (`wiring`)
 
     # the user's config stays as it is (use_cache included: with packed rows it decides the
     # attention mask, so changing it would change the user's own resident runs); a streamed
@@ -428,11 +391,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
                             reader=reader)  # fmt: skip
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
-    layer_graphs = LayerGraphs(dev) if the_plan.graphs else None
-    for i, layer in enumerate(anat.layers):
-        if i not in the_plan.whole:  # a whole layer runs untouched, as in resident training
-            layer.forward = _layer_forward(i, layer, engine, acts, layer_graphs)
-
+    executor = executor_for(the_plan, dev)
     streamed_head = None
     if stream_head:
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
@@ -440,16 +399,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
                                      math=anat.logit_math)  # fmt: skip
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
-        anat.head.forward = lambda hidden: chunked_logits(hidden, streamed_head)
-
-    if host_embedding:
-        embed_forward = anat.embed.forward
-
-        def embed(input_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-            # gather rows on the host: the full embedding matrix never goes to the device
-            return embed_forward(input_ids.to("cpu"), *args, **kwargs).to(dev, non_blocking=True)
-
-        anat.embed.forward = embed
+    install_forwards(anat, the_plan, engine, acts, executor, streamed_head, host_embedding, dev)
 
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replanned = cfg.replace(gpu_budget=the_plan.budget)
@@ -467,7 +417,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
+                                        executor, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
                                         cfg)  # fmt: skip
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)

@@ -1,5 +1,6 @@
 """CUDA graphs for the layers narrows runs itself: a streamed or recomputed layer's
-forward, and its recompute-and-differentiate in backward, each replayed as one graph.
+forward, and its recompute-and-differentiate in backward, each replayed as one graph
+(`LayerGraphs` is a layer executor, `executor.py`; what it cannot capture runs eagerly).
 
 Why: at a few hundred tokens per micro-batch a QLoRA layer is bound by the host — Python,
 dispatch and one launch per kernel — not by the GPU (the H100 sat idle two thirds of a
@@ -53,35 +54,15 @@ from torch.utils import _pytree as pytree
 
 from narrows.core import ambient_state, held_token
 
+from .executor import LayerExecutor, SideGrads, eager_backward, eager_forward
+
 log = logging.getLogger("narrows.stream")
 
-__all__ = ["DEFAULT_SHAPES", "GraphStats", "LayerGraphs", "eager_backward", "eager_forward"]
+__all__ = ["DEFAULT_SHAPES", "GraphStats", "LayerGraphs"]
 
 _PLAIN = (type(None), bool, int, float, str)
 DEFAULT_SHAPES = 4  # batch shapes whose graphs are kept at once
 _REMEMBERED = 256  # shapes seen once, remembered to tell a repeat from a new width
-
-
-def eager_forward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict) -> Tensor:
-    """The layer's forward as resident training runs it (grad on: the same kernels)."""
-    with torch.enable_grad():
-        out = fn(hidden, *args, **kwargs)
-    if not isinstance(out, Tensor):
-        raise TypeError(
-            "narrows.stream expects a decoder layer to return its hidden states as one tensor "
-            f"(transformers 5.x layers do); got {type(out).__name__}"
-        )
-    return out.detach()
-
-
-def eager_backward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict, grad_out: Tensor,
-                   params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
-    """Recompute the layer and differentiate it: gradients of `hidden` (when it requires
-    grad) and of `params`, in that order."""
-    with torch.enable_grad():
-        out = fn(hidden, *args, **kwargs)
-        wrt = ([hidden] if hidden.requires_grad else []) + list(params)
-        return list(torch.autograd.grad(out, wrt, grad_out, allow_unused=True)) if wrt else []
 
 
 @dataclass
@@ -153,8 +134,9 @@ def _hooked(layer: nn.Module) -> bool:
     return any(mod._forward_hooks or mod._forward_pre_hooks for mod in layer.modules() if mod is not layer)
 
 
-class LayerGraphs:
-    """Captures and replays one graph per layer call signature (see the module doc)."""
+class LayerGraphs(LayerExecutor):
+    """The layer executor that captures and replays one graph per layer call signature
+    (see the module doc), and runs a call it cannot capture eagerly."""
 
     def __init__(self, device: torch.device, *, emulate: bool = False, max_shapes: int = DEFAULT_SHAPES):
         if max_shapes < 1:
@@ -198,13 +180,16 @@ class LayerGraphs:
         return self._run(key, index, body, leaves)[0]
 
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                 kwargs: dict, grad_out: Tensor, params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
-        """`eager_backward`, through a graph when the layer can be captured."""
+                 kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
+                 side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+        """`eager_backward`, through a graph when the layer can be captured. A call whose
+        output has no gradient or whose side outputs have one runs eagerly, uncounted."""
         leaves = [hidden, *pytree.tree_leaves((args, kwargs)), grad_out]
         extra = (hidden.requires_grad, tuple(id(p) for p in params))
-        key = None if grad_out is None else self._key("bwd", index, layer, leaves, args, kwargs, extra)
+        eager = grad_out is None or (side is not None and len(side.grads) > 0)
+        key = None if eager else self._key("bwd", index, layer, leaves, args, kwargs, extra)
         if key is None:
-            return eager_backward(fn, hidden, args, kwargs, grad_out, params)
+            return eager_backward(fn, hidden, args, kwargs, grad_out, params, side)
 
         def body(ins: list[Tensor]) -> list[Tensor | None]:
             h, a, k = self._rebuild(ins[:-1], args, kwargs, hidden.requires_grad)

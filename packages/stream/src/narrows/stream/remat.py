@@ -1,22 +1,23 @@
 """Streamed execution of one decoder layer, with rematerialised backward.
 
-Forward: bring the layer's frozen storage to the device, run the layer exactly as resident
-training would (same grad mode, so the same kernels), keep only its input and the RNG
-state captured just before, hand the storage back. Backward: bring it again, replay the
-RNG inside `fork_rng` and the forward's autocast and attention settings (`narrows.core.ambient`), recompute the
-layer, and differentiate it with respect to its input
-and its adapter parameters only. Frozen weights never see a gradient.
+Forward: bring the layer's frozen storage to the device, run the layer through the layer
+executor (`executor.py`: eager or CUDA graphs; as resident training would, same grad mode,
+so the same kernels), keep only its input and the RNG state captured just before, hand
+the storage back. Backward: bring it again, replay the RNG inside `fork_rng` and the
+forward's autocast and attention settings (`narrows.core.ambient`), and have the executor
+recompute the layer and differentiate it with respect to its input and its adapter
+parameters only. Frozen weights never see a gradient.
 
 Tensors the layer's submodules hand to forward hooks (MoE router logits for the aux loss)
 are extra outputs of the node (`sideouts.py`), so their gradients flow as in resident
-training.
+training: the executor's backward takes their gradients (`executor.SideGrads`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from narrows.core import Ambient, ambient_as, ambient_state
 
 from . import rng
 from .engine import TransferEngine
-from .graphs import LayerGraphs
+from .executor import EagerExecutor, LayerExecutor, SideGrads
 from .offload import ActivationOffload
 from .sideouts import SideOutputs
 
@@ -45,7 +46,7 @@ class LayerCall:
     offload: ActivationOffload | None = None
     state: rng.RngState | None = None
     ambient: Ambient | None = None  # the forward's autocast and attention settings, for the recompute
-    graphs: LayerGraphs | None = None  # CUDA graphs for the forward and the recompute
+    executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the forward and the recompute
 
     def run(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """The layer's own forward, refusing anything but one hidden-states tensor."""
@@ -77,12 +78,9 @@ class StreamedLayer(torch.autograd.Function):
         with call.engine.using(call.index, then=call.index + 1), torch.enable_grad(), \
                 call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
-            if call.graphs is not None:
-                out = call.graphs.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs)
-            else:
-                out = _run(call, h).detach()
+            out = call.executor.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs)
         side = call.side.take_stand_ins()
-        ctx.call, ctx.n_side, ctx.offloaded = call, len(side), saved
+        ctx.call, ctx.offloaded = call, saved
         ctx.save_for_backward(hidden if saved is None else None)
         ctx.set_materialize_grads(False)
         return (out, *side)
@@ -101,22 +99,8 @@ class StreamedLayer(torch.autograd.Function):
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)
             params = [p for p, n in zip(call.params, need_p) if n]
-            if call.graphs is not None and ctx.n_side == 0 and grad_out is not None:
-                grads = call.graphs.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
-                                             grad_out, params)  # fmt: skip
-            else:
-                out = _run(call, h)
-                side = call.side.originals
-                if len(side) != ctx.n_side:
-                    raise RuntimeError(
-                        f"narrows.stream: layer {call.index} produced {len(side)} hooked tensors in its backward "
-                        f"recompute but {ctx.n_side} in its forward; the layer is not deterministic under replay"
-                    )
-                pairs = [(t, g) for t, g in zip((out, *side), (grad_out, *grad_side)) if g is not None]
-                wrt = ([h] if need_h else []) + params
-                outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
-                grads = list(torch.autograd.grad(outs, wrt, gouts, allow_unused=True)) if wrt and outs else []
-                grads = grads or [None] * len(wrt)
+            grads = call.executor.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
+                                           grad_out, params, SideGrads(call.side, grad_side))  # fmt: skip
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)

@@ -49,7 +49,6 @@ from narrows.core import (
 
 from .accumulation import holds_weights, step_mode_reserve
 from .errors import StreamSetupError
-from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer
 from .hostparams import HostAdapters
 from .offload import ActivationOffload, Offloaded
@@ -682,17 +681,14 @@ class StepTrainer:
             self.adapters.park(params, changed=False)
 
     def _forward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro) -> Tensor:
-        graphs, args, kwargs = self.handle.graphs, micro.args[i], micro.kwargs[i]
-        if graphs is None:
-            return eager_forward(fn, h, args, kwargs)
-        return graphs.forward(i, self.anat.layers[i], fn, h, args, kwargs)
+        """Layer `i` of one micro-batch, through the layer executor (`executor.py`)."""
+        return self.handle.executor.forward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i])
 
     def _backward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro,
                   params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
-        graphs, args, kwargs = self.handle.graphs, micro.args[i], micro.kwargs[i]
-        if graphs is None:
-            return eager_backward(fn, h, args, kwargs, micro.grad, params)
-        return graphs.backward(i, self.anat.layers[i], fn, h, args, kwargs, micro.grad, params)
+        """Layer `i` of one micro-batch recomputed and differentiated by the layer executor."""
+        return self.handle.executor.backward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i],
+                                             micro.grad, params)  # fmt: skip
 
     def _prefetch_next_input(self, micros: list[_Micro], i: int, k: int) -> None:
         """Start bringing back the saved input the backward needs after layer `i` of

@@ -1,0 +1,119 @@
+"""Where `stream` replaces forwards on the user's model, and in which order.
+
+Every ``.forward`` narrows.stream replaces is replaced here, in this order:
+
+1. each decoder layer's MLP, over sequence tiles (`tiling.py`), when the plan tiles —
+   first, before anything moves: it is the one replacement that can refuse the model (an
+   MLP without ``.mlp``, or with forward hooks), so a refusal leaves the model as it was.
+   It sits inside the layer: the layer's own forward calls ``self.mlp`` when it runs, so
+   the streamed forward, its recompute and a whole layer all run the tiled MLP.
+2. each streamed layer's forward (`remat.streamed_call`, running through the plan's
+   layer executor, `executor.py`): after the layers are parked, since it needs the
+   engine. It keeps the layer's own forward as ``narrows_original`` (what step mode and
+   the self-check call). Whole layers stay untouched: they run as in resident training.
+3. the streamed head's forward, logits in vocabulary chunks: after its weight points at
+   the head's host copy (a tied embedding shares it).
+4. the host embedding's forward: rows gathered on the host around the embedding's own.
+
+Steps 2-4 replace different modules, so among them the order is free; it is kept fixed.
+Outside the package, `narrows.lmhead` replaces the model's own forward before `stream`
+(`narrows.core.finetune.build_model`), so the planner sizes the loss that will run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import Anatomy, chunked_logits
+
+from .engine import TransferEngine
+from .errors import StreamSetupError
+from .executor import EagerExecutor, LayerExecutor
+from .graphs import LayerGraphs
+from .head import StreamedHead
+from .offload import ActivationOffload
+from .plan import Plan
+from .remat import LayerCall, drop_cache, streamed_call
+from .sideouts import SideOutputs
+from .tiling import tile_sequence
+
+__all__ = ["executor_for", "install_forwards", "tile_mlps"]
+
+
+def executor_for(plan: Plan, device: torch.device) -> LayerExecutor:
+    """The layer executor the plan asks for: CUDA graphs (emulated off CUDA) or eager."""
+    return LayerGraphs(device) if plan.graphs else EagerExecutor()
+
+
+def tile_mlps(model: nn.Module, plan: Plan) -> None:
+    """Step 1: the MLPs in sequence tiles when the plan tiles (before anything moves)."""
+    if plan.tile_tokens is not None:
+        tile_sequence(model, plan.tile_tokens)
+
+
+def install_forwards(anat: Anatomy, plan: Plan, engine: TransferEngine, offload: ActivationOffload,
+                     executor: LayerExecutor, head: StreamedHead | None, host_embedding: bool,
+                     device: torch.device) -> None:  # fmt: skip
+    """Steps 2-4: the streamed layers' forwards, the streamed head's (when `head` is
+    given) and the host embedding's (its rows then go to `device`)."""
+    for i, layer in enumerate(anat.layers):
+        if i not in plan.whole:  # a whole layer runs untouched, as in resident training
+            layer.forward = _layer_forward(i, layer, engine, offload, executor)
+    if head is not None:
+        anat.head.forward = lambda hidden: chunked_logits(hidden, head)
+    if host_embedding:
+        anat.embed.forward = _host_embedding_forward(anat.embed.forward, device)
+
+
+def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload: ActivationOffload | None,
+                   executor: LayerExecutor) -> Callable[..., Any]:  # fmt: skip
+    """The streamed layer's forward: each call runs through `remat.streamed_call`."""
+    original = layer.forward
+    params = tuple(p for p in layer.parameters() if p.requires_grad)
+    side = SideOutputs(layer, index)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            hidden, args = args[0], args[1:]
+        else:
+            hidden = kwargs.pop("hidden_states")
+        if torch.is_grad_enabled():
+            drop_cache(kwargs)
+        _check_args(index, args, kwargs)
+        call = LayerCall(index, original, args, kwargs, engine, params, side, offload, executor=executor)
+        return streamed_call(call, hidden)
+
+    forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]
+    return forward
+
+
+def _check_args(index: int, args: tuple, kwargs: dict) -> None:
+    def walk(x: Any) -> None:
+        if isinstance(x, Tensor) and x.requires_grad:
+            raise StreamSetupError(
+                f"layer {index} received a tensor argument that requires grad besides its hidden states; "
+                "narrows.stream differentiates only the hidden states and the adapters."
+            )
+        if isinstance(x, tuple | list):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+
+    walk(args)
+    walk(kwargs)
+
+
+def _host_embedding_forward(
+    embed_forward: Callable[..., Tensor], device: torch.device
+) -> Callable[..., Tensor]:
+    def embed(input_ids: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # gather rows on the host: the full embedding matrix never goes to the device
+        return embed_forward(input_ids.to("cpu"), *args, **kwargs).to(device, non_blocking=True)
+
+    return embed
