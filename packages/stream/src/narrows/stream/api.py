@@ -61,10 +61,11 @@ class StreamHandle:
     host_embedding: bool  # embedding rows are gathered on the host
     head: StreamedHead | None = None  # set when the LM head is streamed in vocabulary chunks
     offload: ActivationOffload | None = None  # saved layer inputs in host memory
-    executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the layers narrows runs (`wiring`)
+    graphs: LayerGraphs | None = None  # the executor when it is CUDA graphs (their stats, pool and pause)
     replan: Callable[[Rates], Plan] | None = None  # the same plan made with other rates
     shapes: Shapes | None = None  # the model's and the batch's, as the plan took them
     config: StreamConfig | None = None  # what the model was streamed with (device resolved)
+    executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the layers narrows runs (`wiring`)
 
     @contextmanager
     def profiling(self) -> Iterator[Profile]:
@@ -78,11 +79,6 @@ class StreamHandle:
         finally:
             self.engine.profiler = None
             prof.finish()
-
-    @property
-    def graphs(self) -> LayerGraphs | None:
-        """The executor when it is CUDA graphs (their stats, pool and pause), else None."""
-        return self.executor if isinstance(self.executor, LayerGraphs) else None
 
     @property
     def stats(self):
@@ -392,6 +388,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
     executor = executor_for(the_plan, dev)
+    layer_graphs = executor if isinstance(executor, LayerGraphs) else None
     streamed_head = None
     if stream_head:
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
@@ -417,8 +414,8 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
-                                        executor, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
-                                        cfg)  # fmt: skip
+                                        layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
+                                        cfg, executor)  # fmt: skip
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

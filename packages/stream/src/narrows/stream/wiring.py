@@ -1,6 +1,7 @@
 """Where `stream` replaces forwards on the user's model, and in which order.
 
-Every ``.forward`` narrows.stream replaces is replaced here, in this order:
+Every ``.forward`` narrows.stream replaces for good is replaced here, in this order (step
+mode swaps the layers' forwards only for the length of one pass, `remat.replaced_forwards`):
 
 1. each decoder layer's MLP, over sequence tiles (`tiling.py`), when the plan tiles —
    first, before anything moves: it is the one replacement that can refuse the model (an
