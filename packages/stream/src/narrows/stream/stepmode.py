@@ -47,13 +47,12 @@ from narrows.core import (
     trainable_parameters,
 )
 
-from .accumulation import holds_weights, step_mode_reserve
 from .errors import StreamSetupError
 from .graphs import eager_backward, eager_forward
 from .hostopt import HostOptimizer
 from .hostparams import HostAdapters
 from .offload import ActivationOffload, Offloaded
-from .plan import input_bytes
+from .planning import held_weight_bytes, holds_weights, input_bytes
 from .remat import drop_cache, layer_original, replaced_forwards
 from .rng import RngState, capture, replay, restore
 from .rngplan import RandomOps, same_state
@@ -112,29 +111,26 @@ class StepTrainer:
     """One optimizer step per call over `grad_accum` micro-batches, block-major.
 
     `model` is a PEFT model streamed with `narrows.stream.stream` (or a plain one, which
-    is streamed here with `stream_kwargs`, and with ``recompute="all"`` unless given: a
-    block-major step recomputes every layer, so a plan's whole layers would only hold
-    memory — streaming it yourself, pass that too). `optimizer`: an optimizer over the model's
+    is streamed here with `stream_options`, planned for `grad_accum` micro-batches in
+    step mode). The trainer takes no mode of its own: it reads the model's plan
+    (``model.narrows_stream.plan``) — what of the training state waits in host memory
+    (``host_state``: "optimizer" keeps the optimizer's state there and updates each layer
+    as soon as its gradients are complete, see `hostopt`; "adapters" keeps the adapter
+    parameters there too, each layer's on the device for its forward and for its
+    backward and update, see `hostparams`; between steps their ``.data`` is the host
+    buffer, a forward under ``torch.no_grad()`` brings each layer's for its call, and
+    `adapters_to_device()` puts them all back) and whether each layer's 4-bit weights
+    are dequantised once per pass into a held buffer (``hold_weights``;
+    `narrows.core.HeldWeights`: bitsandbytes' own matmuls on the held copy, so the same
+    bits). `grad_accum`: micro-batches a step (default: what the plan was made for).
+    `optimizer`: an optimizer over the model's
     trainable parameters, or a callable building one from them. After each step the
     optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
     given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
     maps (model output, batch) to the micro-batch loss (default: the model's own, ``output.loss``).
     `scale_loss=False`: `loss_fn`'s loss is already normalised over the whole step (e.g.
     transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
-    `offload_optimizer=True` keeps the optimizer's state in host memory and updates each
-    layer as soon as its gradients are complete (see `hostopt`): same result, less device
-    memory. Not given, both follow the plan: what ``stream(..., host_state=...)`` left out of
-    the device budget stays in host memory. `offload_adapters=True` (with `offload_optimizer=True`) keeps
-    the adapter parameters there too: each layer's come to the device for its forward and
-    for its backward and update, one layer at a time (see `hostparams`); between steps
-    ``.data`` is the host buffer; a forward pass under ``torch.no_grad()`` (evaluation)
-    brings each layer's for its call, and `adapters_to_device()` puts them all back.
-    `dequantize_once`: each layer's 4-bit weights are dequantised once for the
-    forward of all micro-batches and once for their backward, and held in a device buffer
-    the size of the largest layer's (`narrows.core.HeldWeights`: bitsandbytes' own
-    matmuls on the held copy, so the same bits); True, False, or "auto" (default): when
-    the plan reserved the room (``stream(..., reserve=step_mode_reserve(model))``) or
-    its budget has it to spare. ``held_choice`` says which and why.
+    ``held_choice`` says whether weights are held and why.
     A MoE model with router logits on (``output_router_logits``, config or batch) is
     refused with `StreamSetupError` before any gradient where a step could run
     block-major: the router's aux loss cannot be collected there (`sideouts`).
@@ -146,11 +142,12 @@ class StepTrainer:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
-                 grad_accum: int = 1, max_grad_norm: float | None = None, scheduler: Any = None,
+                 grad_accum: int | None = None, max_grad_norm: float | None = None, scheduler: Any = None,
                  loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
-                 offload_optimizer: bool | None = None, offload_adapters: bool | None = None,
-                 dequantize_once: bool | str = "auto",
-                 **stream_kwargs: Any):  # fmt: skip
+                 **stream_options: Any):  # fmt: skip
+        handle = getattr(model, "narrows_stream", None)
+        if grad_accum is None:
+            grad_accum = handle.plan.grad_accum if handle is not None else stream_options.get("grad_accum", 1)
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
         if getattr(model, "narrows_data_parallel", False):
@@ -159,14 +156,18 @@ class StepTrainer:
                 "itself, so DistributedDataParallel would never all-reduce them and the ranks would drift apart. "
                 "Train with the DDP-wrapped model's forward and backward, or run step mode in one process"
             )
-        if getattr(model, "narrows_stream", None) is None:
+        if handle is None:
             from .api import stream
 
             if grad_accum > 1:  # block-major recomputes every layer: plan no memory for whole ones
-                stream_kwargs.setdefault("recompute", "all")
-            stream(model, **stream_kwargs)
-        elif stream_kwargs:
-            raise StreamSetupError("the model is already streamed: pass stream options to stream(), not here")
+                stream_options.setdefault("recompute", "all")
+                stream_options.setdefault("step_mode", True)
+            stream(model, **{**stream_options, "grad_accum": grad_accum})
+        elif stream_options:
+            raise StreamSetupError(
+                f"the model is already streamed: {', '.join(sorted(stream_options))} belong to its stream config "
+                "(stream(model, ...) or StreamConfig), not to StepTrainer"
+            )
         self.model = model
         self.handle = model.narrows_stream
         self.anat = anatomy_of(model)
@@ -194,24 +195,18 @@ class StepTrainer:
         ]
         in_layers = {id(p) for params in self.layer_params for p in params}
         self.other_params = tuple(p for p in self.params if id(p) not in in_layers)  # e.g. a trained head
-        # what of the training state waits in host memory is the plan's decision (`host_state`):
-        # not given, the trainer keeps there what the plan left there
+        # what of the training state waits in host memory is the plan's decision (`host_state`)
         state = self.handle.plan.host_state
-        if offload_optimizer is None:
-            offload_optimizer = state in ("optimizer", "adapters")
-        if offload_adapters is None:
-            offload_adapters = state == "adapters"
-        if not isinstance(offload_optimizer, bool):
-            raise StreamSetupError(f"offload_optimizer={offload_optimizer!r}: use True or False")
-        if offload_optimizer and self.optimizer is None:
-            raise StreamSetupError("offload_optimizer=True needs the optimizer: pass it to StepTrainer")
+        if state != "none" and self.optimizer is None:
+            raise StreamSetupError(f"the plan keeps the optimizer's state in host memory (host_state={state!r}), "
+                                   "which StepTrainer updates itself: pass it the optimizer")  # fmt: skip
         self.host_optimizer = (
             HostOptimizer(self.optimizer, self.params, self.device, max_grad_norm)
-            if offload_optimizer
+            if state != "none"
             else None
         )
-        self.adapters = self._host_adapters(offload_adapters)
-        self.held, self.held_choice = self._held_weights(dequantize_once)
+        self.adapters = self._host_adapters(state == "adapters")
+        self.held, self.held_choice = self._held_weights()
         self.resident_why = self._resident_sequential()
         if grad_accum > 1 and not self.resident_why:
             self._refuse_router_logits()
@@ -224,16 +219,9 @@ class StepTrainer:
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
 
-    def _host_adapters(self, offload_adapters: bool) -> HostAdapters | None:
-        if not isinstance(offload_adapters, bool):
-            raise StreamSetupError(f"offload_adapters={offload_adapters!r}: use True or False")
-        if not offload_adapters:
+    def _host_adapters(self, hosted: bool) -> HostAdapters | None:
+        if not hosted:
             return None
-        if self.host_optimizer is None:
-            raise StreamSetupError(
-                "offload_adapters=True sends each layer's adapters back to host memory right after the layer's "
-                "optimizer update, which runs inside the step only with offload_optimizer=True: pass both"
-            )
         adapters = HostAdapters(self.layer_params, self.device)
         adapters.serve(self.anat.layers, self.layer_params)  # evaluation between steps
         self.host_optimizer.adapters = adapters
@@ -251,21 +239,9 @@ class StepTrainer:
             )
 
     def _check_host_state(self) -> None:
-        """The plan left out of the budget what its `host_state` says waits in host memory:
-        this trainer must keep it there."""
+        """A plan that keeps the adapters in host memory counts one layer's on the device at
+        a time, as only a block-major step keeps them."""
         state = self.handle.plan.host_state
-        flag = {
-            "optimizer": "offload_optimizer=True",
-            "adapters": "offload_optimizer=True, offload_adapters=True",
-        }
-        if (state == "optimizer" and self.host_optimizer is None) or (
-            state == "adapters" and self.adapters is None
-        ):
-            raise StreamSetupError(
-                f"the model was streamed with host_state={state!r}, whose plan leaves that state out of the device "
-                f"budget, but this StepTrainer was told to keep it on the device: leave its offload flags unset "
-                f"(it then follows the plan) or pass {flag[state]}, or stream with host_state='none'"
-            )
         if state == "adapters" and (self.grad_accum == 1 or self.resident_why):
             why = "one micro-batch a step" if self.grad_accum == 1 else self.resident_why
             raise StreamSetupError(
@@ -309,14 +285,16 @@ class StepTrainer:
         if self.adapters is not None:
             self.adapters.bring(self.adapters.params)
 
-    def _held_weights(self, dequantize_once: bool | str) -> tuple[HeldWeights | None, str]:
+    def _held_weights(self) -> tuple[HeldWeights | None, str]:
         """The buffer each layer's 4-bit weights are dequantised into once per pass (or
-        None), and why."""
-        if not (isinstance(dequantize_once, bool) or dequantize_once == "auto"):
-            raise StreamSetupError(f"dequantize_once={dequantize_once!r}: use True, False or 'auto'")
-        hold, why = holds_weights(
-            self.handle.plan, step_mode_reserve(self.model), self.grad_accum, dequantize_once
-        )
+        None), and why: the plan's decision, made again where this trainer runs another
+        number of micro-batches than the plan was made for."""
+        plan, config = self.handle.plan, self.handle.config
+        if plan.accumulation == "block-major" and plan.grad_accum == self.grad_accum:
+            hold, why = plan.held_weights, plan.held_choice
+        else:
+            choice = config.hold_weights if config is not None else "auto"
+            hold, why = holds_weights(plan, held_weight_bytes(self.model), self.grad_accum, choice)
         return (HeldWeights(self.anat.layers, self.device) if hold else None), why
 
     @property
