@@ -180,10 +180,11 @@ def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):
 def test_without_the_end_state_check_wrong_predictions_change_training(monkeypatch):
     """The twin of the above with the check disabled too: training differs — so the
     check is what keeps the run exact."""
-    from narrows.stream import rngplan, stepmode
+    from narrows.stream import rngplan
+    from narrows.stream.stepmode import blockmajor
 
     monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
-    monkeypatch.setattr(stepmode, "same_state", lambda a, b: True)
+    monkeypatch.setattr(blockmajor, "same_state", lambda a, b: True)
     _, stats, got = stepped(dropout=0.05)
     assert stats[1].mode == "block-major"
     with pytest.raises(AssertionError):
@@ -195,9 +196,9 @@ def test_dropping_the_per_layer_rng_replay_changes_training(monkeypatch):
     dropout masks, and the gradients differ."""
     from contextlib import nullcontext
 
-    from narrows.stream import stepmode
+    from narrows.stream.stepmode import blockmajor
 
-    monkeypatch.setattr(stepmode, "replay", lambda state: nullcontext())
+    monkeypatch.setattr(blockmajor, "replay", lambda state: nullcontext())
     _, _, got = stepped(dropout=0.05)
     with pytest.raises(AssertionError):
         assert_identical(resident(dropout=0.05), got)
