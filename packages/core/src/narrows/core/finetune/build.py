@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # narrows-stream is optional: imported where a streamed run n
     from narrows.stream import StreamConfig
 
 __all__ = [
+    "apply_lmhead",
     "build_model",
     "check_model_files",
     "load_data",
@@ -130,7 +131,7 @@ def _targets(model: nn.Module, targets: str) -> str | list[str]:
     return wanted
 
 
-def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
+def apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
     lmhead = cfg.lmhead
     if lmhead == "auto":
         lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
@@ -165,7 +166,7 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
     tile = cfg.tile()
     if cfg.gpu_budget == "off":
         model.to(device)
-        _apply_lmhead(cfg, model)
+        apply_lmhead(cfg, model)
         if tile is not None:
             import narrows.stream
 
@@ -173,7 +174,7 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
     else:
         import narrows.stream
 
-        _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
+        apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         model = narrows.stream.stream(model, stream_config(cfg, device, world_size))
     return model
 
