@@ -34,7 +34,7 @@ from narrows.core.models import resolve_model_path
 
 from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
 from .planning.measure import default_host_budget
-from .planning.residency import spread
+from .planning.placement import spread
 from .tiers import Tiers, aligned_pinned, pin_shared, restore_layer
 
 log = logging.getLogger("narrows.stream")

@@ -3,7 +3,8 @@
 - `measure`: what the planner reads off the model (device, budget, frozen bytes);
 - `memory`: the memory formulas (saved inputs, working sets, graphs' pool, trained state);
 - `steptime`: the step-time model that ranks plans;
-- `residency`: the residency decisions (resident, whole, slabs, offloaded inputs, tiles, graphs);
+- `residency`: the residency decisions (resident, whole, slabs, offloaded inputs, tiles, graphs),
+  `placement` which layers they are;
 - `accumulation`: sequential or block-major steps, and held 4-bit weights;
 - `record`: the `Plan` itself and how it reads;
 - `planner`: the entry that runs them in order, once per start.
@@ -23,9 +24,10 @@ from .memory import (
     whole_bytes,
     work_bytes,
 )
+from .placement import spread
 from .planner import plan
 from .record import HOST_STATE_NOTES, Plan
-from .residency import DEFAULT_TILE, MIN_TILE, make_plan, spread, tile_choices
+from .residency import DEFAULT_TILE, MIN_TILE, make_plan, tile_choices
 from .steptime import Rates, dequant_seconds, layer_seconds, step_seconds
 
 __all__ = [

@@ -36,25 +36,17 @@ them again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from narrows.core import format_bytes
 
 from ..errors import BudgetTooSmallError
 from .memory import Shapes, graph_bytes, input_bytes, whole_bytes, work_bytes
+from .placement import most_resident
 from .record import HOST_STATE_NOTES, Plan
 from .steptime import Rates, step_seconds
 
-__all__ = ["DEFAULT_TILE", "MIN_TILE", "make_plan", "spread", "tile_choices"]
-
-
-def spread(count: int, total: int) -> tuple[int, ...]:
-    """`count` indices spread evenly over range(total)."""
-    if count <= 0:
-        return ()
-    if count >= total:
-        return tuple(range(total))
-    return tuple(sorted({int((i + 0.5) * total / count) for i in range(count)}))
+__all__ = ["DEFAULT_TILE", "MIN_TILE", "make_plan", "tile_choices"]
 
 
 MIN_TILE = 512  # tokens: below this a tile's matmuls stop using the device well
@@ -122,83 +114,23 @@ def make_plan(
         return _either(dict(locals()))
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
-    slab = max(layer_bytes)
-    a = input_bytes(shapes)
-    tokens = shapes.batch * shapes.seq
-
-    kept_whole = whole_bytes(shapes)
-
-    def saved(kept: int, whole: int = 0) -> int:  # kept inputs, two offloaded ones in flight, whole layers
-        return (kept - whole + min(2, n - kept)) * a + whole * kept_whole
-
-    def pool(t: int | None, whole: int) -> int:  # the graphs' pool, while any layer is graphed
-        return graph_bytes(shapes, t, reserved) if graphs and whole < n and device.startswith("cuda") else 0
-
-    def footprint(resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
-        return (
-            fixed_bytes
-            + saved(kept, whole)
-            + work_bytes(shapes, t)
-            + pool(t, whole)
-            + slabs * slab
-            + sum(layer_bytes[i] for i in resident)
-        )
-
-    least_kept = n if offload == "off" else 0
-    depth = prefetch
-    choices = tile_choices(tile, tokens, budget)
-    if budget is None:
-        resident, prefetch, kept, t = (), max(prefetch, 0), least_kept, choices[0]
-    elif footprint(tuple(range(n)), 0, 0 if offload == "all" else n, choices[0]) <= budget:
-        resident, prefetch, kept, t = tuple(range(n)), 0, 0 if offload == "all" else n, choices[0]
+    cost = _Footprint(layer_bytes, fixed_bytes, shapes, graphs and device.startswith("cuda"), reserved)
+    if budget is None:  # the smallest footprint: one slab beyond the prefetch, every input offloaded allowed
+        t = tile_choices(tile, shapes.batch * shapes.seq, None)[0]
+        resident, depth, kept = (), max(prefetch, 0), n if offload == "off" else 0
     else:
-        fitting = [c for c in choices if footprint((), 1, least_kept, c) <= budget]
-        if not fitting:
-            raise BudgetTooSmallError(_too_small(budget, footprint((), 1, least_kept, choices[-1]), slab, fixed_bytes,
-                                                 saved(least_kept), work_bytes(shapes, choices[-1]), offload, tile,
-                                                 footprint((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
-                                                 host_state))  # fmt: skip
-        t = fitting[0]
-        while prefetch > 0 and footprint((), prefetch + 1, least_kept, t) > budget:
-            prefetch -= 1
-        kept = least_kept
-        if offload == "auto":
-            while kept < n and footprint((), prefetch + 1, kept + 1, t) <= budget:
-                kept += 1
-        resident, depth = (), prefetch
+        resident, depth, kept, t = _floor(cost, budget, prefetch, offload, tile, host_state)
     whole: tuple[int, ...] = ()
     if budget is not None:
-        # residency against whole layers: each of the w whole layers (the last ones) is
-        # resident too; the rest of the budget buys resident layers, spread. The mix with
-        # the least predicted step time wins (ties: more resident).
-        allow = recompute == "auto" and t is None and kept == n
-        best = None
-        for w in range(n + 1 if allow else 1):
-            mix = _most_resident(w, n, disk, lambda r, w=w: footprint(r, depth + 1 if len(r) < n else 0,
-                                                                        kept, t, w) <= budget)  # fmt: skip
-            if mix is None:
-                break
-            key = (step_seconds(layer_bytes, shapes, len(mix), w, rates, graphs), -len(mix))
-            if best is None or key < best[0]:
-                best = key, mix, tuple(range(n - w, n))
-        if best is not None:
-            _, resident, whole = best
+        resident, whole = _mix(cost, budget, resident, depth, kept, t, recompute, disk, rates, graphs)
         prefetch = depth if len(resident) < n else 0
+    else:
+        prefetch = depth
     streamed = [i for i in range(n) if i not in set(resident)]
     slabs = prefetch + 1 if streamed else 0
     offloaded = tuple(range(n - kept))  # the first layers: the last ones' backward comes first
-    # each streamed layer is loaded for forward and again for backward, except the ones the
-    # pool still holds at the turns: the last layers at forward→backward, the first layers
-    # at backward→next forward (steady state of a training loop)
-    held = min(slabs, len(streamed))
-    kept_slabs = streamed[-held:] + streamed[:held] if held else []
-    moved_out = len(offloaded) * a
-    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept_slabs) + head_h2d_bytes
-    on_disk = set(disk)
-    disk_read = 2 * sum(layer_bytes[i] for i in streamed if i in on_disk) - sum(
-        layer_bytes[i] for i in kept_slabs if i in on_disk
-    )
-    host_act = len(offloaded) * _page(a)
+    moved = _transfers(layer_bytes, streamed, slabs, disk, len(offloaded) * input_bytes(shapes))
+    host_act = len(offloaded) * _page(input_bytes(shapes))
     return Plan(
         device=device,
         budget=budget,
@@ -207,26 +139,136 @@ def make_plan(
         pool_slabs=slabs,
         prefetch=prefetch if streamed else 0,
         fixed_bytes=fixed_bytes,
-        activation_bytes=saved(kept, len(whole)),
+        activation_bytes=cost.saved(kept, len(whole)),
         work_bytes=work_bytes(shapes, t),
-        predicted_peak=footprint(resident, slabs, kept, t, len(whole)),
-        h2d_bytes_per_step=h2d + moved_out,
-        disk=tuple(sorted(on_disk)),
-        disk_bytes_per_step=disk_read,
+        predicted_peak=cost.peak(resident, slabs, kept, t, len(whole)),
+        h2d_bytes_per_step=moved.h2d + head_h2d_bytes + moved.d2h,
+        disk=tuple(sorted(set(disk))),
+        disk_bytes_per_step=moved.disk,
         predicted_host_bytes=None if host_bytes is None else host_bytes + host_act,
         host_budget=host_budget,
         offloaded=offloaded,
         host_activation_bytes=host_act,
-        d2h_bytes_per_step=moved_out,
+        d2h_bytes_per_step=moved.d2h,
         tile_tokens=t,
         whole=whole,
         graphs=graphs,
-        graph_bytes=pool(t, len(whole)),
+        graph_bytes=cost.pool(t, len(whole)),
         step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
         reserved_bytes=reserved,
         host_state=host_state,
         head_h2d_bytes=head_h2d_bytes,
     )
+
+
+@dataclass(frozen=True)
+class _Footprint:
+    """The device peak of a candidate plan, from the memory formulas."""
+
+    layer_bytes: tuple[int, ...]
+    fixed: int
+    shapes: Shapes
+    graphed: bool  # graphs asked for on a CUDA device: their pool counts while any layer is graphed
+    reserved: int
+
+    @property
+    def n(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def slab(self) -> int:
+        return max(self.layer_bytes)
+
+    def saved(self, kept: int, whole: int = 0) -> int:
+        """Kept inputs, two offloaded ones in flight, and whole layers' activations."""
+        a = input_bytes(self.shapes)
+        return (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes)
+
+    def pool(self, t: int | None, whole: int) -> int:
+        """The graphs' pool, while any layer is graphed."""
+        return graph_bytes(self.shapes, t, self.reserved) if self.graphed and whole < self.n else 0
+
+    def peak(self, resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
+        return (
+            self.fixed
+            + self.saved(kept, whole)
+            + work_bytes(self.shapes, t)
+            + self.pool(t, whole)
+            + slabs * self.slab
+            + sum(self.layer_bytes[i] for i in resident)
+        )
+
+
+def _floor(cost: _Footprint, budget: int, prefetch: int, offload: str, tile: int | str | None,
+           host_state: str) -> tuple[tuple[int, ...], int, int, int | None]:  # fmt: skip
+    """``(resident, prefetch depth, kept inputs, tile)`` before the residency mix: every layer
+    resident if all fits; else the minimum (one slab, the inputs offloaded as allowed, the
+    largest tile that fits), then prefetch slabs and kept inputs as the budget allows.
+    Raises `BudgetTooSmallError` with what to change when even the minimum does not fit."""
+    n, shapes = cost.n, cost.shapes
+    tokens = shapes.batch * shapes.seq
+    least_kept = n if offload == "off" else 0
+    choices = tile_choices(tile, tokens, budget)
+    if cost.peak(tuple(range(n)), 0, 0 if offload == "all" else n, choices[0]) <= budget:
+        return tuple(range(n)), prefetch, 0 if offload == "all" else n, choices[0]
+    fitting = [c for c in choices if cost.peak((), 1, least_kept, c) <= budget]
+    if not fitting:
+        raise BudgetTooSmallError(_too_small(budget, cost.peak((), 1, least_kept, choices[-1]), cost.slab, cost.fixed,
+                                             cost.saved(least_kept), work_bytes(shapes, choices[-1]), offload, tile,
+                                             cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
+                                             host_state))  # fmt: skip
+    t = fitting[0]
+    while prefetch > 0 and cost.peak((), prefetch + 1, least_kept, t) > budget:
+        prefetch -= 1
+    kept = least_kept
+    if offload == "auto":
+        while kept < n and cost.peak((), prefetch + 1, kept + 1, t) <= budget:
+            kept += 1
+    return (), prefetch, kept, t
+
+
+def _mix(cost: _Footprint, budget: int, resident: tuple[int, ...], depth: int, kept: int, t: int | None,
+         recompute: str, disk: Sequence[int], rates: Rates | None,
+         graphs: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    """``(resident, whole)``: residency against whole layers. Each of the w whole layers (the
+    last ones) is resident too; the rest of the budget buys resident layers, spread. The
+    mix with the least predicted step time wins (ties: more resident)."""
+    n = cost.n
+    allow = recompute == "auto" and t is None and kept == n
+    best = None
+    for w in range(n + 1 if allow else 1):
+        mix = most_resident(w, n, disk, lambda r, w=w: cost.peak(r, depth + 1 if len(r) < n else 0,
+                                                                   kept, t, w) <= budget)  # fmt: skip
+        if mix is None:
+            break
+        key = (step_seconds(cost.layer_bytes, cost.shapes, len(mix), w, rates, graphs), -len(mix))
+        if best is None or key < best[0]:
+            best = key, mix, tuple(range(n - w, n))
+    if best is None:
+        return resident, ()
+    return best[1], best[2]
+
+
+@dataclass(frozen=True)
+class _Moved:
+    h2d: int  # frozen layers copied to the device a step
+    disk: int  # of them, read from the disk tier
+    d2h: int  # saved inputs offloaded to host memory (and copied back: counted in h2d too)
+
+
+def _transfers(layer_bytes: tuple[int, ...], streamed: list[int], slabs: int, disk: Sequence[int],
+               moved_out: int) -> _Moved:  # fmt: skip
+    """Each streamed layer is loaded for forward and again for backward, except the ones
+    the pool still holds at the turns: the last layers at forward→backward, the first
+    layers at backward→next forward (steady state of a training loop)."""
+    held = min(slabs, len(streamed))
+    kept_slabs = streamed[-held:] + streamed[:held] if held else []
+    on_disk = set(disk)
+    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept_slabs)
+    disk_read = 2 * sum(layer_bytes[i] for i in streamed if i in on_disk) - sum(
+        layer_bytes[i] for i in kept_slabs if i in on_disk
+    )
+    return _Moved(h2d, disk_read, moved_out)
 
 
 def _either(args: dict) -> Plan:
@@ -269,31 +311,3 @@ def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, wor
         f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
         f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
     )
-
-
-def _most_resident(whole: int, n: int, disk: Sequence[int], fits) -> tuple[int, ...] | None:
-    """The largest resident set holding the last `whole` layers that `fits` (None if even
-    those alone do not): the whole layers plus resident layers chosen among the others."""
-    tail = tuple(range(n - whole, n))
-    if fits(tuple(range(n))):
-        return tuple(range(n))  # no streamed layer left: no device slabs either
-    if not fits(tail):
-        return None
-    head_disk = [i for i in disk if i < n - whole]  # disk layers among the ones not whole
-    lo, hi = 0, n - whole - 1  # binary search: below all-resident, fits() is monotone
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(_choose(mid, n - whole, head_disk) + tail):
-            lo = mid
-        else:
-            hi = mid - 1
-    return _choose(lo, n - whole, head_disk) + tail
-
-
-def _choose(count: int, n: int, disk: Sequence[int]) -> tuple[int, ...]:
-    """`count` resident layers: disk-tier layers first (spread among them), then the rest."""
-    disk = sorted(disk)
-    if count <= len(disk):
-        return tuple(sorted(disk[i] for i in spread(count, len(disk))))
-    others = [i for i in range(n) if i not in set(disk)]
-    return tuple(sorted(disk + [others[i] for i in spread(count - len(disk), len(others))]))
