@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .memory import Shapes
+if TYPE_CHECKING:
+    from .memory import Shapes
 
 __all__ = ["Rates", "dequant_seconds", "layer_seconds", "step_seconds"]
 
