@@ -249,7 +249,7 @@ def me(args: argparse.Namespace, case: str, folder: Path, **kw: str) -> list[str
 
 def disk_bandwidth(path: Path, nbytes: int = 4 * GIB) -> float:
     """Sequential O_DIRECT read bandwidth of the file system holding `path` (bytes/s)."""
-    from narrows.stream.tiers import _aligned_pinned
+    from narrows.stream.tiers import aligned_pinned
 
     probe = path / "probe.bin"
     with open(probe, "wb") as f:
@@ -257,7 +257,7 @@ def disk_bandwidth(path: Path, nbytes: int = 4 * GIB) -> float:
         for _ in range(nbytes // len(block)):
             f.write(block)
         os.fsync(f.fileno())
-    buf = _aligned_pinned(64 << 20, True)
+    buf = aligned_pinned(64 << 20, True)
     fd = os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     t, got = time.perf_counter(), 0
     while (k := os.preadv(fd, [memoryview(buf.numpy())], got)) > 0:

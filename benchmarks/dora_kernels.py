@@ -50,7 +50,7 @@ def copy_bandwidth() -> float:
 
 
 def compose_shape(dname: str, m: int, n: int, reps: int, bandwidth: float) -> dict:
-    from narrows.dora.compose import _backward_eager, _backward_inner_eager, _formula, _formula_dual
+    from narrows.dora.compose import backward_eager, backward_inner_eager, formula, formula_dual
     from narrows.dora.kernels import (
         compose_backward,
         compose_backward_inner,
@@ -65,9 +65,9 @@ def compose_shape(dname: str, m: int, n: int, reps: int, bandwidth: float) -> di
     grad = torch.randn(m, n, device="cuda").to(dtype)
     size = base.element_size() * m * n
     r: dict = {"dtype": dname, "rows": m, "d_out": n}
-    r["fwd_eager_ms"] = median_ms(lambda: _formula(base, lora, g, 0.5), reps)
+    r["fwd_eager_ms"] = median_ms(lambda: formula(base, lora, g, 0.5), reps)
     r["fwd_fused_ms"] = median_ms(lambda: compose_forward(base, lora, g, 0.5), reps)
-    r["bwd_eager_ms"] = median_ms(lambda: _backward_eager(grad, base, lora, g, 0.5), reps)
+    r["bwd_eager_ms"] = median_ms(lambda: backward_eager(grad, base, lora, g, 0.5), reps)
     r["bwd_fused_ms"] = median_ms(lambda: compose_backward(grad, base, lora, g, 0.5), reps)
     r["fwd_speedup"] = r["fwd_eager_ms"] / r["fwd_fused_ms"]
     r["bwd_speedup"] = r["bwd_eager_ms"] / r["bwd_fused_ms"]
@@ -76,9 +76,9 @@ def compose_shape(dname: str, m: int, n: int, reps: int, bandwidth: float) -> di
     r["bwd_fused_bw_frac"] = 5 * size / (r["bwd_fused_ms"] / 1e3) / bandwidth
     # the training tier: forward writes out and inner; backward reads grad and inner
     inner = compose_forward_dual(base, lora, g, 0.5)[1]
-    r["train_fwd_eager_ms"] = median_ms(lambda: _formula_dual(base, lora, g, 0.5), reps)
+    r["train_fwd_eager_ms"] = median_ms(lambda: formula_dual(base, lora, g, 0.5), reps)
     r["train_fwd_fused_ms"] = median_ms(lambda: compose_forward_dual(base, lora, g, 0.5), reps)
-    r["train_bwd_eager_ms"] = median_ms(lambda: _backward_inner_eager(grad, inner, g, 0.5, lora.dtype), reps)
+    r["train_bwd_eager_ms"] = median_ms(lambda: backward_inner_eager(grad, inner, g, 0.5, lora.dtype), reps)
     r["train_bwd_fused_ms"] = median_ms(lambda: compose_backward_inner(grad, inner, g, 0.5, lora.dtype), reps)
     r["train_fwd_speedup"] = r["train_fwd_eager_ms"] / r["train_fwd_fused_ms"]
     r["train_bwd_speedup"] = r["train_bwd_eager_ms"] / r["train_bwd_fused_ms"]

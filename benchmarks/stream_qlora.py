@@ -15,9 +15,9 @@ whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=Tru
 graphs="auto"; without either suffix graphs=False; the library defaults to "auto"), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
 "-hostopt": AdamW state in host memory, each layer updated when its gradients are complete;
-"-hostadapters": that and the adapter parameters in host memory too (offload_adapters=True);
-"-held": each layer's NF4 weights dequantised once per pass, dequantize_once=True, "-noheld"
-False, neither: the library's "auto"; step-<size> plans with reserve=step_mode_reserve(...));
+"-hostadapters": that and the adapter parameters in host memory too (host_state="adapters");
+"-held": each layer's NF4 weights dequantised once per pass, hold_weights=True, "-noheld"
+False, neither: the library's "auto"; step modes plan with grad_accum and step_mode=True);
 "-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
 cast of an input shared by Q/K/V or gate/up made and saved once);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
@@ -147,16 +147,14 @@ def run_one(args: argparse.Namespace) -> dict:
     if mode.startswith(("stream", "step")):
         budget = None if parts[1] == "min" else parts[1]
         head = "stream" if "head" in parts else "resident"
-        # a step mode with a budget leaves room for its held weights and layer boundaries, and (block-major
-        # recomputes every layer) keeps no layer whole, as narrows finetune does
-        reserve = (
-            ns.step_mode_reserve(model, args.grad_accum, seq_len=args.seq)
-            if parts[0] == "step" and budget
-            else 0
-        )
-        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head, reserve=reserve,
+        # a step mode plans for its G micro-batches: room for its held weights and layer boundaries, and
+        # (block-major recomputes every layer) no layer whole, as narrows finetune does
+        step = parts[0] == "step"
+        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
+                  grad_accum=args.grad_accum if step else 1, step_mode=True if step else "auto",
+                  hold_weights=True if "held" in parts else False if "noheld" in parts else "auto",
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
-                  recompute="all" if "recompute" in parts or parts[0] == "step" else "auto",
+                  recompute="all" if "recompute" in parts or step else "auto",
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
                   host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none")  # fmt: skip
         plan = model.narrows_stream.plan
@@ -185,14 +183,7 @@ def run_one(args: argparse.Namespace) -> dict:
 
     g = args.grad_accum
     trainer = (
-        ns.StepTrainer(
-            model,
-            opt,
-            grad_accum=g,
-            offload_optimizer="hostopt" in parts or "hostadapters" in parts,
-            offload_adapters="hostadapters" in parts,
-            dequantize_once=True if "held" in parts else False if "noheld" in parts else "auto",
-        )
+        ns.StepTrainer(model, opt, grad_accum=g)  # host state and held weights: the plan's
         if mode.startswith("step")
         else None
     )
@@ -274,7 +265,7 @@ def run_one(args: argparse.Namespace) -> dict:
             graphs_choice=plan.graphs_choice,
         )
         if trainer is not None:
-            out["dequantize_once"] = trainer.held_choice
+            out["hold_weights"] = trainer.held_choice
             out["head_group"] = trainer.head_group  # micro-batches per pass over a streamed head
         graphs = model.narrows_stream.graphs
         if graphs is not None:  # replays use the graphs' pool, which the allocator's peak does not see

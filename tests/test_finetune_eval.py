@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from narrows.core.finetune import FinetuneConfig
-from narrows.core.finetune.build import _apply_lmhead
+from narrows.core.finetune.build import apply_lmhead
 from narrows.core.finetune.evaluate import eval_row
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
@@ -21,7 +21,7 @@ def test_the_jobs_evaluation_takes_the_chunked_loss_and_gives_the_models_own():
     batch = tiny_batch()
     with torch.no_grad():
         own = model.eval()(**batch)
-    _apply_lmhead(FinetuneConfig(lmhead="auto"), model)
+    apply_lmhead(FinetuneConfig(lmhead="auto"), model)
     with torch.no_grad():
         job = model.eval()(**batch)
     assert own.logits is not None and job.logits is None  # no logits built

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from narrows.core.cli import main
-from narrows.core.testing import tiny_model, tiny_model_folder, write_jsonl
+from narrows.core.testing import tiny_model_folder, write_jsonl
 
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
 BUDGET = "1100KiB"  # every layer of the tiny model streamed (the minimum is 1.03 MiB)
@@ -91,8 +91,9 @@ def test_the_predictions_choice_drives_the_loop_and_a_refusal_falls_back(tmp_pat
     refuses the model; asked for with --step-mode, the refusal stands."""
     import narrows.stream as ns
     from narrows.stream import stepmode
+    from narrows.stream.planning import accumulation
 
-    monkeypatch.setattr(ns, "choose_step_mode", lambda model, g, world_size=1: (True, "block-major (stub)"))
+    monkeypatch.setattr(accumulation, "choose_step_mode", lambda model, g, **kw: (True, "block-major (stub)"))
     assert run(tmp_path, "resident") == 0
     assert run(tmp_path, "chosen", "--gpu-budget", BUDGET) == 0
     reference = result(tmp_path, "resident")
@@ -187,69 +188,12 @@ def test_bad_step_mode_flags_are_refused_before_loading(tmp_path, capsys, flags,
     assert not (tmp_path / "run").exists()
 
 
-def test_the_job_reserves_room_for_step_mode_only_where_block_major_will_run(monkeypatch):
-    """Where the job chooses, the plan keeps step mode's room only if that plan would run
-    block-major; otherwise the room goes to the sequential steps. Asked for, it is kept;
-    room that does not fit the budget leaves sequential steps within it."""
-    import narrows.stream as ns
-    from narrows.core.finetune.build import _step_mode_room
-    from narrows.core.finetune.config import FinetuneConfig
-    from narrows.core.testing import with_adapter
-
-    model = with_adapter(tiny_model("llama"), "lora")
-    cuda = torch.device("cuda", 0)
-    kw = dict(device="cpu", batch_size=2, seq_len=32)
-    cfg = FinetuneConfig(grad_accum=3, batch=2, seq_len=32)
-    need = ns.step_mode_reserve(model, 3, batch_size=2, seq_len=32)
-    budget = ns.plan(model, None, **kw).predicted_peak + 2 * need
-    judged = []
-
-    def choose(answer):
-        def judge(model, g, *, world_size=1, plan=None, **kwargs):
-            judged.append(plan.reserved_bytes)
-            return answer, "stub"
-
-        monkeypatch.setattr(ns, "choose_step_mode", judge)
-
-    room = {"reserve": need, "recompute": "all"}  # block-major keeps no layer whole
-    choose(True)
-    assert _step_mode_room(cfg, model, ns.StreamConfig(budget, **kw), cuda, 1) == room and judged == [need]
-    choose(False)
-    assert _step_mode_room(cfg, model, ns.StreamConfig(budget, **kw), cuda, 1) == {}
-    asked = dataclasses.replace(cfg, step_mode=True)
-    assert _step_mode_room(asked, model, ns.StreamConfig(budget, **kw), cuda, 1) == room and len(judged) == 2
-    assert (
-        _step_mode_room(
-            dataclasses.replace(cfg, step_mode=False), model, ns.StreamConfig(budget, **kw), cuda, 1
-        )
-        == {}
-    )
-    assert _step_mode_room(cfg, model, ns.StreamConfig(budget, **kw), torch.device("cpu"), 1) == {}
-    choose(True)
-    lo, hi = 1, budget  # the smallest budget that streams: then the room does not fit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        try:
-            ns.plan(model, mid, **kw)
-            hi = mid
-        except ns.BudgetTooSmallError:
-            lo = mid
-    tight = hi + need // 2
-    assert _step_mode_room(cfg, model, ns.StreamConfig(tight, **kw), cuda, 1) == {}
-    assert (
-        _step_mode_room(asked, model, ns.StreamConfig(tight, **kw), cuda, 1) == room
-    )  # asked for: streaming then says it is too small
-    with pytest.raises(ns.BudgetTooSmallError):
-        ns.plan(model, tight, reserve=need, **kw)
-
-
 def test_moe_router_logits_keep_the_job_in_sequence_or_stop_it_when_asked(tmp_path, monkeypatch, capsys):
     """A MoE base with its router's aux loss on (qwen2_moe, output_router_logits=True): step
     mode cannot collect the router logits. Chosen by the job (stubbed: a CPU never gets
     it), StepTrainer refuses when built and the run goes on in sequence, saying why — the
     same numbers as the resident loop; asked for with --step-mode, it stops with the
     reason. (It used to die with an IndexError inside transformers' load-balancing loss.)"""
-    import narrows.stream as ns
 
     model = tiny_model_folder(tmp_path / "moe", "qwen2_moe", output_router_logits=True)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
@@ -260,7 +204,9 @@ def test_moe_router_logits_keep_the_job_in_sequence_or_stop_it_when_asked(tmp_pa
                      "--no-progress", "--out", str(tmp_path / name), *extra])  # fmt: skip
 
     assert moe("resident") == 0
-    monkeypatch.setattr(ns, "choose_step_mode", lambda model, g, world_size=1: (True, "block-major (stub)"))
+    from narrows.stream.planning import accumulation
+
+    monkeypatch.setattr(accumulation, "choose_step_mode", lambda model, g, **kw: (True, "block-major (stub)"))
     capsys.readouterr()
     assert moe("chosen", "--gpu-budget", "1300KiB") == 0  # every layer streamed (the minimum is 1.23 MiB)
     err = capsys.readouterr().err
@@ -280,18 +226,21 @@ def test_the_jobs_flags_map_to_one_stream_config():
     import narrows.stream as ns
     from narrows.core.finetune.build import stream_config
     from narrows.core.finetune.config import FinetuneConfig
-    from narrows.core.testing import with_adapter
 
-    model = with_adapter(tiny_model("llama"), "lora")
     cpu = torch.device("cpu")
     cfg = FinetuneConfig(gpu_budget="3GiB", batch=2, seq_len=32)
-    got = stream_config(cfg, model, cpu)
+    got = stream_config(cfg, cpu)
     assert got == ns.StreamConfig(gpu_budget=3 * 2**30, device=cpu, batch_size=2, seq_len=32)
-    assert (got.graphs, got.seq_tile, got.host_state, got.reserve) == ("auto", None, "none", 0)
+    assert (got.graphs, got.seq_tile, got.host_state, got.step_mode, got.grad_accum) == (
+        "auto",
+        None,
+        "none",
+        "auto",
+        1,
+    )
     told = dataclasses.replace(cfg, gpu_budget="fit", seq_tile="1024", cuda_graphs=False, offload_optimizer=True,
                                offload_adapters=True, step_mode=True)  # fmt: skip
-    got = stream_config(told, model, cpu)
+    got = stream_config(dataclasses.replace(told, grad_accum=4), cpu, world_size=2)
     assert (got.gpu_budget, got.seq_tile, got.graphs, got.host_state) == ("fit", 1024, False, "adapters")
-    assert (
-        stream_config(dataclasses.replace(told, offload_adapters=False), model, cpu).host_state == "optimizer"
-    )
+    assert (got.grad_accum, got.step_mode, got.world_size) == (4, True, 2)
+    assert stream_config(dataclasses.replace(told, offload_adapters=False), cpu).host_state == "optimizer"

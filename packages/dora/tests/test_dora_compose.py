@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from narrows.dora import compose, fused_reason
-from narrows.dora.compose import _backward_eager, _compose_op, _formula
+from narrows.dora.compose import _compose_op, backward_eager, formula
 
 
 def case(shape=(3, 5, 48), dtype=torch.bfloat16, seed=0):
@@ -21,10 +21,10 @@ def case(shape=(3, 5, 48), dtype=torch.bfloat16, seed=0):
 def test_op_forward_and_backward_equal_the_eager_formula(dtype):
     base, lora, g = case(dtype=dtype)
     out = compose(base, lora, g, 0.5)
-    assert torch.equal(out, _formula(base, lora, g, 0.5))
+    assert torch.equal(out, formula(base, lora, g, 0.5))
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (base, lora, g), grad)
-    want = _backward_eager(grad, base.detach(), lora.detach(), g.detach(), 0.5)
+    want = backward_eager(grad, base.detach(), lora.detach(), g.detach(), 0.5)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -69,18 +69,18 @@ def test_the_tier1_references_agree_with_the_eager_formula(dtype):
     """The dual-output forward and the backward from `inner` (the references of tier 1's
     kernels): the same output and activation gradients bit for bit; the magnitude gradient
     from `inner` differs only by `inner`'s rounding to the activation dtype."""
-    from narrows.dora.compose import _backward_eager, _backward_inner_eager, _formula, _formula_dual
+    from narrows.dora.compose import backward_eager, backward_inner_eager, formula, formula_dual
 
     g0 = torch.Generator().manual_seed(1)
     base = torch.randn(3, 50, 96, generator=g0).to(dtype)
     lora = torch.randn(3, 50, 96, generator=g0).to(dtype)
     g = 1 + 0.01 * torch.randn(96, generator=g0)
     go = torch.randn(3, 50, 96, generator=g0).to(dtype)
-    out, inner = _formula_dual(base, lora, g, 0.3)
-    assert torch.equal(out, _formula(base, lora, g, 0.3)) and inner.dtype == dtype
+    out, inner = formula_dual(base, lora, g, 0.3)
+    assert torch.equal(out, formula(base, lora, g, 0.3)) and inner.dtype == dtype
     assert torch.equal(inner, (0.3 * lora.float() + base.float()).to(dtype))
-    d_base, d_lora, d_g = _backward_inner_eager(go, inner, g, 0.3, dtype)
-    e_base, e_lora, _ = _backward_eager(go, base, lora, g, 0.3)
+    d_base, d_lora, d_g = backward_inner_eager(go, inner, g, 0.3, dtype)
+    e_base, e_lora, _ = backward_eager(go, base, lora, g, 0.3)
     assert torch.equal(d_base, e_base) and torch.equal(d_lora, e_lora)
     ref = (go.double() * (base.double() + 0.3 * lora.double())).sum((0, 1))
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]

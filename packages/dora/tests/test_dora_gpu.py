@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from narrows.dora import compose, fused_reason
-from narrows.dora.compose import _backward_eager, _formula
+from narrows.dora.compose import backward_eager, formula
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +33,7 @@ def test_forward_kernel_equals_eager_bitwise_and_writes_everything(shape, dtype)
     base, lora, g = case(shape, dtype)
     out = compose_forward(base, lora, g, 0.37, out=poisoned(base))
     assert not out.isnan().any()
-    assert torch.equal(out, _formula(base, lora, g, 0.37))
+    assert torch.equal(out, formula(base, lora, g, 0.37))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -44,7 +44,7 @@ def test_backward_kernel_against_eager(shape, dtype):
     base, lora, g = case(shape, dtype)
     grad = torch.randn(shape, device="cuda").to(dtype)
     d_base, d_lora, d_g = compose_backward(grad, base, lora, g, 0.37, outs=(poisoned(base), poisoned(lora)))
-    e_base, e_lora, e_g = _backward_eager(grad, base, lora, g, 0.37)
+    e_base, e_lora, e_g = backward_eager(grad, base, lora, g, 0.37)
     assert not (d_base.isnan().any() or d_lora.isnan().any())
     assert torch.equal(d_base, e_base) and torch.equal(d_lora, e_lora)
     torch.testing.assert_close(d_g, e_g, rtol=1e-5, atol=1e-5 * e_g.abs().max().item())  # summation order
@@ -88,18 +88,18 @@ MIXED = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torc
 @pytest.mark.parametrize("dtypes", MIXED)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_dual_forward_and_inner_backward_kernels_equal_their_references(shape, dtypes):
-    from narrows.dora.compose import _backward_inner_eager, _formula_dual
+    from narrows.dora.compose import backward_inner_eager, formula_dual
     from narrows.dora.kernels import compose_backward_inner, compose_forward_dual
 
     base, lora, g = case(shape, dtypes[0])
     lora = lora.to(dtypes[1])  # PEFT's fp32 adapter beside a bf16 base
     out, inner = compose_forward_dual(base, lora, g, 0.37, outs=(poisoned(base), poisoned(base)))
-    e_out, e_inner = _formula_dual(base, lora, g, 0.37)
+    e_out, e_inner = formula_dual(base, lora, g, 0.37)
     assert not (out.isnan().any() or inner.isnan().any())
     assert torch.equal(out, e_out) and torch.equal(inner, e_inner)
     grad = torch.randn(shape, device="cuda").to(dtypes[0])
     got = compose_backward_inner(grad, inner, g, 0.37, dtypes[1], outs=(poisoned(base), poisoned(lora)))
-    ref = _backward_inner_eager(grad, inner, g, 0.37, dtypes[1])
+    ref = backward_inner_eager(grad, inner, g, 0.37, dtypes[1])
     assert not (got[0].isnan().any() or got[1].isnan().any())
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[1].dtype == dtypes[1]
     torch.testing.assert_close(got[2], ref[2], rtol=1e-5, atol=1e-5 * ref[2].abs().max().item())

@@ -4,14 +4,13 @@ faster, sequential otherwise, each time with the reason; and the model's two pri
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import pytest
 import torch
 from helpers import build
 
 import narrows.stream as ns
-from narrows.stream.plan import Shapes, dequant_seconds, step_seconds
+from narrows.stream.planning import Shapes, dequant_seconds, step_seconds
 
 G = 4
 
@@ -45,7 +44,7 @@ def test_a_transfer_bound_plan_runs_block_major_and_says_why(on_cuda):
 
 @pytest.mark.parametrize(("block", "chosen"), [(0.97, False), (0.9, True)])
 def test_block_major_must_be_predicted_five_percent_faster(on_cuda, monkeypatch, block, chosen):
-    from narrows.stream import accumulation
+    from narrows.stream.planning import accumulation
 
     monkeypatch.setattr(
         accumulation, "step_seconds", lambda *a, block_major=False, **k: block if block_major else 1.0
@@ -131,11 +130,11 @@ def _plan(**kw):
     [
         ({"reserved_bytes": 100}, 100, G, "auto", True, "on: "),
         ({"budget": 1100}, 100, G, "auto", True, "on: "),
-        ({"budget": 1099}, 100, G, "auto", False, "stream with reserve=step_mode_reserve(model)"),
+        ({"budget": 1099}, 100, G, "auto", False, "stream with grad_accum=G to plan the room"),
         ({}, 100, G, "auto", False, "no budget"),
         ({"reserved_bytes": 100}, 100, 1, "auto", False, "one micro-batch"),
         ({}, 100, 1, True, True, "on: "),
-        ({"reserved_bytes": 100}, 100, G, False, False, "dequantize_once=False"),
+        ({"reserved_bytes": 100}, 100, G, False, False, "hold_weights=False"),
         ({"reserved_bytes": 100}, 0, G, True, False, "no 4-bit weights"),
     ],
 )
@@ -155,7 +154,7 @@ def test_a_reserve_is_left_free_within_the_budget():
     assert kept.reserved_bytes == reserve and kept.fixed_bytes == without.fixed_bytes + reserve
     assert kept.predicted_peak <= budget
     assert (len(kept.resident), len(kept.whole)) < (len(without.resident), len(without.whole))
-    assert "reserved: step mode's dequantised weights" in str(kept)
+    assert "reserved: step mode's room, or the caller's" in str(kept)
     with pytest.raises(ns.StreamSetupError, match="reserve"):
         ns.plan(model, budget, device="cpu", reserve=-1)
 
@@ -190,7 +189,7 @@ def test_block_major_needs_room_for_the_layer_boundaries(on_cuda, monkeypatch):
     full = dataclasses.replace(handle.plan, budget=handle.plan.predicted_peak)
     monkeypatch.setattr(handle, "plan", full)
     use, why = ns.choose_step_mode(model, G, host_available=1 << 40)
-    assert not use and f"keeps {G + 1} layer boundaries" in why and "reserve=step_mode_reserve" in why
+    assert not use and f"keeps {G + 1} layer boundaries" in why and f"grad_accum={G} to plan that room" in why
     monkeypatch.setattr(handle, "plan", dataclasses.replace(full, reserved_bytes=boundaries))
     assert ns.choose_step_mode(model, G, host_available=1 << 40)[0]
     monkeypatch.setattr(handle, "plan", dataclasses.replace(full, reserved_bytes=boundaries - 1))
@@ -208,11 +207,11 @@ def test_resident_layers_run_block_major_where_their_4bit_weights_are_held(on_cu
     them (room in the budget) is predicted faster. Twins: the same plan with layers kept
     whole, or a float base, stays sequential."""
     pytest.importorskip("bitsandbytes")
-    planning = sys.modules["narrows.stream.plan"]  # the module (the package exports a function of that name)
+    from narrows.stream.planning import steptime
 
     # the tiny model's layers are mostly norms and quantisation constants (a byte per
     # parameter): price their dequantisation as a real model's
-    monkeypatch.setattr(planning, "dequant_seconds", lambda nbytes, s: 1e-6)
+    monkeypatch.setattr(steptime, "dequant_seconds", lambda nbytes, s: 1e-6)
     model = build(num_hidden_layers=3, base="nf4")
     ns.stream(model, "fit", device="cpu", batch_size=2, seq_len=12, recompute="all")
     assert not model.narrows_stream.plan.streamed and not model.narrows_stream.plan.whole
@@ -226,3 +225,63 @@ def test_resident_layers_run_block_major_where_their_4bit_weights_are_held(on_cu
     plain = streamed("fit", recompute="all")
     use, why = ns.choose_step_mode(on_cuda(plain), G, host_available=1 << 40)
     assert not use and why.endswith(": every layer resident)"), why
+
+
+def test_the_plan_reserves_room_for_step_mode_only_where_block_major_will_run(monkeypatch):
+    """With G micro-batches a step the planner decides the accumulation once: the plan
+    with step mode's room (held weights and layer boundaries; no layer whole) is kept
+    where block-major is chosen, else the plan for sequential steps. Asked for, the room
+    is kept; room that does not fit the budget leaves sequential steps within it. The
+    plan records the choice and its reason."""
+    from narrows.stream.planning import accumulation
+
+    model = build(num_hidden_layers=3)
+    kw = dict(device="cuda:0", batch_size=2, seq_len=32)  # planned for a GPU: no GPU needed
+    need = ns.step_mode_reserve(model, 3, batch_size=2, seq_len=32)
+    budget = ns.plan(model, None, **kw).predicted_peak + 2 * need
+    judged = []
+
+    def choose(answer):
+        def judge(model, g, *, world_size=1, plan=None, **kwargs):
+            judged.append(plan.reserved_bytes)
+            return answer, f"{'block-major' if answer else 'sequential'} (stub)"
+
+        monkeypatch.setattr(accumulation, "choose_step_mode", judge)
+
+    choose(True)
+    chosen = ns.plan(model, budget, grad_accum=3, **kw)
+    assert judged == [need] and chosen.reserved_bytes == need and not chosen.whole
+    assert (chosen.accumulation, chosen.accumulation_choice, chosen.grad_accum) == (
+        "block-major",
+        "block-major (stub)",
+        3,
+    )
+    assert "block-major (stub)" in str(chosen)
+    choose(False)
+    declined = ns.plan(model, budget, grad_accum=3, **kw)
+    base = ns.plan(model, budget, **kw)  # the plan for sequential steps, the choice recorded on it
+    assert declined == dataclasses.replace(base, grad_accum=3, accumulation_choice="sequential (stub)")
+    asked = ns.plan(model, budget, grad_accum=3, step_mode=True, **kw)
+    assert asked.reserved_bytes == need and asked.accumulation == "block-major" and len(judged) == 2
+    off = ns.plan(model, budget, grad_accum=3, step_mode=False, **kw)
+    assert (
+        off.reserved_bytes == 0 and off.accumulation_choice == "sequential (step mode off: step_mode=False)"
+    )
+    on_cpu = ns.plan(model, budget, grad_accum=3, step_mode=True, **{**kw, "device": "cpu"})
+    assert (
+        on_cpu.reserved_bytes == 0 and on_cpu.accumulation == "block-major"
+    )  # no device budget to leave room in
+    choose(True)
+    lo, hi = 1, budget  # the smallest budget that streams: then the room does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            ns.plan(model, mid, **kw)
+            hi = mid
+        except ns.BudgetTooSmallError:
+            lo = mid
+    tight = hi + need // 2
+    squeezed = ns.plan(model, tight, grad_accum=3, **kw)
+    assert squeezed.accumulation == "sequential" and "does not fit the budget" in squeezed.accumulation_choice
+    with pytest.raises(ns.BudgetTooSmallError):  # asked for: the budget is too small, said so
+        ns.plan(model, tight, grad_accum=3, step_mode=True, **kw)

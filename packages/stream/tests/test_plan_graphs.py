@@ -13,9 +13,10 @@ from helpers import build
 
 import narrows.stream as ns
 from narrows.core import anatomy_of
-from narrows.stream.errors import BudgetTooSmallError
+from narrows.stream import StreamConfig
+from narrows.stream.errors import BudgetTooSmallError, StreamSetupError
 from narrows.stream.graphs import DEFAULT_SHAPES
-from narrows.stream.plan import (
+from narrows.stream.planning import (
     Rates,
     Shapes,
     graph_bytes,
@@ -128,8 +129,8 @@ def test_auto_takes_graphs_where_the_model_predicts_them_faster():
     ).predicted_peak
     tight = auto(floor)
     assert not tight.graphs and "does not fit" in tight.graphs_choice
-    with pytest.raises(ValueError, match="graphs='yes'"):
-        make_plan([NF4_LAYER], fixed_bytes=0, shapes=shapes, budget=None, device="cuda", graphs="yes")
+    with pytest.raises(StreamSetupError, match="graphs='yes'"):  # validated once, in the config
+        StreamConfig(graphs="yes")
 
 
 def test_auto_never_trades_tiling_for_graphs():

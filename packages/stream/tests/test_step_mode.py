@@ -6,7 +6,6 @@ fault-injected twin that proves it can fail."""
 from __future__ import annotations
 
 import functools
-import sys
 
 import pytest
 import torch
@@ -181,10 +180,11 @@ def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):
 def test_without_the_end_state_check_wrong_predictions_change_training(monkeypatch):
     """The twin of the above with the check disabled too: training differs — so the
     check is what keeps the run exact."""
-    from narrows.stream import rngplan, stepmode
+    from narrows.stream import rngplan
+    from narrows.stream.stepmode import blockmajor
 
     monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
-    monkeypatch.setattr(stepmode, "same_state", lambda a, b: True)
+    monkeypatch.setattr(blockmajor, "same_state", lambda a, b: True)
     _, stats, got = stepped(dropout=0.05)
     assert stats[1].mode == "block-major"
     with pytest.raises(AssertionError):
@@ -196,9 +196,9 @@ def test_dropping_the_per_layer_rng_replay_changes_training(monkeypatch):
     dropout masks, and the gradients differ."""
     from contextlib import nullcontext
 
-    from narrows.stream import stepmode
+    from narrows.stream.stepmode import blockmajor
 
-    monkeypatch.setattr(stepmode, "replay", lambda state: nullcontext())
+    monkeypatch.setattr(blockmajor, "replay", lambda state: nullcontext())
     _, _, got = stepped(dropout=0.05)
     with pytest.raises(AssertionError):
         assert_identical(resident(dropout=0.05), got)
@@ -262,11 +262,11 @@ class _Dequantizations(TorchDispatchMode):
 @pytest.mark.bnb
 @pytest.mark.parametrize("graphs", [False, True])
 def test_nf4_weights_dequantised_once_per_pass(graphs):
-    """dequantize_once=True: each layer's 4-bit weights are dequantised once for the
+    """hold_weights=True: each layer's 4-bit weights are dequantised once for the
     forward of all G micro-batches and once for their backward (2 per linear a step, not
     3·G), and training is still identical (graphs=True on the CPU: their buffer path)."""
     pytest.importorskip("bitsandbytes")
-    model, stats, got = stepped(dropout=0.0, base="nf4", graphs=graphs, trainer={"dequantize_once": True})
+    model, stats, got = stepped(dropout=0.0, base="nf4", graphs=graphs, hold_weights=True)
     assert all(s.mode == "block-major" for s in stats)
     assert_identical(resident(dropout=0.0, base="nf4"), got)
     trainer = model.narrows_step_trainer
@@ -290,13 +290,13 @@ def test_a_wrong_held_copy_changes_training(monkeypatch):
 
     real = bnbf.dequantize_4bit
     monkeypatch.setattr(bnbf, "dequantize_4bit", lambda *a, **k: real(*a, **k).zero_())
-    _, _, got = stepped(dropout=0.0, base="nf4", trainer={"dequantize_once": True})
+    _, _, got = stepped(dropout=0.0, base="nf4", hold_weights=True)
     with pytest.raises(AssertionError):
         assert_identical(resident(dropout=0.0, base="nf4"), got)
 
 
 @pytest.mark.bnb
-def test_dequantize_once_auto_needs_room_in_the_budget():
+def test_hold_weights_auto_needs_room_in_the_budget():
     """ "auto" holds only with a budget that has room over the plan; bad values are refused."""
     pytest.importorskip("bitsandbytes")
     model = build(dropout=0.0, base="nf4")
@@ -304,8 +304,8 @@ def test_dequantize_once_auto_needs_room_in_the_budget():
     opt = _optimizer([p for p in model.parameters() if p.requires_grad])
     trainer = ns.StepTrainer(model, opt, grad_accum=G)
     assert trainer.held is None and "no budget" in trainer.held_choice
-    with pytest.raises(StreamSetupError, match="dequantize_once"):
-        ns.StepTrainer(model, opt, grad_accum=G, dequantize_once="yes")
+    with pytest.raises(StreamSetupError, match="hold_weights='yes'"):  # validated with the stream config
+        ns.StreamConfig(hold_weights="yes")
 
 
 @pytest.mark.parametrize("g", [1, 2, 4])
@@ -396,12 +396,12 @@ def test_nf4_weights_held_on_cuda_are_exact(graphs):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     deterministic(True)
     model, stats, got = stepped(dropout=0.05, device="cuda", base="nf4", graphs=graphs,
-                                trainer={"dequantize_once": True})  # fmt: skip
+                                hold_weights=True)  # fmt: skip
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=0.05, device="cuda", base="nf4"), got)
     # fused LoRA branches (bf16 model, float32 adapters: the shared cast), same gates
     _, _, fused = stepped(dropout=0.0, device="cuda", base="nf4", graphs=graphs, dtype=torch.bfloat16, fuse=True,
-                          trainer={"dequantize_once": True})  # fmt: skip
+                          hold_weights=True)  # fmt: skip
     assert_identical(resident(dropout=0.0, device="cuda", base="nf4", dtype=torch.bfloat16), fused)
     if graphs:
         assert model.narrows_stream.graphs.stats.replays > 0
@@ -439,7 +439,7 @@ def test_resident_nf4_layers_step_block_major_with_their_weights_held(dropout):
     the same numbers (with dropout, after the first step learns the RNG draws)."""
     pytest.importorskip("bitsandbytes")
     model, stats, got = stepped(dropout=dropout, base="nf4", gpu_budget="fit", recompute="all",
-                                trainer={"dequantize_once": True})  # fmt: skip
+                                hold_weights=True)  # fmt: skip
     assert not model.narrows_stream.plan.streamed
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=dropout, base="nf4"), got)
@@ -453,7 +453,8 @@ def test_step_mode_plans_no_whole_layers(caplog, monkeypatch):
     """Block-major recomputes every layer: a StepTrainer that streams the model plans with
     recompute="all" (the budget goes to resident layers), and one given a plan with whole
     layers says their memory lies unused (twin: the default plan keeps layers whole)."""
-    planning = sys.modules["narrows.stream.plan"]  # the module (the package exports a function of that name)
+    from narrows.stream.planning import residency as planning
+
     real = planning.step_seconds
     fast = ns.Rates(h2d=1e18)  # copies free: whole layers pay, streaming costs nothing
     monkeypatch.setattr(planning, "step_seconds", lambda lb, s, r, w, rates=None, graphs=False, **k:

@@ -12,7 +12,7 @@ from helpers import build
 
 import narrows.stream as ns
 from narrows.core.testing import tiny_batch
-from narrows.stream import stepmode
+from narrows.stream.stepmode import trainer as stepmode
 
 ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.02)
 

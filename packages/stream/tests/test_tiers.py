@@ -35,7 +35,7 @@ from narrows.core import NarrowsError, SlabLayout, anatomy_of, format_bytes
 from narrows.core.loader import load_blockwise
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 from narrows.stream.cache import PreparedCache, SlabCacheWriter, frozen_layer_slots
-from narrows.stream.plan import spread
+from narrows.stream.planning import spread
 from narrows.stream.tiers import DiskReader
 
 F32 = torch.float32

@@ -13,7 +13,7 @@ import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
 from narrows.stream.errors import StreamSetupError
-from narrows.stream.plan import Shapes, input_bytes, step_seconds, whole_bytes
+from narrows.stream.planning import Shapes, input_bytes, step_seconds, whole_bytes
 
 SHAPE = {"batch_size": 2, "seq_len": 12, "device": "cpu"}  # tiny_batch(): 2 rows of 12 positions
 SIZE = {"batch_size": 2, "seq_len": 12}
@@ -152,7 +152,7 @@ def test_whole_layers_run_once_and_the_others_twice():
 def test_disk_tier_layers_and_whole_layers_never_collide():
     """Disk-tier layers are made resident first; whole layers are the last ones; a layer
     in both is counted once."""
-    from narrows.stream.plan import make_plan
+    from narrows.stream.planning import make_plan
 
     model = _model()
     base = ns.plan(model, "fit", **SHAPE)

@@ -41,9 +41,9 @@ def lazy_attributes(
 
 def _make_keeper(package: str, where: dict[str, str]) -> type[types.ModuleType]:
     """A module class that keeps a public name from being replaced by the submodule of
-    the same name (``narrows.stream.plan``, the function, and ``narrows.stream.plan``, the
-    module): importing a submodule sets it on its package, which an eager ``from .api
-    import plan`` used to undo afterwards."""
+    the same name (a function ``pkg.plan`` beside a module ``pkg/plan.py``): importing a
+    submodule sets it on its package, which an eager ``from .api import plan`` used to
+    undo afterwards."""
 
     class Package(types.ModuleType):
         def __setattr__(self, name: str, value: object) -> None:

@@ -17,7 +17,17 @@ from torch import Tensor
 
 from narrows.core.optional import is_available
 
-__all__ = ["FUSED_MIN_ELEMENTS", "compose", "fused_reason", "magnitude_scale", "norm_epsilon"]
+__all__ = [
+    "FUSED_MIN_ELEMENTS",
+    "backward_eager",
+    "backward_inner_eager",
+    "compose",
+    "formula",
+    "formula_dual",
+    "fused_reason",
+    "magnitude_scale",
+    "norm_epsilon",
+]
 
 
 def norm_epsilon(dtype: torch.dtype) -> float:
@@ -33,19 +43,20 @@ def magnitude_scale(magnitude: Tensor, norm: Tensor, dtype: torch.dtype) -> Tens
 # --- the eager reference -----------------------------------------------------------------
 
 
-def _formula(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+def formula(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
+    """The DoRA output ``(g - 1)·base + g·s·lora`` in fp32: the reference the kernels match."""
     b, lo = base.float(), lora.float()
     return ((g - 1) * b + g * (scale * lo)).to(base.dtype)
 
 
-def _formula_dual(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+def formula_dual(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """The training forward of tier 1: the output and ``inner = s·lora + base``, the one
     activation-sized tensor its backward reads (in the activation dtype)."""
     b, slo = base.float(), scale * lora.float()
     return ((g - 1) * b + g * slo).to(base.dtype), (slo + b).to(base.dtype)
 
 
-def _backward_inner_eager(
+def backward_inner_eager(
     grad: Tensor, inner: Tensor, g: Tensor, scale: float, lora_dtype: torch.dtype
 ) -> tuple[Tensor, Tensor, Tensor]:
     go = grad.float()
@@ -53,7 +64,7 @@ def _backward_inner_eager(
     return (go * (g - 1)).to(inner.dtype), (go * g * scale).to(lora_dtype), (go * inner.float()).sum(dims)
 
 
-def _backward_eager(
+def backward_eager(
     grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     go = grad.float()
@@ -107,7 +118,7 @@ def _compose_impl(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor
         from .kernels import compose_forward
 
         return compose_forward(base, lora, g.contiguous(), scale)
-    return _formula(base, lora, g, scale)
+    return formula(base, lora, g, scale)
 
 
 _compose_op = torch.library.custom_op("narrows_dora::compose", mutates_args=())(_compose_impl)
@@ -125,7 +136,7 @@ def _compose_backward_impl(
         from .kernels import compose_backward
 
         return compose_backward(grad, base, lora, g.contiguous(), scale)
-    return _backward_eager(grad, base, lora, g, scale)
+    return backward_eager(grad, base, lora, g, scale)
 
 
 _compose_backward_op = torch.library.custom_op("narrows_dora::compose_backward", mutates_args=())(
@@ -163,7 +174,7 @@ def _compose_train_impl(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> 
         from .kernels import compose_forward_dual
 
         return compose_forward_dual(base, lora, g.contiguous(), scale)
-    return _formula_dual(base, lora, g, scale)
+    return formula_dual(base, lora, g, scale)
 
 
 _compose_train_op = torch.library.custom_op("narrows_dora::compose_train", mutates_args=())(
@@ -183,7 +194,7 @@ def _compose_train_backward_impl(
         from .kernels import compose_backward_inner
 
         return compose_backward_inner(grad, inner, g.contiguous(), scale, lora_dtype)
-    return _backward_inner_eager(grad, inner, g, scale, lora_dtype)
+    return backward_inner_eager(grad, inner, g, scale, lora_dtype)
 
 
 _compose_train_backward_op = torch.library.custom_op("narrows_dora::compose_train_backward", mutates_args=())(

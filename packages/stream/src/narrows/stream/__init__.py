@@ -8,10 +8,10 @@ layers the budget can afford run whole, without the recompute). Training is
 bit-identical (`torch.equal`) to the same model trained fully resident.
 ``StepTrainer(model, optimizer, grad_accum=G)`` runs each optimizer step block-major: every
 streamed layer crosses the link once for the forward of all G micro-batches and once for
-their backward, `torch.equal` to sequential accumulation (``choose_step_mode`` says whether
-it pays for a streamed model); there each layer's 4-bit weights are dequantised once per
-pass for all G (``stream(..., reserve=step_mode_reserve(model))`` leaves the room for
-them within the budget). ``data_parallel(model)`` wraps
+their backward, `torch.equal` to sequential accumulation; there each layer's 4-bit weights
+are dequantised once per pass for all G. ``stream(model, budget, grad_accum=G)`` plans for
+it: the plan (``model.narrows_stream.plan``, from the planning room `planning`) says
+whether block-major steps pay and why, and leaves their room. ``data_parallel(model)`` wraps
 a streamed model in DistributedDataParallel over its adapters, for torchrun.
 """
 
@@ -21,15 +21,22 @@ from narrows.core.lazy import lazy_attributes as _lazy_attributes
 from narrows.core.versions import installed_version as _installed_version
 
 if TYPE_CHECKING:
-    from .accumulation import choose_step_mode, holds_weights, step_mode_reserve
-    from .api import StreamHandle, plan, stream
+    from .api import StreamHandle, stream
     from .config import StreamConfig
     from .distributed import check_ranks, data_parallel
     from .engine import TransferStats
     from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
     from .hf import StepModeTrainer
-    from .plan import Plan, Rates
-    from .pretrained import default_host_budget, from_pretrained, prepare
+    from .planning import (
+        Plan,
+        Rates,
+        choose_step_mode,
+        default_host_budget,
+        holds_weights,
+        plan,
+        step_mode_reserve,
+    )
+    from .pretrained import from_pretrained, prepare
     from .profile import LayerTimes, Profile
     from .stepmode import StepStats, StepTrainer
     from .tiling import tile_sequence
@@ -38,15 +45,22 @@ if TYPE_CHECKING:
 # ``narrows prepare`` entry point, `cli`) registers without torch. `hf` (transformers.Trainer,
 # accelerate) loads only when StepModeTrainer is asked for.
 _MODULES = {
-    "accumulation": ("choose_step_mode", "holds_weights", "step_mode_reserve"),
-    "api": ("StreamHandle", "plan", "stream"),
+    "api": ("StreamHandle", "stream"),
     "config": ("StreamConfig",),
     "distributed": ("check_ranks", "data_parallel"),
     "engine": ("TransferStats",),
     "errors": ("BudgetTooSmallError", "SelfCheckError", "StreamSetupError"),
     "hf": ("StepModeTrainer",),
-    "plan": ("Plan", "Rates"),
-    "pretrained": ("default_host_budget", "from_pretrained", "prepare"),
+    "planning": (
+        "Plan",
+        "Rates",
+        "choose_step_mode",
+        "default_host_budget",
+        "holds_weights",
+        "plan",
+        "step_mode_reserve",
+    ),
+    "pretrained": ("from_pretrained", "prepare"),
     "profile": ("LayerTimes", "Profile"),
     "stepmode": ("StepStats", "StepTrainer"),
     "tiling": ("tile_sequence",),

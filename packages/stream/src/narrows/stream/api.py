@@ -10,13 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from narrows.core import (
-    DEFAULT_HEAD_ROWS,
     Anatomy,
-    SlabLayout,
     anatomy_of,
     assign,
     attach_head_source,
@@ -24,21 +22,21 @@ from narrows.core import (
     ensure_architecture,
     frozen_slots,
     measure_peaks,
-    parse_bytes,
     read_peaks,
     trainable_parameters,
     unwrap_model,
 )
 from narrows.core import deterministic as set_deterministic
 
-from .config import StreamConfig, tile_option
+from .config import StreamConfig
 from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
 from .executor import EagerExecutor, LayerExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .plan import Plan, Rates, Shapes, make_plan
+from .planning import Plan, Rates, Shapes, plan
+from .planning.measure import device_parts, head_rows, host_embedding, resolve_device, streams_head
 from .profile import Profile
 from .selfcheck import self_check
 from .tiers import DiskReader, Tiers
@@ -47,7 +45,7 @@ from .wiring import executor_for, install_forwards, tile_mlps
 
 log = logging.getLogger("narrows.stream")
 
-__all__ = ["StreamHandle", "plan", "stream"]
+__all__ = ["StreamHandle", "stream"]
 
 
 @dataclass
@@ -109,133 +107,6 @@ class StreamHandle:
         }
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _matmul_workspaces(device: torch.device) -> int:
-    """Device bytes cuBLAS keeps for a training step's matmuls: a workspace per thread
-    that runs them — the Python thread's forward and the autograd engine's backward —
-    taken from the caching allocator at each thread's first matmul and kept for the
-    process's life. (H100, torch 2.11: two 32 MiB blocks, the 40 MB a 7B step-mode
-    run at 1900 MiB measured over its plan.) Without CUDA to ask, Hopper's size."""
-    if device.type != "cuda":
-        return 0
-    size = 32 << 20
-    get = getattr(torch._C, "_cuda_getCublasWorkspaceSize", None)
-    if get is not None and torch.cuda.is_available():
-        with torch.cuda.device(device):
-            size = int(get())
-    return 2 * size
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _budget(gpu_budget: str | int | None, device: torch.device) -> int | None:
-    if gpu_budget is None or gpu_budget == "min":
-        return None
-    if gpu_budget == "fit":
-        if device.type != "cuda":
-            return 2**62  # the CPU is the device: everything fits
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * 0.9) + torch.cuda.memory_allocated(device)
-    return parse_bytes(gpu_budget)
-
-
-def _parts(model: nn.Module, anat: Anatomy, host_embedding: bool, stream_head: bool):
-    """Frozen slots outside the decoder layers that go to the device (all but a host
-    embedding and a streamed head)."""
-    layer_prefixes = tuple(p + "." for p in anat.layer_paths)
-    root = unwrap_model(model)
-    kept = {id(s.owner) for s in frozen_slots(anat.embed)} if host_embedding else set()
-    if stream_head:
-        kept |= {id(s.owner) for s in frozen_slots(anat.head)}
-    return [
-        s for s in frozen_slots(root) if not s.name.startswith(layer_prefixes) and id(s.owner) not in kept
-    ]
-
-
-def _head_rows(anat: Anatomy, rows: int | None) -> int:
-    return min(rows or DEFAULT_HEAD_ROWS, anat.config.vocab_size)
-
-
-def _check_head(anat: Anatomy, head: str) -> bool:
-    """Whether the head is streamed; refuses a head that cannot be."""
-    if head == "resident":
-        return False
-    if any(p.requires_grad for p in anat.head.parameters()):
-        raise StreamSetupError(
-            "head='stream' needs a frozen LM head; this one trains, so use head='resident'"
-        )
-    if not isinstance(anat.head, nn.Linear):
-        raise StreamSetupError(f"head='stream' needs lm_head to be nn.Linear, not {type(anat.head).__name__}")
-    return True
-
-
-def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
-         **options: Any) -> Plan:  # fmt: skip
-    """What `stream` would do with this config, without moving anything. `config`: a
-    `StreamConfig`, or its budget with any other fields as keywords (`options`).
-    `rates`: what the step-time model takes for the machine (default: fitted to the H100)."""
-    cfg = StreamConfig.of(config, **options)
-    ensure_architecture(model, "head", "stream")
-    anat = anatomy_of(model)
-    dev = _resolve_device(cfg.device)
-    stream_head = _check_head(anat, cfg.head)
-    host_embedding = _host_embedding(anat, stream_head)
-    outside = _parts(model, anat, host_embedding, stream_head)
-    fixed = _nbytes(s.tensor for s in outside) + _training_bytes(model, anat, cfg.host_state) + cfg.reserve
-    fixed += _matmul_workspaces(dev)
-    head_h2d = 0
-    if stream_head:
-        w = anat.head.weight
-        fixed += 2 * _head_rows(anat, cfg.head_rows) * w.shape[1] * w.element_size()  # two chunk buffers
-        head_h2d = 2 * _nbytes([w])  # one pass in forward, one in backward
-    layer_bytes = [
-        SlabLayout.of(frozen_slots(layer, prefix=path)).nbytes
-        for path, layer in zip(anat.layer_paths, anat.layers)
-    ]
-    tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
-    return make_plan(layer_bytes, fixed_bytes=fixed, shapes=Shapes.of(anat, cfg.batch_size, cfg.seq_len),
-                     budget=_budget(cfg.gpu_budget, dev), device=str(dev), prefetch=cfg.prefetch_depth,
-                     head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
-                     host_bytes=tiers.predicted_host_bytes() if tiers else None,
-                     host_budget=tiers.host_budget if tiers else None, offload=cfg.offload_inputs,
-                     tile=tile_option(cfg), recompute=cfg.recompute, rates=rates, graphs=cfg.graphs,
-                     reserved=cfg.reserve, host_state=cfg.host_state)  # fmt: skip
-
-
-def _training_bytes(model: nn.Module, anat: Anatomy, host_state: str) -> int:
-    """Device bytes of the trainable parameters, their gradients and AdamW's two fp32
-    moments; with step mode's host state, the part of them it keeps on the device:
-    "optimizer", one layer's state (every gradient may be there at once: a step in
-    sequential order keeps them all until its end); "adapters", one layer's parameters,
-    gradients and state (only block-major steps, which `StepTrainer` then insists on).
-    Trainable parameters outside the layers (a trained head) count whole either way."""
-
-    def numel(ps: list[Tensor]) -> int:
-        return sum(p.numel() for p in ps)
-
-    trainable = list(trainable_parameters(model).values())
-    if host_state == "none":
-        return 2 * _nbytes(trainable) + 8 * numel(trainable)
-    per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in anat.layers]
-    in_layers = {id(p) for ps in per_layer for p in ps}
-    other = [p for p in trainable if id(p) not in in_layers]
-    # a layer's update: its state, and AdamW's temporaries (as large again)
-    if host_state == "optimizer":
-        return 2 * _nbytes(trainable) + 8 * numel(other) + 16 * max(map(numel, per_layer), default=0)
-    one_layer = max((2 * _nbytes(ps) + 16 * numel(ps) for ps in per_layer), default=0)
-    return 2 * _nbytes(other) + 8 * numel(other) + one_layer
-
-
 def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
     """Each layer's host store: where `from_pretrained` placed it (pinned slab or disk
     tier), taken without a copy; otherwise its frozen tensors packed into a new slab."""
@@ -253,11 +124,6 @@ def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
                         "host memory", i)  # fmt: skip
         stores.append(store)
     return stores
-
-
-def _host_embedding(anat: Anatomy, stream_head: bool) -> bool:
-    """The embedding can stay on the host when it is frozen and not tied to a device head."""
-    return (stream_head or not anat.tied) and not any(p.requires_grad for p in anat.embed.parameters())
 
 
 def _refuse_move(owner: nn.Module, device: torch.device) -> Callable[..., nn.Module]:
@@ -346,7 +212,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")
     anat = anatomy_of(model)
-    dev = _resolve_device(cfg.device)
+    dev = resolve_device(cfg.device)
     cfg = cfg.replace(device=dev)
     trainables = trainable_parameters(model)
     if not trainables and not cfg.inference:
@@ -363,8 +229,8 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
             "memory. Load the model on the CPU (no device_map, or device_map='cpu') and let "
             "narrows.stream.stream() place what belongs on the GPU."
         )
-    the_plan = plan(model, cfg)
-    stream_head = _check_head(anat, cfg.head)
+    the_plan = plan(model, cfg)  # the one plan of this start: every decision and its reason
+    stream_head = streams_head(anat, cfg.head)
     tile_mlps(model, the_plan)  # before anything moves: refuses an MLP it cannot tile (`wiring`)
 
     # the user's config stays as it is (use_cache included: with packed rows it decides the
@@ -372,8 +238,8 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     # layer drops the KV cache per call where its recompute would write it twice
     _no_checkpointing(model)
 
-    host_embedding = _host_embedding(anat, stream_head)
-    outside = _parts(model, anat, host_embedding, stream_head)
+    on_host_embedding = host_embedding(anat, stream_head)
+    outside = device_parts(model, anat, on_host_embedding, stream_head)
     assign(outside, copies(outside, dev))
     for p in trainables.values():
         p.data = p.data.to(dev)
@@ -392,11 +258,11 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     streamed_head = None
     if stream_head:
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
-                                     copy_stream=engine.copy_stream, rows=_head_rows(anat, cfg.head_rows),
+                                     copy_stream=engine.copy_stream, rows=head_rows(anat, cfg.head_rows),
                                      math=anat.logit_math)  # fmt: skip
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
-    install_forwards(anat, the_plan, engine, acts, executor, streamed_head, host_embedding, dev)
+    install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev)
 
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replanned = cfg.replace(gpu_budget=the_plan.budget)
@@ -413,7 +279,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
             n for n, _ in m.named_buffers()
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
-        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, host_embedding, streamed_head, acts,
+        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, on_host_embedding, streamed_head, acts,
                                         layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
                                         cfg, executor)  # fmt: skip
     if cfg.check and not cfg.inference:

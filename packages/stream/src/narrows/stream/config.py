@@ -9,7 +9,8 @@ here, so there is one place that knows what a setting may be.
 Names say one thing each: ``prefetch_depth`` is how many layers ahead the copy of the
 frozen weights runs (the device slabs beyond the one in use); ``offload_inputs`` is
 where each layer's saved *input* waits for its backward; ``host_state`` is what of the
-*training state* (optimizer state, adapters) step mode keeps in host memory.
+*training state* (optimizer state, adapters) step mode keeps in host memory. Held 4-bit
+weights have one setting, ``hold_weights``; the room they take is the planner's to leave.
 """
 
 from __future__ import annotations
@@ -71,14 +72,24 @@ class StreamConfig:
     (True there runs the same buffer path eagerly, for tests). A batch shape is captured
     when it comes round again, and graphs are kept for the four most recent shapes, so
     batches padded to varying widths hold bounded memory (the plan counts it).
-    `reserve`: device bytes the plan leaves free within the budget, for step mode's
-    dequantised weights and layer boundaries (`step_mode_reserve`; `StepTrainer` holds
-    the weights when they were reserved). `host_state`: what of the training state the
-    plan may leave out of the device budget: "none" (the adapters, their gradients and
-    AdamW's state all on the device), "optimizer" (one layer's optimizer state on the
-    device: `StepTrainer(offload_optimizer=True)`) or "adapters" (one layer's adapters,
-    gradients and state: ``offload_adapters=True`` too; block-major steps only).
-    `StepTrainer` must then keep it there, and refuses otherwise.
+    `grad_accum`: micro-batches per optimizer step. With 2 or more the plan also decides
+    the accumulation (`Plan.accumulation`): `step_mode` True runs each step block-major
+    (`StepTrainer`: every streamed layer copied twice a step instead of twice per
+    micro-batch, the same numbers), False in sequence, "auto" block-major where the
+    step-time model predicts it at least 5% faster and the host has room for the
+    micro-batches' saved inputs (`choose_step_mode` says why). A plan for step mode on a
+    CUDA device leaves room for what a block-major step keeps beyond the plan (the held
+    weights and the micro-batches' layer boundaries: `step_mode_reserve`) and keeps no
+    layer whole (block-major recomputes every layer). `hold_weights`: step mode
+    dequantises each layer's 4-bit weights once per pass into a held buffer
+    (`narrows.core.HeldWeights`, the same bits) — True, False, or "auto" (when the plan has
+    the room). `host_state`: what of the training state the plan may leave out of the
+    device budget, for `StepTrainer` to keep in host memory: "none" (the adapters, their
+    gradients and AdamW's state all on the device), "optimizer" (one layer's optimizer
+    state on the device, each layer updated as its gradients complete) or "adapters"
+    (one layer's adapters, gradients and state; block-major steps only). `world_size`:
+    data-parallel ranks training the model (several keep accumulation sequential).
+    `reserve`: device bytes the plan leaves free within the budget, for the caller.
     """
 
     # budget and the batch the plan sizes activations for
@@ -107,9 +118,15 @@ class StreamConfig:
     graphs: bool | str = (
         "auto"  # CUDA graphs of the layers narrows runs: True, False, "auto" (where predicted faster)
     )
-    # step mode (`StepTrainer`)
-    reserve: int = 0  # device bytes left free in the budget for step mode (`step_mode_reserve`)
+    # accumulation and step mode (`StepTrainer`)
+    grad_accum: int = 1  # micro-batches a step: with 2 or more the plan weighs block-major steps
+    step_mode: bool | str = "auto"  # block-major accumulation: True, False, "auto" (where predicted faster)
+    hold_weights: bool | str = (
+        "auto"  # step mode dequantises 4-bit weights once per pass: True, False, "auto"
+    )
     host_state: str = "none"  # training state in host memory: "none", "optimizer", "adapters"
+    world_size: int = 1  # data-parallel ranks (step mode trains in one process)
+    reserve: int = 0  # device bytes the plan leaves free in the budget, for the caller
     # the run
     check: bool = True  # a one-layer streamed-vs-resident self-check before training
     inference: bool = False  # forward passes only (evaluation): nothing trains
@@ -186,6 +203,14 @@ def _check(c: StreamConfig) -> None:
     if not (isinstance(c.graphs, bool) or c.graphs == "auto"):
         raise StreamSetupError(f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
                                "(default: graphs where the planner predicts them faster)")  # fmt: skip
+    for name in ("grad_accum", "world_size"):
+        if not _whole(getattr(c, name), 1):
+            raise StreamSetupError(f"{name}={getattr(c, name)!r}: give a whole number ≥ 1")
+    for name, meaning in (("step_mode", "block-major accumulation; 'auto' where predicted faster"),
+                          ("hold_weights", "4-bit weights dequantised once per pass in step mode; 'auto' where "
+                                           "the plan has the room")):  # fmt: skip
+        if not (isinstance(getattr(c, name), bool) or getattr(c, name) == "auto"):
+            raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True, False or 'auto' ({meaning})")
     if not _whole(c.reserve, 0):
         raise StreamSetupError(f"reserve={c.reserve!r}: give a number of bytes ≥ 0")
     _choice(c, "host_state", HOST_STATES, "what of the training state StepTrainer keeps in host memory")

@@ -17,14 +17,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from narrows.core import FrozenSlot, SlabLayout, assign, frozen_slots, snapshot
 
-from .profile import Profile
 from .tiers import DiskReader
+
+if TYPE_CHECKING:  # the engine reports to a profile; it never builds one
+    from .profile import Profile
 
 
 @dataclass

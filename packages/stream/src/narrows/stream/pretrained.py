@@ -33,7 +33,8 @@ from narrows.core.memory import host_rss_bytes
 from narrows.core.models import resolve_model_path
 
 from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
-from .plan import spread
+from .planning.measure import default_host_budget
+from .planning.placement import spread
 from .tiers import Tiers, aligned_pinned, pin_shared, restore_layer
 
 log = logging.getLogger("narrows.stream")
@@ -44,18 +45,6 @@ FORMAT = "narrows-slabs/1"
 HOST_MARGIN = (
     1 << 30
 )  # host memory kept free of slabs: tokenised data, adapters' host copies, allocator slack
-
-
-def default_host_budget() -> int:
-    """85% of the memory the kernel reports available (MemAvailable) when narrows starts."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        import psutil  # type: ignore[import-not-found]  # not Linux
-
-        avail = psutil.virtual_memory().available
-    return int(avail * 0.85)
 
 
 class _Stale(Exception):

@@ -37,7 +37,7 @@ from .executor import EagerExecutor, LayerExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .plan import Plan
+from .planning import Plan
 from .remat import LayerCall, drop_cache, streamed_call
 from .sideouts import SideOutputs
 from .tiling import tile_sequence

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # narrows-stream is optional: imported where a streamed run n
     from narrows.stream import StreamConfig
 
 __all__ = [
+    "apply_lmhead",
     "build_model",
     "check_model_files",
     "load_data",
@@ -130,7 +131,7 @@ def _targets(model: nn.Module, targets: str) -> str | list[str]:
     return wanted
 
 
-def _apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
+def apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
     lmhead = cfg.lmhead
     if lmhead == "auto":
         lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
@@ -165,7 +166,7 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
     tile = cfg.tile()
     if cfg.gpu_budget == "off":
         model.to(device)
-        _apply_lmhead(cfg, model)
+        apply_lmhead(cfg, model)
         if tile is not None:
             import narrows.stream
 
@@ -173,60 +174,36 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
     else:
         import narrows.stream
 
-        _apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
-        model = narrows.stream.stream(model, stream_config(cfg, model, device, world_size))
+        apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
+        model = narrows.stream.stream(model, stream_config(cfg, device, world_size))
     return model
 
 
-def stream_config(
-    cfg: FinetuneConfig, model: nn.Module, device: torch.device, world_size: int = 1
-) -> StreamConfig:
-    """The job's flags as one `narrows.stream.StreamConfig`: the budget and batch, what step
-    mode keeps in host memory (left out of the budget), the tiles and graphs asked for
-    (else the planner's), and the room a plan for step mode takes (`_step_mode_room`)."""
+def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1) -> StreamConfig:
+    """The job's flags as one `narrows.stream.StreamConfig`: the budget and batch, the
+    micro-batches a step and whether step mode was asked for (else the planner decides),
+    what step mode keeps in host memory (left out of the budget), and the tiles and
+    graphs asked for (else the planner's)."""
     import narrows.stream
 
     host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
-    config = narrows.stream.StreamConfig(
+    return narrows.stream.StreamConfig(
         gpu_budget=cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget),
         device=device,
         batch_size=cfg.batch,
         seq_len=cfg.seq_len,
         seq_tile=cfg.tile(),
-        host_state=host_state,
         graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs,
+        grad_accum=cfg.grad_accum,
+        step_mode="auto" if cfg.step_mode is None else cfg.step_mode,
+        host_state=host_state,
+        world_size=world_size,
     )
-    return config.replace(**_step_mode_room(cfg, model, config, device, world_size))
 
 
-def _step_mode_room(cfg: FinetuneConfig, model: nn.Module, config: StreamConfig, device: torch.device,
-                    world_size: int) -> dict[str, object]:  # fmt: skip
-    """The stream settings a plan for step mode takes ({} for sequential steps): room
-    reserved for its held 4-bit weights and the micro-batches' layer boundaries, and no
-    layer kept whole (block-major recomputes every layer: their memory would lie unused).
-    Where step mode is asked for, always; where the job chooses, only if the plan with
-    that room would run block-major — otherwise the memory goes to resident (or whole)
-    layers for the sequential steps."""
-    import narrows.stream
-
-    if cfg.grad_accum < 2 or cfg.step_mode is False or device.type != "cuda":
-        return {}
-    room = dict(reserve=narrows.stream.step_mode_reserve(model, cfg.grad_accum, batch_size=cfg.batch,
-                                                         seq_len=cfg.seq_len), recompute="all")  # fmt: skip
-    if cfg.step_mode:
-        return room
-    try:
-        reserved = narrows.stream.plan(model, config.replace(reserve=room["reserve"]))
-    except narrows.stream.BudgetTooSmallError:
-        return {}  # room for step mode does not fit: sequential steps within the budget
-    use, _ = narrows.stream.choose_step_mode(model, cfg.grad_accum, world_size=world_size, plan=reserved,
-                                             batch_size=cfg.batch, seq_len=cfg.seq_len)  # fmt: skip
-    return room if use else {}
-
-
-def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) -> tuple[bool, str]:
+def choose_accumulation(cfg: FinetuneConfig, model: nn.Module) -> tuple[bool, str]:
     """Whether the step runs block-major (narrows.stream.StepTrainer) or in sequence, and
-    why: as asked, or where neither was asked, narrows-stream's prediction for this plan.
+    why: as asked, or where neither was asked, the stream plan's decision.
     The numbers trained are the same either way. "" where a step has one micro-batch."""
     if cfg.gpu_budget == "off":
         return False, ""
@@ -235,6 +212,5 @@ def choose_accumulation(cfg: FinetuneConfig, model: nn.Module, world_size: int) 
                                else "sequential (step mode off: --no-step-mode, or the settings this run started with)")  # fmt: skip
     if cfg.grad_accum < 2:
         return False, ""
-    import narrows.stream
-
-    return narrows.stream.choose_step_mode(model, cfg.grad_accum, world_size=world_size)
+    plan = model.narrows_stream.plan  # the planner decided when it planned the stream
+    return plan.accumulation == "block-major", plan.accumulation_choice

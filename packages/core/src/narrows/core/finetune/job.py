@@ -197,7 +197,7 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
     loaded = load_model(cfg, folder, dtype, device)
     stage(f"building the {cfg.adapter} adapter (rank {cfg.rank}, {cfg.targets})")
     model = build_model(cfg, loaded, device, dtype, ranks.world)
-    step_mode, accumulation = choose_accumulation(cfg, model, ranks.world)
+    step_mode, accumulation = choose_accumulation(cfg, model)
     if ranks.main and accumulation:
         print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)
     if cfg.packing:  # the attention this model runs keeps packed examples apart, or the run stops here

@@ -61,8 +61,7 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
 
         try:  # the loss is already normalised over the step's tokens (num_items_in_batch)
             stepper = narrows.stream.StepTrainer(model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler,
-                                                 scale_loss=False, offload_optimizer=cfg.offload_optimizer,
-                                                 offload_adapters=cfg.offload_adapters)  # fmt: skip
+                                                 scale_loss=False)  # host state and held weights: the plan's  # fmt: skip
         except narrows.stream.StreamSetupError as e:
             stepper = _sequential_instead(cfg, model, e)
         else:

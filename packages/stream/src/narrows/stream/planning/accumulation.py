@@ -2,8 +2,8 @@
 forward and backward in turn, every streamed layer copied twice per micro-batch) or
 block-major (`StepTrainer`: every streamed layer copied twice a step). Both train the same
 numbers, so the choice is only about time and host memory, and `choose_step_mode` says
-why it chose. `narrows finetune` asks it when neither ``--step-mode`` nor
-``--no-step-mode`` is given.
+why it chose. The planner asks it when a config plans for several
+micro-batches a step (``StreamConfig(grad_accum=G)``) and leaves ``step_mode`` to it.
 
 Block-major is chosen where the step-time model (`plan.step_seconds`) predicts it at least
 5% faster: where a streamed layer's copy takes longer than the compute it hides behind —
@@ -18,7 +18,7 @@ In block-major order each layer runs for every micro-batch in a row, so its 4-bi
 can be dequantised once per pass and held (`narrows.core.HeldWeights`) instead of
 dequantised in every call: `holds_weights` says whether a `StepTrainer` will, and the
 prediction counts it. The held copy of the largest layer takes device memory, which a
-plan leaves free when it was made with ``reserve=step_mode_reserve(model)``.
+plan for step mode leaves free (`memory.step_mode_reserve`).
 """
 
 from __future__ import annotations
@@ -26,45 +26,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from narrows.core import anatomy_of, format_bytes, held_bytes, loss_working_set
+from narrows.core import anatomy_of, format_bytes, loss_working_set
 
-from .plan import Plan, Rates, Shapes, input_bytes, step_seconds
-from .pretrained import default_host_budget
-from .sideouts import router_logits_refusal
+from ..sideouts import router_logits_refusal
+from .measure import default_host_budget
+from .memory import Shapes, held_weight_bytes, input_bytes
+from .record import Plan
+from .steptime import Rates, step_seconds
 
-__all__ = ["choose_step_mode", "holds_weights", "step_mode_reserve"]
+__all__ = ["choose_step_mode", "holds_weights"]
 
 MARGIN = 0.05  # block-major must be predicted at least this much faster
 
 
-def step_mode_reserve(
-    model: nn.Module, grad_accum: int = 1, *, batch_size: int = 1, seq_len: int = 512
-) -> int:
-    """Device bytes a block-major step takes beyond what a plan counts: the held weights
-    (the largest decoder layer's 4-bit weights, dequantised; 0 without 4-bit weights) and,
-    with `grad_accum` G ≥ 2 micro-batches of `batch_size` × `seq_len` tokens, the layer
-    boundary each micro-batch keeps on the device from one layer to the next — its output
-    in the forward, the gradient reaching it in the backward: G + 1 [batch, seq, hidden]
-    tensors (one being made). Pass it as `stream`'s ``reserve`` to leave room for them
-    within the budget."""
-    anat = anatomy_of(model)
-    held = max((held_bytes(layer) for layer in anat.layers), default=0)
-    if grad_accum < 2:
-        return held
-    return held + (grad_accum + 1) * input_bytes(Shapes.of(anat, batch_size, seq_len))
-
-
-def holds_weights(
-    plan: Plan, need: int, grad_accum: int, dequantize_once: bool | str = "auto"
-) -> tuple[bool, str]:
+def holds_weights(plan: Plan, need: int, grad_accum: int, hold: bool | str = "auto") -> tuple[bool, str]:
     """``(hold, why)``: whether a `StepTrainer` holds each layer's 4-bit weights
-    dequantised through a pass (`need` bytes: `step_mode_reserve`). "auto" holds when
-    the plan reserved the room, or its budget has it to spare over the predicted peak."""
-    if not dequantize_once:
-        return False, "off (dequantize_once=False)"
+    dequantised through a pass (`need` bytes: `memory.held_weight_bytes`). `hold` is the
+    config's ``hold_weights``: "auto" holds when the plan reserved the room, or its budget
+    has it to spare over the predicted peak."""
+    if not hold:
+        return False, "off (hold_weights=False)"
     if not need:
         return False, "off (no 4-bit weights to hold)"
-    if dequantize_once == "auto":
+    if hold == "auto":
         if grad_accum < 2:
             return False, "off (one micro-batch a step: each layer runs once per pass)"
         if plan.reserved_bytes < need:
@@ -73,7 +57,7 @@ def holds_weights(
             if plan.predicted_peak - plan.reserved_bytes + need > plan.budget:
                 return False, (f"off (the plan's {format_bytes(plan.predicted_peak)} and the {format_bytes(need)} "
                                f"it takes exceed the {format_bytes(plan.budget)} budget; stream with "
-                               "reserve=step_mode_reserve(model) to make room)")  # fmt: skip
+                               "grad_accum=G to plan the room for step mode)")  # fmt: skip
     return True, f"on: each layer's 4-bit weights dequantised once per pass into {format_bytes(need)}"
 
 
@@ -85,8 +69,8 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
     `host_available`: bytes the step's saved layer inputs may take at most twice over
     (default: `default_host_budget`, 85% of MemAvailable now). `plan`: judge this plan
     (`narrows.stream.plan` of the model, not streamed yet, for `batch_size` × `seq_len`
-    tokens) instead of the streamed model's — to decide whether to stream with
-    ``reserve=step_mode_reserve(...)`` at all. A plan with a budget must have room for the
+    tokens) instead of the streamed model's — the planner judges its plan with step
+    mode's room this way. A plan with a budget must have room for the
     micro-batches' layer boundaries that step mode keeps on the device (reserved, or spare)."""
     if plan is None:
         handle = getattr(model, "narrows_stream", None)
@@ -118,14 +102,14 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
         return False, (f"sequential (step mode keeps {grad_accum + 1} layer boundaries on the device, "
                        f"{format_bytes(boundaries)}, which the plan's {format_bytes(plan.predicted_peak)} leaves no "
                        f"room for in the {format_bytes(plan.budget)} budget; stream with "
-                       f"reserve=step_mode_reserve(model, {grad_accum}, ...) to make room)")  # fmt: skip
+                       f"grad_accum={grad_accum} to plan that room)")  # fmt: skip
     kept = grad_accum * shapes.layers * input_bytes(shapes)  # every layer's input, every micro-batch
     available = default_host_budget() if host_available is None else host_available
     if 2 * kept > available:
         return False, (f"sequential (step mode would keep the layer inputs of {grad_accum} micro-batches, "
                        f"{format_bytes(kept)}, in host memory; {format_bytes(available)} available)")  # fmt: skip
     args = (plan.layer_bytes, shapes, len(plan.resident), len(plan.whole), rates, plan.graphs)
-    held, _ = holds_weights(plan, step_mode_reserve(model), grad_accum)
+    held, _ = holds_weights(plan, held_weight_bytes(model), grad_accum)
     sequential = step_seconds(*args, micro_batches=grad_accum)
     block = step_seconds(*args, micro_batches=grad_accum, block_major=True, held=held)
     group = _head_group(model, plan, shapes, grad_accum)

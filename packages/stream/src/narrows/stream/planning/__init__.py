@@ -1,0 +1,59 @@
+"""The planning room: ``plan(model, config)`` → one `Plan`, every decision with its reason.
+
+- `measure`: what the planner reads off the model (device, budget, frozen bytes);
+- `memory`: the memory formulas (saved inputs, working sets, graphs' pool, trained state);
+- `steptime`: the step-time model that ranks plans;
+- `residency`: the residency decisions (resident, whole, slabs, offloaded inputs, tiles, graphs),
+  `placement` which layers they are;
+- `accumulation`: sequential or block-major steps, and held 4-bit weights;
+- `record`: the `Plan` itself and how it reads;
+- `planner`: the entry that runs them in order, once per start.
+"""
+
+from .accumulation import choose_step_mode, holds_weights
+from .measure import default_host_budget
+from .memory import (
+    Shapes,
+    activation_bytes,
+    graph_bytes,
+    held_weight_bytes,
+    input_bytes,
+    layer_work_bytes,
+    step_mode_reserve,
+    training_bytes,
+    whole_bytes,
+    work_bytes,
+)
+from .placement import spread
+from .planner import plan
+from .record import HOST_STATE_NOTES, Plan
+from .residency import DEFAULT_TILE, MIN_TILE, make_plan, tile_choices
+from .steptime import Rates, dequant_seconds, layer_seconds, step_seconds
+
+__all__ = [
+    "DEFAULT_TILE",
+    "HOST_STATE_NOTES",
+    "MIN_TILE",
+    "Plan",
+    "Rates",
+    "Shapes",
+    "activation_bytes",
+    "choose_step_mode",
+    "default_host_budget",
+    "dequant_seconds",
+    "graph_bytes",
+    "held_weight_bytes",
+    "holds_weights",
+    "input_bytes",
+    "layer_seconds",
+    "layer_work_bytes",
+    "make_plan",
+    "plan",
+    "spread",
+    "step_mode_reserve",
+    "step_seconds",
+    "tile_choices",
+    "training_bytes",
+    "whole_bytes",
+    "work_bytes",
+]

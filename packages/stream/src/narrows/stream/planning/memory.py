@@ -1,0 +1,203 @@
+"""The memory formulas the planner sizes a plan with: what one layer's saved input, a
+whole layer's activations, a recompute's working set, the loss and the CUDA graphs' pool
+take on the device, and what the trained state and step mode's extras take.
+
+Each is fitted to H100 peaks at the Qwen2.5 shapes (the docstrings give the fits);
+`test_plan_graphs.py`, `test_whole_layers.py` and `test_long_context.py` hold them to
+measured CPU-side sizes where they can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from narrows.core import (
+    Anatomy,
+    anatomy_of,
+    dequantized_bytes,
+    held_bytes,
+    loss_working_set,
+    trainable_parameters,
+)
+
+from ..graphs import DEFAULT_SHAPES
+
+__all__ = [
+    "Shapes",
+    "activation_bytes",
+    "graph_bytes",
+    "held_weight_bytes",
+    "input_bytes",
+    "layer_work_bytes",
+    "step_mode_reserve",
+    "training_bytes",
+    "whole_bytes",
+    "work_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the activation estimate needs from the model config and the batch."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    vocab: int
+    act_bytes: int  # bytes per activation element (2 for bf16)
+    batch: int
+    seq: int
+    eager_attention: bool
+    loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
+    dequant_bytes: int = 0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes)
+
+    @classmethod
+    def of(cls, anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
+        """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens."""
+        cfg = anat.config
+        act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
+        return cls(
+            layers=anat.num_layers,
+            hidden=cfg.hidden_size,
+            intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+            heads=cfg.num_attention_heads,
+            vocab=cfg.vocab_size,
+            act_bytes=act,
+            batch=batch_size,
+            seq=seq_len,
+            eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
+            loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
+            dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0),
+        )
+
+
+def input_bytes(s: Shapes) -> int:
+    """One layer's saved input: a [batch, seq, hidden] tensor."""
+    return s.batch * s.seq * s.hidden * s.act_bytes
+
+
+def activation_bytes(s: Shapes) -> int:
+    """Saved layer inputs when every one stays on the device."""
+    return s.layers * input_bytes(s)
+
+
+def whole_bytes(s: Shapes) -> int:
+    """What one layer run whole (no recompute) keeps for its backward.
+
+    About eighteen hidden-sized and five intermediate-sized tensors per token (the input,
+    the norms' outputs and statistics, q/k/v/o and the attention output, the MLP's gate,
+    up, activation and product, and the inputs the adapters save), plus the attention
+    probabilities when attention is eager. (Fitted to H100 peaks of resident PEFT without
+    checkpointing against with it: 316 KB per token per layer at the Qwen2.5-7B shape at
+    512 and 4096 tokens, 455 KB at 32B; this predicts 316 and 461.)"""
+    tokens = s.batch * s.seq
+    kept = tokens * (18 * s.hidden + 5 * s.intermediate) * s.act_bytes
+    if s.eager_attention:
+        kept += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
+    return kept
+
+
+def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
+    """One layer's recompute and backward working set (see `work_bytes`)."""
+    tokens = s.batch * s.seq
+    mlp_tokens = tokens if tile is None else min(tokens, tile)
+    layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
+    if s.eager_attention:
+        layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
+    return layer
+
+
+GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the pool's rounding
+GRAPH_ACTIVATIONS = 1.05  # the pool's intermediates, in layer working sets (`layer_work_bytes`)
+GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
+
+
+def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
+    """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
+    layer's forward graph and of one recompute-and-backward graph (not live at once, and
+    the pool reuses their blocks), and — unless step mode holds them — the 4-bit weights
+    each call dequantises, whose blocks the pool cannot fully reuse for one another; plus
+    the capture stream's workspaces, plus the static buffers of the other batch shapes
+    kept (hidden states in and out, and their gradients: four hidden-sized tensors each,
+    at most the planned length). Held weights live in `reserved` room (step mode's
+    reserve); where they are not held, that room is free for the pool's copies, so only
+    what exceeds it is added.
+    (Fitted above the H100 pools at the Qwen2.5 NF4 shapes, 512 tokens, one shape; GB
+    measured / predicted, leaving out the other shapes' buffers. Weights dequantised per
+    call: 0.375 / 0.57 at 7B, 0.730 / 0.91 at 32B, 1.281 / 1.33 at 72B. Held: 0.388 / 0.46
+    at 32B, 0.505 / 0.55 at 72B. `test_plan_graphs.py` checks each.)"""
+    other_shapes = (DEFAULT_SHAPES - 1) * 4 * input_bytes(s)
+    dequant = max(0, int(GRAPH_DEQUANT * s.dequant_bytes) - reserved)
+    return int(GRAPH_ACTIVATIONS * layer_work_bytes(s, tile)) + dequant + GRAPH_WORKSPACE + other_shapes
+
+
+def work_bytes(s: Shapes, tile: int | None = None) -> int:
+    """Transient working set: the larger of one layer's recompute graph and the loss.
+
+    A layer's recompute and backward hold about twenty-six hidden-sized tensors (q/k/v/o,
+    residuals, the norms' fp32 upcasts, attention's gradient accumulators, and the loss's
+    gradient waiting beside them) and six intermediate-sized ones (gate, up, act, product
+    and two gradients — for one tile of `tile` tokens when the MLP is tiled), plus the
+    attention probabilities when attention is eager. (Fitted to H100 peaks of the
+    Qwen2.5-7B shape from 4K to 64K tokens, tiled and untiled: within 6% of each, over
+    rather than under at 16K and beyond.) The loss holds logits in the activation dtype, their fp32
+    upcast, the log-softmax and the gradient (fp32), and the gradient cast back. (Measured
+    on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
+    never builds the logits (narrows-lmhead) reports its own figure instead.
+    """
+    tokens = s.batch * s.seq
+    loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
+    return max(layer_work_bytes(s, tile), loss)
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def training_bytes(model: nn.Module, anat: Anatomy, host_state: str) -> int:
+    """Device bytes of the trainable parameters, their gradients and AdamW's two fp32
+    moments; with step mode's host state, the part of them it keeps on the device:
+    "optimizer", one layer's state (every gradient may be there at once: a step in
+    sequential order keeps them all until its end); "adapters", one layer's parameters,
+    gradients and state (only block-major steps, which `StepTrainer` then insists on).
+    Trainable parameters outside the layers (a trained head) count whole either way."""
+
+    def numel(ps: list[Tensor]) -> int:
+        return sum(p.numel() for p in ps)
+
+    trainable = list(trainable_parameters(model).values())
+    if host_state == "none":
+        return 2 * nbytes(trainable) + 8 * numel(trainable)
+    per_layer = [[p for p in layer.parameters() if p.requires_grad] for layer in anat.layers]
+    in_layers = {id(p) for ps in per_layer for p in ps}
+    other = [p for p in trainable if id(p) not in in_layers]
+    # a layer's update: its state, and AdamW's temporaries (as large again)
+    if host_state == "optimizer":
+        return 2 * nbytes(trainable) + 8 * numel(other) + 16 * max(map(numel, per_layer), default=0)
+    one_layer = max((2 * nbytes(ps) + 16 * numel(ps) for ps in per_layer), default=0)
+    return 2 * nbytes(other) + 8 * numel(other) + one_layer
+
+
+def held_weight_bytes(model: nn.Module) -> int:
+    """The buffer step mode holds a layer's 4-bit weights in, dequantised: the largest
+    decoder layer's (0 without 4-bit weights; `narrows.core.HeldWeights`)."""
+    return max((held_bytes(layer) for layer in anatomy_of(model).layers), default=0)
+
+
+def step_mode_reserve(
+    model: nn.Module, grad_accum: int = 1, *, batch_size: int = 1, seq_len: int = 512
+) -> int:
+    """Device bytes a block-major step takes beyond what a plan counts: the held weights
+    (`held_weight_bytes`) and, with `grad_accum` G ≥ 2 micro-batches of `batch_size` ×
+    `seq_len` tokens, the layer boundary each micro-batch keeps on the device from one
+    layer to the next — its output in the forward, the gradient reaching it in the
+    backward: G + 1 [batch, seq, hidden] tensors (one being made). The planner leaves this
+    room when it plans for step mode (``StreamConfig(grad_accum=G)``); ``reserve=`` leaves
+    it by hand."""
+    held = held_weight_bytes(model)
+    if grad_accum < 2:
+        return held
+    return held + (grad_accum + 1) * input_bytes(Shapes.of(anatomy_of(model), batch_size, seq_len))

@@ -1,0 +1,313 @@
+"""The residency decisions: given a device budget, which decoder layers stay on the
+device for good (and which of those run whole), how many device slabs to prefetch into,
+which saved inputs go to host memory, whether the MLP runs in sequence tiles and whether
+the layers replay as CUDA graphs — and what peak and transfer to expect.
+
+Costs the budget must hold whatever the plan (the "fixed" part): non-layer frozen tensors
+placed on the device (final norm, head, a tied embedding), the trainable parameters with
+their gradients and AdamW state, the transient working set of one layer's recompute, and
+the logits of the loss. Then the saved layer inputs (one hidden-state tensor per layer):
+on the device, or offloaded to host memory with two in flight on the device.
+
+The minimum is one device slab, every saved input offloaded (when offloading is allowed)
+and, only when that is still too much and tiling was asked for, the MLP run in sequence
+tiles (the largest tile that fits). What the budget has beyond it buys, in this order:
+device slabs for prefetch, saved inputs kept on the device (the last layers first: their
+backward comes first), then resident layers — spread evenly through the stack, so every
+streamed layer's copy can hide behind the compute of its neighbours (seed 004's partial
+residency) — or resident layers kept *whole*: run as resident training runs them, every
+activation saved, no recompute. A whole layer saves a quarter of its step time (the
+recompute forward) for the memory of its activations; a resident layer saves the copy
+time its neighbours' compute cannot hide. The step-time model (`steptime.step_seconds`)
+picks the mix. Whole layers are the last layers: the streamed layer before them is still
+in its device slab when backward turns, so no copy has to be started from inside their
+plain autograd backward. With every layer whole a step is plain PEFT training without
+checkpointing.
+
+With CUDA graphs (`graphs=True`) the layers narrows runs itself (streamed, or resident and
+recomputed) replay as graphs: the budget also holds the graphs' scratch pool, and the
+step-time model prices those layers without the host's per-kernel cost, so at short
+sequences a graphed recompute beats an eager whole layer and the planner picks it.
+
+The options arrive validated (`narrows.stream.StreamConfig`); `make_plan` does not check
+them again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from narrows.core import format_bytes
+
+from ..errors import BudgetTooSmallError
+from .memory import Shapes, graph_bytes, input_bytes, whole_bytes, work_bytes
+from .placement import most_resident
+from .record import HOST_STATE_NOTES, Plan
+from .steptime import Rates, step_seconds
+
+__all__ = ["DEFAULT_TILE", "MIN_TILE", "make_plan", "tile_choices"]
+
+
+MIN_TILE = 512  # tokens: below this a tile's matmuls stop using the device well
+DEFAULT_TILE = 2048  # the tile at the smallest footprint: its MLP working set is small beside the rest
+
+
+def _page(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def tile_choices(tile: int | str | None, tokens: int, budget: int | None) -> list[int | None]:
+    """Tile sizes to try, most preferred first: untiled unless asked; with "auto", untiled
+    then powers of two downwards (the smallest footprint takes `DEFAULT_TILE`)."""
+    if isinstance(tile, int):
+        return [tile]  # asked for: a batch no longer than a tile runs as one tile anyway
+    if tile != "auto":
+        return [None]
+    if budget is None:
+        return [DEFAULT_TILE if tokens > DEFAULT_TILE else None]
+    sizes, t = [], 1 << max(0, (tokens - 1).bit_length() - 1)  # the largest power of two below tokens
+    while t >= MIN_TILE:
+        sizes.append(t)
+        t //= 2
+    return [None, *sizes]
+
+
+def make_plan(
+    layer_bytes: Sequence[int],
+    *,
+    fixed_bytes: int,
+    shapes: Shapes,
+    budget: int | None,
+    device: str,
+    prefetch: int = 1,
+    head_h2d_bytes: int = 0,
+    disk: Sequence[int] = (),
+    host_bytes: int | None = None,
+    host_budget: int | None = None,
+    offload: str = "auto",
+    tile: int | str | None = None,
+    recompute: str = "auto",
+    rates: Rates | None = None,
+    graphs: bool | str = False,
+    reserved: int = 0,
+    host_state: str = "none",
+) -> Plan:
+    """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
+
+    `head_h2d_bytes`: what a streamed LM head adds to the transfer per step. `disk`: the
+    layers whose host copy is on disk; they are the first made resident, since a resident
+    layer is read once instead of twice a step. `host_bytes`/`host_budget`: the host tiers'
+    predicted footprint and its budget, for the report. `offload`: "auto" (saved inputs
+    stay on the device while the budget allows), "off" (never offloaded) or "all".
+    `tile`: None (never tiled), "auto" (tiled only when the budget needs it) or a tile
+    size in tokens (always). `recompute`: "auto" (resident layers are kept whole while
+    the budget allows) or "all" (every layer is recomputed in backward). `rates`: the
+    machine's transfer and compute times for the step-time model (default: fitted).
+    `graphs`: the layers narrows runs replay as CUDA graphs (their pool is counted, and
+    they are priced without the host's per-kernel cost); "auto": on a CUDA device with a
+    budget, the plan with graphs if it fits and its predicted step time is lower.
+    `reserved`: how much of `fixed_bytes` the caller reserved (for the report).
+    `host_state`: what of the training state `fixed_bytes` left in host memory (for the
+    report and for `StepTrainer`, which must then keep it there)."""
+    if graphs == "auto":
+        return _either(dict(locals()))
+    layer_bytes = tuple(layer_bytes)
+    n = len(layer_bytes)
+    cost = _Footprint(layer_bytes, fixed_bytes, shapes, graphs and device.startswith("cuda"), reserved)
+    if budget is None:  # the smallest footprint: one slab beyond the prefetch, every input offloaded allowed
+        t = tile_choices(tile, shapes.batch * shapes.seq, None)[0]
+        resident, depth, kept = (), max(prefetch, 0), n if offload == "off" else 0
+    else:
+        resident, depth, kept, t = _floor(cost, budget, prefetch, offload, tile, host_state)
+    whole: tuple[int, ...] = ()
+    if budget is not None:
+        resident, whole = _mix(cost, budget, resident, depth, kept, t, recompute, disk, rates, graphs)
+        prefetch = depth if len(resident) < n else 0
+    else:
+        prefetch = depth
+    streamed = [i for i in range(n) if i not in set(resident)]
+    slabs = prefetch + 1 if streamed else 0
+    offloaded = tuple(range(n - kept))  # the first layers: the last ones' backward comes first
+    moved = _transfers(layer_bytes, streamed, slabs, disk, len(offloaded) * input_bytes(shapes))
+    host_act = len(offloaded) * _page(input_bytes(shapes))
+    return Plan(
+        device=device,
+        budget=budget,
+        layer_bytes=layer_bytes,
+        resident=resident,
+        pool_slabs=slabs,
+        prefetch=prefetch if streamed else 0,
+        fixed_bytes=fixed_bytes,
+        activation_bytes=cost.saved(kept, len(whole)),
+        work_bytes=work_bytes(shapes, t),
+        predicted_peak=cost.peak(resident, slabs, kept, t, len(whole)),
+        h2d_bytes_per_step=moved.h2d + head_h2d_bytes + moved.d2h,
+        disk=tuple(sorted(set(disk))),
+        disk_bytes_per_step=moved.disk,
+        predicted_host_bytes=None if host_bytes is None else host_bytes + host_act,
+        host_budget=host_budget,
+        offloaded=offloaded,
+        host_activation_bytes=host_act,
+        d2h_bytes_per_step=moved.d2h,
+        tile_tokens=t,
+        whole=whole,
+        graphs=graphs,
+        graph_bytes=cost.pool(t, len(whole)),
+        step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
+        reserved_bytes=reserved,
+        host_state=host_state,
+        head_h2d_bytes=head_h2d_bytes,
+    )
+
+
+@dataclass(frozen=True)
+class _Footprint:
+    """The device peak of a candidate plan, from the memory formulas."""
+
+    layer_bytes: tuple[int, ...]
+    fixed: int
+    shapes: Shapes
+    graphed: bool  # graphs asked for on a CUDA device: their pool counts while any layer is graphed
+    reserved: int
+
+    @property
+    def n(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def slab(self) -> int:
+        return max(self.layer_bytes)
+
+    def saved(self, kept: int, whole: int = 0) -> int:
+        """Kept inputs, two offloaded ones in flight, and whole layers' activations."""
+        a = input_bytes(self.shapes)
+        return (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes)
+
+    def pool(self, t: int | None, whole: int) -> int:
+        """The graphs' pool, while any layer is graphed."""
+        return graph_bytes(self.shapes, t, self.reserved) if self.graphed and whole < self.n else 0
+
+    def peak(self, resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
+        return (
+            self.fixed
+            + self.saved(kept, whole)
+            + work_bytes(self.shapes, t)
+            + self.pool(t, whole)
+            + slabs * self.slab
+            + sum(self.layer_bytes[i] for i in resident)
+        )
+
+
+def _floor(cost: _Footprint, budget: int, prefetch: int, offload: str, tile: int | str | None,
+           host_state: str) -> tuple[tuple[int, ...], int, int, int | None]:  # fmt: skip
+    """``(resident, prefetch depth, kept inputs, tile)`` before the residency mix: every layer
+    resident if all fits; else the minimum (one slab, the inputs offloaded as allowed, the
+    largest tile that fits), then prefetch slabs and kept inputs as the budget allows.
+    Raises `BudgetTooSmallError` with what to change when even the minimum does not fit."""
+    n, shapes = cost.n, cost.shapes
+    tokens = shapes.batch * shapes.seq
+    least_kept = n if offload == "off" else 0
+    choices = tile_choices(tile, tokens, budget)
+    if cost.peak(tuple(range(n)), 0, 0 if offload == "all" else n, choices[0]) <= budget:
+        return tuple(range(n)), prefetch, 0 if offload == "all" else n, choices[0]
+    fitting = [c for c in choices if cost.peak((), 1, least_kept, c) <= budget]
+    if not fitting:
+        raise BudgetTooSmallError(_too_small(budget, cost.peak((), 1, least_kept, choices[-1]), cost.slab, cost.fixed,
+                                             cost.saved(least_kept), work_bytes(shapes, choices[-1]), offload, tile,
+                                             cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
+                                             host_state))  # fmt: skip
+    t = fitting[0]
+    while prefetch > 0 and cost.peak((), prefetch + 1, least_kept, t) > budget:
+        prefetch -= 1
+    kept = least_kept
+    if offload == "auto":
+        while kept < n and cost.peak((), prefetch + 1, kept + 1, t) <= budget:
+            kept += 1
+    return (), prefetch, kept, t
+
+
+def _mix(cost: _Footprint, budget: int, resident: tuple[int, ...], depth: int, kept: int, t: int | None,
+         recompute: str, disk: Sequence[int], rates: Rates | None,
+         graphs: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+    """``(resident, whole)``: residency against whole layers. Each of the w whole layers (the
+    last ones) is resident too; the rest of the budget buys resident layers, spread. The
+    mix with the least predicted step time wins (ties: more resident)."""
+    n = cost.n
+    allow = recompute == "auto" and t is None and kept == n
+    best = None
+    for w in range(n + 1 if allow else 1):
+        mix = most_resident(w, n, disk, lambda r, w=w: cost.peak(r, depth + 1 if len(r) < n else 0,
+                                                                   kept, t, w) <= budget)  # fmt: skip
+        if mix is None:
+            break
+        key = (step_seconds(cost.layer_bytes, cost.shapes, len(mix), w, rates, graphs), -len(mix))
+        if best is None or key < best[0]:
+            best = key, mix, tuple(range(n - w, n))
+    if best is None:
+        return resident, ()
+    return best[1], best[2]
+
+
+@dataclass(frozen=True)
+class _Moved:
+    h2d: int  # frozen layers copied to the device a step
+    disk: int  # of them, read from the disk tier
+    d2h: int  # saved inputs offloaded to host memory (and copied back: counted in h2d too)
+
+
+def _transfers(layer_bytes: tuple[int, ...], streamed: list[int], slabs: int, disk: Sequence[int],
+               moved_out: int) -> _Moved:  # fmt: skip
+    """Each streamed layer is loaded for forward and again for backward, except the ones
+    the pool still holds at the turns: the last layers at forward→backward, the first
+    layers at backward→next forward (steady state of a training loop)."""
+    held = min(slabs, len(streamed))
+    kept_slabs = streamed[-held:] + streamed[:held] if held else []
+    on_disk = set(disk)
+    h2d = 2 * sum(layer_bytes[i] for i in streamed) - sum(layer_bytes[i] for i in kept_slabs)
+    disk_read = 2 * sum(layer_bytes[i] for i in streamed if i in on_disk) - sum(
+        layer_bytes[i] for i in kept_slabs if i in on_disk
+    )
+    return _Moved(h2d, disk_read, moved_out)
+
+
+def _either(args: dict) -> Plan:
+    """`make_plan(graphs="auto")`: the faster of the plans with and without graphs. Graphs
+    need a CUDA device, and the smallest footprint (no budget) stays without their pool."""
+    args["layer_bytes"] = tuple(args["layer_bytes"])  # read twice
+    eager = make_plan(**{**args, "graphs": False})
+    if args["budget"] is None or not str(args["device"]).startswith("cuda"):
+        why = "no budget: the smallest footprint" if args["budget"] is None else "not a CUDA device"
+        return replace(eager, graphs_choice=f"auto: {why}")
+    try:
+        graphed = make_plan(**{**args, "graphs": True})
+    except BudgetTooSmallError:
+        return replace(eager, graphs_choice="auto: their pool does not fit the budget")
+    if graphed.tile_tokens != eager.tile_tokens:  # tiling changes the sums: not the planner's to trade
+        return replace(
+            eager, graphs_choice="auto: their pool would need sequence tiles the eager plan does not"
+        )
+    pick = graphed if graphed.step_seconds < eager.step_seconds else eager
+    return replace(pick, graphs_choice=f"auto: predicted {graphed.step_seconds:.3g} s of layer time a step with "
+                                       f"graphs, {eager.step_seconds:.3g} s without")  # fmt: skip
+
+
+def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, work: int, offload: str,
+               tile: int | str | None, tiled_minimum: int | None, host_state: str) -> str:  # fmt: skip
+    hints = []
+    if host_state != "adapters":
+        hints.append("in step mode, keep the optimizer state (host_state='optimizer'; narrows finetune "
+                     "--offload-optimizer) or the adapters too (host_state='adapters'; --offload-adapters) in host "
+                     "memory")  # fmt: skip
+    if offload == "off":
+        hints.append("allow offloading the saved layer inputs to host memory (offload_inputs='auto')")
+    if tile is None and tiled_minimum is not None and tiled_minimum < minimum:
+        hints.append(f"tile the MLP over the sequence (seq_tile='auto'; equal to untiled training up to summation "
+                     f"order), which needs {format_bytes(tiled_minimum)}")  # fmt: skip
+    hints.append("shorten the sequence / batch (activations scale with both)")
+    return (
+        f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "
+        f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed)}: head, norm, "
+        f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
+        f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
+    )

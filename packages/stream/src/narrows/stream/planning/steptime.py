@@ -1,0 +1,86 @@
+"""The step-time model that ranks plans: one layer's compute and copy time, and a step's
+layer time for a residency, with or without CUDA graphs, sequential or block-major
+accumulation, held 4-bit weights. Not a prediction the report shows — a way to compare
+plans; a profile's measured rates (`narrows.stream.Profile.rates`) replace the fitted ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .memory import Shapes
+
+__all__ = ["Rates", "dequant_seconds", "layer_seconds", "step_seconds"]
+
+# The step-time model that ranks plans (not a prediction the report shows): fitted to the
+# H100 (PCIe gen5, bitsandbytes-style NF4 dequantisation per forward) at the Qwen2.5 shapes.
+H2D_RATE = 40e9  # bytes/s host→device from pinned memory (measured 35–55)
+MATMUL_RATE = 400e12  # flop/s a layer's matmuls reach at a few thousand tokens
+DEQUANT_RATE = 500e9  # parameters/s the device dequantises NF4 weights at, per use
+HOST_RATE = 65e9  # parameters/s: an eager NF4 layer's forward on the host (its per-kernel
+# launches; the batch-1 floor), which graph replays do not pay
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the step-time model takes for the machine: the fitted defaults, or what a
+    profile measured (`narrows.stream.Profile.rates`)."""
+
+    h2d: float = H2D_RATE  # bytes/s host→device
+    forward_s: float | None = None  # one layer's forward; None: from the matmul and dequantisation rates
+    graphed: bool = False  # forward_s was measured on graph replays
+
+
+def layer_seconds(
+    nbytes: int, s: Shapes, rates: Rates | None = None, graphed: bool = False
+) -> tuple[float, float]:
+    """One layer's forward compute time (eager, or replayed as a CUDA graph) and one
+    host→device copy of it, predicted. A measured forward replaces the model's figure for
+    the way it was measured; the other way is scaled by the model's ratio."""
+    rates = rates or Rates()
+    params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+    matmul = 2 * s.batch * s.seq * params / MATMUL_RATE
+    quantised = nbytes < params  # below a byte per parameter: dequantised on every use
+    graph = matmul + (params / DEQUANT_RATE if quantised else 0.0)  # what the device does
+    eager = max(graph, params / HOST_RATE) if quantised else graph  # or the host, if slower
+    compute = graph if graphed else eager
+    if rates.forward_s is not None:
+        compute = rates.forward_s * compute / (graph if rates.graphed else eager)
+    return compute, nbytes / rates.h2d
+
+
+def dequant_seconds(nbytes: int, s: Shapes) -> float:
+    """One dequantisation of a 4-bit layer's weights (0 for a float layer)."""
+    params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+    return params / DEQUANT_RATE if nbytes < params else 0.0
+
+
+def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int,
+                 rates: Rates | None = None, graphs: bool = False, *, micro_batches: int = 1,
+                 block_major: bool = False, held: bool = False) -> float:  # fmt: skip
+    """Predicted time of one step's layers with `resident` resident layers of which
+    `whole` run without recompute: forward, backward (twice the forward), the recompute
+    of every other layer, and what a streamed layer's copies cannot hide — behind the
+    previous layer's forward, and behind the next layer's backward and recompute. With
+    `graphs` the layers narrows runs (all but the whole ones) are priced as graph replays;
+    whole layers run eagerly either way. Over `micro_batches`: sequential accumulation
+    copies each streamed layer twice per micro-batch; `block_major` (step mode) twice a
+    step, each copy behind the compute of every micro-batch, and every layer recomputed
+    (step mode keeps no layer whole). `held` (block-major only): each layer's 4-bit weights
+    are dequantised once per pass for all micro-batches (`narrows.core.HeldWeights`)
+    instead of three times per micro-batch (forward, recompute, input gradient)."""
+    n = len(layer_bytes)
+    whole = 0 if block_major else whole
+    eager, c = layer_seconds(max(layer_bytes), s, rates)
+    f = layer_seconds(max(layer_bytes), s, rates, graphed=True)[0] if graphs else eager
+    behind = micro_batches if block_major else 1  # micro-batches' compute one copy hides behind
+    exposed = max(0.0, c - behind * f) + max(0.0, c - 3 * behind * f)
+    copies = 1 if block_major else micro_batches
+    compute = micro_batches * (whole * 3 * eager + (n - whole) * 4 * f)
+    if block_major and held:  # three per micro-batch (forward, recompute, input gradient) become two a step
+        d = min(f, dequant_seconds(max(layer_bytes), s))
+        compute -= n * (3 * micro_batches - 2) * d
+    return compute + copies * (n - resident) * exposed

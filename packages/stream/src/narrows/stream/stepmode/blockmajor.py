@@ -1,0 +1,255 @@
+"""The block-major step: every micro-batch's arguments captured from the model's own
+forward, then layer by layer every micro-batch through it — forward from each one's
+predicted RNG state, each loss through the model's own head (a group of them sharing one
+pass over a streamed head), then backward layer by layer from the last, the micro-batches
+in order within each, each adapter gradient summed in micro-batch order as autograd's
+accumulation would. Each layer call goes through the layer executor (`executor.py`: eager, or a
+CUDA graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import (
+    loss_working_set,
+    sharing_head_pass,
+)
+
+from ..errors import StreamSetupError
+from ..offload import Offloaded
+from ..remat import drop_cache, layer_original, replaced_forwards
+from ..rng import RngState, capture, replay, restore
+from ..rngplan import same_state
+
+
+class _Captured(Exception):
+    pass
+
+
+@dataclass
+class _Micro:
+    batch: dict[str, Any]
+    args: list[tuple] = field(default_factory=list)  # per layer, hidden states removed
+    kwargs: list[dict] = field(default_factory=list)
+    saved: list[Tensor | Offloaded | None] = field(default_factory=list)  # each layer's input
+    states: list[RngState] = field(default_factory=list)  # RNG at each layer's start
+    out: Tensor | None = None
+    grad: Tensor | None = None  # gradient w.r.t. the boundary being differentiated
+
+
+class BlockMajor:
+    """`StepTrainer`'s part that runs one step block-major."""
+
+    def _capture(self, micro: _Micro) -> None:
+        """Run the model up to its first layer's input and every layer's arguments: the
+        layers are skipped (identity) and the forward stops after the last one."""
+        n = self.anat.num_layers
+        prev: list[Tensor | None] = [None]
+
+        def capture(index: int) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                hidden = args[0] if args else kwargs.pop("hidden_states")
+                args = args[1:]
+                if index > 0 and hidden is not prev[0]:
+                    raise StreamSetupError(
+                        f"step mode: the model changes the hidden states between layers {index - 1} and {index}; "
+                        "block-major accumulation needs layers chained directly — train it with loss.backward()")  # fmt: skip
+                if index == 0:
+                    micro.saved.append(hidden)
+                drop_cache(kwargs)
+                micro.args.append(args)
+                micro.kwargs.append(kwargs)
+                prev[0] = hidden
+                if index == n - 1:
+                    raise _Captured
+                return hidden
+
+            return forward
+
+        try:
+            with replaced_forwards(self.anat.layers, capture), torch.no_grad():
+                self.model(**micro.batch)
+        except _Captured:
+            pass
+        if len(micro.args) != n:
+            raise StreamSetupError("step mode: the model did not call every decoder layer once in order")
+
+    def _head_forward(self, micro: _Micro, leaf: Tensor) -> Any:
+        """The model's forward again, every layer replaced by its computed output (`leaf`):
+        the final norm, the head and the loss run as in resident training, from the RNG
+        state the last layer left."""
+        n = self.anat.num_layers
+        end_state = micro.states[n]
+
+        def replaced(index: int) -> Callable[..., Any]:
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                if index < n - 1:
+                    return args[0] if args else kwargs["hidden_states"]
+                restore(end_state)
+                return leaf
+
+            return forward
+
+        with replaced_forwards(self.anat.layers, replaced):
+            return self.model(**micro.batch)
+
+    def _losses(self, micros: list[_Micro]) -> tuple[list[Tensor], list[RngState]]:
+        """Each micro-batch's loss and its gradient at the last layer's output, in order,
+        and the RNG state each loss left (where the next micro-batch begins).
+
+        A loss that reads the streamed head chunk by chunk (narrows-lmhead's) is filed
+        with core's head sweep and computed with the rest of its group in one pass over
+        the head: 2 head reads per group instead of 2 per micro-batch, each loss and
+        gradient the same bits (`linear_cross_entropies`)."""
+        losses: list[Tensor] = []
+        ends: list[RngState] = []
+        size = self.head_group = self._head_group(micros)
+        for start in range(0, len(micros), size):
+            group = micros[start : start + size]
+            leaves = [m.out.detach().requires_grad_(True) for m in group]
+            values: list[Tensor | None] = [None] * len(group)
+            with sharing_head_pass(self.model) if size > 1 else nullcontext() as sweep:
+                filed = []
+                for k, (micro, leaf) in enumerate(zip(group, leaves)):
+                    micro.out = None
+                    out = self._head_forward(micro, leaf)
+                    if sweep is not None and len(sweep) > len(filed):
+                        filed.append(k)
+                    else:
+                        loss = self.loss_fn(out, micro.batch)
+                        (loss / self.divisor).backward()
+                        values[k] = loss
+                    ends.append(capture(self.device))
+                shared = sweep.losses() if filed else []
+            if shared:  # one backward through the group's shared head pass
+                torch.autograd.backward([v / self.divisor for v in shared])
+                for k, v in zip(filed, shared):
+                    values[k] = v
+            for micro, leaf, v in zip(group, leaves, values):
+                micro.grad = leaf.grad
+                losses.append(v.detach())
+        return losses, ends
+
+    def _head_group(self, micros: list[_Micro]) -> int:
+        """How many micro-batches share a pass over the head: 1 unless they may
+        (`_shares_head`), and then as many as fit, each counted at its loss's working
+        set, in the working set the plan leaves for the loss or one layer's recompute —
+        less what the CUDA graphs' pool, once captured, holds beyond the plan's estimate."""
+        if not self._shares_head():
+            return 1
+        plan, graphs = self.handle.plan, self.handle.graphs
+        room = plan.work_bytes
+        if graphs is not None and plan.graphs:
+            room -= max(0, graphs.pool_bytes() - plan.graph_bytes)
+        size, used = 0, 0
+        for micro in micros:
+            ids = micro.batch.get("input_ids")
+            need = loss_working_set(self.model, ids.numel()) if isinstance(ids, Tensor) else None
+            if need is None or used + need > room:
+                break
+            size, used = size + 1, used + need
+        return max(1, size)
+
+    def _shares_head(self) -> bool:
+        """Whether micro-batches may share a pass over the head: it is streamed, the loss
+        is the model's own (a custom `loss_fn` may read the head), and nothing trains
+        after the last layer (its gradient would be summed in another order)."""
+        return self.handle.head is not None and self._own_loss and not self.other_params
+
+    def _load_input(self, micro: _Micro, index: int) -> Tensor:
+        x = micro.saved[index]
+        micro.saved[index] = None
+        return self.offload.fetch(x) if isinstance(x, Offloaded) else x
+
+    def _block_major(
+        self, batches: list[dict[str, Any]], starts: list[RngState], chained: bool = True
+    ) -> tuple[list | None, list[Tensor]]:
+        """The step block-major; the RNG state each micro-batch's loss left (None when one
+        is not where the next micro-batch was predicted to start: nothing updated yet).
+        `chained=False`: the starts are seeded, not predictions of where the last ended."""
+        layers = self.anat.layers
+        n = len(layers)
+        micros = [_Micro(b) for b in batches]
+        for micro, start in zip(micros, starts):
+            restore(start)
+            self._capture(micro)
+            micro.states.append(capture(self.device))
+        needs = [micros[0].saved[0].requires_grad]
+        for params in self.layer_params:
+            needs.append(needs[-1] or bool(params))
+
+        # forward: layer by layer, every micro-batch through it
+        for i, layer in enumerate(layers):
+            fn = layer_original(layer)
+            self._bring(self.layer_params[i])
+            with self.engine.using(i, then=i + 1), self._hold(layer), torch.enable_grad():
+                for micro in micros:
+                    restore(micro.states[i])
+                    x = micro.saved[i]
+                    h = x.detach().requires_grad_(needs[i])
+                    out = self._forward(i, fn, h, micro)
+                    micro.states.append(capture(self.device))
+                    micro.saved[i] = self.offload.save(i, x) or x
+                    if i + 1 < n:
+                        micro.saved.append(out)
+                    else:
+                        micro.out = out
+            self._park(self.layer_params[i])
+
+        # the loss of each micro-batch, in order; it leaves the generator where the next begins
+        losses, ends = self._losses(micros)
+        # checked before any backward: with the optimizer on the host, layers update during it
+        if chained and not all(same_state(end, nxt) for end, nxt in zip(ends, starts[1:])):
+            return None, losses
+
+        # backward: layer by layer from the last, micro-batches in order within each
+        for i in reversed(range(n)):
+            fn, params = layer_original(layers[i]), self.layer_params[i]
+            self._bring(params)
+            with self.engine.using(i, then=i - 1), self._hold(layers[i]):
+                for k, micro in enumerate(micros):
+                    self._prefetch_next_input(micros, i, k)
+                    x = self._load_input(micro, i)
+                    with replay(micro.states[i]):
+                        h = x.detach().requires_grad_(needs[i])
+                        grads = self._backward(i, fn, h, micro, params)
+                    micro.grad = grads.pop(0) if needs[i] else None
+                    for p, g in zip(params, grads):
+                        if g is None:
+                            continue
+                        if p.grad is None:
+                            p.grad = g
+                        else:
+                            p.grad += g
+            if self.host_optimizer is not None:  # layer i's gradients are complete
+                self.host_optimizer.ready(params + (self.other_params if i == n - 1 else ()))
+            self._park(params)  # updated and parked already, or unchanged until `finish` updates them
+        return ends, losses
+
+    def _forward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro) -> Tensor:
+        """Layer `i` of one micro-batch, through the layer executor (`executor.py`)."""
+        return self.handle.executor.forward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i])
+
+    def _backward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro,
+                  params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
+        """Layer `i` of one micro-batch recomputed and differentiated by the layer executor."""
+        return self.handle.executor.backward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i],
+                                             micro.grad, params)  # fmt: skip
+
+    def _prefetch_next_input(self, micros: list[_Micro], i: int, k: int) -> None:
+        """Start bringing back the saved input the backward needs after layer `i` of
+        micro-batch `k`: the next micro-batch's, or the first one's of layer i-1."""
+        i, k = (i, k + 1) if k + 1 < len(micros) else (i - 1, 0)
+        x = micros[k].saved[i] if i >= 0 else None
+        if isinstance(x, Offloaded) and x.fetched is None:
+            self.offload.start_fetch(x)
+
+    def _hold(self, layer: nn.Module) -> Any:
+        return self.held.hold(layer) if self.held is not None else nullcontext()

@@ -1,0 +1,101 @@
+"""The order a step runs in: block-major where the RNG draws of every micro-batch can be
+predicted (or each is seeded), else sequential — and the sequential steps that learn a
+batch shape's draws (`rngplan.RandomOps`) so the next steps can run block-major. A
+prediction that a micro-batch's draws then contradict redoes the step in sequential
+order before anything is updated: never trained through with other dropout masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..rng import RngState, capture, restore
+from ..rngplan import RandomOps
+
+log = logging.getLogger("narrows.stream")
+
+
+def _signature(batch: dict[str, Any]) -> tuple:
+    return tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, Tensor)))
+
+
+class StepOrder:
+    """`StepTrainer`'s part that picks each step's order and predicts its RNG states."""
+
+    def _accumulate(
+        self, batches: list[dict[str, Any]], seeds: Sequence[int] | None
+    ) -> tuple[str, list[Tensor]]:
+        sigs = [_signature(b) for b in batches]
+        if len(batches) == 1:
+            return "sequential (one micro-batch)", self._sequential(batches, sigs, seeds)
+        if self.resident_why:
+            return f"sequential ({self.resident_why})", self._sequential(batches, sigs, seeds)
+        self._refuse_router_logits(batches)  # a batch may ask for them: before any work
+        if seeds is not None:  # every micro-batch starts from its own seed: nothing to predict
+            ends, losses = self._block_major(batches, [self._seeded(s) for s in seeds], chained=False)
+            restore(ends[-1])
+            return "block-major", losses
+        if any(s in self.unpredictable for s in sigs):
+            self._sequential_over_budget("RNG draws not predictable")
+            return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
+        if any(s not in self.random_ops for s in sigs) and self._draws_random():
+            self._sequential_over_budget("learning this shape's RNG draws")
+            return "sequential (learning this shape's RNG draws)", self._sequential(batches, sigs)
+        start = capture(self.device)
+        starts = [start]
+        for s in sigs[:-1]:
+            ops = self.random_ops.get(s)
+            starts.append(ops.advance(starts[-1]) if ops else starts[-1])
+        ends, losses = self._block_major(batches, starts)
+        if ends is not None:
+            restore(ends[-1])
+            return "block-major", losses
+        # a micro-batch drew differently than predicted: start over, in sequential order
+        for p in self.params:
+            p.grad = None
+        restore(start)
+        known = [s for s in sigs if s in self.random_ops]
+        self.unpredictable.update(known)
+        self._sequential_over_budget("RNG draws not predictable")
+        log.warning("narrows.stream step mode: the RNG draws of a micro-batch were not predictable; this shape now "
+                    "runs in sequential order (exact, %d× the weight transfer)", len(batches))  # fmt: skip
+        return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
+
+    def _seeded(self, seed: int) -> RngState:
+        torch.manual_seed(seed)
+        return capture(self.device)
+
+    def _draws_random(self) -> bool:
+        """Whether any module that draws random numbers in training is active (dropout)."""
+        return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in self.model.modules()) \
+            or any(getattr(self.anat.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "embd_pdrop"))  # fmt: skip
+
+    def _sequential(self, batches: list[dict[str, Any]], sigs: list[tuple],
+                    seeds: Sequence[int] | None = None) -> list[Tensor]:  # fmt: skip
+        losses = []
+        # block-major can follow, once it knows each shape's draws
+        learn = len(batches) > 1 and not self.resident_why and seeds is None
+        self.adapters_to_device()  # the whole model runs: every layer's adapters on the device
+        for k, (batch, sig) in enumerate(zip(batches, sigs)):
+            if seeds is not None:
+                torch.manual_seed(seeds[k])
+            # the dispatch mode costs host time on every op: only while a shape is learnt
+            recorder = (
+                RandomOps()
+                if learn and sig not in self.random_ops and sig not in self.unpredictable
+                else None
+            )
+            graphs = self.handle.graphs if recorder is not None else None
+            with recorder or nullcontext(), graphs.paused() if graphs is not None else nullcontext():
+                loss = self.loss_fn(self.model(**batch), batch)
+            if recorder is not None:
+                self.random_ops[sig] = recorder
+            (loss / self.divisor).backward()
+            losses.append(loss.detach())
+        return losses

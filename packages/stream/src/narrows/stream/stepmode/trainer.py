@@ -1,0 +1,315 @@
+"""Step mode: one optimizer step over G micro-batches with every streamed layer loaded
+once for the forward of all G and once for their backward (block-major accumulation).
+
+Sequential gradient accumulation loads each streamed layer 2·G times a step; here it is
+2 times, so the host→device floor of a step no longer grows with G. Per micro-batch k
+and layer L the layer runs on its own saved input, so the step keeps every layer
+boundary of every micro-batch — in pinned host memory (the offload machinery of
+`offload.py`), brought back one ahead of its backward.
+
+What makes it the *same* training as sequential accumulation:
+
+* every layer call is the one resident training makes: same grad mode, same arguments
+  (captured per micro-batch from the model's own forward), same kernels;
+* each adapter parameter's gradient is summed over micro-batches in micro-batch order —
+  one autograd.grad per (micro-batch, layer) whose result is added to ``.grad`` as
+  autograd's accumulation would;
+* each (micro-batch, layer) forward starts from the RNG state the sequential order gives
+  it: layer L+1 from where layer L left off, and the first layer of micro-batch k from
+  where micro-batch k-1's forward would have left the generator, predicted and then
+  checked (`rngplan.py`). An unpredictable step is redone sequentially — never trained
+  through with different dropout masks.
+
+The loss is computed by the model's own forward (its head and loss function), re-run on
+the last layer's output; the decoder's layers must be chained directly
+(``h = layer(h, ...)``), which the capture checks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from narrows.core import (
+    HeldWeights,
+    ambient_state,
+    anatomy_of,
+    measure_peaks,
+    trainable_parameters,
+)
+
+from ..errors import StreamSetupError
+from ..offload import ActivationOffload
+from ..planning import held_weight_bytes, holds_weights, input_bytes
+from ..rngplan import RandomOps
+from ..sideouts import router_logits_refusal
+from .blockmajor import BlockMajor
+from .hoststate import HostState
+from .order import StepOrder
+
+log = logging.getLogger("narrows.stream")
+
+__all__ = ["StepStats", "StepTrainer"]
+
+
+@dataclass
+class StepStats:
+    """What one `StepTrainer.step` did."""
+
+    loss: float  # mean of the micro-batch losses
+    losses: list[float]  # each micro-batch's loss as `loss_fn` returned it, in order
+    grad_norm: float | None  # total norm before clipping (None without max_grad_norm)
+    mode: str  # "block-major", or "sequential" and why
+    micro_batches: int
+    tokens: int
+    seconds: float
+    peak_allocated: int | None  # device bytes (CUDA)
+    bytes_h2d: int  # frozen weights copied to the device this step
+    head_group: int = 1  # micro-batches that shared each pass over a streamed head
+
+
+def _model_loss(output: Any, batch: dict) -> Tensor:
+    """The loss the model computed (a ModelOutput's ``loss``, or the first element)."""
+    if isinstance(output, dict):
+        if "loss" not in output:
+            raise ValueError(f"the model returned no loss from the inputs {', '.join(batch)}; pass labels")
+        return output["loss"]
+    return output[0]
+
+
+class StepTrainer(BlockMajor, StepOrder, HostState):
+    """One optimizer step per call over `grad_accum` micro-batches, block-major.
+
+    `model` is a PEFT model streamed with `narrows.stream.stream` (or a plain one, which
+    is streamed here with `stream_options`, planned for `grad_accum` micro-batches in
+    step mode). The trainer takes no mode of its own: it reads the model's plan
+    (``model.narrows_stream.plan``) — what of the training state waits in host memory
+    (``host_state``: "optimizer" keeps the optimizer's state there and updates each layer
+    as soon as its gradients are complete, see `hostopt`; "adapters" keeps the adapter
+    parameters there too, each layer's on the device for its forward and for its
+    backward and update, see `hostparams`; between steps their ``.data`` is the host
+    buffer, a forward under ``torch.no_grad()`` brings each layer's for its call, and
+    `adapters_to_device()` puts them all back) and whether each layer's 4-bit weights
+    are dequantised once per pass into a held buffer (``hold_weights``;
+    `narrows.core.HeldWeights`: bitsandbytes' own matmuls on the held copy, so the same
+    bits). `grad_accum`: micro-batches a step (default: what the plan was made for).
+    `optimizer`: an optimizer over the model's
+    trainable parameters, or a callable building one from them. After each step the
+    optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
+    given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
+    maps (model output, batch) to the micro-batch loss (default: the model's own, ``output.loss``).
+    `scale_loss=False`: `loss_fn`'s loss is already normalised over the whole step (e.g.
+    transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
+    ``held_choice`` says whether weights are held and why.
+    A MoE model with router logits on (``output_router_logits``, config or batch) is
+    refused with `StreamSetupError` before any gradient where a step could run
+    block-major: the router's aux loss cannot be collected there (`sideouts`).
+
+    The result is `torch.equal` to resident sequential accumulation::
+
+        for batch in batches: (model(**batch).loss / G).backward()
+        clip_grad_norm_(params, max_grad_norm); optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
+                 grad_accum: int | None = None, max_grad_norm: float | None = None, scheduler: Any = None,
+                 loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
+                 **stream_options: Any):  # fmt: skip
+        handle = getattr(model, "narrows_stream", None)
+        if grad_accum is None:
+            grad_accum = handle.plan.grad_accum if handle is not None else stream_options.get("grad_accum", 1)
+        if not isinstance(grad_accum, int) or grad_accum < 1:
+            raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
+        if getattr(model, "narrows_data_parallel", False):
+            raise StreamSetupError(
+                "step mode under data_parallel is not supported yet: StepTrainer writes each layer's gradients "
+                "itself, so DistributedDataParallel would never all-reduce them and the ranks would drift apart. "
+                "Train with the DDP-wrapped model's forward and backward, or run step mode in one process"
+            )
+        if handle is None:
+            from ..api import stream
+
+            if grad_accum > 1:  # block-major recomputes every layer: plan no memory for whole ones
+                stream_options.setdefault("recompute", "all")
+                stream_options.setdefault("step_mode", True)
+            stream(model, **{**stream_options, "grad_accum": grad_accum})
+        elif stream_options:
+            raise StreamSetupError(
+                f"the model is already streamed: {', '.join(sorted(stream_options))} belong to its stream config "
+                "(stream(model, ...) or StreamConfig), not to StepTrainer"
+            )
+        self.model = model
+        self.handle = model.narrows_stream
+        self.anat = anatomy_of(model)
+        self.params = list(trainable_parameters(model).values())
+        if any(p.requires_grad for p in self.anat.embed.parameters()):
+            raise StreamSetupError("step mode needs a frozen embedding (it differentiates from the first layer's "
+                                   "input); train the embedding with the transparent mode (a plain loss.backward())")  # fmt: skip
+        # None: only `accumulate` (a caller that steps the optimizer itself, as transformers.Trainer does)
+        self.optimizer = optimizer if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) \
+            else optimizer(self.params)  # fmt: skip
+        self.grad_accum = grad_accum
+        self.divisor = grad_accum if scale_loss else 1  # what each micro-batch's loss is divided by
+        self.max_grad_norm = max_grad_norm
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn or _model_loss
+        self._own_loss = loss_fn is None  # the model's loss: it may be filed with a head sweep
+        self.head_group = 1  # how many micro-batches the last step's head passes served
+        self.device = self.handle.device
+        self.engine = self.handle.engine
+        n = self.anat.num_layers
+        self.offload = ActivationOffload(self.device, set(range(n)), copy_stream=self.engine.copy_stream,
+                                         stats=self.engine.stats)  # fmt: skip
+        self.layer_params = [
+            tuple(p for p in layer.parameters() if p.requires_grad) for layer in self.anat.layers
+        ]
+        in_layers = {id(p) for params in self.layer_params for p in params}
+        self.other_params = tuple(p for p in self.params if id(p) not in in_layers)  # e.g. a trained head
+        self._follow_host_state(max_grad_norm)
+        self.held, self.held_choice = self._held_weights()
+        self.resident_why = self._resident_sequential()
+        if grad_accum > 1 and not self.resident_why:
+            self._refuse_router_logits()
+        self._check_host_state()
+        plan = self.handle.plan
+        if grad_accum > 1 and plan.whole and not self.resident_why:
+            log.warning("narrows.stream step mode: the plan keeps %d layers whole (every activation saved), but "
+                        "block-major steps recompute every layer, so that memory lies unused; stream with "
+                        "recompute='all' to spend it on resident layers", len(plan.whole))  # fmt: skip
+        self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
+        self.unpredictable: set[tuple] = set()
+
+    def _refuse_router_logits(self, batches: Sequence[dict[str, Any]] = ()) -> None:
+        """MoE router logits cannot be collected by a block-major step (`router_logits_refusal`):
+        refused before any gradient, so a caller can go on in sequential order."""
+        why = router_logits_refusal(self.anat.config, batches)
+        if why:
+            raise StreamSetupError(
+                f"step mode cannot train this model exactly: {why}. Train in sequential order (loss.backward() "
+                "per micro-batch on the streamed model; narrows finetune --no-step-mode), or set "
+                "config.output_router_logits = False to train without the router's auxiliary loss"
+            )
+
+    def _resident_sequential(self) -> str | None:
+        """With every layer resident, why steps run in sequential order; None where
+        block-major still saves work (or layers stream)."""
+        plan = self.handle.plan
+        if plan.streamed:
+            return None
+        if plan.whole:
+            return f"every layer resident, {len(plan.whole)} kept whole: block-major would recompute them"
+        if self.held is None and not self._shares_head():
+            return "every layer resident: no copy, dequantisation or head pass to share"
+        return None
+
+    def _held_weights(self) -> tuple[HeldWeights | None, str]:
+        """The buffer each layer's 4-bit weights are dequantised into once per pass (or
+        None), and why: the plan's decision, made again where this trainer runs another
+        number of micro-batches than the plan was made for."""
+        plan, config = self.handle.plan, self.handle.config
+        if plan.accumulation == "block-major" and plan.grad_accum == self.grad_accum:
+            hold, why = plan.held_weights, plan.held_choice
+        else:
+            choice = config.hold_weights if config is not None else "auto"
+            hold, why = holds_weights(plan, held_weight_bytes(self.model), self.grad_accum, choice)
+        return (HeldWeights(self.anat.layers, self.device) if hold else None), why
+
+    @property
+    def predicted_peak(self) -> int:
+        """Device bytes a step is predicted to peak at: the plan's peak plus what a
+        block-major step keeps beyond it that the plan did not reserve — the held weights
+        and the G + 1 layer boundaries (`step_mode_reserve`). With no budget (the smallest
+        footprint) nothing is reserved, so this is where they are counted."""
+        need = self.held.nbytes if self.held is not None else 0
+        if self.grad_accum > 1 and not self.resident_why:
+            need += (self.grad_accum + 1) * input_bytes(self.handle.shapes)
+        plan = self.handle.plan
+        return plan.predicted_peak + max(0, need - plan.reserved_bytes)
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self, batches: Sequence[dict[str, Any]], seeds: Sequence[int] | None = None) -> StepStats:
+        """Forward and backward of `grad_accum` micro-batches, then the optimizer step.
+        `seeds`: see `accumulate`."""
+        if self.optimizer is None:
+            raise RuntimeError("step() needs the optimizer: pass it to StepTrainer (or call accumulate())")
+        if len(batches) != self.grad_accum:
+            raise ValueError(f"step() takes {self.grad_accum} micro-batches (grad_accum), got {len(batches)}")
+        t0 = time.perf_counter()
+        h2d = self.engine.stats.bytes_h2d + self._adapter_bytes()
+        with measure_peaks(self.device) as peaks:
+            if self.host_optimizer is not None:
+                self.host_optimizer.to_host(self.params)  # a state loaded onto the device
+            if self.adapters is not None:
+                self.adapters.rehome()  # parameters loaded, moved or replaced since the last step
+            mode, losses = self.accumulate(batches, seeds=seeds)
+            if self.host_optimizer is not None:  # what the backward has not updated yet
+                grad_norm = self.host_optimizer.finish([*self.layer_params, self.other_params])
+            else:
+                grad_norm = None
+                if self.max_grad_norm is not None:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+                self.optimizer.step()
+            if self.adapters is not None:  # those without a gradient, never updated
+                self.adapters.park(self.adapters.params, changed=False)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
+        values = [float(v) for v in losses]
+        group = self.head_group if mode == "block-major" else 1
+        return StepStats(loss=sum(values) / len(values), losses=values, grad_norm=grad_norm, mode=mode,
+                         micro_batches=len(batches), tokens=tokens, seconds=time.perf_counter() - t0,
+                         peak_allocated=getattr(peaks, "cuda_allocated", None),
+                         bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d,
+                         head_group=group)  # fmt: skip
+
+    def accumulate(
+        self,
+        batches: Sequence[dict[str, Any]],
+        divisor: float | None = None,
+        *,
+        seeds: Sequence[int] | None = None,
+    ) -> tuple[str, list[Tensor]]:
+        """Forward and backward of `batches` with their gradients left in ``.grad`` as
+        ``for b in batches: (loss_fn(model(**b), b) / divisor).backward()`` leaves them
+        (default divisor: `grad_accum`, or 1 with ``scale_loss=False``); no optimizer step.
+        `seeds`: one per micro-batch, for a loop that seeds the generators before each
+        (``torch.manual_seed(seeds[k])``, as data-parallel ranks do so that any process can
+        run any micro-batch); then no RNG draws need predicting. Returns how the step ran
+        ("block-major", or "sequential" and why) and each micro-batch's loss as `loss_fn`
+        returned it."""
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError(
+                "gradients are already set; a step starts from none (zero_grad(set_to_none=True))"
+            )
+        if ambient_state(self.device).autocast_active:
+            raise StreamSetupError(
+                "step mode does not yet run under torch.autocast exactly (its layer calls and their backward "
+                "happen outside the model's forward); load the model in the dtype to train in, or stream "
+                "without StepTrainer (transparent mode replays autocast in every recompute)"
+            )
+        batches = [
+            {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in b.items()} for b in batches
+        ]
+        self.model.train()
+        if seeds is not None and len(seeds) != len(batches):
+            raise ValueError(
+                f"{len(seeds)} seeds for {len(batches)} micro-batches: give one seed per micro-batch"
+            )
+        kept, self.divisor = self.divisor, self.divisor if divisor is None else divisor
+        if self.adapters is not None:
+            self.adapters.stepping = True
+        try:
+            return self._accumulate(batches, seeds)
+        finally:
+            self.divisor = kept
+            if self.adapters is not None:
+                self.adapters.stepping = False
