@@ -313,14 +313,18 @@ def test_host_optimizer_on_cuda():
         assert_identical(_reference(clip, 0.05, device="cuda"), got)
         for st in trainer.optimizer.state.values():
             assert st["exp_avg"].device.type == "cpu" and st["exp_avg"].is_pinned()
-        trainer, stats, got = hosted(clip=clip, device="cuda", offload="all", adapters=True)
-        assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
-        assert_identical(_reference(clip, 0.05, device="cuda"), got)
+        # the adapters in host memory too (no dropout: a plan with them there has no room for
+        # the sequential step that learns the RNG draws)
+        trainer, stats, got = hosted(clip=clip, dropout=0.0, device="cuda", offload="all", adapters=True)
+        assert [s.mode for s in stats] == ["block-major"] * STEPS
+        assert_identical(_reference(clip, 0.0, device="cuda"), got)
         assert all(p.device.type == "cpu" and p.is_pinned() for ps in trainer.layer_params for p in ps)
         # through real CUDA graphs: each layer's adapters return to the same slot addresses
-        trainer, stats, got = hosted(clip=clip, device="cuda", offload="all", adapters=True, graphs=True)
-        assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
-        assert_identical(_reference(clip, 0.05, device="cuda"), got)
+        trainer, stats, got = hosted(
+            clip=clip, dropout=0.0, device="cuda", offload="all", adapters=True, graphs=True
+        )
+        assert [s.mode for s in stats] == ["block-major"] * STEPS
+        assert_identical(_reference(clip, 0.0, device="cuda"), got)
         graphed = trainer.handle.graphs.stats
         assert graphed.replays > 0 and not graphed.refused, graphed
 

@@ -14,8 +14,8 @@ from helpers import build
 import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.stream import StreamConfig
+from narrows.stream.config import DEFAULT_SHAPES
 from narrows.stream.errors import BudgetTooSmallError, StreamSetupError
-from narrows.stream.graphs import DEFAULT_SHAPES
 from narrows.stream.planning import (
     Rates,
     Shapes,

@@ -22,13 +22,15 @@ from narrows.core import parse_bytes
 
 from .errors import StreamSetupError
 
-__all__ = ["HOST_STATES", "OFFLOAD_INPUTS", "RECOMPUTE", "StreamConfig"]
+__all__ = ["DEFAULT_SHAPES", "HOST_STATES", "OFFLOAD_INPUTS", "RECOMPUTE", "StreamConfig"]
 
 OFFLOAD_INPUTS = ("auto", "off", "all")
 RECOMPUTE = ("auto", "all")
 HOST_STATES = ("none", "optimizer", "adapters")
 HEADS = ("resident", "stream")
 BUDGET_WORDS = ("fit", "min")
+
+DEFAULT_SHAPES = 4  # batch shapes whose CUDA graphs are kept at once (the plan counts their buffers)
 
 # keywords the API took before the config had names of its own: old name -> field
 RENAMED = {"offload": "offload_inputs", "prefetch": "prefetch_depth"}

@@ -54,14 +54,14 @@ from torch.utils import _pytree as pytree
 
 from narrows.core import ambient_state, held_token
 
+from .config import DEFAULT_SHAPES
 from .executor import LayerExecutor, SideGrads, eager_backward, eager_forward
 
 log = logging.getLogger("narrows.stream")
 
-__all__ = ["DEFAULT_SHAPES", "GraphStats", "LayerGraphs"]
+__all__ = ["GraphStats", "LayerGraphs"]
 
 _PLAIN = (type(None), bool, int, float, str)
-DEFAULT_SHAPES = 4  # batch shapes whose graphs are kept at once
 _REMEMBERED = 256  # shapes seen once, remembered to tell a repeat from a new width
 
 

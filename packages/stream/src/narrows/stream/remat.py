@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -26,10 +26,12 @@ from torch import Tensor, nn
 from narrows.core import Ambient, ambient_as, ambient_state
 
 from . import rng
-from .engine import TransferEngine
 from .executor import EagerExecutor, LayerExecutor, SideGrads
-from .offload import ActivationOffload
 from .sideouts import SideOutputs
+
+if TYPE_CHECKING:  # what a call is handed; remat only calls it
+    from .engine import TransferEngine
+    from .offload import ActivationOffload
 
 
 @dataclass

@@ -22,7 +22,7 @@ from narrows.core import (
     trainable_parameters,
 )
 
-from ..graphs import DEFAULT_SHAPES
+from ..config import DEFAULT_SHAPES
 
 __all__ = [
     "Shapes",
