@@ -59,7 +59,7 @@ def test_cuda_streamed_head_parity(arch):
 
 _WORKSPACES = """
 import threading, torch
-from narrows.stream.api import _matmul_workspaces
+from narrows.stream.planning.measure import matmul_workspaces
 dev = torch.device("cuda", 0)
 a = torch.randn(256, 256, device=dev, requires_grad=True)
 b = torch.randn(256, 256, device=dev)
@@ -70,7 +70,7 @@ y.sum().backward()            # the autograd engine's thread takes its own
 del y
 torch.cuda.synchronize()
 kept = torch.cuda.memory_allocated(dev) - before - a.grad.numel() * 4
-print(kept, _matmul_workspaces(dev))
+print(kept, matmul_workspaces(dev))
 """
 
 
