@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from narrows.core.lazy import lazy_attributes as _lazy_attributes
 from narrows.core.versions import installed_version as _installed_version
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the names by module; `_MODULES` groups them by what they are for
     from .api import StreamHandle, stream
     from .config import StreamConfig
     from .distributed import check_ranks, data_parallel
@@ -43,14 +43,11 @@ if TYPE_CHECKING:
 
 # each module -> its public names, imported on first use (PEP 562): `narrows --help` (the
 # ``narrows prepare`` entry point, `cli`) registers without torch. `hf` (transformers.Trainer,
-# accelerate) loads only when StepModeTrainer is asked for.
+# accelerate) loads only when StepModeTrainer is asked for. Grouped as above.
 _MODULES = {
+    # streaming a model
     "api": ("StreamHandle", "stream"),
     "config": ("StreamConfig",),
-    "distributed": ("check_ranks", "data_parallel"),
-    "engine": ("TransferStats",),
-    "errors": ("BudgetTooSmallError", "SelfCheckError", "StreamSetupError"),
-    "hf": ("StepModeTrainer",),
     "planning": (
         "Plan",
         "Rates",
@@ -60,10 +57,19 @@ _MODULES = {
         "plan",
         "step_mode_reserve",
     ),
-    "pretrained": ("from_pretrained", "prepare"),
-    "profile": ("LayerTimes", "Profile"),
-    "stepmode": ("StepStats", "StepTrainer"),
     "tiling": ("tile_sequence",),
+    # step mode
+    "stepmode": ("StepStats", "StepTrainer"),
+    "hf": ("StepModeTrainer",),
+    # loading
+    "pretrained": ("from_pretrained", "prepare"),
+    # several ranks
+    "distributed": ("check_ranks", "data_parallel"),
+    # measuring
+    "engine": ("TransferStats",),
+    "profile": ("LayerTimes", "Profile"),
+    # errors
+    "errors": ("BudgetTooSmallError", "SelfCheckError", "StreamSetupError"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 # twincheck first: it registers the "stream" architecture check
