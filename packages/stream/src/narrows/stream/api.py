@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from narrows.core import (
     Anatomy,
+    HeldWeights,
     anatomy_of,
     assign,
     attach_head_source,
@@ -64,6 +65,7 @@ class StreamHandle:
     shapes: Shapes | None = None  # the model's and the batch's, as the plan took them
     config: StreamConfig | None = None  # what the model was streamed with (device resolved)
     executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the layers narrows runs (`wiring`)
+    held: HeldWeights | None = None  # where 4-bit weights are held dequantised, when the plan holds them
 
     @contextmanager
     def profiling(self) -> Iterator[Profile]:
@@ -262,7 +264,8 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
                                      math=anat.logit_math)  # fmt: skip
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
-    install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev)
+    held = HeldWeights(anat.layers, dev) if the_plan.held_weights else None
+    install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev, held)
 
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replanned = cfg.replace(gpu_budget=the_plan.budget)
@@ -281,7 +284,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, on_host_embedding, streamed_head, acts,
                                         layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
-                                        cfg, executor)  # fmt: skip
+                                        cfg, executor, held)  # fmt: skip
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

@@ -82,10 +82,14 @@ class StreamConfig:
     micro-batches' saved inputs (`choose_step_mode` says why). A plan for step mode on a
     CUDA device leaves room for what a block-major step keeps beyond the plan (the held
     weights and the micro-batches' layer boundaries: `step_mode_reserve`) and keeps no
-    layer whole (block-major recomputes every layer). `hold_weights`: step mode
-    dequantises each layer's 4-bit weights once per pass into a held buffer
-    (`narrows.core.HeldWeights`, the same bits) — True, False, or "auto" (when the plan has
-    the room). `host_state`: what of the training state the plan may leave out of the
+    layer whole (block-major recomputes every layer). `hold_weights`: each layer's 4-bit
+    weights dequantised once into a held buffer the size of the largest layer's
+    (`narrows.core.HeldWeights`: bitsandbytes' own matmuls on the held copy, the same
+    bits) — in step mode once per pass for every micro-batch, in sequential steps once
+    for each recomputed layer's backward (recompute and input gradient: two
+    dequantisations a micro-batch instead of three). True, False, or "auto": where the
+    plan has the room and the step-time model predicts it faster (not at the smallest
+    footprint). `host_state`: what of the training state the plan may leave out of the
     device budget, for `StepTrainer` to keep in host memory: "none" (the adapters, their
     gradients and AdamW's state all on the device), "optimizer" (one layer's optimizer
     state on the device, each layer updated as its gradients complete) or "adapters"

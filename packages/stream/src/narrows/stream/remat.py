@@ -6,7 +6,8 @@ so the same kernels), keep only its input and the RNG state captured just before
 the storage back. Backward: bring it again, replay the RNG inside `fork_rng` and the
 forward's autocast and attention settings (`narrows.core.ambient`), and have the executor
 recompute the layer and differentiate it with respect to its input and its adapter
-parameters only. Frozen weights never see a gradient.
+parameters only — with its 4-bit weights dequantised once for both when the plan holds
+them (`narrows.core.HeldWeights`). Frozen weights never see a gradient.
 
 Tensors the layer's submodules hand to forward hooks (MoE router logits for the aux loss)
 are extra outputs of the node (`sideouts.py`), so their gradients flow as in resident
@@ -16,14 +17,14 @@ training: the executor's backward takes their gradients (`executor.SideGrads`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from narrows.core import Ambient, ambient_as, ambient_state
+from narrows.core import Ambient, HeldWeights, ambient_as, ambient_state
 
 from . import rng
 from .executor import EagerExecutor, LayerExecutor, SideGrads
@@ -49,6 +50,12 @@ class LayerCall:
     state: rng.RngState | None = None
     ambient: Ambient | None = None  # the forward's autocast and attention settings, for the recompute
     executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the forward and the recompute
+    held: HeldWeights | None = None  # the buffer its 4-bit weights are held in through the backward
+
+    def holding(self) -> Any:
+        """The layer's 4-bit weights dequantised once for its backward (recompute and input
+        gradient share the copy: the same bitsandbytes matmuls, so the same bits)."""
+        return self.held.hold(self.side.layer) if self.held is not None else nullcontext()
 
     def run(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """The layer's own forward, refusing anything but one hidden-states tensor."""
@@ -95,8 +102,8 @@ class StreamedLayer(torch.autograd.Function):
         need_p = ctx.needs_input_grad[2:]
         if ctx.offloaded is not None:
             hidden = call.offload.fetch(ctx.offloaded)
-        with call.engine.using(call.index, then=call.index - 1), rng.replay(call.state), torch.enable_grad(), \
-                ambient_as(call.ambient), call.side.collecting(forward=False):  # fmt: skip
+        with call.engine.using(call.index, then=call.index - 1), call.holding(), rng.replay(call.state), \
+                torch.enable_grad(), ambient_as(call.ambient), call.side.collecting(forward=False):  # fmt: skip
             if call.offload is not None:
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)

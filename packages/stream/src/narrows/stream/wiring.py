@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import Anatomy, chunked_logits
+from narrows.core import Anatomy, HeldWeights, chunked_logits
 
 from .engine import TransferEngine
 from .errors import StreamSetupError
@@ -58,12 +58,13 @@ def tile_mlps(model: nn.Module, plan: Plan) -> None:
 
 def install_forwards(anat: Anatomy, plan: Plan, engine: TransferEngine, offload: ActivationOffload,
                      executor: LayerExecutor, head: StreamedHead | None, host_embedding: bool,
-                     device: torch.device) -> None:  # fmt: skip
-    """Steps 2-4: the streamed layers' forwards, the streamed head's (when `head` is
-    given) and the host embedding's (its rows then go to `device`)."""
+                     device: torch.device, held: HeldWeights | None = None) -> None:  # fmt: skip
+    """Steps 2-4: the streamed layers' forwards (their 4-bit weights held through each
+    backward in `held`, when given), the streamed head's (when `head` is given) and the
+    host embedding's (its rows then go to `device`)."""
     for i, layer in enumerate(anat.layers):
         if i not in plan.whole:  # a whole layer runs untouched, as in resident training
-            layer.forward = _layer_forward(i, layer, engine, offload, executor)
+            layer.forward = _layer_forward(i, layer, engine, offload, executor, held)
     if head is not None:
         anat.head.forward = lambda hidden: chunked_logits(hidden, head)
     if host_embedding:
@@ -71,7 +72,7 @@ def install_forwards(anat: Anatomy, plan: Plan, engine: TransferEngine, offload:
 
 
 def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload: ActivationOffload | None,
-                   executor: LayerExecutor) -> Callable[..., Any]:  # fmt: skip
+                   executor: LayerExecutor, held: HeldWeights | None = None) -> Callable[..., Any]:  # fmt: skip
     """The streamed layer's forward: each call runs through `remat.streamed_call`."""
     original = layer.forward
     params = tuple(p for p in layer.parameters() if p.requires_grad)
@@ -85,7 +86,9 @@ def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload
         if torch.is_grad_enabled():
             drop_cache(kwargs)
         _check_args(index, args, kwargs)
-        call = LayerCall(index, original, args, kwargs, engine, params, side, offload, executor=executor)
+        call = LayerCall(
+            index, original, args, kwargs, engine, params, side, offload, executor=executor, held=held
+        )
         return streamed_call(call, hidden)
 
     forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]

@@ -7,8 +7,9 @@ decides once, and returns one `Plan` with every decision and its reason:
    mode leaves room for what a block-major step keeps beyond it and recomputes every
    layer; it is taken where asked for or where `choose_step_mode` predicts it faster,
    else the plan for sequential steps (`accumulation`);
-3. for block-major steps, whether each layer's 4-bit weights are held through a pass
-   (`holds_weights`).
+3. whether each layer's 4-bit weights are dequantised once and held: for block-major
+   steps through a pass of every micro-batch (`holds_weights`), for sequential steps
+   through each recomputed layer's backward (`_held_in_backward`).
 
 `stream` applies the plan; `StepTrainer` reads the accumulation, the held weights and the
 host state from it.
@@ -22,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from narrows.core import anatomy_of, ensure_architecture
+from narrows.core import anatomy_of, ensure_architecture, format_bytes
 
 from ..config import StreamConfig, tile_option
 from ..errors import BudgetTooSmallError
@@ -40,7 +41,7 @@ from .measure import (
 from .memory import Shapes, held_weight_bytes, nbytes, step_mode_reserve, training_bytes
 from .record import Plan
 from .residency import make_plan
-from .steptime import Rates
+from .steptime import Rates, step_seconds
 
 __all__ = ["plan"]
 
@@ -86,9 +87,9 @@ def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residenc
     """The residency plan for the accumulation the config asks for or the planner picks."""
     g = cfg.grad_accum
     if g < 2 or cfg.inference:
-        return residency(cfg.reserve, cfg.recompute)
+        return _held_in_backward(model, cfg, residency, rates)
     if cfg.step_mode is False:
-        return replace(residency(cfg.reserve, cfg.recompute), grad_accum=g,
+        return replace(_held_in_backward(model, cfg, residency, rates), grad_accum=g,
                        accumulation_choice="sequential (step mode off: step_mode=False)")  # fmt: skip
     # step mode's plan: room for its held weights and layer boundaries (on a CUDA device,
     # where the budget is real), and no layer whole (block-major recomputes every one)
@@ -100,20 +101,59 @@ def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residenc
         try:
             candidate = residency(cfg.reserve + room, recompute)
         except BudgetTooSmallError:
-            chosen, why = (
-                residency(cfg.reserve, cfg.recompute),
-                ("sequential (the room a block-major step keeps beyond the plan does not fit the budget)"),
+            why = "sequential (the room a block-major step keeps beyond the plan does not fit the budget)"
+            return replace(
+                _held_in_backward(model, cfg, residency, rates), grad_accum=g, accumulation_choice=why
             )
-        else:
-            use, why = accumulation.choose_step_mode(model, g, world_size=cfg.world_size, rates=rates,
-                                                     plan=candidate, batch_size=cfg.batch_size,
-                                                     seq_len=cfg.seq_len)  # fmt: skip
-            chosen = candidate if use else residency(cfg.reserve, cfg.recompute)
-    block = why.startswith("block-major")
-    held, held_why = (
-        accumulation.holds_weights(chosen, held_weight_bytes(model), g, cfg.hold_weights)
-        if block
-        else (False, "")
+        use, why = accumulation.choose_step_mode(model, g, world_size=cfg.world_size, rates=rates, plan=candidate,
+                                                 batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # fmt: skip
+        if not use:
+            return replace(
+                _held_in_backward(model, cfg, residency, rates), grad_accum=g, accumulation_choice=why
+            )
+        chosen = candidate
+    held, held_why = accumulation.holds_weights(chosen, held_weight_bytes(model), g, cfg.hold_weights)
+    return replace(chosen, grad_accum=g, accumulation="block-major", accumulation_choice=why, held_weights=held,
+                   held_choice=held_why)  # fmt: skip
+
+
+def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[[int, str], Plan],
+                      rates: Rates | None) -> Plan:  # fmt: skip
+    """The plan for sequential steps, and whether each recomputed layer's 4-bit weights are
+    dequantised once for its backward (the recompute and the input gradient share the
+    copy: two dequantisations a micro-batch instead of three). The held buffer takes the
+    largest layer's weights dequantised; "auto" holds where the plan with it is predicted
+    faster (the step-time model) and fits the budget — not at the smallest footprint."""
+    plan = residency(cfg.reserve, cfg.recompute)
+    need = held_weight_bytes(model)
+    if cfg.inference or not need:
+        return plan
+    if cfg.hold_weights is False:
+        return replace(plan, held_choice="off (hold_weights=False)")
+    if len(plan.whole) == len(plan.layer_bytes):
+        return replace(plan, held_choice="off (every layer whole: nothing is recomputed)")
+    size = format_bytes(need)
+    on = f"on: each recomputed layer's 4-bit weights dequantised once for its backward, into {size}"
+    if cfg.hold_weights is True:
+        return replace(_priced(residency(cfg.reserve + need, cfg.recompute), model, cfg, rates), held_weights=True,
+                       held_choice=on)  # fmt: skip
+    if plan.budget is None:
+        return replace(plan, held_choice=f"off (no budget: the smallest footprint; holding takes {size})")
+    try:
+        held = _priced(residency(cfg.reserve + need, cfg.recompute), model, cfg, rates)
+    except BudgetTooSmallError:
+        return replace(plan, held_choice=f"off (the {size} buffer does not fit the budget)")
+    if held.step_seconds >= plan.step_seconds:
+        return replace(plan, held_choice=f"off (predicted {held.step_seconds:.3g} s of layer time a step held, "
+                                         f"{plan.step_seconds:.3g} s not)")  # fmt: skip
+    return replace(held, held_weights=True, held_choice=f"{on} (predicted {held.step_seconds:.3g} s of layer time "
+                                                        f"a step, {plan.step_seconds:.3g} s not)")  # fmt: skip
+
+
+def _priced(plan: Plan, model: nn.Module, cfg: StreamConfig, rates: Rates | None) -> Plan:
+    """The plan's step time with its recomputed layers' 4-bit weights held in backward."""
+    shapes = Shapes.of(anatomy_of(model), cfg.batch_size, cfg.seq_len)
+    t = step_seconds(
+        plan.layer_bytes, shapes, len(plan.resident), len(plan.whole), rates, plan.graphs, held=True
     )
-    return replace(chosen, grad_accum=g, accumulation="block-major" if block else "sequential",
-                   accumulation_choice=why, held_weights=held, held_choice=held_why)  # fmt: skip
+    return replace(plan, step_seconds=t)

@@ -53,7 +53,9 @@ class Plan:
     grad_accum: int = 1  # micro-batches a step the accumulation was decided for
     accumulation: str = "sequential"  # or "block-major" (`StepTrainer`)
     accumulation_choice: str = ""  # why, as `choose_step_mode` (or the config) said
-    held_weights: bool = False  # step mode holds each layer's 4-bit weights dequantised through a pass
+    held_weights: bool = (
+        False  # 4-bit weights dequantised once and held: through a block-major pass, or a backward
+    )
     held_choice: str = ""  # why (`holds_weights`)
 
     @property
@@ -76,7 +78,7 @@ class Plan:
                 f": {list(self.whole)}" if 0 < len(self.whole) < n else "")),
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
             ("fixed on device", format_bytes(self.fixed_bytes) + (
-                f" (of which {format_bytes(self.reserved_bytes)} reserved: step mode's room, or the caller's)"
+                f" (of which {format_bytes(self.reserved_bytes)} reserved: held weights, step mode's room, or the caller's)"
                 if self.reserved_bytes else "") + HOST_STATE_NOTES[self.host_state]),
             ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
                 f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
@@ -93,8 +95,8 @@ class Plan:
         ]  # fmt: skip
         if self.grad_accum > 1:
             rows.append(("accumulation", self.accumulation_choice or self.accumulation))
-            if self.accumulation == "block-major":
-                rows.append(("held 4-bit weights", self.held_choice))
+        if self.held_choice:
+            rows.append(("held 4-bit weights", self.held_choice))
         if self.d2h_bytes_per_step:
             rows.append(("device→host per step", format_bytes(self.d2h_bytes_per_step)))
         if self.predicted_host_bytes is not None:

@@ -69,9 +69,11 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     whole layers run eagerly either way. Over `micro_batches`: sequential accumulation
     copies each streamed layer twice per micro-batch; `block_major` (step mode) twice a
     step, each copy behind the compute of every micro-batch, and every layer recomputed
-    (step mode keeps no layer whole). `held` (block-major only): each layer's 4-bit weights
-    are dequantised once per pass for all micro-batches (`narrows.core.HeldWeights`)
-    instead of three times per micro-batch (forward, recompute, input gradient)."""
+    (step mode keeps no layer whole). `held`: each layer's 4-bit weights are dequantised
+    once and held (`narrows.core.HeldWeights`) — block-major, once per pass for all
+    micro-batches instead of three times per micro-batch (forward, recompute, input
+    gradient); sequential, once for each recomputed layer's backward (recompute and input
+    gradient share it), two per micro-batch instead of three."""
     n = len(layer_bytes)
     whole = 0 if block_major else whole
     eager, c = layer_seconds(max(layer_bytes), s, rates)
@@ -80,7 +82,10 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     exposed = max(0.0, c - behind * f) + max(0.0, c - 3 * behind * f)
     copies = 1 if block_major else micro_batches
     compute = micro_batches * (whole * 3 * eager + (n - whole) * 4 * f)
-    if block_major and held:  # three per micro-batch (forward, recompute, input gradient) become two a step
+    if held:
         d = min(f, dequant_seconds(max(layer_bytes), s))
-        compute -= n * (3 * micro_batches - 2) * d
+        if block_major:  # three per micro-batch (forward, recompute, input gradient) become two a step
+            compute -= n * (3 * micro_batches - 2) * d
+        else:  # a recomputed layer's backward dequantises once for its recompute and input gradient
+            compute -= micro_batches * (n - whole) * d
     return compute + copies * (n - resident) * exposed

@@ -218,7 +218,11 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         else:
             choice = config.hold_weights if config is not None else "auto"
             hold, why = holds_weights(plan, held_weight_bytes(self.model), self.grad_accum, choice)
-        return (HeldWeights(self.anat.layers, self.device) if hold else None), why
+        if not hold:
+            return None, why
+        # one buffer: the one the streamed layers hold their backward in, where the plan made it
+        held = getattr(self.handle, "held", None) or HeldWeights(self.anat.layers, self.device)
+        return held, why
 
     @property
     def predicted_peak(self) -> int:
