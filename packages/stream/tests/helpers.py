@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import narrows.stream as ns
 from narrows.core import ResidentHead, anatomy_of, chunked_logits, quantize_nf4
@@ -63,3 +64,16 @@ def chunked_resident(model, rows: int):
     source = ResidentHead.of(head)
     head.forward = lambda hidden: chunked_logits(hidden, source, rows)
     return model
+
+
+class Dequantizations(TorchDispatchMode):
+    """Counts bitsandbytes' 4-bit dequantisations: its matmul's (``gemm_4bit``, which
+    dequantises inside, out of the mode's sight) and everyone else's."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func._schema.name in ("bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit")
+        return func(*args, **(kwargs or {}))

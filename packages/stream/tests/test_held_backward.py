@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_identical, build, train
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import Dequantizations, assert_identical, build, train
 
 import narrows.stream as ns
 from narrows.core import is_nf4_linear
@@ -17,26 +16,13 @@ from narrows.core.testing import tiny_batch
 pytestmark = pytest.mark.bnb
 
 
-class _Dequantizations(TorchDispatchMode):
-    """Counts bitsandbytes' 4-bit dequantisations (its matmul's, which dequantises inside,
-    and everyone else's)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name in ("bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit")
-        return func(*args, **(kwargs or {}))
-
-
 def _one_step_dequantisations(hold) -> tuple[int, int]:
     """Dequantisations of one forward + backward of a streamed NF4 model, and its 4-bit linears."""
     pytest.importorskip("bitsandbytes")
     model = build(base="nf4")
     ns.stream(model, device="cpu", batch_size=2, seq_len=12, hold_weights=hold)
     assert model.narrows_stream.plan.held_weights is hold
-    with _Dequantizations() as seen:
+    with Dequantizations() as seen:
         model(**tiny_batch(seq=12, seed=0)).loss.backward()
     return seen.count, sum(1 for m in model.modules() if is_nf4_linear(m))
 
@@ -157,6 +143,6 @@ def test_held_backward_on_cuda_is_exact(graphs, dtype):
         assert streamed.narrows_stream.graphs.stats.replays > 0
     elif dtype == torch.float32:  # bf16 inputs of a few tokens may take bitsandbytes' fused kernel instead
         linears = sum(1 for m in streamed.modules() if is_nf4_linear(m))
-        with _Dequantizations() as seen:
+        with Dequantizations() as seen:
             streamed(**{k: v.cuda() for k, v in tiny_batch(seq=12, seed=7).items()}).loss.backward()
         assert seen.count == 2 * linears

@@ -9,8 +9,7 @@ import functools
 
 import pytest
 import torch
-from helpers import assert_identical, build
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import Dequantizations, assert_identical, build
 
 import narrows.stream as ns
 from narrows.core import fuse_lora, is_nf4_linear
@@ -246,19 +245,6 @@ def test_block_major_on_nf4():
     assert_identical(resident(dropout=0.05, base="nf4"), got)
 
 
-class _Dequantizations(TorchDispatchMode):
-    """Counts bitsandbytes' 4-bit dequantisations: its matmul's (``gemm_4bit``, which
-    dequantises inside, out of the mode's sight) and everyone else's."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func._schema.name in ("bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit")
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.bnb
 @pytest.mark.parametrize("graphs", [False, True])
 def test_nf4_weights_dequantised_once_per_pass(graphs):
@@ -272,10 +258,10 @@ def test_nf4_weights_dequantised_once_per_pass(graphs):
     trainer = model.narrows_step_trainer
     assert trainer.held_choice.startswith("on")
     linears = sum(1 for m in model.modules() if is_nf4_linear(m))
-    with _Dequantizations() as seen:
+    with Dequantizations() as seen:
         trainer.step(_batches(STEPS))
     assert seen.count == 2 * linears
-    with _Dequantizations() as seen:  # the same step without holding: every call dequantises
+    with Dequantizations() as seen:  # the same step without holding: every call dequantises
         trainer.held = None
         trainer.step(_batches(STEPS + 1))
     assert seen.count >= 2 * G * linears  # forward and recompute, each micro-batch (and most backwards)
@@ -407,7 +393,7 @@ def test_nf4_weights_held_on_cuda_are_exact(graphs):
         assert model.narrows_stream.graphs.stats.replays > 0
     else:
         linears = sum(1 for m in model.modules() if is_nf4_linear(m))
-        with _Dequantizations() as seen:
+        with Dequantizations() as seen:
             model.narrows_step_trainer.step(_batches(STEPS))
         assert seen.count == 2 * linears
 
@@ -444,7 +430,7 @@ def test_resident_nf4_layers_step_block_major_with_their_weights_held(dropout):
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=dropout, base="nf4"), got)
     linears = sum(1 for m in model.modules() if is_nf4_linear(m))
-    with _Dequantizations() as seen:
+    with Dequantizations() as seen:
         model.narrows_step_trainer.step(_batches(STEPS))
     assert seen.count == 2 * linears
 
