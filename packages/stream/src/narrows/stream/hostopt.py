@@ -1,5 +1,5 @@
 """Optimizer state in host memory, each layer's update run on the device as soon as its
-gradients are complete (step mode's `offload_optimizer=True`).
+gradients are complete (step mode with a plan's ``host_state="optimizer"``).
 
 Why: AdamW keeps two fp32 tensors per adapter parameter. At rank 16 on every linear of a
 7B model that is 320 MB, at 72B 1.7 GB — more than a streamed layer, all of it on the
@@ -71,10 +71,10 @@ class HostOptimizer:
         name = type(optimizer).__name__
         if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or name not in SUPPORTED:
             raise StreamSetupError(
-                f"offload_optimizer=True steps the optimizer one layer at a time, which is exact only for an "
+                f"host_state='optimizer' steps the optimizer one layer at a time, which is exact only for an "
                 f"optimizer whose update of a parameter reads nothing but that parameter's gradient and state: "
                 f"torch.optim.{{{', '.join(SUPPORTED)}}}; got {type(optimizer).__module__}.{name}. Use one of "
-                f"those, or offload_optimizer=False"
+                f"those, or stream with host_state='none'"
             )
         self.optimizer = optimizer
         self.params = list(params)

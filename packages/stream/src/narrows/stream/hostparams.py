@@ -1,5 +1,5 @@
-"""Adapter parameters in host memory between their uses (step mode's
-`offload_adapters=True`).
+"""Adapter parameters in host memory between their uses (step mode with a plan's
+``host_state="adapters"``).
 
 Why: LoRA r16 on every linear of Qwen2.5-72B is 2.6 M parameters per layer, 0.84 GB in
 fp32 over its 80 layers — more than a quarter of step mode's smallest footprint — yet a
@@ -151,7 +151,7 @@ class HostAdapters:
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "narrows.stream: this layer's adapters wait in host memory between StepTrainer steps "
-                "(offload_adapters=True): train through trainer.step(), run evaluation under torch.no_grad(), "
+                "(host_state='adapters'): train through trainer.step(), run evaluation under torch.no_grad(), "
                 "or call trainer.adapters_to_device() first"
             )
         self.bring(params)
