@@ -161,7 +161,8 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     ).narrows_tiers
     assert alone.shared == (0, 1)
     memory = mapping_memory(str(alone.cache.path))
-    # the shared check (Pss <= 0.55 Rss) fails for it. Not Pss == Rss: in a long test process
-    # some of the file's pages were seen mapped twice (Pss 300 of Rss 492 kB, before the
-    # private model above was dropped first)
-    assert memory["Rss"] > 0 and memory["Pss"] > 0.55 * memory["Rss"], memory
+    # the shared check (Pss <= 0.55 Rss) fails for it, counting each page once: this process
+    # may map the file twice (mapped again as it grew while being written), which halves
+    # each mapping's Pss without any other process sharing it (seen in CI: Pss 300 of Rss
+    # 556 kB)
+    assert memory["RssLargest"] > 0 and memory["Pss"] > 0.55 * memory["RssLargest"], memory
