@@ -70,26 +70,36 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
     tiers = getattr(anat.model, "narrows_tiers", None)
     layer_bytes = tuple(frozen_layer_bytes(anat))
 
-    def residency(reserve: int, recompute: str) -> Plan:
-        return make_plan(layer_bytes, fixed_bytes=fixed + reserve, shapes=Shapes.of(anat, cfg.batch_size, cfg.seq_len),
-                         budget=budget_bytes(cfg.gpu_budget, dev), device=str(dev), prefetch=cfg.prefetch_depth,
-                         head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
+    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len)
+    budget = budget_bytes(cfg.gpu_budget, dev)  # read once: every candidate plan is judged against the same
+
+    def residency(reserve: int, recompute: str, held: bool = False) -> Plan:
+        """A residency plan with `reserve` bytes left free; `held`: its step time priced with
+        each recomputed layer's 4-bit weights held through its backward."""
+        plan = make_plan(layer_bytes, fixed_bytes=fixed + reserve, shapes=shapes, budget=budget, device=str(dev),
+                         prefetch=cfg.prefetch_depth, head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
                          host_bytes=tiers.predicted_host_bytes() if tiers else None,
                          host_budget=tiers.host_budget if tiers else None, offload=cfg.offload_inputs,
                          tile=tile_option(cfg), recompute=recompute, rates=rates, graphs=cfg.graphs,
                          reserved=reserve, host_state=cfg.host_state)  # fmt: skip
+        if not held:
+            return plan
+        t = step_seconds(
+            layer_bytes, shapes, len(plan.resident), len(plan.whole), rates, plan.graphs, held=True
+        )
+        return replace(plan, step_seconds=t)
 
     return _with_accumulation(model, cfg, dev.type == "cuda", residency, rates)
 
 
-def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[[int, str], Plan],
+def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[..., Plan],
                        rates: Rates | None) -> Plan:  # fmt: skip
     """The residency plan for the accumulation the config asks for or the planner picks."""
     g = cfg.grad_accum
     if g < 2 or cfg.inference:
-        return _held_in_backward(model, cfg, residency, rates)
+        return _held_in_backward(model, cfg, residency)
     if cfg.step_mode is False:
-        return replace(_held_in_backward(model, cfg, residency, rates), grad_accum=g,
+        return replace(_held_in_backward(model, cfg, residency), grad_accum=g,
                        accumulation_choice="sequential (step mode off: step_mode=False)")  # fmt: skip
     # step mode's plan: room for its held weights and layer boundaries (on a CUDA device,
     # where the budget is real), and no layer whole (block-major recomputes every one)
@@ -102,23 +112,18 @@ def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residenc
             candidate = residency(cfg.reserve + room, recompute)
         except BudgetTooSmallError:
             why = "sequential (the room a block-major step keeps beyond the plan does not fit the budget)"
-            return replace(
-                _held_in_backward(model, cfg, residency, rates), grad_accum=g, accumulation_choice=why
-            )
+            return replace(_held_in_backward(model, cfg, residency), grad_accum=g, accumulation_choice=why)
         use, why = accumulation.choose_step_mode(model, g, world_size=cfg.world_size, rates=rates, plan=candidate,
                                                  batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # fmt: skip
         if not use:
-            return replace(
-                _held_in_backward(model, cfg, residency, rates), grad_accum=g, accumulation_choice=why
-            )
+            return replace(_held_in_backward(model, cfg, residency), grad_accum=g, accumulation_choice=why)
         chosen = candidate
     held, held_why = accumulation.holds_weights(chosen, held_weight_bytes(model), g, cfg.hold_weights)
     return replace(chosen, grad_accum=g, accumulation="block-major", accumulation_choice=why, held_weights=held,
                    held_choice=held_why)  # fmt: skip
 
 
-def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[[int, str], Plan],
-                      rates: Rates | None) -> Plan:  # fmt: skip
+def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[..., Plan]) -> Plan:
     """The plan for sequential steps, and whether each recomputed layer's 4-bit weights are
     dequantised once for its backward (the recompute and the input gradient share the
     copy: two dequantisations a micro-batch instead of three). The held buffer takes the
@@ -135,12 +140,13 @@ def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[[
     size = format_bytes(need)
     on = f"on: each recomputed layer's 4-bit weights dequantised once for its backward, into {size}"
     if cfg.hold_weights is True:
-        return replace(_priced(residency(cfg.reserve + need, cfg.recompute), model, cfg, rates), held_weights=True,
-                       held_choice=on)  # fmt: skip
+        return replace(
+            residency(cfg.reserve + need, cfg.recompute, held=True), held_weights=True, held_choice=on
+        )
     if plan.budget is None:
         return replace(plan, held_choice=f"off (no budget: the smallest footprint; holding takes {size})")
     try:
-        held = _priced(residency(cfg.reserve + need, cfg.recompute), model, cfg, rates)
+        held = residency(cfg.reserve + need, cfg.recompute, held=True)
     except BudgetTooSmallError:
         return replace(plan, held_choice=f"off (the {size} buffer does not fit the budget)")
     if held.step_seconds >= plan.step_seconds:
@@ -148,12 +154,3 @@ def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[[
                                          f"{plan.step_seconds:.3g} s not)")  # fmt: skip
     return replace(held, held_weights=True, held_choice=f"{on} (predicted {held.step_seconds:.3g} s of layer time "
                                                         f"a step, {plan.step_seconds:.3g} s not)")  # fmt: skip
-
-
-def _priced(plan: Plan, model: nn.Module, cfg: StreamConfig, rates: Rates | None) -> Plan:
-    """The plan's step time with its recomputed layers' 4-bit weights held in backward."""
-    shapes = Shapes.of(anatomy_of(model), cfg.batch_size, cfg.seq_len)
-    t = step_seconds(
-        plan.layer_bytes, shapes, len(plan.resident), len(plan.whole), rates, plan.graphs, held=True
-    )
-    return replace(plan, step_seconds=t)

@@ -221,7 +221,7 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         if not hold:
             return None, why
         # one buffer: the one the streamed layers hold their backward in, where the plan made it
-        held = getattr(self.handle, "held", None) or HeldWeights(self.anat.layers, self.device)
+        held = self.handle.held or HeldWeights(self.anat.layers, self.device)
         return held, why
 
     @property
