@@ -1,5 +1,5 @@
 """Poros protocol for narrows.stream: QLoRA r16 on all seven projections of a real
-architecture's shape (random NF4 weights), batch 1, one seq length; for each mode the peak
+architecture's shape (random NF4 weights), batch 1 unless --batch, one seq length; for each mode the peak
 allocated VRAM, s/step, tokens/s, and the transfer floor (host→device bytes per step over
 the pinned bandwidth measured in the same run). Modes run in fresh subprocesses.
 
@@ -18,6 +18,8 @@ plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-
 "-hostadapters": that and the adapter parameters in host memory too (host_state="adapters");
 "-held": each layer's NF4 weights dequantised once per pass, hold_weights=True, "-noheld"
 False, neither: the library's "auto"; step modes plan with grad_accum and step_mode=True);
+"-fast" on a resident mode: narrows.core.fuse_layers (each decoder layer one autograd node with a
+written-out backward, LoRA in bf16 on tensor cores; with -ckpt it recomputes itself, selectively);
 "-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
 cast of an input shared by Q/K/V or gate/up made and saved once);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
@@ -150,7 +152,7 @@ def run_one(args: argparse.Namespace) -> dict:
         # a step mode plans for its G micro-batches: room for its held weights and layer boundaries, and
         # (block-major recomputes every layer) no layer whole, as narrows finetune does
         step = parts[0] == "step"
-        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=1, head=head,
+        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=args.batch, head=head,
                   grad_accum=args.grad_accum if step else 1, step_mode=True if step else "auto",
                   hold_weights=True if "held" in parts else False if "noheld" in parts else "auto",
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
@@ -177,6 +179,10 @@ def run_one(args: argparse.Namespace) -> dict:
             checkpointing(model, offload="offload" in parts)
             model.enable_input_require_grads()
         model.to(device)
+        if "fast" in parts:  # after checkpointing: a fused layer recomputes itself where it was on
+            from narrows.core import fuse_layers
+
+            print(fuse_layers(model), file=sys.stderr)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
@@ -191,7 +197,7 @@ def run_one(args: argparse.Namespace) -> dict:
     def step() -> float:
         batches = []
         for _ in range(g):
-            ids = torch.randint(0, vocab, (1, args.seq), generator=gen).to(device)
+            ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
             batches.append({"input_ids": ids, "labels": ids})
         if trainer is not None:
             return trainer.step(batches).loss
@@ -239,7 +245,8 @@ def run_one(args: argparse.Namespace) -> dict:
         "grad_accum": g,
         "build_s": round(build_s, 1),
         "s_per_step": dt,
-        "tokens_per_s": args.seq * g / dt,
+        "batch": args.batch,
+        "tokens_per_s": args.seq * args.batch * g / dt,
         "peak_allocated": peaks.cuda_allocated,
         "peak_reserved": peaks.cuda_reserved,
         "host_rss_peak": peaks.host_rss,
@@ -321,6 +328,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (G)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
     ap.add_argument("--modes", default="stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident")
     ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
     ap.add_argument("--attn", default="sdpa", help="attention implementation (eager: deterministic backward)")
@@ -354,7 +362,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
-               "--grad-accum", str(args.grad_accum), *(["--profile"] if args.profile else []),
+               "--grad-accum", str(args.grad_accum), "--batch", str(args.batch), *(["--profile"] if args.profile else []),
                *(["--trace"] if args.trace else []), *(["--torch-profile"] if args.torch_profile else [])]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if args.trace:  # the child's breakdown of its peak
@@ -386,7 +394,7 @@ def main() -> None:
             r["vs_best_peft_fitting"] = r["s_per_step"] / best["s_per_step"] if best else None
     gib = 2**30
     print(
-        f"\n{args.model}, seq {args.seq}, batch 1, G {args.grad_accum}, LoRA r16 x7, NF4; pinned H2D {bw / 1e9:.1f} GB/s"
+        f"\n{args.model}, seq {args.seq}, batch {args.batch}, G {args.grad_accum}, LoRA r16 x7, NF4; pinned H2D {bw / 1e9:.1f} GB/s"
     )
     print(
         f"{'mode':<30}{'peak GiB':>10}{'RSS GiB':>9}{'s/step':>9}{'tok/s':>9}{'floor s':>9}{'vs ref time':>12}{'vs ref mem':>11}{'vs fitting PEFT':>16}  resident"
@@ -420,7 +428,7 @@ def write(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,
-                                          "grad_accum": args.grad_accum,
+                                          "grad_accum": args.grad_accum, "batch": args.batch,
                                           "warmup": args.warmup, "pinned_bw": bw, "device": device,
                                           "traced": args.trace,  # memory history on: the timings are not
                                           "rows": rows}, indent=2))  # fmt: skip

@@ -6,6 +6,8 @@
   re-pointable reference, and the packed layout that moves a layer in one copy
 - NF4 quantisation through bitsandbytes (optional extra ``narrows-core[nf4]``)
 - PEFT's LoRA branches as one autograd node each, a shared input cast once (PEFT's bits)
+- fast layers: a Llama-family decoder layer as one node with a written-out backward and
+  LoRA on tensor cores (`fuse_layers`; its own bits, shared by resident and streamed runs)
 - checkpoint folders read one decoder layer at a time (the full float model never exists)
 - the LM-head hook: the head's weight served in vocabulary chunks, resident or streamed
 - memory measurement and byte sizes
@@ -55,6 +57,9 @@ if TYPE_CHECKING:
 
     # errors
     from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
+
+    # fast decoder layers (their own bits; the same resident and streamed)
+    from .fastlayer import FuseReport, fuse_layers, unfuse_layers
 
     # LM-head hook
     from .head import (
@@ -142,6 +147,7 @@ _MODULES = {
         "sharing_head_pass",
     ),
     "inference": ("AdapterChoice", "InferenceModel", "choose_adapter", "load_base", "load_for_inference"),
+    "fastlayer": ("FuseReport", "fuse_layers", "unfuse_layers"),
     "loader": ("load_blockwise",),
     "logits": ("LogitMath",),
     "lorafuse": ("LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"),
@@ -192,6 +198,7 @@ __all__ = [
     "ArchitectureSpec",
     "CheckpointFolder",
     "FrozenSlot",
+    "FuseReport",
     "HeadSource",
     "HeadSweep",
     "HeldWeights",
@@ -227,6 +234,7 @@ __all__ = [
     "ensure_architecture",
     "format_bytes",
     "frozen_slots",
+    "fuse_layers",
     "fuse_lora",
     "head_source",
     "head_sweep",
@@ -262,6 +270,7 @@ __all__ = [
     "snapshot",
     "supported_architectures",
     "trainable_parameters",
+    "unfuse_layers",
     "unfuse_lora",
     "unwrap_model",
     "verify_architecture",

@@ -1,0 +1,28 @@
+"""Fast decoder layers: the Llama family's layer as one autograd node with a written-out
+backward, LoRA in the activation dtype on tensor cores (float32 masters and gradients),
+library kernels for the element-wise ops, and a recompute that skips what the backward
+does not need. `fuse_layers(model)` for a resident model; `narrows.stream` runs the same
+entry points (`compute`) for a streamed one, so the two train the same bits."""
+
+from . import compute
+from .anatomy import FAST_LAYER_TYPES, LayerParts, parts_of, why_not
+from .fuse import FastLayerFunction, FuseReport, fuse_layers, is_fused, unfuse_layers
+from .lora import Linear, LinearGroup, mm_f32
+from .ops import kernels_in_use
+
+__all__ = [
+    "FAST_LAYER_TYPES",
+    "FastLayerFunction",
+    "FuseReport",
+    "LayerParts",
+    "Linear",
+    "LinearGroup",
+    "compute",
+    "fuse_layers",
+    "is_fused",
+    "kernels_in_use",
+    "mm_f32",
+    "parts_of",
+    "unfuse_layers",
+    "why_not",
+]

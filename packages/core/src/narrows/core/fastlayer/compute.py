@@ -1,0 +1,166 @@
+"""One decoder layer's forward, its recompute and its backward, written out: what the
+fast layer runs instead of the layer's modules and autograd's graph of them.
+
+Three entry points share one forward: `forward` (the output, nothing kept: a streamed
+layer's forward, or a checkpointed one), `recompute` (what the backward needs, without
+down_proj's output, which it does not) and `forward_keeping` (both, for resident
+training without checkpointing). `backward` takes what either kept and the output's
+gradient, and gives the input's gradient and the adapters' (float32).
+
+The steps, for ``x`` of (batch, seq, hidden): ``n1 = norm(x)``; Q/K/V (a `LinearGroup`);
+the heads (Qwen3's per-head norms), rotary embeddings; attention through SDPA (flash
+or cuDNN on CUDA) with grouped-query heads and the model's mask; ``h1 = x + o(attn)``
+(the residual added in o's matmul); ``n2 = norm(h1)``; gate/up; ``a = silu(gate) · up``;
+``out = h1 + down(a)``. Attention is the one step whose backward is autograd's: the
+forward records SDPA alone (its inputs as leaves), and the backward differentiates that
+one node, so the attention output and its log-sum-exp are kept, not recomputed.
+
+Every dequantised 4-bit weight comes through `cache` when one is given: the recompute
+and the backward of one layer share it, so a weight is dequantised twice a step, not
+three times (a held weight — `narrows.core.HeldWeights` — is used as it is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from .anatomy import LayerParts
+from .lora import GroupState
+from .ops import rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward
+
+__all__ = ["Saved", "backward", "forward", "forward_keeping", "recompute"]
+
+
+@dataclass
+class Saved:
+    """What a layer's backward needs from its forward."""
+
+    shape: torch.Size
+    x: Tensor  # (tokens, hidden)
+    rstd1: Tensor
+    qkv: GroupState
+    heads_pre: tuple[Tensor, Tensor, Tensor, Tensor] | None  # Qwen3: q, k before their norms, and the rstds
+    cos: Tensor
+    sin: Tensor
+    leaves: tuple[Tensor, Tensor, Tensor]  # attention's q, k, v (leaves of its one-node graph)
+    attn: Tensor  # its output, (batch, heads, seq, head_dim)
+    o: GroupState
+    h1: Tensor
+    rstd2: Tensor
+    gate_up: GroupState
+    gate: Tensor
+    up: Tensor
+    down: GroupState
+
+
+def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is not None:
+        mask = mask[:, :, :, : k.shape[-2]]
+    causal = q.shape[2] > 1 and mask is None
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=parts.scaling,
+        enable_gqa=parts.kv_heads != parts.heads,
+    )  # fmt: skip
+
+
+KVSink = Callable[[Tensor, Tensor], object]  # takes the keys and values (a KV cache's update)
+
+
+def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+         cache: dict[str, Tensor] | None, *, output: bool, keep: bool,
+         kv: KVSink | None = None) -> tuple[Tensor | None, Saved | None]:  # fmt: skip
+    batch, seq, hidden = x.shape
+    x2 = x.reshape(-1, hidden)
+    n1, rstd1 = rms_norm(x2, parts.norm1.weight, parts.norm1.eps)
+    (q, k, v), st_qkv = parts.qkv.forward(n1, parts.qkv.masks(n1), cache)
+    q = q.view(batch, seq, parts.heads, parts.head_dim)
+    k = k.view(batch, seq, parts.kv_heads, parts.head_dim)
+    heads_pre = None
+    if parts.q_norm is not None:
+        q_pre, k_pre = q, k
+        q, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
+        k, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
+        heads_pre = (q_pre, k_pre, rq, rk)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = rope(q.transpose(1, 2), c, s)
+    k = rope(k.transpose(1, 2), c, s)
+    v = v.view(batch, seq, parts.kv_heads, parts.head_dim).transpose(1, 2)
+    if kv is not None:
+        kv(k, v)
+    if keep:
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            attn = _attention(parts, *leaves, mask)
+    else:
+        leaves = None
+        with torch.no_grad():
+            attn = _attention(parts, q, k, v, mask)
+    o_in = attn.detach().transpose(1, 2).reshape(-1, parts.heads * parts.head_dim)
+    (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=x2)
+    n2, rstd2 = rms_norm(h1, parts.norm2.weight, parts.norm2.eps)
+    (gate, up), st_gu = parts.gate_up.forward(n2, parts.gate_up.masks(n2), cache)
+    a = swiglu(gate, up)
+    skip = () if output else ("down",)
+    (out,), st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=skip, residual=h1)
+    out = None if out is None else out.view(batch, seq, hidden)
+    if not keep:
+        return out, None
+    saved = Saved(
+        x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
+    )
+    return out, saved
+
+
+def forward(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+            cache: dict[str, Tensor] | None = None, kv: KVSink | None = None) -> Tensor:  # fmt: skip
+    """The layer's output; nothing kept. `kv` receives the keys and values (rotated)."""
+    with torch.no_grad():
+        return _run(parts, x, cos, sin, mask, cache, output=True, keep=False, kv=kv)[0]
+
+
+def forward_keeping(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                    cache: dict[str, Tensor] | None = None, kv: KVSink | None = None,
+                    ) -> tuple[Tensor, Saved]:  # fmt: skip
+    """The output and what the backward needs (resident training without recompute)."""
+    with torch.no_grad():
+        return _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
+
+
+def recompute(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+              cache: dict[str, Tensor] | None = None) -> Saved:  # fmt: skip
+    """What the backward needs, recomputed from the layer's input (the RNG replayed by
+    the caller when an adapter drops out); down_proj's output is not computed."""
+    with torch.no_grad():
+        return _run(parts, x, cos, sin, mask, cache, output=False, keep=True)[1]
+
+
+def backward(parts: LayerParts, saved: Saved, grad: Tensor,
+             cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """The input's gradient and the adapters' (in `parts.params()` order, float32)."""
+    batch, seq, hidden = saved.shape
+    with torch.no_grad():
+        g_out = grad.reshape(-1, hidden)
+        g_a, p_down = parts.down.backward([g_out], saved.down, cache)
+        d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
+        g_n2, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
+        del d_gate, d_up
+        g_h1 = rms_norm_backward(g_n2, saved.h1, parts.norm2.weight, saved.rstd2).add_(g_out)
+        (g_attn, p_o) = parts.o.backward([g_h1], saved.o, cache)
+        g_attn = g_attn.view(batch, seq, parts.heads, parts.head_dim).transpose(1, 2)
+    gq, gk, gv = torch.autograd.grad(saved.attn, saved.leaves, g_attn)
+    with torch.no_grad():
+        gq = rope_backward(gq, saved.cos, saved.sin).transpose(1, 2)
+        gk = rope_backward(gk, saved.cos, saved.sin).transpose(1, 2)
+        if saved.heads_pre is not None:
+            q_pre, k_pre, rq, rk = saved.heads_pre
+            gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)
+            gk = rms_norm_backward(gk, k_pre, parts.k_norm.weight, rk)
+        flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]
+        g_n1, p_qkv = parts.qkv.backward(flat, saved.qkv, cache)
+        g_x = rms_norm_backward(g_n1, saved.x, parts.norm1.weight, saved.rstd1).add_(g_h1)
+    return g_x.view(batch, seq, hidden), [*p_qkv, *p_o, *p_gu, *p_down]

@@ -1,0 +1,159 @@
+"""Linears that share one input, each with an optional LoRA adapter: the base matmuls in
+the activation dtype, and the adapters' matmuls on tensor cores in that dtype too, from
+the float32 masters cast once per call — with float32 gradients for the masters.
+
+Forward of a group on input ``n`` (tokens × in): ``h = n @ cat(A)ᵀ`` (one matmul for
+every adapter of the group when none drops out), then for each linear
+``out = base(n)`` and ``out += s · h_p @ B_pᵀ`` as one ``addmm_`` (the scale in the
+matmul's float32 epilogue, one rounding). Backward: the input's gradient sums every
+linear's ``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``; ``A`` and ``B``'s gradients
+come out of the matmuls in float32 (``mm_f32``), never rounded to the activation dtype.
+
+Dropout draws one mask per adapter, in the group's order, from the device's generator:
+the caller replays the generator to redraw them (`masks`), so nothing of them is saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Linear", "LinearGroup", "mm_f32"]
+
+
+def mm_f32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` with a float32 result (float64 for float64 inputs): 16-bit inputs on CUDA
+    go to tensor cores with a float32 output; elsewhere they are cast to float32 first
+    (what a CPU matmul of 16-bit inputs accumulates in anyway)."""
+    if a.dtype in (torch.float32, torch.float64):
+        return a.mm(b.to(a.dtype))
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float().mm(b.float())
+
+
+@dataclass
+class Linear:
+    """One linear: its frozen base (a weight getter, so a 4-bit weight can be dequantised
+    or held), its bias, and its adapter (None for none)."""
+
+    name: str
+    weight: Callable[[Tensor], Tensor]  # (out, in) in the dtype of the tensor it is given
+    bias: Tensor | None
+    a: nn.Parameter | None  # (r, in) float32 master
+    b: nn.Parameter | None  # (out, r)
+    scaling: float
+    dropout: float
+
+    def w(self, like: Tensor, cache: dict[str, Tensor] | None) -> Tensor:
+        """The base weight in `like`'s dtype; with `cache`, fetched (a 4-bit one
+        dequantised) once for every use that shares the cache."""
+        if cache is None:
+            return self.weight(like)
+        w = cache.get(self.name)
+        if w is None:
+            w = cache[self.name] = self.weight(like)
+        return w
+
+
+@dataclass
+class GroupState:
+    """What a group's forward keeps for its backward."""
+
+    n: Tensor  # the shared input, (tokens, in)
+    h: list[Tensor | None]  # each adapter's (tokens, r) activation
+    masks: list[Tensor | None]  # each adapter's dropout mask, scaled (None without dropout)
+
+
+class LinearGroup:
+    """Linears that read one input (Q/K/V; gate/up; o; down)."""
+
+    def __init__(self, linears: Sequence[Linear]):
+        self.linears = list(linears)
+        self.adapted = [p for p in self.linears if p.a is not None]
+        self.dropout = any(p.dropout > 0 for p in self.adapted)
+
+    def params(self) -> list[nn.Parameter]:
+        return [t for p in self.adapted for t in (p.a, p.b)]
+
+    def masks(self, n: Tensor) -> list[Tensor | None]:
+        """Each adapter's scaled dropout mask, drawn in order from `n`'s device's
+        generator (a replay of the same generator state draws the same masks)."""
+        out: list[Tensor | None] = []
+        for p in self.linears:
+            if p.a is None or p.dropout == 0:
+                out.append(None)
+                continue
+            keep = 1.0 - p.dropout
+            out.append(torch.empty_like(n).bernoulli_(keep).div_(keep))
+        return out
+
+    def _h(self, n: Tensor, masks: list[Tensor | None]) -> list[Tensor | None]:
+        """Each adapter's ``n @ Aᵀ`` (dropped out), in the activation dtype."""
+        if not self.adapted:
+            return [None] * len(self.linears)
+        if not self.dropout:
+            a = torch.cat([p.a for p in self.adapted]).to(n.dtype)
+            h_all = n.mm(a.t())
+            hs = iter(h_all.split([p.a.shape[0] for p in self.adapted], dim=1))
+            return [next(hs) if p.a is not None else None for p in self.linears]
+        return [
+            None if p.a is None else (n if m is None else n * m).mm(p.a.to(n.dtype).t())
+            for p, m in zip(self.linears, masks)
+        ]
+
+    def forward(self, n: Tensor, masks: list[Tensor | None], cache: dict[str, Tensor] | None = None, *,
+                skip: Sequence[str] = (), residual: Tensor | None = None,
+                ) -> tuple[list[Tensor | None], GroupState]:  # fmt: skip
+        """Each linear's output (None for those in `skip`: the backward does not need
+        them), and what the backward needs. With `residual` (one linear only) the output
+        is ``residual + linear(n)``, the add in the matmul's epilogue."""
+        h = self._h(n, masks)
+        outs: list[Tensor | None] = []
+        for p, hp in zip(self.linears, h):
+            if p.name in skip:
+                outs.append(None)
+                continue
+            w = p.w(n, cache)
+            if residual is not None:
+                out = torch.addmm(residual, n, w.t())
+            elif p.bias is not None:
+                out = torch.addmm(p.bias.to(n.dtype), n, w.t())
+            else:
+                out = n.mm(w.t())
+            if residual is not None and p.bias is not None:
+                out += p.bias.to(n.dtype)
+            if hp is not None:
+                out.addmm_(hp, p.b.to(n.dtype).t(), alpha=p.scaling)
+            outs.append(out)
+        return outs, GroupState(n, h, masks)
+
+    def backward(self, grads: Sequence[Tensor], state: GroupState,
+                 cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+        """The input's gradient and the adapters' (float32, ``a`` then ``b`` per adapter,
+        in `params` order), from each linear's output gradient."""
+        n = state.n
+        g_n: Tensor | None = None
+        for p, g in zip(self.linears, grads):
+            w = p.w(g, cache)
+            g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
+        param_grads: list[Tensor] = []
+        gh_all: list[Tensor] = []
+        for p, g, hp, m in zip(self.linears, grads, state.h, state.masks):
+            if p.a is None:
+                continue
+            gh = g.mm(p.b.to(g.dtype)).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
+            g_b = mm_f32(g.t(), hp).mul_(p.scaling)
+            g_a = mm_f32(gh.t(), n if m is None else n * m)
+            param_grads += [g_a, g_b]
+            if self.dropout:
+                g_n.add_(gh.mm(p.a.to(g.dtype)) * m if m is not None else gh.mm(p.a.to(g.dtype)))
+            else:
+                gh_all.append(gh)
+        if gh_all:
+            a = torch.cat([p.a for p in self.adapted]).to(n.dtype)
+            g_n.addmm_(torch.cat(gh_all, dim=1), a)
+        return g_n, param_grads

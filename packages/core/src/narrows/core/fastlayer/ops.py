@@ -1,0 +1,121 @@
+"""The element-wise pieces of a fast decoder layer, each a forward and a hand-written
+backward: RMSNorm, rotary embeddings, SwiGLU.
+
+Each op has one pure-PyTorch reference (what runs on CPU, and what the tests hold the
+library kernels to); on CUDA the SwiGLU and RMSNorm come from Liger-Kernel when it is
+installed (``pip install narrows-core[liger]``), since a well-kept Triton kernel beats one
+of our own. Which ran is `kernels_in_use()`'s answer. Precision: statistics and
+derivatives in float32, one rounding to the activation dtype per output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "kernels_in_use",
+    "rms_norm",
+    "rms_norm_backward",
+    "rope",
+    "rope_backward",
+    "swiglu",
+    "swiglu_backward",
+]
+
+
+@functools.cache
+def _liger():
+    """Liger-Kernel's op modules, or None where it is not installed (or has moved them)."""
+    try:
+        from liger_kernel.ops import swiglu
+    except Exception:  # not installed, or no Triton
+        return None
+    if not hasattr(swiglu, "swiglu_forward") or not hasattr(swiglu, "swiglu_backward"):
+        return None
+    return swiglu
+
+
+def _use_liger(t: Tensor) -> bool:
+    return t.is_cuda and _liger() is not None
+
+
+def kernels_in_use(device: torch.device | str) -> dict[str, str]:
+    """Which implementation each op runs on `device` ("liger" or "torch")."""
+    liger = torch.device(device).type == "cuda" and _liger() is not None
+    return {"rms_norm": "torch", "rope": "torch", "swiglu": "liger" if liger else "torch"}
+
+
+def _wide(t: Tensor) -> Tensor:
+    """`t` in float32 at least (float64 stays)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+# RMSNorm ------------------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``weight * (x / rms(x))`` over the last dim, and the reciprocal rms (float32)
+    the backward needs. The normalised value is rounded to `x`'s dtype before the
+    weight multiplies it, as Llama's own norm does."""
+    x32 = _wide(x)
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x32 * rstd).to(x.dtype), rstd
+
+
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
+    """The gradient of `x` (the weight is frozen): ``rstd * (g - y * mean(g * y))`` with
+    ``g = grad * weight`` and ``y = x * rstd``, all in float32."""
+    y = _wide(x) * rstd
+    g = _wide(grad) * weight.to(y.dtype)
+    return (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
+
+
+# rotary embeddings --------------------------------------------------------------------
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` (the Llama family's rotary embedding); `cos`
+    and `sin` broadcast over the heads dim."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """rotate_half is antisymmetric, so its transpose is its negation."""
+    return grad * cos - _rotate_half(grad * sin)
+
+
+# SwiGLU -------------------------------------------------------------------------------
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up``, computed in float32 and rounded once."""
+    if _use_liger(gate):
+        return _liger().swiglu_forward(gate, up)[2]
+    g = _wide(gate)
+    return (g * torch.sigmoid(g) * _wide(up)).to(gate.dtype)
+
+
+def swiglu_backward(
+    grad: Tensor, gate: Tensor, up: Tensor, *, inplace: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Gradients of `gate` and `up`. With `inplace` the inputs' storage may be reused for
+    them (Liger writes them there), so neither may be read afterwards."""
+    if _use_liger(gate):
+        if not inplace:
+            gate, up = gate.clone(), up.clone()
+        d_gate, d_up = _liger().swiglu_backward(gate, up, grad.contiguous())
+        return d_gate, d_up
+    g, u, d = _wide(gate), _wide(up), _wide(grad)
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    d_up = (d * silu).to(up.dtype)
+    d_gate = (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype)
+    return d_gate, d_up
