@@ -18,7 +18,7 @@ plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-
 "-hostadapters": that and the adapter parameters in host memory too (host_state="adapters");
 "-held": each layer's NF4 weights dequantised once per pass, hold_weights=True, "-noheld"
 False, neither: the library's "auto"; step modes plan with grad_accum and step_mode=True);
-"-fast" on a resident mode: narrows.core.fuse_layers (each decoder layer one autograd node with a
+"-fast" on a stream mode: kernels="fast" (the same fast layers, streamed); on a resident mode: narrows.core.fuse_layers (each decoder layer one autograd node with a
 written-out backward, LoRA in bf16 on tensor cores; with -ckpt it recomputes itself, selectively);
 "-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
 cast of an input shared by Q/K/V or gate/up made and saved once);
@@ -158,7 +158,8 @@ def run_one(args: argparse.Namespace) -> dict:
                   seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
                   recompute="all" if "recompute" in parts or step else "auto",
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
-                  host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none")  # fmt: skip
+                  host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none",
+                  kernels="fast" if "fast" in parts else "peft")  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     elif mode.startswith(("fsdp", "deepspeed")):

@@ -22,6 +22,7 @@ from narrows.core import (
     copies,
     ensure_architecture,
     frozen_slots,
+    fuse_layers,
     measure_peaks,
     read_peaks,
     trainable_parameters,
@@ -255,8 +256,11 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
                             reader=reader)  # fmt: skip
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
-    executor = executor_for(the_plan, dev)
-    layer_graphs = executor if isinstance(executor, LayerGraphs) else None
+    executor = executor_for(the_plan, dev, cfg.kernels)
+    layer_graphs = getattr(executor, "fallback", executor)
+    layer_graphs = layer_graphs if isinstance(layer_graphs, LayerGraphs) else None
+    if cfg.kernels == "fast":  # whole layers too: the bits of fuse_layers on a resident model
+        log.info("narrows.stream: %s", fuse_layers(model, recompute=False))
     streamed_head = None
     if stream_head:
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,

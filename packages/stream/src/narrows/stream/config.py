@@ -28,6 +28,7 @@ OFFLOAD_INPUTS = ("auto", "off", "all")
 RECOMPUTE = ("auto", "all")
 HOST_STATES = ("none", "optimizer", "adapters")
 HEADS = ("resident", "stream")
+KERNELS = ("peft", "fast")
 BUDGET_WORDS = ("fit", "min")
 
 DEFAULT_SHAPES = 4  # batch shapes whose CUDA graphs are kept at once (the plan counts their buffers)
@@ -124,6 +125,9 @@ class StreamConfig:
     graphs: bool | str = (
         "auto"  # CUDA graphs of the layers narrows runs: True, False, "auto" (where predicted faster)
     )
+    kernels: str = (
+        "peft"  # "peft": PEFT's modules, bit-identical to resident PEFT; "fast": narrows.core's fast layers
+    )
     # accumulation and step mode (`StepTrainer`)
     grad_accum: int = 1  # micro-batches a step: with 2 or more the plan weighs block-major steps
     step_mode: bool | str = "auto"  # block-major accumulation: True, False, "auto" (where predicted faster)
@@ -206,6 +210,8 @@ def _check(c: StreamConfig) -> None:
     if not (c.seq_tile is None or c.seq_tile in ("off", "auto") or _whole(c.seq_tile, 1)):
         raise StreamSetupError(f"seq_tile={c.seq_tile!r}: use None (default: never tile), 'auto' (tile the MLP over "
                                "the sequence only when the budget needs it) or a tile size in tokens, e.g. 4096")  # fmt: skip
+    _choice(c, "kernels", KERNELS, "'peft' trains PEFT's bits; 'fast' the bits of narrows.core.fuse_layers on a "
+            "resident model (Llama-family layers; others run PEFT's)")  # fmt: skip
     if not (isinstance(c.graphs, bool) or c.graphs == "auto"):
         raise StreamSetupError(f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
                                "(default: graphs where the planner predicts them faster)")  # fmt: skip

@@ -34,6 +34,7 @@ from narrows.core import Anatomy, HeldWeights, chunked_logits
 from .engine import TransferEngine
 from .errors import StreamSetupError
 from .executor import EagerExecutor, LayerExecutor
+from .fastexec import FastExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
@@ -45,9 +46,11 @@ from .tiling import tile_sequence
 __all__ = ["executor_for", "install_forwards", "tile_mlps"]
 
 
-def executor_for(plan: Plan, device: torch.device) -> LayerExecutor:
-    """The layer executor the plan asks for: CUDA graphs (emulated off CUDA) or eager."""
-    return LayerGraphs(device) if plan.graphs else EagerExecutor()
+def executor_for(plan: Plan, device: torch.device, kernels: str = "peft") -> LayerExecutor:
+    """The layer executor the plan asks for: CUDA graphs (emulated off CUDA) or eager;
+    with ``kernels="fast"`` the fast layer first, for the layers it covers."""
+    base = LayerGraphs(device) if plan.graphs else EagerExecutor()
+    return FastExecutor(base) if kernels == "fast" else base
 
 
 def tile_mlps(model: nn.Module, plan: Plan) -> None:

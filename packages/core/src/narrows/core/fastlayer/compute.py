@@ -92,14 +92,14 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
     v = v.view(batch, seq, parts.kv_heads, parts.head_dim).transpose(1, 2)
     if kv is not None:
         kv(k, v)
-    if keep:
+    if keep or not torch.is_inference_mode_enabled():
+        # recorded as the backward's one-node graph; recorded in a forward that keeps nothing
+        # too, so SDPA picks the same kernel (and gives the same bits) as in the recompute
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             attn = _attention(parts, *leaves, mask)
     else:
-        leaves = None
-        with torch.no_grad():
-            attn = _attention(parts, q, k, v, mask)
+        leaves, attn = None, _attention(parts, q, k, v, mask)
     o_in = attn.detach().transpose(1, 2).reshape(-1, parts.heads * parts.head_dim)
     (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=x2)
     n2, rstd2 = rms_norm(h1, parts.norm2.weight, parts.norm2.eps)
@@ -109,7 +109,7 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
     (out,), st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=skip, residual=h1)
     out = None if out is None else out.view(batch, seq, hidden)
     if not keep:
-        return out, None
+        return out, None  # the attention's graph goes with `attn`
     saved = Saved(
         x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
     )

@@ -1,0 +1,73 @@
+"""The fast layer as a layer executor: a streamed or recomputed decoder layer that
+`narrows.core.fastlayer` covers runs its entry points directly — the forward with
+nothing kept, then in backward the selective recompute (no down_proj output) and the
+written-out backward — instead of the layer's modules under autograd.
+
+Its bits are resident `fuse_layers`'s: the same functions on the same inputs, the RNG
+replayed around the recompute by the streamed layer as for any executor. A layer or a
+call it does not cover (hooked side outputs, a KV cache being read) goes to the executor
+it wraps, eager or CUDA graphs. While a layer's 4-bit weights are held (the plan's
+`held_weights`) the recompute and the backward read the held copies; otherwise each
+dequantises its own, as the plan priced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from narrows.core.fastlayer import LayerParts, compute, parts_of, why_not
+
+from .executor import LayerExecutor, SideGrads
+
+__all__ = ["FastExecutor"]
+
+_NAMES = ("attention_mask", "position_ids", "past_key_values", "use_cache", "position_embeddings")
+
+
+def _inputs(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor | None] | None:
+    """cos, sin and the mask of a decoder layer's call, or None where the fast layer does
+    not run it."""
+    given = dict(zip(_NAMES, args)) | kwargs
+    if given.get("past_key_values") is not None or given.get("position_embeddings") is None:
+        return None
+    cos, sin = given["position_embeddings"]
+    return cos, sin, given.get("attention_mask")
+
+
+class FastExecutor(LayerExecutor):
+    """Covered layers through `narrows.core.fastlayer.compute`; the rest to `fallback`."""
+
+    def __init__(self, fallback: LayerExecutor):
+        self.fallback = fallback
+
+    def refused(self, layers: Sequence[nn.Module]) -> dict[int, str]:
+        """Each layer the fast layer does not cover, with its reason."""
+        return {i: r for i, layer in enumerate(layers) if (r := why_not(layer)) is not None}
+
+    def _covered(self, layer: nn.Module) -> LayerParts | None:
+        if why_not(layer) is not None or any(p.requires_grad for n, p in layer.named_parameters()
+                                             if "lora_" not in n):  # fmt: skip
+            return None
+        return parts_of(layer)
+
+    def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
+                kwargs: dict) -> Tensor:  # fmt: skip
+        parts, inputs = self._covered(layer), _inputs(args, kwargs)
+        if parts is None or inputs is None:
+            return self.fallback.forward(index, layer, fn, hidden, args, kwargs)
+        return compute.forward(parts, hidden, *inputs)
+
+    def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
+                 kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
+                 side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+        parts, inputs = self._covered(layer), _inputs(args, kwargs)
+        if parts is None or inputs is None or (side is not None and side.grads) or grad_out is None:
+            return self.fallback.backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side)
+        saved = compute.recompute(parts, hidden.detach(), *inputs)
+        g_x, grads = compute.backward(parts, saved, grad_out)
+        by_id = {id(p): g for p, g in zip(parts.params(), grads)}
+        out: list[Tensor | None] = [g_x] if hidden.requires_grad else []
+        return out + [by_id[id(p)].to(p.dtype) if id(p) in by_id else None for p in params]

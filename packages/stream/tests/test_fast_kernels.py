@@ -1,0 +1,137 @@
+"""``kernels="fast"``: streamed layers run narrows.core's fast layer through the layer
+executor, and train the bits resident `fuse_layers` trains — at the smallest footprint,
+with whole layers, with offloaded inputs, with dropout, on an NF4 base — while
+``kernels="peft"`` (the default) keeps PEFT's bits. Twins: the streamed fast run is not
+PEFT's, and a wrong executor gradient shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import Dequantizations, assert_identical, build, train
+
+import narrows.stream as ns
+import narrows.stream.fastexec as fastexec
+from narrows.core import fuse_layers
+from narrows.stream.errors import StreamSetupError
+
+
+def _sdpa(model):
+    for m in model.modules():
+        if hasattr(m, "config"):
+            m.config._attn_implementation = "sdpa"
+    return model
+
+
+def _build(arch="llama", **kw):
+    return _sdpa(build(arch, **kw))
+
+
+def _resident_fast(arch="llama", **kw):
+    model = _build(arch, **kw)
+    assert not fuse_layers(model).refused
+    return train(model, steps=2, grad_accum=2)
+
+
+@pytest.mark.parametrize(
+    ("arch", "stream_kwargs"),
+    [
+        ("llama", {}),  # smallest footprint: every layer streamed and recomputed
+        ("qwen3", {"gpu_budget": "fit"}),  # the CPU's "fit": layers whole
+        ("qwen2", {"offload": "all"}),  # saved inputs in host memory
+    ],
+)
+def test_streamed_fast_layers_train_what_resident_fast_layers_train(arch, stream_kwargs):
+    reference = _resident_fast(arch)
+    streamed = _build(arch)
+    got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", **stream_kwargs})
+    assert isinstance(streamed.narrows_stream.executor, fastexec.FastExecutor)
+    assert_identical(reference, got)
+    peft = train(_build(arch), steps=2, grad_accum=2, stream_kwargs={})
+    with pytest.raises(AssertionError):  # the twin: PEFT's kernels train other bits
+        assert_identical(peft, got)
+
+
+def test_dropout_is_replayed_in_the_fast_recompute():
+    reference = _resident_fast(dropout=0.1)
+    streamed = _build(dropout=0.1)
+    assert_identical(reference, train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast"}))
+
+
+def test_the_streamed_layers_run_the_fast_entry_points(monkeypatch):
+    calls = []
+    for name in ("forward", "recompute", "backward"):
+        real = getattr(fastexec.compute, name)
+        monkeypatch.setattr(
+            fastexec.compute, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+        )
+    train(
+        _build(), steps=1, stream_kwargs={"kernels": "fast", "check": False}
+    )  # the self-check runs layers too
+    assert calls.count("forward") == calls.count("recompute") == calls.count("backward") == 3
+
+
+def test_a_wrong_fast_gradient_changes_training(monkeypatch):
+    reference = _resident_fast()
+    real = fastexec.compute.backward
+
+    def halved(parts, saved, grad, cache=None):
+        g_x, grads = real(parts, saved, grad, cache)
+        return g_x, [g / 2 for g in grads]
+
+    monkeypatch.setattr(fastexec.compute, "backward", halved)
+    got = train(_build(), steps=2, grad_accum=2, stream_kwargs={"kernels": "fast"})
+    with pytest.raises(AssertionError):
+        assert_identical(reference, got)
+
+
+@pytest.mark.bnb
+def test_nf4_fast_layers_held_dequantise_twice_and_match_resident():
+    pytest.importorskip("bitsandbytes")
+    reference = _resident_fast(base="nf4")
+    streamed = _build(base="nf4")
+    got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", "hold_weights": True})
+    assert_identical(reference, got)
+    model = _build(base="nf4")
+    ns.stream(model, device="cpu", kernels="fast", hold_weights=True)
+    from narrows.core.testing import tiny_batch
+
+    with Dequantizations() as seen:
+        model(**tiny_batch(seq=12, seed=0)).loss.backward()
+    assert seen.count == 2 * 7 * 3
+
+
+def test_a_layer_the_fast_layer_does_not_cover_runs_pefts_kernels():
+    eager = build("llama")  # eager attention: refused, runs as with kernels="peft"
+    got = train(eager, steps=1, stream_kwargs={"kernels": "fast"})
+    assert_identical(train(build("llama"), steps=1, stream_kwargs={}), got)
+
+
+def test_an_unknown_kernels_value_is_refused():
+    with pytest.raises(StreamSetupError, match="kernels='triton'"):
+        ns.stream(_build(), device="cpu", kernels="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream_kwargs", [{}, {"gpu_budget": "fit"}, {"graphs": True}])
+def test_cuda_streamed_fast_layers_train_what_resident_fast_layers_train(stream_kwargs):
+    """bf16 base, float32 adapters, dropout, deterministic kernels: torch.equal."""
+    from narrows.core import deterministic
+
+    def model():
+        m = _build("qwen2", dtype=torch.bfloat16, dropout=0.05)
+        for p in m.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        return m
+
+    deterministic(True)
+    try:
+        resident = model().cuda()
+        fuse_layers(resident)
+        reference = train(resident, steps=2, grad_accum=2, device="cuda")
+        got = train(model(), steps=2, grad_accum=2, device="cuda",
+                    stream_kwargs={"kernels": "fast", "deterministic": True, **stream_kwargs})  # fmt: skip
+        assert_identical(reference, got)
+    finally:
+        deterministic(False)
