@@ -230,7 +230,7 @@ def test_the_jobs_flags_map_to_one_stream_config():
     cpu = torch.device("cpu")
     cfg = FinetuneConfig(gpu_budget="3GiB", batch=2, seq_len=32)
     got = stream_config(cfg, cpu)
-    assert got == ns.StreamConfig(gpu_budget=3 * 2**30, device=cpu, batch_size=2, seq_len=32)
+    assert got == ns.StreamConfig(gpu_budget=3 * 2**30, device=cpu, batch_size=2, seq_len=32, kernels="fast")
     assert (got.graphs, got.seq_tile, got.host_state, got.step_mode, got.grad_accum) == (
         "auto",
         None,

@@ -66,10 +66,14 @@ BLOCKS = (
         "from peft import LoraConfig, get_peft_model\nfrom transformers import AutoModelForCausalLM\nimport narrows.dora",
     ),
 )
-# The TRL block's stream line, and what its twins put there: the resident model, and every
-# layer streamed and recomputed (at the block's budget the tiny model's layers all stay whole).
+# The TRL block's stream line, and what its twins put there: the resident model with the
+# stream's default kernels (the fast layers, as README says), and every layer streamed and
+# recomputed (at the block's budget the tiny model's layers all stay whole).
 STREAM_LINE = 'ns.stream(model, gpu_budget="4GiB")\n'
-TRL_TWINS = {"trl-resident": "", "trl-streamed": "ns.stream(model, gpu_budget=None)\n"}
+TRL_TWINS = {
+    "trl-resident": "import narrows.core\nnarrows.core.fuse_layers(model)\n",
+    "trl-streamed": "ns.stream(model, gpu_budget=None)\n",
+}
 
 
 def readme_blocks() -> list[str]:

@@ -302,3 +302,28 @@ def test_inputs_that_used_to_end_in_a_traceback_are_refused_naming_the_file(
         err = says("--model", str(fake), "--data", base["--data"])
         assert f"{fake} starts like a GGUF file but its header does not parse" in err and "re-export" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_kernels_flag_picks_the_layers_and_the_summary_says_which(job, tmp_path):
+    """Fast layers by default (the tiny Llama loads with SDPA: all three covered); --kernels
+    peft trains PEFT's modules, other bits; each run's summary says which ran."""
+    _, args = job
+    fast = cli(*args, "--steps", "2", "--out", str(tmp_path / "fast"))
+    peft = cli(*args, "--steps", "2", "--kernels", "peft", "--out", str(tmp_path / "peft"))
+    assert fast.returncode == 0 and peft.returncode == 0, fast.stderr + peft.stderr
+    assert "fast layers: all 3 decoder layers" in fast.stdout
+    assert "PEFT's modules (--kernels peft)" in peft.stdout
+    a, b = adapter(tmp_path / "fast"), adapter(tmp_path / "peft")
+    assert a.keys() == b.keys() and not all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_kernels_setting_is_checked_and_older_runs_keep_pefts():
+    from narrows.core.errors import NarrowsError
+    from narrows.core.finetune.config import FinetuneConfig
+
+    with pytest.raises(NarrowsError, match=r"--kernels must be fast .* or peft"):
+        FinetuneConfig(kernels="triton").check()
+    assert FinetuneConfig().kernels == "fast"
+    assert (
+        FinetuneConfig.from_dict({"steps": 3}, "config.json").kernels == "peft"
+    )  # written before fast layers

@@ -13,7 +13,7 @@ import torch
 from helpers import assert_identical, build
 
 import narrows.stream as ns
-from narrows.core import anatomy_of
+from narrows.core import anatomy_of, fuse_layers
 from narrows.core.testing import tiny_batch
 from narrows.stream import remat, tiling
 from narrows.stream.errors import StreamSetupError
@@ -117,6 +117,8 @@ def _grads_under_math_sdpa(streamed: bool) -> list[torch.Tensor]:
     model = _sdpa_model()
     if streamed:
         ns.stream(model, None, device="cpu")
+    else:
+        fuse_layers(model)  # what the stream's default kernels train
     with sdpa_kernel(SDPBackend.MATH):
         loss = model(**tiny_batch()).loss
     loss.backward()  # outside the context, as a training loop does

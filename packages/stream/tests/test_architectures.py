@@ -7,6 +7,7 @@ from helpers import assert_identical, build, train
 
 import narrows.core as nc
 import narrows.core.anatomy as anatomy_module
+from narrows.core import fuse_layers
 from narrows.core.testing import TINY_ARCHITECTURES
 from narrows.core.verify import _PASSED
 from narrows.stream import sideouts
@@ -58,7 +59,11 @@ def test_sdpa_attention_streamed_equals_resident(arch):
         return model
 
     cfg = dict(arch=arch, dropout=0.05)
-    assert_identical(train(sdpa(**cfg), grad_accum=2), train(sdpa(**cfg), grad_accum=2, stream_kwargs={}))
+    peft = train(sdpa(**cfg), grad_accum=2)
+    assert_identical(peft, train(sdpa(**cfg), grad_accum=2, stream_kwargs={"kernels": "peft"}))
+    fast = sdpa(**cfg)
+    fuse_layers(fast)  # the default kernels: the fast layers where they cover the architecture
+    assert_identical(train(fast, grad_accum=2), train(sdpa(**cfg), grad_accum=2, stream_kwargs={}))
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
@@ -193,6 +198,7 @@ def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arc
             return m
 
         resident = model().to("cuda")
+        fuse_layers(resident)  # the stream's default kernels (architectures it does not cover: PEFT's)
         assert_identical(
             train(resident, grad_accum=2, device="cuda"),
             train(model(), grad_accum=2, device="cuda", stream_kwargs={"deterministic": True}),

@@ -46,10 +46,21 @@ def test_streamed_fast_layers_train_what_resident_fast_layers_train(arch, stream
     streamed = _build(arch)
     got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", **stream_kwargs})
     assert isinstance(streamed.narrows_stream.executor, fastexec.FastExecutor)
+    assert streamed.narrows_stream.executor.refused(streamed.base_model.model.model.layers) == {}
     assert_identical(reference, got)
-    peft = train(_build(arch), steps=2, grad_accum=2, stream_kwargs={})
+    peft = train(_build(arch), steps=2, grad_accum=2, stream_kwargs={"kernels": "peft"})
     with pytest.raises(AssertionError):  # the twin: PEFT's kernels train other bits
         assert_identical(peft, got)
+
+
+def test_graphs_replay_the_fast_layers():
+    """CUDA graphs (emulated on the CPU) capture the fused forward: resident fast bits."""
+    reference = _resident_fast("qwen2", dropout=0.1)
+    streamed = _build("qwen2", dropout=0.1)
+    got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", "graphs": True})
+    graphs = streamed.narrows_stream.graphs
+    assert graphs.stats.replays > 0 and not graphs.stats.refused
+    assert_identical(reference, got)
 
 
 def test_dropout_is_replayed_in_the_fast_recompute():
@@ -105,6 +116,16 @@ def test_a_layer_the_fast_layer_does_not_cover_runs_pefts_kernels():
     eager = build("llama")  # eager attention: refused, runs as with kernels="peft"
     got = train(eager, steps=1, stream_kwargs={"kernels": "fast"})
     assert_identical(train(build("llama"), steps=1, stream_kwargs={}), got)
+
+
+def test_fast_is_the_default_and_a_tiled_mlp_is_named_where_it_runs_pefts_kernels():
+    model = _build()
+    ns.stream(model, device="cpu")
+    assert isinstance(model.narrows_stream.executor, fastexec.FastExecutor)
+    tiled = _build()
+    ns.stream(tiled, device="cpu", seq_tile=4)
+    assert "MLP has hooks or a replaced forward" in tiled.narrows_stream.kernels
+    assert str(model.narrows_stream.kernels) == "fast layers: all 3 decoder layers"
 
 
 def test_an_unknown_kernels_value_is_refused():

@@ -21,7 +21,7 @@ import torch
 from helpers import assert_identical, build
 
 import narrows.stream as ns
-from narrows.core import deterministic
+from narrows.core import deterministic, fuse_layers
 from narrows.core.testing import tiny_batch, with_adapter
 
 # cuBLAS reads its workspace setting once, when it starts: set it before any test touches CUDA
@@ -87,6 +87,7 @@ def _train(model, *, seq: int, steps: int = 2, grad_accum: int = 2, stream_kwarg
     if stream_kwargs is None:
         deterministic(True)
         model.to(DEVICE)
+        fuse_layers(model)  # the stream's default kernels: the fast layers where they cover a layer
     else:
         ns.stream(model, device=DEVICE, seq_len=seq, deterministic=True, **stream_kwargs)
         if tamper is not None:

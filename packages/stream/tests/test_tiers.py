@@ -31,7 +31,7 @@ import narrows.core.loader as loader_module
 import narrows.stream as ns
 import narrows.stream.cache as cache_module
 import narrows.stream.pretrained as pretrained_module
-from narrows.core import NarrowsError, SlabLayout, anatomy_of, format_bytes
+from narrows.core import NarrowsError, SlabLayout, anatomy_of, format_bytes, fuse_layers
 from narrows.core.loader import load_blockwise
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 from narrows.stream.cache import PreparedCache, SlabCacheWriter, frozen_layer_slots
@@ -94,9 +94,9 @@ def reference(folder: Path, quant: str | None, arch: str = "llama") -> SimpleNam
     if key not in _REFERENCES:
         model = load_blockwise(folder, dtype=F32, quant=quant)
         ref = SimpleNamespace(slab=slab_bytes(model), state=state(model))
-        ref.record = train(
-            with_adapter(model, "lora", dropout=dropout_for(arch)).train(), steps=2, grad_accum=2
-        )
+        resident = with_adapter(model, "lora", dropout=dropout_for(arch)).train()
+        fuse_layers(resident)  # streamed with the default kernels: the fast layers' bits
+        ref.record = train(resident, steps=2, grad_accum=2)
         _REFERENCES[key] = ref
     return _REFERENCES[key]
 

@@ -67,6 +67,7 @@ class StreamHandle:
     config: StreamConfig | None = None  # what the model was streamed with (device resolved)
     executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the layers narrows runs (`wiring`)
     held: HeldWeights | None = None  # where 4-bit weights are held dequantised, when the plan holds them
+    kernels: str = ""  # which kernels the decoder layers run, and why not the fast ones where they do not
 
     @contextmanager
     def profiling(self) -> Iterator[Profile]:
@@ -257,10 +258,12 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
     executor = executor_for(the_plan, dev, cfg.kernels)
-    layer_graphs = getattr(executor, "fallback", executor)
-    layer_graphs = layer_graphs if isinstance(layer_graphs, LayerGraphs) else None
+    layer_graphs = executor if isinstance(executor, LayerGraphs) else None
+    kernels_said = "PEFT's modules (kernels='peft')"
     if cfg.kernels == "fast":  # whole layers too: the bits of fuse_layers on a resident model
-        log.info("narrows.stream: %s", fuse_layers(model, recompute=False))
+        fused = fuse_layers(model, recompute=False)
+        kernels_said = str(fused)
+        (log.warning if fused.refused else log.info)("narrows.stream: %s", kernels_said)
     streamed_head = None
     if stream_head:
         streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
@@ -288,7 +291,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, on_host_embedding, streamed_head, acts,
                                         layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
-                                        cfg, executor, held)  # fmt: skip
+                                        cfg, executor, held, kernels_said)  # fmt: skip
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

@@ -125,9 +125,7 @@ class StreamConfig:
     graphs: bool | str = (
         "auto"  # CUDA graphs of the layers narrows runs: True, False, "auto" (where predicted faster)
     )
-    kernels: str = (
-        "peft"  # "peft": PEFT's modules, bit-identical to resident PEFT; "fast": narrows.core's fast layers
-    )
+    kernels: str = "fast"  # "fast": narrows.core's fast layers where they cover a layer (twin: fuse_layers); "peft": PEFT's
     # accumulation and step mode (`StepTrainer`)
     grad_accum: int = 1  # micro-batches a step: with 2 or more the plan weighs block-major steps
     step_mode: bool | str = "auto"  # block-major accumulation: True, False, "auto" (where predicted faster)

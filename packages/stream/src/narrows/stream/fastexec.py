@@ -6,7 +6,8 @@ written-out backward — instead of the layer's modules under autograd.
 Its bits are resident `fuse_layers`'s: the same functions on the same inputs, the RNG
 replayed around the recompute by the streamed layer as for any executor. A layer or a
 call it does not cover (hooked side outputs, a KV cache being read) goes to the executor
-it wraps, eager or CUDA graphs. While a layer's 4-bit weights are held (the plan's
+it wraps (eager: the layer's forward, which `stream` made the fast layer's where it covers
+it). Under CUDA graphs this executor is not used: the graphs replay that same forward. While a layer's 4-bit weights are held (the plan's
 `held_weights`) the recompute and the backward read the held copies; otherwise each
 dequantises its own, as the plan priced it.
 """
@@ -48,23 +49,22 @@ class FastExecutor(LayerExecutor):
         return {i: r for i, layer in enumerate(layers) if (r := why_not(layer)) is not None}
 
     def _covered(self, layer: nn.Module) -> LayerParts | None:
-        if why_not(layer) is not None or any(p.requires_grad for n, p in layer.named_parameters()
-                                             if "lora_" not in n):  # fmt: skip
-            return None
-        return parts_of(layer)
+        return None if why_not(layer) is not None else parts_of(layer)
 
     def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                 kwargs: dict) -> Tensor:  # fmt: skip
-        parts, inputs = self._covered(layer), _inputs(args, kwargs)
-        if parts is None or inputs is None:
+        parts = self._covered(layer)
+        inputs = None if parts is None else _inputs(args, kwargs)
+        if inputs is None:
             return self.fallback.forward(index, layer, fn, hidden, args, kwargs)
         return compute.forward(parts, hidden, *inputs)
 
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                  kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
                  side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
-        parts, inputs = self._covered(layer), _inputs(args, kwargs)
-        if parts is None or inputs is None or (side is not None and side.grads) or grad_out is None:
+        parts = self._covered(layer)
+        inputs = None if parts is None else _inputs(args, kwargs)
+        if inputs is None or (side is not None and side.grads) or grad_out is None:
             return self.fallback.backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side)
         saved = compute.recompute(parts, hidden.detach(), *inputs)
         g_x, grads = compute.backward(parts, saved, grad_out)

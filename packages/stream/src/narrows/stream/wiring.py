@@ -48,9 +48,12 @@ __all__ = ["executor_for", "install_forwards", "tile_mlps"]
 
 def executor_for(plan: Plan, device: torch.device, kernels: str = "peft") -> LayerExecutor:
     """The layer executor the plan asks for: CUDA graphs (emulated off CUDA) or eager;
-    with ``kernels="fast"`` the fast layer first, for the layers it covers."""
-    base = LayerGraphs(device) if plan.graphs else EagerExecutor()
-    return FastExecutor(base) if kernels == "fast" else base
+    eager with ``kernels="fast"``: the fast layer's entry points where it covers the layer.
+    Graphs replay the layer's forward, which with ``kernels="fast"`` is the fast layer's
+    (`stream` fuses the layers first): the same bits either way."""
+    if plan.graphs:
+        return LayerGraphs(device)
+    return FastExecutor(EagerExecutor()) if kernels == "fast" else EagerExecutor()
 
 
 def tile_mlps(model: nn.Module, plan: Plan) -> None:

@@ -6,7 +6,7 @@ entry points (`compute`) for a streamed one, so the two train the same bits."""
 
 from . import compute
 from .anatomy import FAST_LAYER_TYPES, LayerParts, parts_of, why_not
-from .fuse import FastLayerFunction, FuseReport, fuse_layers, is_fused, unfuse_layers
+from .fuse import FastLayerFunction, FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
 from .lora import Linear, LinearGroup, mm_f32
 from .ops import kernels_in_use
 
@@ -18,6 +18,7 @@ __all__ = [
     "Linear",
     "LinearGroup",
     "compute",
+    "coverage",
     "fuse_layers",
     "is_fused",
     "kernels_in_use",

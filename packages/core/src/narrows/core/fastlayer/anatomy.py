@@ -60,9 +60,14 @@ class LayerParts:
 
 
 def _hooked(module: nn.Module) -> bool:
+    """Hooks, or a forward someone replaced (`fuse_lora`'s computes PEFT's formula, which
+    the fast layer replaces as it replaces PEFT's)."""
+    from ..lorafuse import _FusedForward
+
+    forward = module.__dict__.get("forward")
     return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-        or module._backward_pre_hooks or "forward" in module.__dict__
+        or module._backward_pre_hooks or (forward is not None and not isinstance(forward, _FusedForward))
     )  # fmt: skip
 
 
@@ -164,6 +169,10 @@ def _parts(layer: nn.Module) -> LayerParts | str:
         return (
             f"attention runs as {getattr(config, '_attn_implementation', None)!r}; the fast layer runs SDPA "
             "(load the model with attn_implementation='sdpa')"
+        )
+    if any(p.requires_grad for n, p in layer.named_parameters() if "lora_" not in n):
+        return (
+            "a weight or bias outside the adapters trains (the fast layer differentiates the adapters only)"
         )
     if any(map(_hooked, (attn, mlp))):  # the layer's own hooks still run around the fast forward
         return "its attention or its MLP has hooks or a replaced forward"

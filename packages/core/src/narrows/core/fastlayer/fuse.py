@@ -2,8 +2,8 @@
 autograd node a layer, its backward written out (`compute`), LoRA on tensor cores in the
 activation dtype with float32 masters and gradients.
 
-With the model's gradient checkpointing on (``model.gradient_checkpointing_enable()``),
-or ``recompute=True``, a layer keeps only its input and recomputes in backward what
+With the model's gradient checkpointing on (``model.gradient_checkpointing_enable()``,
+before or after fusing), or ``recompute=True``, a layer keeps only its input and recomputes in backward what
 that needs (not down_proj's output), replaying the RNG so dropout draws the same masks;
 otherwise it keeps what its backward reads. Either way the bits are the same.
 
@@ -24,7 +24,7 @@ from ..anatomy import anatomy_of
 from . import compute
 from .anatomy import LayerParts, parts_of, why_not
 
-__all__ = ["FastLayerFunction", "FuseReport", "fuse_layers", "is_fused", "unfuse_layers"]
+__all__ = ["FastLayerFunction", "FuseReport", "coverage", "fuse_layers", "is_fused", "unfuse_layers"]
 
 
 class _Rng:
@@ -96,9 +96,17 @@ class FuseReport:
                 f"the others run as before: {'; '.join(reasons)}")  # fmt: skip
 
 
-def _frozen_inputs(layer: nn.Module) -> bool:
-    """The node gives no gradient to the norms or base weights: they must be frozen."""
-    return not any(p.requires_grad for n, p in layer.named_parameters() if "lora_" not in n)
+def coverage(model: nn.Module) -> FuseReport:
+    """Which of `model`'s decoder layers the fast layer covers, and why not the others
+    (what `fuse_layers` or ``kernels="fast"`` would run)."""
+    report = FuseReport()
+    for i, layer in enumerate(anatomy_of(model).layers):
+        reason = why_not(layer)
+        if reason is None:
+            report.fused.append(i)
+        else:
+            report.refused[i] = reason
+    return report
 
 
 class _FastForward:
@@ -116,7 +124,7 @@ class _FastForward:
                  position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:  # fmt: skip
         layer = self.layer()
         parts, kv = None, _kv_sink(layer, past_key_values)
-        if kv is not False and position_embeddings is not None and _frozen_inputs(layer):
+        if kv is not False and position_embeddings is not None:
             parts = _parts_or_none(layer)
         if parts is None:
             return type(layer).forward(layer, hidden_states, attention_mask, position_ids, past_key_values,
@@ -124,7 +132,9 @@ class _FastForward:
         cos, sin = position_embeddings
         params = parts.params()
         if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in params)):
-            recompute = layer._narrows_checkpointing if self.recompute is None else self.recompute
+            recompute = self.recompute
+            if recompute is None:  # checkpointing on when fused, or turned on since (read at each call)
+                recompute = layer.training and (layer._narrows_checkpointing or layer.gradient_checkpointing)
             return FastLayerFunction.apply(
                 parts, recompute, hidden_states, cos, sin, attention_mask, kv, *params
             )
@@ -182,8 +192,8 @@ def unfuse_layers(model: nn.Module) -> int:
     for layer in anatomy_of(model).layers:
         if is_fused(layer):
             del layer.forward
-            if hasattr(layer, "gradient_checkpointing"):
-                layer.gradient_checkpointing = layer._narrows_checkpointing
+            if hasattr(layer, "gradient_checkpointing"):  # as at fuse time, or as turned on since
+                layer.gradient_checkpointing = layer._narrows_checkpointing or layer.gradient_checkpointing
             del layer._narrows_checkpointing
             count += 1
     return count

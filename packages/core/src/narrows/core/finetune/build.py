@@ -16,6 +16,7 @@ from torch import nn
 from ..checkpoint import CheckpointFolder
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from ..errors import NarrowsError
+from ..fastlayer import fuse_layers
 from ..lorafuse import fuse_lora
 from ..memory import parse_bytes
 from ..optional import is_available
@@ -164,6 +165,7 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
     # memory, 2-10% shorter steps on the H100 (benchmarks/h100/fuse_*.json)
     fuse_lora(model)
     tile = cfg.tile()
+    kernels = "PEFT's modules (--kernels peft)"
     if cfg.gpu_budget == "off":
         model.to(device)
         apply_lmhead(cfg, model)
@@ -171,11 +173,15 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
             import narrows.stream
 
             narrows.stream.tile_sequence(model, tile)
+        if cfg.kernels == "fast":  # after the tiles: a tiled MLP keeps PEFT's kernels, and says so
+            kernels = str(fuse_layers(model))
     else:
         import narrows.stream
 
         apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         model = narrows.stream.stream(model, stream_config(cfg, device, world_size))
+        kernels = model.narrows_stream.kernels.replace("kernels='peft'", "--kernels peft")
+    model.narrows_kernels = kernels  # what the run's summary says of them
     return model
 
 
@@ -198,6 +204,7 @@ def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1
         step_mode="auto" if cfg.step_mode is None else cfg.step_mode,
         host_state=host_state,
         world_size=world_size,
+        kernels=cfg.kernels,
     )
 
 

@@ -106,6 +106,10 @@ def add_parser(sub) -> None:
       "counting their memory (faster at short sequences). Not given: the planner uses them where it predicts them "
       "faster. A batch width is captured when it comes round again, and the four most recent are kept (unpacked, "
       "each batch is as wide as its longest row; with --packing every batch is --seq-len wide)")  # fmt: skip
+    a("--kernels", choices=("fast", "peft"),
+      help="the decoder layers' kernels: fast (default: narrows' fast layers — one autograd node a layer, LoRA in "
+      "bf16 on tensor cores with float32 masters and gradients — where they cover the model; the run says which "
+      "layers and why not the others) or peft (PEFT's modules: PEFT's bits)")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")
@@ -143,7 +147,7 @@ def add_parser(sub) -> None:
 ADVANCED = (
     "--data-split", "--eval-split", "--columns", "--alpha", "--dropout", "--targets", "--host-budget", "--cache",
     "--lmhead", "--seq-tile", "--step-mode", "--offload-optimizer", "--offload-adapters", "--cuda-graphs",
-    "--warmup", "--seed", "--save-every", "--eval-rows", "--eval-every", "--exact-match", "--dtype",
+    "--kernels", "--warmup", "--seed", "--save-every", "--eval-rows", "--eval-every", "--exact-match", "--dtype",
     "--no-progress",
 )  # fmt: skip
 

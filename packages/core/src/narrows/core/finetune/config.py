@@ -77,6 +77,8 @@ class FinetuneConfig:
     step_mode: bool | None = None
     # the layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
     cuda_graphs: bool | None = None
+    # the decoder layers' kernels: "fast" (narrows' fast layers where they cover the layer) or "peft"
+    kernels: str = "fast"
     offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
     offload_adapters: bool = False  # and the adapters too (implies offload_optimizer)
     lr: float = 5e-4
@@ -100,6 +102,8 @@ class FinetuneConfig:
             raise NarrowsError(
                 f"{where}: unknown settings {unknown}; it was written by another narrows version"
             )
+        if "kernels" not in fields:  # written before fast layers: that run trained PEFT's kernels
+            fields = {**fields, "kernels": "peft"}
         return cls(**fields)
 
     @property
@@ -159,6 +163,9 @@ class FinetuneConfig:
             open_source(self.eval_data, self.eval_split, flag="--eval-data")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise NarrowsError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kernels not in ("fast", "peft"):
+            raise NarrowsError(f"--kernels must be fast (narrows' fast decoder layers where they cover the model) "
+                               f"or peft (PEFT's modules, PEFT's bits), got {self.kernels!r}")  # fmt: skip
         if self.adapter == "dora":
             require("narrows.dora", "--adapter dora")
         if self.quant == "nf4":

@@ -57,6 +57,7 @@ def summarize(cfg: FinetuneConfig, model: nn.Module, tokenizer, history: list[di
         "eval_rows": cfg.eval_rows,
         "eval_loss_by_step": [[r["step"], r["eval_loss"]] for r in history if "eval_loss" in r],
     }  # fmt: skip
+    summary["kernels"] = getattr(model, "narrows_kernels", None)
     stream = getattr(model, "narrows_stream", None)
     if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
         plan = stream.plan
@@ -207,6 +208,8 @@ def format_summary(summary: dict) -> str:
             else "")),
         ("device", f"{summary['device']} ({summary['dtype']})"),
     ]  # fmt: skip
+    if summary.get("kernels"):
+        rows.append(("kernels", summary["kernels"]))
     if "stream" in summary:
         st = summary["stream"]
         rows.append(("streamed base", f"{st['resident_layers']}/{st['layers']} layers resident, "
