@@ -232,3 +232,42 @@ def test_cuda_bf16_error_is_no_worse_than_pefts(arch):
 
     peft, fast = error(False), error(True)
     assert 0 < fast <= 1.5 * peft, (fast, peft)
+
+
+@pytest.mark.gpu
+def test_cuda_library_kernels_match_the_references():
+    """Where Liger-Kernel is installed its RMSNorm and SwiGLU run on CUDA; each matches the
+    float64 reference no worse than the PyTorch reference in bf16 does (plus one ulp)."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    used = ops.kernels_in_use("cuda")
+    y, st = ops.rms_norm(x, w, 1e-6)
+    dx = ops.rms_norm_backward(g, x, w, st)
+    y64, r64 = ops.rms_norm(x.double(), w.double(), 1e-6)
+    dx64 = ops.rms_norm_backward(g.double(), x.double(), w.double(), r64)
+    up = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    a = ops.swiglu(x, up)
+    da, du = ops.swiglu_backward(g, x, up)
+    a64 = ops.swiglu(x.double(), up.double())
+    da64, du64 = ops.swiglu_backward(g.double(), x.double(), up.double())
+    for got, ref in ((y, y64), (dx, dx64), (a, a64), (da, da64), (du, du64)):
+        assert ((got.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-2).all()
+    assert set(used.values()) <= {"liger", "torch"}
+
+
+def test_checkpointing_turned_on_after_fusing_recomputes(monkeypatch):
+    """The model's gradient checkpointing is read at each call: on after `fuse_layers`, the
+    layers recompute (same bits); off again, they keep."""
+    model = _model("llama", dtype=torch.bfloat16, adapter_dtype=torch.float32)
+    fuse_layers(model)
+    kept = _steps(model)
+    calls = []
+    real = fuse.compute.recompute
+    monkeypatch.setattr(fuse.compute, "recompute", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.gradient_checkpointing_enable()
+    assert _equal(_steps(model), kept) and len(calls) == 2 * 3
+    model.gradient_checkpointing_disable()
+    calls.clear()
+    assert _equal(_steps(model), kept) and not calls

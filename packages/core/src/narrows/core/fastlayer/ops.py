@@ -2,15 +2,21 @@
 backward: RMSNorm, rotary embeddings, SwiGLU.
 
 Each op has one pure-PyTorch reference (what runs on CPU, and what the tests hold the
-library kernels to); on CUDA the SwiGLU and RMSNorm come from Liger-Kernel when it is
-installed (``pip install narrows-core[liger]``), since a well-kept Triton kernel beats one
-of our own. Which ran is `kernels_in_use()`'s answer. Precision: statistics and
-derivatives in float32, one rounding to the activation dtype per output.
+library kernels to); on CUDA the SwiGLU and the layer's two RMSNorms come from
+Liger-Kernel when it is installed (``pip install narrows-core[liger]``), since a well-kept
+Triton kernel beats one of our own (its "llama" casting: the normalised value rounded to
+the activation dtype before the weight multiplies it, as here). Which ran is
+`kernels_in_use()`'s answer; ``NARROWS_LIGER=0`` in the environment keeps the references
+on CUDA too (to compare). Precision: statistics and derivatives in float32, one
+rounding to the activation dtype per output.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -28,7 +34,9 @@ __all__ = [
 
 @functools.cache
 def _liger():
-    """Liger-Kernel's op modules, or None where it is not installed (or has moved them)."""
+    """Liger-Kernel's SwiGLU module, or None where it is not installed (or has moved it)."""
+    if os.environ.get("NARROWS_LIGER") == "0":
+        return None
     try:
         from liger_kernel.ops import swiglu
     except Exception:  # not installed, or no Triton
@@ -38,14 +46,45 @@ def _liger():
     return swiglu
 
 
+@functools.cache
+def _liger_norm():
+    """Liger-Kernel's RMSNorm module where its forward/backward take what we pass (0.8.5's)."""
+    if os.environ.get("NARROWS_LIGER") == "0":
+        return None
+    try:
+        from liger_kernel.ops import rms_norm
+    except Exception:
+        return None
+    try:
+        fwd = inspect.signature(rms_norm.rms_norm_forward).parameters
+        bwd = inspect.signature(rms_norm.rms_norm_backward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if list(fwd) != ["X", "W", "eps", "offset", "casting_mode", "row_mode"] or "needs_dw" not in bwd:
+        return None
+    return rms_norm
+
+
 def _use_liger(t: Tensor) -> bool:
     return t.is_cuda and _liger() is not None
 
 
+def _use_liger_norm(x: Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.dim() == 2
+        and x.is_contiguous()
+        and x.dtype != torch.float64
+        and _liger_norm() is not None
+    )
+
+
 def kernels_in_use(device: torch.device | str) -> dict[str, str]:
-    """Which implementation each op runs on `device` ("liger" or "torch")."""
-    liger = torch.device(device).type == "cuda" and _liger() is not None
-    return {"rms_norm": "torch", "rope": "torch", "swiglu": "liger" if liger else "torch"}
+    """Which implementation each op runs on `device` ("liger" or "torch"); the per-head
+    norms of Qwen3 always run the reference."""
+    cuda = torch.device(device).type == "cuda"
+    return {"rms_norm": "liger" if cuda and _liger_norm() is not None else "torch", "rope": "torch",
+            "swiglu": "liger" if cuda and _liger() is not None else "torch"}  # fmt: skip
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -56,18 +95,34 @@ def _wide(t: Tensor) -> Tensor:
 # RMSNorm ------------------------------------------------------------------------------
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``weight * (x / rms(x))`` over the last dim, and the reciprocal rms (float32)
-    the backward needs. The normalised value is rounded to `x`'s dtype before the
+@dataclass(frozen=True)
+class _LigerNormState:
+    rstd: Tensor
+    block: int
+    warps: int
+    mode: int
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | _LigerNormState]:
+    """``weight * (x / rms(x))`` over the last dim, and what the backward needs (the
+    reciprocal rms, float32). The normalised value is rounded to `x`'s dtype before the
     weight multiplies it, as Llama's own norm does."""
+    if _use_liger_norm(x) and weight.dtype == x.dtype:
+        y, _, rstd, block, warps, mode = _liger_norm().rms_norm_forward(x, weight, eps, 0.0, "llama", False)
+        return y, _LigerNormState(rstd, block, warps, mode)
     x32 = _wide(x)
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x32 * rstd).to(x.dtype), rstd
 
 
-def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> Tensor:
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor | _LigerNormState) -> Tensor:
     """The gradient of `x` (the weight is frozen): ``rstd * (g - y * mean(g * y))`` with
     ``g = grad * weight`` and ``y = x * rstd``, all in float32."""
+    if isinstance(rstd, _LigerNormState):
+        st = rstd
+        d_x, _ = _liger_norm().rms_norm_backward(grad.contiguous(), x, weight, st.rstd, 0.0, st.mode, st.block,
+                                                 st.warps, False, False, needs_dw=False)  # fmt: skip
+        return d_x
     y = _wide(x) * rstd
     g = _wide(grad) * weight.to(y.dtype)
     return (rstd * (g - y * (g * y).mean(-1, keepdim=True))).to(x.dtype)
