@@ -3,13 +3,15 @@ autograd node a layer, its backward written out (`compute`), LoRA on tensor core
 activation dtype with float32 masters and gradients.
 
 With the model's gradient checkpointing on (``model.gradient_checkpointing_enable()``,
-before or after fusing), or ``recompute=True``, a layer keeps only its input and recomputes in backward what
-that needs (not down_proj's output), replaying the RNG so dropout draws the same masks;
-otherwise it keeps what its backward reads. Either way the bits are the same.
+before or after fusing; read at each call), or ``recompute=True``, a layer keeps only its
+input and recomputes in backward what that needs (not down_proj's output), replaying the
+RNG so dropout draws the same masks; otherwise it keeps what its backward reads. Either way
+the bits are the same.
 
 A layer the fast layer does not cover keeps its own forward (`FuseReport.refused` says
-why), as does a call it does not cover: a KV cache, no position embeddings, gradient
-through the norms' weights or the base weights.
+why: another architecture, eager attention, DoRA, hooks, a weight outside the adapters
+that trains), as does a call it does not cover: a KV cache being read, no position
+embeddings, merged or disabled adapters.
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class _FastForward:
         if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in params)):
             recompute = self.recompute
             if recompute is None:  # checkpointing on when fused, or turned on since (read at each call)
-                recompute = layer.training and (layer._narrows_checkpointing or layer.gradient_checkpointing)
+                on = layer._narrows_checkpointing or getattr(layer, "gradient_checkpointing", False)
+                recompute = layer.training and on
             return FastLayerFunction.apply(
                 parts, recompute, hidden_states, cos, sin, attention_mask, kv, *params
             )
