@@ -13,6 +13,7 @@ from helpers import Dequantizations, assert_identical, build, train
 import narrows.stream as ns
 import narrows.stream.fastexec as fastexec
 from narrows.core import fuse_layers
+from narrows.core.fastlayer import coverage
 from narrows.stream.errors import StreamSetupError
 
 
@@ -46,7 +47,7 @@ def test_streamed_fast_layers_train_what_resident_fast_layers_train(arch, stream
     streamed = _build(arch)
     got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", **stream_kwargs})
     assert isinstance(streamed.narrows_stream.executor, fastexec.FastExecutor)
-    assert streamed.narrows_stream.executor.refused(streamed.base_model.model.model.layers) == {}
+    assert coverage(streamed).refused == {}
     assert_identical(reference, got)
     peft = train(_build(arch), steps=2, grad_accum=2, stream_kwargs={"kernels": "peft"})
     with pytest.raises(AssertionError):  # the twin: PEFT's kernels train other bits

@@ -7,9 +7,9 @@ Its bits are resident `fuse_layers`'s: the same functions on the same inputs, th
 replayed around the recompute by the streamed layer as for any executor. A layer or a
 call it does not cover (hooked side outputs, a KV cache being read) goes to the executor
 it wraps (eager: the layer's forward, which `stream` made the fast layer's where it covers
-it). Under CUDA graphs this executor is not used: the graphs replay that same forward. While a layer's 4-bit weights are held (the plan's
-`held_weights`) the recompute and the backward read the held copies; otherwise each
-dequantises its own, as the plan priced it.
+it). Under CUDA graphs this executor is not used: the graphs replay that same forward.
+While a layer's 4-bit weights are held (the plan's `held_weights`) the recompute and the
+backward read the held copies; otherwise each dequantises its own, as the plan priced it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from narrows.core.fastlayer import LayerParts, compute, parts_of, why_not
+from narrows.core.fastlayer import compute, parts_or_none
 
 from .executor import LayerExecutor, SideGrads
 
@@ -44,16 +44,9 @@ class FastExecutor(LayerExecutor):
     def __init__(self, fallback: LayerExecutor):
         self.fallback = fallback
 
-    def refused(self, layers: Sequence[nn.Module]) -> dict[int, str]:
-        """Each layer the fast layer does not cover, with its reason."""
-        return {i: r for i, layer in enumerate(layers) if (r := why_not(layer)) is not None}
-
-    def _covered(self, layer: nn.Module) -> LayerParts | None:
-        return None if why_not(layer) is not None else parts_of(layer)
-
     def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                 kwargs: dict) -> Tensor:  # fmt: skip
-        parts = self._covered(layer)
+        parts = parts_or_none(layer)
         inputs = None if parts is None else _inputs(args, kwargs)
         if inputs is None:
             return self.fallback.forward(index, layer, fn, hidden, args, kwargs)
@@ -62,7 +55,7 @@ class FastExecutor(LayerExecutor):
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                  kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
                  side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
-        parts = self._covered(layer)
+        parts = parts_or_none(layer)
         inputs = None if parts is None else _inputs(args, kwargs)
         if inputs is None or (side is not None and side.grads) or grad_out is None:
             return self.fallback.backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side)

@@ -5,7 +5,7 @@ does not need. `fuse_layers(model)` for a resident model; `narrows.stream` runs 
 entry points (`compute`) for a streamed one, so the two train the same bits."""
 
 from . import compute
-from .anatomy import FAST_LAYER_TYPES, LayerParts, parts_of, why_not
+from .anatomy import FAST_LAYER_TYPES, LayerParts, parts_of, parts_or_none, why_not
 from .fuse import FastLayerFunction, FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
 from .lora import Linear, LinearGroup, mm_f32
 from .ops import kernels_in_use
@@ -24,6 +24,7 @@ __all__ = [
     "kernels_in_use",
     "mm_f32",
     "parts_of",
+    "parts_or_none",
     "unfuse_layers",
     "why_not",
 ]

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from ..lorafuse import _FusedForward
 from ..nf4 import is_nf4_linear
 from ..nf4held import held_weight
 from .lora import Linear, LinearGroup
 
-__all__ = ["FAST_LAYER_TYPES", "LayerParts", "parts_of", "why_not"]
+__all__ = ["FAST_LAYER_TYPES", "LayerParts", "parts_of", "parts_or_none", "why_not"]
 
 FAST_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 
@@ -62,8 +63,6 @@ class LayerParts:
 def _hooked(module: nn.Module) -> bool:
     """Hooks, or a forward someone replaced (`fuse_lora`'s computes PEFT's formula, which
     the fast layer replaces as it replaces PEFT's)."""
-    from ..lorafuse import _FusedForward
-
     forward = module.__dict__.get("forward")
     return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
@@ -143,6 +142,12 @@ def why_not(layer: nn.Module) -> str | None:
     """Why the fast layer does not compute `layer` (None when it does)."""
     parts = _parts(layer)
     return parts if isinstance(parts, str) else None
+
+
+def parts_or_none(layer: nn.Module) -> LayerParts | None:
+    """`layer` as the fast layer computes it, or None where `why_not` has a reason."""
+    parts = _parts(layer)
+    return None if isinstance(parts, str) else parts
 
 
 def parts_of(layer: nn.Module) -> LayerParts:

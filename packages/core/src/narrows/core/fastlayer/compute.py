@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from .anatomy import LayerParts
 from .lora import GroupState
-from .ops import rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward
+from .ops import NormState, rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward
 
 __all__ = ["Saved", "backward", "forward", "forward_keeping", "recompute"]
 
@@ -42,16 +42,18 @@ class Saved:
 
     shape: torch.Size
     x: Tensor  # (tokens, hidden)
-    rstd1: Tensor
+    rstd1: NormState
     qkv: GroupState
-    heads_pre: tuple[Tensor, Tensor, Tensor, Tensor] | None  # Qwen3: q, k before their norms, and the rstds
+    heads_pre: (
+        tuple[Tensor, Tensor, NormState, NormState] | None
+    )  # Qwen3: q, k before their norms, and the rstds
     cos: Tensor
     sin: Tensor
     leaves: tuple[Tensor, Tensor, Tensor]  # attention's q, k, v (leaves of its one-node graph)
     attn: Tensor  # its output, (batch, heads, seq, head_dim)
     o: GroupState
     h1: Tensor
-    rstd2: Tensor
+    rstd2: NormState
     gate_up: GroupState
     gate: Tensor
     up: Tensor

@@ -17,6 +17,8 @@ embeddings, merged or disabled adapters.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +26,7 @@ from torch import Tensor, nn
 
 from ..anatomy import anatomy_of
 from . import compute
-from .anatomy import LayerParts, parts_of, why_not
+from .anatomy import LayerParts, parts_or_none, why_not
 
 __all__ = ["FastLayerFunction", "FuseReport", "coverage", "fuse_layers", "is_fused", "unfuse_layers"]
 
@@ -36,15 +38,16 @@ class _Rng:
         self.device = device
         self.state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
-    def replay(self):
+    @contextmanager
+    def replay(self) -> Iterator[None]:
+        """The generator as it was, inside a fork (left as it is now afterwards)."""
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
-        fork = torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu")
-        fork.__enter__()
-        if devices:
-            torch.cuda.set_rng_state(self.state, self.device)
-        else:
-            torch.set_rng_state(self.state)
-        return fork
+        with torch.random.fork_rng(devices=devices, device_type="cuda" if devices else "cpu"):
+            if devices:
+                torch.cuda.set_rng_state(self.state, self.device)
+            else:
+                torch.set_rng_state(self.state)
+            yield
 
 
 class FastLayerFunction(torch.autograd.Function):
@@ -69,12 +72,8 @@ class FastLayerFunction(torch.autograd.Function):
         cache: dict[str, Tensor] = {}  # each 4-bit weight dequantised once for recompute and backward
         if ctx.recompute:
             x, cos, sin, mask = ctx.saved_tensors
-            fork = ctx.rng.replay() if ctx.rng is not None else None
-            try:
+            with ctx.rng.replay() if ctx.rng is not None else nullcontext():
                 saved = compute.recompute(parts, x, cos, sin, mask, cache)
-            finally:
-                if fork is not None:
-                    fork.__exit__(None, None, None)
         else:
             saved, ctx.saved = ctx.saved, None
         g_x, grads = compute.backward(parts, saved, grad, cache)
@@ -127,7 +126,7 @@ class _FastForward:
         layer = self.layer()
         parts, kv = None, _kv_sink(layer, past_key_values)
         if kv is not False and position_embeddings is not None:
-            parts = _parts_or_none(layer)
+            parts = parts_or_none(layer)
         if parts is None:
             return type(layer).forward(layer, hidden_states, attention_mask, position_ids, past_key_values,
                                        use_cache, position_embeddings, **kwargs)  # fmt: skip
@@ -156,13 +155,6 @@ def _kv_sink(layer: nn.Module, cache):
     return lambda k, v: cache.update(k.detach(), v.detach(), index)
 
 
-def _parts_or_none(layer: nn.Module) -> LayerParts | None:
-    try:
-        return parts_of(layer)
-    except ValueError:
-        return None
-
-
 def is_fused(layer: nn.Module) -> bool:
     return isinstance(layer.__dict__.get("forward"), _FastForward)
 
@@ -171,13 +163,13 @@ def fuse_layers(model: nn.Module, *, recompute: bool | None = None) -> FuseRepor
     """Run `model`'s covered decoder layers as fast layers (see the module doc). With
     `recompute` None, a layer recomputes in backward where the model's gradient
     checkpointing was on when this ran. Patches instances; `unfuse_layers` undoes it."""
-    report = FuseReport()
-    for i, layer in enumerate(anatomy_of(model).layers):
-        reason = why_not(layer)
-        if reason is None and "forward" in layer.__dict__ and not is_fused(layer):
-            reason = "its forward was replaced by someone else"
-        if reason is not None:
-            report.refused[i] = reason
+    report = coverage(model)
+    layers = anatomy_of(model).layers
+    for i in list(report.fused):
+        layer = layers[i]
+        if "forward" in layer.__dict__ and not is_fused(layer):
+            report.fused.remove(i)
+            report.refused[i] = "its forward was replaced by someone else"
             continue
         if not is_fused(layer):
             # the node recomputes itself: transformers' own checkpoint around it would run it twice
@@ -185,7 +177,6 @@ def fuse_layers(model: nn.Module, *, recompute: bool | None = None) -> FuseRepor
             if hasattr(layer, "gradient_checkpointing"):
                 layer.gradient_checkpointing = False
         layer.forward = _FastForward(layer, recompute)
-        report.fused.append(i)
     return report
 
 

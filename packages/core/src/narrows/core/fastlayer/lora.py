@@ -149,10 +149,11 @@ class LinearGroup:
             g_b = mm_f32(g.t(), hp).mul_(p.scaling)
             g_a = mm_f32(gh.t(), n if m is None else n * m)
             param_grads += [g_a, g_b]
-            if self.dropout:
-                g_n.add_(gh.mm(p.a.to(g.dtype)) * m if m is not None else gh.mm(p.a.to(g.dtype)))
-            else:
+            if not self.dropout:  # every adapter's branch joins in one matmul below
                 gh_all.append(gh)
+                continue
+            branch = gh.mm(p.a.to(g.dtype))
+            g_n.add_(branch if m is None else branch.mul_(m))
         if gh_all:
             a = torch.cat([p.a for p in self.adapted]).to(n.dtype)
             g_n.addmm_(torch.cat(gh_all, dim=1), a)

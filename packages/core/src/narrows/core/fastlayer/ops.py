@@ -103,7 +103,12 @@ class _LigerNormState:
     mode: int
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | _LigerNormState]:
+NormState = (
+    Tensor | _LigerNormState
+)  # what a norm's backward needs: the reciprocal rms (and Liger's settings)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, NormState]:
     """``weight * (x / rms(x))`` over the last dim, and what the backward needs (the
     reciprocal rms, float32). The normalised value is rounded to `x`'s dtype before the
     weight multiplies it, as Llama's own norm does."""
@@ -115,7 +120,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor | _L
     return weight * (x32 * rstd).to(x.dtype), rstd
 
 
-def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor | _LigerNormState) -> Tensor:
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: NormState) -> Tensor:
     """The gradient of `x` (the weight is frozen): ``rstd * (g - y * mean(g * y))`` with
     ``g = grad * weight`` and ``y = x * rstd``, all in float32."""
     if isinstance(rstd, _LigerNormState):

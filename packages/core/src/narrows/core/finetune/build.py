@@ -180,7 +180,8 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
 
         apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         model = narrows.stream.stream(model, stream_config(cfg, device, world_size))
-        kernels = model.narrows_stream.kernels.replace("kernels='peft'", "--kernels peft")
+        if cfg.kernels == "fast":
+            kernels = model.narrows_stream.kernels
     model.narrows_kernels = kernels  # what the run's summary says of them
     return model
 
