@@ -12,7 +12,7 @@ from helpers import Dequantizations, assert_identical, build, train
 
 import narrows.stream as ns
 import narrows.stream.fastexec as fastexec
-from narrows.core import fuse_layers
+from narrows.core import anatomy_of, fuse_layers
 from narrows.core.fastlayer import coverage
 from narrows.stream.errors import StreamSetupError
 
@@ -157,3 +157,51 @@ def test_cuda_streamed_fast_layers_train_what_resident_fast_layers_train(stream_
         assert_identical(reference, got)
     finally:
         deterministic(False)
+
+
+def _kept_bytes(saved, *besides) -> int:
+    """Bytes of the distinct storages a fast layer's `Saved` holds, other than `besides`'s."""
+    seen = {t.untyped_storage().data_ptr() for t in besides}
+    total = 0
+    stack = [getattr(saved, f) for f in saved.__dataclass_fields__]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            ptr = v.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += v.untyped_storage().nbytes()
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif hasattr(v, "__dataclass_fields__"):
+            stack.extend(getattr(v, f) for f in v.__dataclass_fields__)
+    return total
+
+
+def test_the_plan_prices_what_a_fast_layer_keeps():
+    """With every layer fast, a whole layer is priced by what `forward_keeping` keeps (counted
+    here from its tensors, less the input and the rotary tables every layer shares: within
+    25% above it), not by PEFT's fit; one refused layer (a hook on
+    it) and ``kernels="peft"`` keep PEFT's prices."""
+    from narrows.core.fastlayer import compute, parts_of
+    from narrows.stream.planning import Shapes, input_bytes, whole_bytes
+
+    model = _build(num_hidden_layers=2, hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                   num_key_value_heads=2)  # fmt: skip
+    anat = anatomy_of(model)
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, 256)
+    cos, sin = anat.decoder.rotary_emb(x, torch.arange(seq).expand(batch, -1))
+    _, saved = compute.forward_keeping(parts_of(anat.layers[0]), x, cos, sin, None)
+    kept = _kept_bytes(saved, x, cos, sin)
+    fast, peft = (
+        ns.plan(model, "fit", device="cpu", batch_size=batch, seq_len=seq, kernels=k)
+        for k in ("fast", "peft")
+    )
+    priced = whole_bytes(Shapes.of(anat, batch, seq, fast=True)) - input_bytes(Shapes.of(anat, batch, seq))
+    assert kept <= priced <= 1.25 * kept, (kept, priced)
+    assert fast.work_bytes < peft.work_bytes and fast.activation_bytes < peft.activation_bytes
+    anat.layers[1].mlp.down_proj.base_layer.register_forward_hook(lambda *_: None)  # a layer it refuses
+    assert coverage(model).refused
+    mixed = ns.plan(model, "fit", device="cpu", batch_size=batch, seq_len=seq)
+    assert (mixed.work_bytes, mixed.activation_bytes) == (peft.work_bytes, peft.activation_bytes)

@@ -37,7 +37,7 @@ from .executor import EagerExecutor, LayerExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .planning import Plan, Rates, Shapes, plan
+from .planning import Plan, Rates, Shapes, plan, runs_fast
 from .planning.measure import device_parts, head_rows, host_embedding, resolve_device, streams_head
 from .profile import Profile
 from .selfcheck import self_check
@@ -274,6 +274,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     held = HeldWeights(anat.layers, dev) if the_plan.held_weights else None
     install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev, held)
 
+    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg))
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replanned = cfg.replace(gpu_budget=the_plan.budget)
 
@@ -290,8 +291,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
         m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, on_host_embedding, streamed_head, acts,
-                                        layer_graphs, replan, Shapes.of(anat, cfg.batch_size, cfg.seq_len),
-                                        cfg, executor, held, kernels_said)  # fmt: skip
+                                        layer_graphs, replan, shapes, cfg, executor, held, kernels_said)  # fmt: skip
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

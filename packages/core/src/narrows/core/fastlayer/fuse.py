@@ -69,7 +69,9 @@ class FastLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
         parts = ctx.parts
-        cache: dict[str, Tensor] = {}  # each 4-bit weight dequantised once for recompute and backward
+        # each 4-bit weight dequantised once for the recompute and the backward; without a
+        # recompute the backward reads each once, and a cache would only hold them all
+        cache: dict[str, Tensor] | None = {} if ctx.recompute else None
         if ctx.recompute:
             x, cos, sin, mask = ctx.saved_tensors
             with ctx.rng.replay() if ctx.rng is not None else nullcontext():

@@ -53,12 +53,17 @@ class Shapes:
     eager_attention: bool
     loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
     dequant_bytes: int = 0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes)
+    fast: bool = False  # every layer runs narrows.core's fast layer (it keeps and works in less)
+    kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
 
     @classmethod
-    def of(cls, anat: Anatomy, batch_size: int, seq_len: int) -> Shapes:
-        """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens."""
+    def of(cls, anat: Anatomy, batch_size: int, seq_len: int, *, fast: bool = False) -> Shapes:
+        """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens;
+        `fast`: every decoder layer runs as a fast layer."""
         cfg = anat.config
         act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return cls(
             layers=anat.num_layers,
             hidden=cfg.hidden_size,
@@ -71,7 +76,13 @@ class Shapes:
             eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
             loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
             dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0),
+            fast=fast,
+            kv_width=kv_heads * head_dim,
         )
+
+    @property
+    def kv(self) -> int:
+        return self.kv_width or self.hidden
 
 
 def input_bytes(s: Shapes) -> int:
@@ -92,8 +103,17 @@ def whole_bytes(s: Shapes) -> int:
     up, activation and product, and the inputs the adapters save), plus the attention
     probabilities when attention is eager. (Fitted to H100 peaks of resident PEFT without
     checkpointing against with it: 316 KB per token per layer at the Qwen2.5-7B shape at
-    512 and 4096 tokens, 455 KB at 32B; this predicts 316 and 461.)"""
+    512 and 4096 tokens, 455 KB at 32B; this predicts 316 and 461.)
+
+    A fast layer (`Shapes.fast`) keeps about half: the input, five hidden-sized tensors
+    (the norms' outputs, the queries, the attention output, the residual sum), the keys
+    and values, and gate, up and their product; a quarter hidden of slack covers the
+    adapters' rank-wide activations and the norms' statistics. (`benchmarks/fast_memory.py`
+    on the H100, bytes per token beyond the input / predicted: 151.9 / 153.3 KB at 7B,
+    221.6 / 223.7 at 32B, 263.9 / 267.5 at 72B.)"""
     tokens = s.batch * s.seq
+    if s.fast:
+        return int(tokens * (6.25 * s.hidden + 2 * s.kv + 3 * s.intermediate) * s.act_bytes)
     kept = tokens * (18 * s.hidden + 5 * s.intermediate) * s.act_bytes
     if s.eager_attention:
         kept += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
@@ -101,8 +121,17 @@ def whole_bytes(s: Shapes) -> int:
 
 
 def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
-    """One layer's recompute and backward working set (see `work_bytes`)."""
+    """One layer's recompute and backward working set (see `work_bytes`).
+
+    A fast layer's (untiled: a tiled MLP keeps PEFT's modules) is what its recompute keeps
+    plus its backward's gradients — about sixteen hidden-sized and 3.6 intermediate-sized
+    tensors a token, the attention backward's float32 accumulators among them — and a
+    dequantised 4-bit weight. (`benchmarks/fast_memory.py` on the H100, peak bytes per
+    token / predicted: 264.9 / 284.2 KB at 7B and 4096 tokens, 249.4 / 255.2 at 32K; 428.0
+    / 432.0 at 32B; 580.3 / 593.3 at 72B.)"""
     tokens = s.batch * s.seq
+    if s.fast and tile is None:
+        return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
     if s.eager_attention:
