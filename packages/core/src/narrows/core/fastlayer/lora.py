@@ -110,7 +110,11 @@ class LinearGroup:
                 ) -> tuple[list[Tensor | None], GroupState]:  # fmt: skip
         """Each linear's output (None for those in `skip`: the backward does not need
         them), and what the backward needs. With `residual` (one linear only) the output
-        is ``residual + linear(n)``, the add in the matmul's epilogue."""
+        is ``residual + linear(n)``: the linear (base and adapter) is rounded at its own
+        size, and the sum with the residual once — as PEFT's layer and the decoder's add
+        round them. (Adding the adapter onto a sum that holds the residual would round at
+        the residual's size twice.) Without an adapter or bias, the add is the matmul's
+        epilogue."""
         h = self._h(n, masks)
         outs: list[Tensor | None] = []
         for p, hp in zip(self.linears, h):
@@ -118,17 +122,13 @@ class LinearGroup:
                 outs.append(None)
                 continue
             w = p.w(n, cache)
-            if residual is not None:
-                out = torch.addmm(residual, n, w.t())
-            elif p.bias is not None:
-                out = torch.addmm(p.bias.to(n.dtype), n, w.t())
-            else:
-                out = n.mm(w.t())
-            if residual is not None and p.bias is not None:
-                out += p.bias.to(n.dtype)
+            if residual is not None and hp is None and p.bias is None:
+                outs.append(torch.addmm(residual, n, w.t()))
+                continue
+            out = n.mm(w.t()) if p.bias is None else torch.addmm(p.bias.to(n.dtype), n, w.t())
             if hp is not None:
                 out.addmm_(hp, p.b.to(n.dtype).t(), alpha=p.scaling)
-            outs.append(out)
+            outs.append(out if residual is None else out.add_(residual))
         return outs, GroupState(n, h, masks)
 
     def backward(self, grads: Sequence[Tensor], state: GroupState,
