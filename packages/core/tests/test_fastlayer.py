@@ -275,3 +275,34 @@ def test_checkpointing_turned_on_after_fusing_recomputes(monkeypatch):
     model.gradient_checkpointing_disable()
     calls.clear()
     assert _equal(_steps(model), kept) and not calls
+
+
+def _tile_mlps(model, tokens: int):
+    """What `narrows.stream.tile_sequence` leaves on each MLP: a forward that says its tile."""
+    for layer in model.base_model.model.model.layers:
+
+        def forward(x, _orig=layer.mlp.forward):
+            return _orig(x)
+
+        forward.narrows_tile_tokens = tokens
+        layer.mlp.forward = forward
+    return model
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_mlp_in_sequence_tiles_trains_as_untiled_up_to_summation_order(recompute):
+    untiled = _model("qwen2")
+    fuse_layers(untiled, recompute=recompute)
+    tiled = _tile_mlps(_model("qwen2"), 10)  # 2 rows of 12: 5 positions a tile, then 5, then 2
+    assert not fuse_layers(tiled, recompute=recompute).refused
+    parts = fuse.parts_or_none(tiled.base_model.model.model.layers[0])
+    assert parts.mlp_tiles(2, 12) == [slice(0, 5), slice(5, 10), slice(10, 12)]
+    a, b = _steps(untiled, pad_last=0), _steps(tiled, pad_last=0)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    assert not _equal(a, b)  # the tiles ran: the adapters' gradients are sums over them
+
+
+def test_a_tiled_mlp_with_dropout_is_refused_by_name():
+    model = _tile_mlps(_model("llama", dropout=0.1), 8)
+    assert "sequence tiles with LoRA dropout" in fuse_layers(model).refused[0]

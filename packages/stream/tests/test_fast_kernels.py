@@ -119,14 +119,59 @@ def test_a_layer_the_fast_layer_does_not_cover_runs_pefts_kernels():
     assert_identical(train(build("llama"), steps=1, stream_kwargs={}), got)
 
 
-def test_fast_is_the_default_and_a_tiled_mlp_is_named_where_it_runs_pefts_kernels():
+def test_fast_is_the_default_and_a_tiled_mlp_with_dropout_is_named_where_it_runs_pefts_kernels():
     model = _build()
     ns.stream(model, device="cpu")
     assert isinstance(model.narrows_stream.executor, fastexec.FastExecutor)
+    assert str(model.narrows_stream.kernels) == "fast layers: all 3 decoder layers"
     tiled = _build()
     ns.stream(tiled, device="cpu", seq_tile=4)
-    assert "MLP has hooks or a replaced forward" in tiled.narrows_stream.kernels
-    assert str(model.narrows_stream.kernels) == "fast layers: all 3 decoder layers"
+    assert str(tiled.narrows_stream.kernels) == "fast layers: all 3 decoder layers"
+    dropped = _build(dropout=0.1)
+    ns.stream(dropped, device="cpu", seq_tile=4)
+    assert "sequence tiles with LoRA dropout" in dropped.narrows_stream.kernels
+
+
+@pytest.mark.parametrize("stream_kwargs", [{}, {"gpu_budget": "fit"}, {"offload": "all"}])
+def test_a_tiled_mlp_streams_what_the_same_tiles_train_resident(stream_kwargs):
+    """Sequence tiles in the fast layer: streamed == resident with the same tiling (bits);
+    against untiled fast layers, equal up to summation order, not in bits (the twin)."""
+    from narrows.stream import tile_sequence
+
+    def resident(tile):
+        model = _build("qwen2")
+        if tile:
+            tile_sequence(model, tile)
+        assert not fuse_layers(model).refused
+        return train(model, steps=2, grad_accum=2, widths=(12, 9))
+
+    tiled = resident(10)  # two rows a batch: five positions a tile, the last one shorter
+    streamed = _build("qwen2")
+    got = train(streamed, steps=2, grad_accum=2, widths=(12, 9),
+                stream_kwargs={"kernels": "fast", "seq_tile": 10, **stream_kwargs})  # fmt: skip
+    assert streamed.narrows_stream.plan.tile_tokens == 10 and not coverage(streamed).refused
+    assert_identical(tiled, got)
+    untiled = resident(None)
+    for name in ("loss", "grad"):
+        for a, b in zip(untiled[name], got[name]):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    with pytest.raises(AssertionError):
+        assert_identical(untiled, got)
+
+
+def test_a_tiled_mlp_runs_its_forward_twice_a_step_not_three_times(monkeypatch):
+    """Each tile's gate/up/SwiGLU: once in the forward, once in the backward (the recompute
+    stops at the MLP's input) — 2 x tiles x layers a step."""
+    from narrows.core.fastlayer import compute
+
+    calls = []
+    real = compute.swiglu
+    monkeypatch.setattr(compute, "swiglu", lambda g, u: calls.append(g.shape[0]) or real(g, u))
+    model = _build("llama")
+    ns.stream(model, device="cpu", kernels="fast", seq_tile=8)  # 2 rows of 12: 4 positions a tile
+    calls.clear()  # the set-up's self-check ran a forward
+    train(model, steps=1)
+    assert calls == [8, 8, 8] * 3 * 2, calls
 
 
 def test_an_unknown_kernels_value_is_refused():

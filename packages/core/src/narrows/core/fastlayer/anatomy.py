@@ -50,6 +50,16 @@ class LayerParts:
     kv_heads: int
     head_dim: int
     scaling: float
+    mlp_tile: int | None = None  # the MLP runs over sequence tiles of this many tokens
+
+    def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
+        """The position slices the MLP runs over for a (batch, seq) input, or None for one
+        pass: ``mlp_tile // batch`` positions of every sequence a tile, as
+        `narrows.stream.tile_sequence` cuts them."""
+        if self.mlp_tile is None or batch * seq <= self.mlp_tile:
+            return None
+        step = max(1, self.mlp_tile // batch)
+        return [slice(s, min(s + step, seq)) for s in range(0, seq, step)]
 
     @property
     def groups(self) -> tuple[LinearGroup, ...]:
@@ -62,12 +72,22 @@ class LayerParts:
 
 def _hooked(module: nn.Module) -> bool:
     """Hooks, or a forward someone replaced (`fuse_lora`'s computes PEFT's formula, which
-    the fast layer replaces as it replaces PEFT's)."""
+    the fast layer replaces as it replaces PEFT's; a forward that only tiles the sequence
+    says how many tokens a tile, `_tile_of`)."""
     forward = module.__dict__.get("forward")
     return bool(
         module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-        or module._backward_pre_hooks or (forward is not None and not isinstance(forward, _FusedForward))
+        or module._backward_pre_hooks
+        or (forward is not None and not isinstance(forward, _FusedForward) and _tile_of(module) is None)
     )  # fmt: skip
+
+
+def _tile_of(mlp: nn.Module) -> int | None:
+    """Tokens per sequence tile of an MLP whose forward was replaced by one that only cuts
+    the sequence into tiles (it says so with ``narrows_tile_tokens``, as
+    `narrows.stream.tile_sequence`'s does); None otherwise."""
+    tokens = getattr(mlp.__dict__.get("forward"), "narrows_tile_tokens", None)
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
 
 
 def _norm(module: nn.Module) -> Norm | str:
@@ -191,10 +211,15 @@ def _parts(layer: nn.Module) -> LayerParts | str:
     bad = next((r for r in (*norms, *linears.values()) if isinstance(r, str)), None)
     if bad is not None:
         return bad
+    tile = _tile_of(mlp)
+    if tile is not None and any(
+        linears[n].dropout > 0 for n in ("gate", "up", "down") if linears[n].a is not None
+    ):
+        return "its MLP runs in sequence tiles with LoRA dropout (the fast layer's tiles redraw no masks)"
     g = LinearGroup
     return LayerParts(
         norms[0], norms[1], norms[2], norms[3],
         g([linears["q"], linears["k"], linears["v"]]), g([linears["o"]]),
         g([linears["gate"], linears["up"]]), g([linears["down"]]),
-        config.num_attention_heads, config.num_key_value_heads, attn.head_dim, float(attn.scaling),
+        config.num_attention_heads, config.num_key_value_heads, attn.head_dim, float(attn.scaling), tile,
     )  # fmt: skip

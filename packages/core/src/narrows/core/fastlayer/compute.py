@@ -18,6 +18,13 @@ one node, so the attention output and its log-sum-exp are kept, not recomputed.
 Every dequantised 4-bit weight comes through `cache` when one is given: the recompute
 and the backward of one layer share it, so a weight is dequantised twice a step, not
 three times (a held weight — `narrows.core.HeldWeights` — is used as it is).
+
+An MLP tiled over the sequence (`LayerParts.mlp_tiles`, long contexts) runs tile by tile:
+the forward writes each tile's output; the recompute stops at the MLP's input; the
+backward recomputes one tile's gate, up and activation, differentiates it, writes that
+tile's input gradient and adds its adapter gradients to the running sums, in tile order.
+So the MLP's working set is one tile's, and its forward runs twice a step, not three
+times. Its weights are dequantised once for all of a pass's tiles.
 """
 
 from __future__ import annotations
@@ -54,10 +61,11 @@ class Saved:
     o: GroupState
     h1: Tensor
     rstd2: NormState
-    gate_up: GroupState
-    gate: Tensor
-    up: Tensor
-    down: GroupState
+    gate_up: GroupState | None  # None (and gate, up, down too) when the MLP runs in tiles:
+    gate: Tensor | None  # the backward recomputes it tile by tile from `n2`
+    up: Tensor | None
+    down: GroupState | None
+    n2: Tensor | None = None  # the tiled MLP's input
 
 
 def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -105,6 +113,13 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
     o_in = attn.detach().transpose(1, 2).reshape(-1, parts.heads * parts.head_dim)
     (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=x2)
     n2, rstd2 = rms_norm(h1, parts.norm2.weight, parts.norm2.eps)
+    tiles = parts.mlp_tiles(batch, seq)
+    if tiles is not None:
+        out = _tiled_mlp(parts, n2, h1, (batch, seq), tiles, cache) if output else None
+        if not keep:
+            return out, None
+        return out, Saved(x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2,
+                          None, None, None, None, n2)  # fmt: skip
     (gate, up), st_gu = parts.gate_up.forward(n2, parts.gate_up.masks(n2), cache)
     a = swiglu(gate, up)
     skip = () if output else ("down",)
@@ -116,6 +131,48 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
     )
     return out, saved
+
+
+def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:
+    """The rows of flat (batch·seq, width) `t` at the positions `tile` of every sequence."""
+    return t.view(*bs, -1)[:, tile].reshape(-1, t.shape[-1])
+
+
+def _tiled_mlp(parts: LayerParts, n2: Tensor, h1: Tensor, bs: tuple[int, int], tiles: list[slice],
+               cache: dict[str, Tensor] | None) -> Tensor:  # fmt: skip
+    """``h1 + down(swiglu(gate_up(n2)))`` tile by tile (no dropout: `why_not` refuses it)."""
+    cache = {} if cache is None else cache  # the MLP's weights dequantised once for every tile
+    out = torch.empty(*bs, h1.shape[-1], dtype=h1.dtype, device=h1.device)
+    for tile in tiles:
+        n2t = _rows(n2, bs, tile)
+        (gate, up), _ = parts.gate_up.forward(n2t, parts.gate_up.masks(n2t), cache)
+        a = swiglu(gate, up)
+        (o,), _ = parts.down.forward(a, parts.down.masks(a), cache, residual=_rows(h1, bs, tile))
+        out[:, tile] = o.view(bs[0], -1, h1.shape[-1])
+    return out
+
+
+def _tiled_mlp_backward(parts: LayerParts, saved: Saved, g_out: Tensor, tiles: list[slice],
+                        cache: dict[str, Tensor] | None) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
+    """The MLP input's gradient and gate/up's and down's adapter gradients, one tile at a
+    time: each tile's forward recomputed, differentiated, its gradients summed in order."""
+    cache = {} if cache is None else cache
+    bs = saved.shape[:2]
+    g_n2 = torch.empty_like(saved.n2)
+    sums: list[Tensor] | None = None
+    for tile in tiles:
+        n2t = _rows(saved.n2, bs, tile)
+        (gate, up), st_gu = parts.gate_up.forward(n2t, parts.gate_up.masks(n2t), cache)
+        a = swiglu(gate, up)
+        _, st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=("down",))
+        g_a, p_down = parts.down.backward([_rows(g_out, bs, tile)], st_d, cache)
+        d_gate, d_up = swiglu_backward(g_a, gate, up, inplace=True)
+        g_t, p_gu = parts.gate_up.backward([d_gate, d_up], st_gu, cache)
+        g_n2.view(*bs, -1)[:, tile] = g_t.view(bs[0], -1, g_t.shape[-1])
+        grads = [*p_gu, *p_down]
+        sums = grads if sums is None else [acc.add_(g) for acc, g in zip(sums, grads)]
+    n_gu = len(parts.gate_up.params())
+    return g_n2, sums[:n_gu], sums[n_gu:]
 
 
 def forward(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
@@ -147,10 +204,13 @@ def backward(parts: LayerParts, saved: Saved, grad: Tensor,
     batch, seq, hidden = saved.shape
     with torch.no_grad():
         g_out = grad.reshape(-1, hidden)
-        g_a, p_down = parts.down.backward([g_out], saved.down, cache)
-        d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
-        g_n2, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
-        del d_gate, d_up
+        if saved.down is None:  # the MLP ran in tiles: recomputed and differentiated tile by tile
+            g_n2, p_gu, p_down = _tiled_mlp_backward(parts, saved, g_out, parts.mlp_tiles(batch, seq), cache)
+        else:
+            g_a, p_down = parts.down.backward([g_out], saved.down, cache)
+            d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
+            g_n2, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
+            del d_gate, d_up
         g_h1 = rms_norm_backward(g_n2, saved.h1, parts.norm2.weight, saved.rstd2).add_(g_out)
         (g_attn, p_o) = parts.o.backward([g_h1], saved.o, cache)
         g_attn = g_attn.view(batch, seq, parts.heads, parts.head_dim).transpose(1, 2)
