@@ -180,13 +180,17 @@ def test_an_unknown_kernels_value_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stream_kwargs", [{}, {"gpu_budget": "fit"}, {"graphs": True}])
+@pytest.mark.parametrize("stream_kwargs", [{}, {"gpu_budget": "fit"}, {"graphs": True}, {"seq_tile": 10}])
 def test_cuda_streamed_fast_layers_train_what_resident_fast_layers_train(stream_kwargs):
-    """bf16 base, float32 adapters, dropout, deterministic kernels: torch.equal."""
+    """bf16 base, float32 adapters, dropout (none with tiles, which refuse it),
+    deterministic kernels: torch.equal."""
     from narrows.core import deterministic
+    from narrows.stream import tile_sequence
+
+    tile = stream_kwargs.get("seq_tile")
 
     def model():
-        m = _build("qwen2", dtype=torch.bfloat16, dropout=0.05)
+        m = _build("qwen2", dtype=torch.bfloat16, dropout=0.0 if tile else 0.05)
         for p in m.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -195,7 +199,9 @@ def test_cuda_streamed_fast_layers_train_what_resident_fast_layers_train(stream_
     deterministic(True)
     try:
         resident = model().cuda()
-        fuse_layers(resident)
+        if tile:
+            tile_sequence(resident, tile)
+        assert not fuse_layers(resident).refused
         reference = train(resident, steps=2, grad_accum=2, device="cuda")
         got = train(model(), steps=2, grad_accum=2, device="cuda",
                     stream_kwargs={"kernels": "fast", "deterministic": True, **stream_kwargs})  # fmt: skip

@@ -123,7 +123,9 @@ def whole_bytes(s: Shapes) -> int:
 def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     """One layer's recompute and backward working set (see `work_bytes`).
 
-    A fast layer's (untiled: a tiled MLP keeps PEFT's modules) is what its recompute keeps
+    A fast layer's (untiled; with tiles the PEFT figure below stands, above the fast
+    layer's: its hidden-sized part is larger, and covers the tiled MLP's three weights
+    dequantised once for every tile) is what its recompute keeps
     plus its backward's gradients — about sixteen hidden-sized and 3.6 intermediate-sized
     tensors a token, the attention backward's float32 accumulators among them — and a
     dequantised 4-bit weight. (`benchmarks/fast_memory.py` on the H100, peak bytes per
