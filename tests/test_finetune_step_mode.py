@@ -15,7 +15,8 @@ from narrows.core.cli import main
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
-BUDGET = "1100KiB"  # every layer of the tiny model streamed (the minimum is 1.03 MiB)
+BUDGET = "860KiB"  # every layer of the tiny model streamed (the minimum is 821 KiB)
+DORA_BUDGET = "1100KiB"  # the same with DoRA, which the fast layers leave to PEFT's modules (1.06 MiB)
 
 
 def run(tmp_path, name, *extra):
@@ -119,7 +120,7 @@ def test_the_predictions_choice_drives_the_loop_and_a_refusal_falls_back(tmp_pat
 def test_step_mode_trains_dora_as_the_resident_loop_does(tmp_path):
     pytest.importorskip("narrows.dora")
     assert run(tmp_path, "resident", "--adapter", "dora") == 0
-    assert run(tmp_path, "step", "--adapter", "dora", "--gpu-budget", BUDGET, "--step-mode") == 0
+    assert run(tmp_path, "step", "--adapter", "dora", "--gpu-budget", DORA_BUDGET, "--step-mode") == 0
     got = result(tmp_path, "step")
     assert_same(result(tmp_path, "resident"), got)
     assert [r["accumulation"] for r in got[1]] == ["block-major"] * 3
@@ -152,7 +153,7 @@ def test_offloaded_state_leaves_the_budget(tmp_path, capsys):
     """A budget below the minimum with every adapter's state on the GPU is refused with
     the offload as a way out, and trains with --offload-optimizer or --offload-adapters
     (the plan leaves what waits in host memory out), the same numbers as the resident loop."""
-    small = "1040KiB"
+    small = "800KiB"  # below the minimum (821 KiB), above it with the state in host memory (789 and 725 KiB)
     assert run(tmp_path, "full", "--gpu-budget", small) == 2
     assert "--offload-adapters" in capsys.readouterr().err
     assert run(tmp_path, "resident") == 0
@@ -160,7 +161,7 @@ def test_offloaded_state_leaves_the_budget(tmp_path, capsys):
         assert run(tmp_path, flag, "--gpu-budget", small, flag) == 0
         assert_same(result(tmp_path, "resident"), result(tmp_path, flag))
     plan = json.loads((tmp_path / "--offload-adapters" / "summary.json").read_text())["stream"]
-    assert plan["predicted_peak"] <= 1040 * 1024
+    assert plan["predicted_peak"] <= 800 * 1024
 
 
 @pytest.mark.parametrize(
