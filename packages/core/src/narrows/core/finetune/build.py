@@ -173,9 +173,8 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
             import narrows.stream
 
             narrows.stream.tile_sequence(model, tile)
-        if (
-            cfg.kernels == "fast"
-        ):  # after the tiles: the fast layer runs them (not with LoRA dropout: it says so)
+        # after the tiles: the fast layer runs them (not with LoRA dropout: it says so)
+        if cfg.kernels == "fast":
             kernels = str(fuse_layers(model))
     else:
         import narrows.stream

@@ -123,12 +123,11 @@ def whole_bytes(s: Shapes) -> int:
 def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     """One layer's recompute and backward working set (see `work_bytes`).
 
-    A fast layer's (untiled; with tiles the PEFT figure below stands, above the fast
-    layer's: its hidden-sized part is larger, and covers the tiled MLP's three weights
-    dequantised once for every tile) is what its recompute keeps
-    plus its backward's gradients — about sixteen hidden-sized and 3.6 intermediate-sized
-    tensors a token, the attention backward's float32 accumulators among them — and a
-    dequantised 4-bit weight. (`benchmarks/fast_memory.py` on the H100, peak bytes per
+    An untiled fast layer's is what its recompute keeps plus its backward's gradients —
+    about sixteen hidden-sized and 3.6 intermediate-sized tensors a token, the attention
+    backward's float32 accumulators among them — and a dequantised 4-bit weight. A tiled
+    one is priced as PEFT's: too high (at 32K tokens on the H100 the smallest footprint
+    peaked 2.5 GB under its plan), but never under, until it is fitted. (`benchmarks/fast_memory.py` on the H100, peak bytes per
     token / predicted: 264.9 / 284.2 KB at 7B and 4096 tokens, 249.4 / 255.2 at 32K; 428.0
     / 432.0 at 32B; 580.3 / 593.3 at 72B.)"""
     tokens = s.batch * s.seq
