@@ -59,11 +59,21 @@ def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: s
     return model.eval()
 
 
+TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)  # every benchmark's LoRA
+
+
 def add_lora(model, *, rank: int = 16, dropout: float = 0.0):
     from peft import LoraConfig, get_peft_model
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     cfg = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM"
+        r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(TARGETS), task_type="CAUSAL_LM"
     )
     return get_peft_model(model, cfg)

@@ -75,12 +75,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from _models import TARGETS as PROJECTIONS
 from _models import add_lora, load_config
 
 from narrows.core import anatomy_of, fuse_layers, quantize_nf4
 from narrows.core.fastlayer import ops, parts_of
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}  # fmt: skip
 

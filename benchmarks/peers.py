@@ -56,10 +56,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import _models
 import stream_qlora
+from checkpoints import folder_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSLOTH_ENV = ROOT / ".gpu-unsloth" / "env"
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # as _models.add_lora
 VERSIONS = ("torch", "triton", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel",
             "unsloth", "unsloth-zoo", "trl", "datasets")  # fmt: skip
 
@@ -140,10 +140,6 @@ def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: 
         shutil.rmtree(folder)
     part.rename(folder)
     return folder
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
 
 
 # --- one training loop, for the rows peers.py owns ---------------------------------------------
@@ -253,8 +249,9 @@ def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) ->
     t = time.perf_counter()
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=args.seq, dtype=torch.bfloat16,
                                                  load_in_4bit=True, random_state=0)  # fmt: skip
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                             bias="none", use_gradient_checkpointing="unsloth", random_state=0)  # fmt: skip
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0,
+                                             target_modules=list(_models.TARGETS), bias="none",
+                                             use_gradient_checkpointing="unsloth", random_state=0)  # fmt: skip
     FastLanguageModel.for_training(model)
     load_s = time.perf_counter() - t
     attention = (

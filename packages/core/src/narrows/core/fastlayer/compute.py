@@ -120,10 +120,7 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
             return out, None
         return out, Saved(x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2,
                           None, None, None, None, n2)  # fmt: skip
-    (gate, up), st_gu = parts.gate_up.forward(n2, parts.gate_up.masks(n2), cache)
-    a = swiglu(gate, up)
-    skip = () if output else ("down",)
-    (out,), st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=skip, residual=h1)
+    out, gate, up, st_gu, st_d = _mlp(parts, n2, cache, residual=h1 if output else None)
     out = None if out is None else out.view(batch, seq, hidden)
     if not keep:
         return out, None  # the attention's graph goes with `attn`
@@ -131,6 +128,18 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
     )
     return out, saved
+
+
+def _mlp(parts: LayerParts, n: Tensor, cache: dict[str, Tensor] | None, residual: Tensor | None,
+         ) -> tuple[Tensor | None, Tensor, Tensor, GroupState, GroupState]:  # fmt: skip
+    """The MLP on `n` (all tokens, or one tile's): ``residual + down(swiglu(gate, up))``
+    when `residual` is given, else no down_proj output (a backward's recompute); gate, up
+    and both groups' states beside it."""
+    (gate, up), st_gu = parts.gate_up.forward(n, parts.gate_up.masks(n), cache)
+    a = swiglu(gate, up)
+    skip = () if residual is not None else ("down",)
+    (out,), st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=skip, residual=residual)
+    return out, gate, up, st_gu, st_d
 
 
 def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:
@@ -144,10 +153,7 @@ def _tiled_mlp(parts: LayerParts, n2: Tensor, h1: Tensor, bs: tuple[int, int], t
     cache = {} if cache is None else cache  # the MLP's weights dequantised once for every tile
     out = torch.empty(*bs, h1.shape[-1], dtype=h1.dtype, device=h1.device)
     for tile in tiles:
-        n2t = _rows(n2, bs, tile)
-        (gate, up), _ = parts.gate_up.forward(n2t, parts.gate_up.masks(n2t), cache)
-        a = swiglu(gate, up)
-        (o,), _ = parts.down.forward(a, parts.down.masks(a), cache, residual=_rows(h1, bs, tile))
+        o = _mlp(parts, _rows(n2, bs, tile), cache, residual=_rows(h1, bs, tile))[0]
         out[:, tile] = o.view(bs[0], -1, h1.shape[-1])
     return out
 
@@ -161,10 +167,7 @@ def _tiled_mlp_backward(parts: LayerParts, saved: Saved, g_out: Tensor, tiles: l
     g_n2 = torch.empty_like(saved.n2)
     sums: list[Tensor] | None = None
     for tile in tiles:
-        n2t = _rows(saved.n2, bs, tile)
-        (gate, up), st_gu = parts.gate_up.forward(n2t, parts.gate_up.masks(n2t), cache)
-        a = swiglu(gate, up)
-        _, st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=("down",))
+        _, gate, up, st_gu, st_d = _mlp(parts, _rows(saved.n2, bs, tile), cache, residual=None)
         g_a, p_down = parts.down.backward([_rows(g_out, bs, tile)], st_d, cache)
         d_gate, d_up = swiglu_backward(g_a, gate, up, inplace=True)
         g_t, p_gu = parts.gate_up.backward([d_gate, d_up], st_gu, cache)

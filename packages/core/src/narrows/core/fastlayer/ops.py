@@ -104,9 +104,8 @@ class _LigerNormState:
     mode: int
 
 
-NormState = (
-    Tensor | _LigerNormState
-)  # what a norm's backward needs: the reciprocal rms (and Liger's settings)
+# what a norm's backward needs: the reciprocal rms (and Liger's settings)
+NormState = Tensor | _LigerNormState
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, NormState]:
