@@ -92,6 +92,9 @@ class Ranks:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         try:
             yield
+            # leave together: a rank that tears its group down while rank 0 still writes the
+            # run can abort at exit (gloo's worker threads outliving the interpreter)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
 
