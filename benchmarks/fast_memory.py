@@ -42,7 +42,8 @@ def one_layer(name: str, device: torch.device):
     return model, cfg
 
 
-def measure(name: str, tokens: int, seq: int, device: torch.device, timing: bool = False) -> dict:
+def measure(name: str, tokens: int, seq: int, device: torch.device, timing: bool = False,
+            tile: int | None = None) -> dict:  # fmt: skip
     from narrows.core import anatomy_of
     from narrows.core.fastlayer import compute, parts_of
     from narrows.stream.planning import Shapes, layer_work_bytes, whole_bytes
@@ -51,13 +52,14 @@ def measure(name: str, tokens: int, seq: int, device: torch.device, timing: bool
     anat = anatomy_of(model)
     layer = anat.layers[0]
     parts = parts_of(layer)
+    parts.mlp_tile = tile  # the MLP over sequence tiles of this many tokens (None: one pass)
     batch = tokens // seq
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(batch, seq, cfg.hidden_size, device=device, dtype=torch.bfloat16, generator=gen)
     pos = torch.arange(seq, device=device).expand(batch, -1)
     cos, sin = anat.decoder.rotary_emb(x, pos)
     g = torch.randn_like(x)
-    shapes = Shapes.of(anat, batch, seq)
+    shapes = Shapes.of(anat, batch, seq, fast=True)
     alloc = torch.cuda.memory_allocated
 
     def peak_above(fn) -> tuple[int, object]:
@@ -68,10 +70,10 @@ def measure(name: str, tokens: int, seq: int, device: torch.device, timing: bool
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, result
 
-    row = {"model": name, "tokens": tokens, "seq": seq, "hidden": cfg.hidden_size,
+    row = {"model": name, "tokens": tokens, "seq": seq, "tile": tile, "hidden": cfg.hidden_size,
            "intermediate": cfg.intermediate_size, "kv": cfg.num_key_value_heads * parts.head_dim,
            "planned_whole_less_input": whole_bytes(shapes) - x.numel() * 2,
-           "planned_work": layer_work_bytes(shapes), "dequant_largest": shapes.dequant_bytes}  # fmt: skip
+           "planned_work": layer_work_bytes(shapes, tile), "dequant_largest": shapes.dequant_bytes}  # fmt: skip
     for _ in range(2):  # the second pass is the one recorded: kernels and workspaces warmed up
         base = alloc()
         out, saved = compute.forward_keeping(parts, x, cos, sin, None)
@@ -165,6 +167,7 @@ def main() -> None:
     ap.add_argument(
         "--cases",
         default="qwen2.5-7b:4096:512,qwen2.5-7b:32768:32768,qwen2.5-32b:4096:512,qwen2.5-72b:4096:512",
+        help="model:tokens:seq[:tile] (tile: the MLP's sequence tile in tokens), comma-separated",
     )
     ap.add_argument("--out", default="benchmarks/results/fast_memory.json")
     ap.add_argument("--no-timing", action="store_true", help="memory only")
@@ -174,8 +177,9 @@ def main() -> None:
     device = torch.device("cuda")
     rows = []
     for case in args.cases.split(","):
-        name, tokens, seq = case.split(":")
-        row = measure(name, int(tokens), int(seq), device, timing=not args.no_timing)
+        name, tokens, seq, *tile = case.split(":")
+        row = measure(name, int(tokens), int(seq), device, timing=not args.no_timing,
+                      tile=int(tile[0]) if tile else None)  # fmt: skip
         per = {
             k: round(v / row["tokens"])
             for k, v in row.items()

@@ -306,3 +306,124 @@ def test_an_mlp_in_sequence_tiles_trains_as_untiled_up_to_summation_order(recomp
 def test_a_tiled_mlp_with_dropout_is_refused_by_name():
     model = _tile_mlps(_model("llama", dropout=0.1), 8)
     assert "sequence tiles with LoRA dropout" in fuse_layers(model).refused[0]
+
+
+def test_side_by_side_joins_only_tensors_that_lie_so():
+    from narrows.core.fastlayer import side_by_side
+
+    buf = torch.arange(40.0).view(4, 10)
+    left, right = buf[:, :6], buf[:, 6:]
+    assert torch.equal(side_by_side([left, right], dim=1), buf)
+    assert side_by_side([left, right], dim=1).data_ptr() == buf.data_ptr()  # a view: nothing copied
+    assert side_by_side([buf[:, :4], buf[:, 6:]], dim=1) is None  # a gap
+    assert side_by_side([right, left], dim=1) is None  # out of order
+    assert side_by_side([buf[:, :3], buf[:, 3:6]], dim=1) is None  # blocks of a wider buffer
+    rows = torch.arange(40.0)
+    top, bottom = rows[:16].view(4, 4), rows[16:].view(6, 4)
+    assert torch.equal(side_by_side([top, bottom], dim=0), rows.view(10, 4))
+    assert side_by_side([top, bottom.clone()], dim=0) is None  # another allocation
+    assert side_by_side([top, None], dim=0) is None
+
+
+def test_swiglu_over_a_buffers_halves_writes_the_gradients_over_them():
+    torch.manual_seed(0)
+    buf = torch.randn(6, 16)
+    g = torch.randn(6, 8)
+    gate, up = buf[:, :8], buf[:, 8:]
+    # (strided and contiguous operands may take other vectorised CPU paths: close, not equal)
+    torch.testing.assert_close(ops.swiglu(gate, up), ops.swiglu(gate.contiguous(), up.contiguous()))
+    d_gate, d_up = ops.swiglu_backward(g, gate.contiguous(), up.contiguous())
+    h_gate, h_up = ops.swiglu_backward(g, gate, up, inplace=True)
+    torch.testing.assert_close((h_gate, h_up), (d_gate, d_up))
+    assert h_gate.data_ptr() == buf.data_ptr() and h_up.data_ptr() == buf[:, 8:].data_ptr()
+    assert torch.equal(buf, torch.cat([h_gate, h_up], dim=1))  # the stacked gradient, in place
+
+
+@pytest.mark.bnb
+def test_4bit_q_k_v_and_gate_up_each_run_one_matmul_on_their_weights_stacked():
+    """Each 4-bit group's weights are stacked once per pass (one entry each in the shared
+    cache); held weights are stacked already (a view of the held buffer) and train the
+    same bits as weights dequantised into a stacked buffer; plain weights are not stacked."""
+    from narrows.core import HeldWeights
+
+    model = _model("llama", base="nf4")
+    layer = model.base_model.model.model.layers[0]
+    parts = fuse.parts_or_none(layer)
+    assert [g.stacked for g in parts.groups] == [True, False, True, False]
+    x = torch.randn(2, 12, 64)
+    cos, sin = _rotary(model, x)
+    cache = {}
+    saved = fuse.compute.recompute(parts, x, cos, sin, None, cache)
+    grads = fuse.compute.backward(parts, saved, torch.ones_like(x), cache)
+    assert sorted(cache) == ["down", "gate+up", "o", "q+k+v"]
+    held = HeldWeights([layer], "cpu")
+    with held.hold(layer):
+        w = parts.qkv.stacked_weight(x, None)
+        assert w.untyped_storage().data_ptr() == held.buffer.untyped_storage().data_ptr()
+        assert torch.equal(w, cache["q+k+v"])
+        held_saved = fuse.compute.recompute(parts, x, cos, sin, None)
+        held_grads = fuse.compute.backward(parts, held_saved, torch.ones_like(x))
+    assert torch.equal(grads[0], held_grads[0]) and _equal(grads[1], held_grads[1])
+    dense = fuse.parts_or_none(_model("llama").base_model.model.model.layers[0])
+    assert not any(g.stacked for g in dense.groups)
+
+
+def _rotary(model, x):
+    rotary = model.base_model.model.model.rotary_emb
+    return rotary(x, torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1))
+
+
+_INTERPRETED = """
+import torch
+from narrows.core.fastlayer import halves, ops
+torch.manual_seed(0)
+buf = torch.randn(5, 2 * 1500)  # two column blocks of the kernel, the second partial
+g = torch.randn(5, 1500)
+gate, up = buf[:, :1500].contiguous(), buf[:, 1500:].contiguous()
+torch.testing.assert_close(halves.swiglu_halves(buf), ops.swiglu(gate, up), rtol=4e-7, atol=1e-7)
+d_gate, d_up = ops.swiglu_backward(g, gate, up)
+halves.swiglu_halves_backward(g, buf)
+torch.testing.assert_close((buf[:, :1500], buf[:, 1500:]), (d_gate, d_up), rtol=4e-7, atol=1e-7)
+print("ok")
+"""
+
+
+def test_the_halves_kernel_computes_the_reference_under_tritons_interpreter():
+    """The Triton SwiGLU over halves, run by Triton's CPU interpreter in float32: its
+    indexing (which half, which row, the last partial block) and its formula are the
+    reference's. (The interpreter rounds to bf16 by truncation, so bf16 is left to the
+    CUDA test.)"""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    from narrows.core.testing import child_env
+
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True,
+                          env=child_env(TRITON_INTERPRET="1"), timeout=300)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_cuda_swiglu_over_halves_matches_the_reference():
+    """narrows' Triton SwiGLU over a stacked buffer's halves: within one bf16 ulp of the
+    float32 formula, forward and backward (the gradients written over the halves)."""
+    torch.manual_seed(0)
+    buf = torch.randn(96, 2 * 1500, device="cuda", dtype=torch.bfloat16)  # not a multiple of the block
+    g = torch.randn(96, 1500, device="cuda", dtype=torch.bfloat16)
+    assert ops.kernels_in_use("cuda")["swiglu_halves"] == "narrows-triton"
+    gate, up = buf[:, :1500], buf[:, 1500:]
+    g32, u32, d32 = gate.float(), up.float(), g.float()
+    sig = torch.sigmoid(g32)
+    ref = (g32 * sig * u32).to(torch.bfloat16)
+    ref_gate = (d32 * u32 * sig * (1 + g32 * (1 - sig))).to(torch.bfloat16)
+    ref_up = (d32 * g32 * sig).to(torch.bfloat16)
+    ulp = 2**-7
+
+    def near(got, want):
+        return bool(((got.float() - want.float()).abs() <= want.float().abs() * ulp + 1e-30).all())
+
+    assert near(ops.swiglu(gate, up), ref)
+    h_gate, h_up = ops.swiglu_backward(g, gate, up, inplace=True)
+    assert h_gate.data_ptr() == buf.data_ptr()  # written over the halves
+    assert near(h_gate, ref_gate) and near(h_up, ref_up)

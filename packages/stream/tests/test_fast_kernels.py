@@ -256,3 +256,22 @@ def test_the_plan_prices_what_a_fast_layer_keeps():
     assert coverage(model).refused
     mixed = ns.plan(model, "fit", device="cpu", batch_size=batch, seq_len=seq)
     assert (mixed.work_bytes, mixed.activation_bytes) == (peft.work_bytes, peft.activation_bytes)
+
+
+def test_a_tiled_fast_layer_is_priced_by_its_tile():
+    """A fast layer whose MLP runs in tiles keeps its hidden-sized working set for every
+    token and the MLP's for one tile: priced below the untiled fast layer and below PEFT's
+    tiled layer, less for a smaller tile, by the MLP's part alone."""
+    import dataclasses
+
+    from narrows.stream.planning import Shapes, layer_work_bytes
+
+    # Qwen2.5-7B's shape, one sequence of 32K tokens
+    s = Shapes(layers=28, hidden=3584, intermediate=18944, heads=28, vocab=152064, act_bytes=2, batch=1,
+               seq=32768, eager_attention=False, dequant_bytes=2 * 18944 * 3584 * 2, fast=True, kv_width=512)  # fmt: skip
+    untiled, tiled, smaller = layer_work_bytes(s), layer_work_bytes(s, 2048), layer_work_bytes(s, 1024)
+    assert smaller < tiled < untiled < layer_work_bytes(dataclasses.replace(s, fast=False))
+    assert tiled < layer_work_bytes(dataclasses.replace(s, fast=False), 2048)
+    mlp_part = 1024 * 3.6 * s.intermediate * s.act_bytes  # a tile's intermediate-sized tensors
+    assert tiled - smaller == pytest.approx(mlp_part, abs=1)
+    assert layer_work_bytes(s, 32768) == untiled  # a tile as long as the batch: one pass

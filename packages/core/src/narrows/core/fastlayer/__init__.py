@@ -7,7 +7,7 @@ entry points (`compute`) for a streamed one, so the two train the same bits."""
 from . import compute
 from .anatomy import FAST_LAYER_TYPES, LayerParts, parts_of, parts_or_none, why_not
 from .fuse import FastLayerFunction, FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
-from .lora import Linear, LinearGroup, mm_f32
+from .lora import Linear, LinearGroup, mm_f32, side_by_side
 from .ops import kernels_in_use
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "mm_f32",
     "parts_of",
     "parts_or_none",
+    "side_by_side",
     "unfuse_layers",
     "why_not",
 ]

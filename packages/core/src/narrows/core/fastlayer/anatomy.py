@@ -13,7 +13,6 @@ its reason (`why_not`), and the layer runs as it would without narrows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -99,21 +98,60 @@ def _norm(module: nn.Module) -> Norm | str:
     return Norm(weight, float(eps))
 
 
-def _nf4_weight(base: nn.Module) -> Callable[[Tensor], Tensor]:
-    def weight(like: Tensor) -> Tensor:
-        held = held_weight(base)
+class _NF4Weight:
+    """A bitsandbytes 4-bit weight: its held copy while one is held, else dequantised."""
+
+    stacks = True
+
+    def __init__(self, base: nn.Module):
+        self.base = base
+        self.shape = tuple(int(n) for n in base.weight.quant_state.shape)
+
+    def ready(self, like: Tensor) -> Tensor | None:
+        held = held_weight(self.base)
+        return held if held is not None and held.dtype == like.dtype else None
+
+    def __call__(self, like: Tensor) -> Tensor:
+        held = held_weight(self.base)
         if held is None:
             from bitsandbytes.functional import dequantize_4bit
 
-            qs = base.weight.quant_state
-            held = dequantize_4bit(base.weight.data.view(-1, 1), qs)
+            held = dequantize_4bit(self.base.weight.data.view(-1, 1), self.base.weight.quant_state)
         return held if held.dtype == like.dtype else held.to(like.dtype)
 
-    return weight
+    def into(self, out: Tensor) -> None:
+        held = held_weight(self.base)
+        if held is not None:
+            out.copy_(held)
+            return
+        from bitsandbytes.functional import dequantize_4bit
+
+        qs = self.base.weight.quant_state
+        packed = self.base.weight.data.view(-1, 1)
+        if out.is_cuda and out.dtype == qs.dtype:  # straight into its rows (the CPU has no out=)
+            dequantize_4bit(packed, qs, out=out)
+        else:
+            out.copy_(dequantize_4bit(packed, qs))
 
 
-def _dense_weight(base: nn.Linear) -> Callable[[Tensor], Tensor]:
-    return lambda like: base.weight if base.weight.dtype == like.dtype else base.weight.to(like.dtype)
+class _DenseWeight:
+    """A plain linear's weight (cast to the activations' dtype where it differs)."""
+
+    stacks = False
+
+    def __init__(self, base: nn.Linear):
+        self.base = base
+        self.shape = tuple(base.weight.shape)
+
+    def ready(self, like: Tensor) -> Tensor | None:
+        return self.base.weight if self.base.weight.dtype == like.dtype else None
+
+    def __call__(self, like: Tensor) -> Tensor:
+        w = self.base.weight
+        return w if w.dtype == like.dtype else w.to(like.dtype)
+
+    def into(self, out: Tensor) -> None:
+        out.copy_(self.base.weight)
 
 
 def _linear(name: str, module: nn.Module) -> Linear | str:
@@ -149,9 +187,9 @@ def _linear(name: str, module: nn.Module) -> Linear | str:
             base.weight.quant_state, "packing_format_for_cpu", False
         ):
             return f"{name}'s 4-bit weight is not quantised, or repacked for CPU inference"
-        weight = _nf4_weight(base)
+        weight = _NF4Weight(base)
     elif type(base) is nn.Linear:
-        weight = _dense_weight(base)
+        weight = _DenseWeight(base)
     else:
         return f"{name} is a {type(base).__name__}, not an nn.Linear or a bitsandbytes Linear4bit"
     a, b, scaling, dropout = adapter if adapter else (None, None, 0.0, 0.0)

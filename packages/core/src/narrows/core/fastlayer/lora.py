@@ -3,11 +3,18 @@ the activation dtype, and the adapters' matmuls on tensor cores in that dtype to
 the float32 masters cast once per call — with float32 gradients for the masters.
 
 Forward of a group on input ``n`` (tokens × in): ``h = n @ cat(A)ᵀ`` (one matmul for
-every adapter of the group when none drops out), then for each linear
-``out = base(n)`` and ``out += s · h_p @ B_pᵀ`` as one ``addmm_`` (the scale in the
-matmul's float32 epilogue, one rounding). Backward: the input's gradient sums every
-linear's ``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``; ``A`` and ``B``'s gradients
-come out of the matmuls in float32 (``mm_f32``), never rounded to the activation dtype.
+every adapter of the group when none drops out), then the base and
+``out += s · h_p @ B_pᵀ`` as one ``addmm_`` per adapter (the scale in the matmul's
+float32 epilogue, one rounding). Backward: the input's gradient sums every linear's
+``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``; ``A`` and ``B``'s gradients come out of
+the matmuls in float32 (``mm_f32``), never rounded to the activation dtype.
+
+A group of 4-bit linears (Q/K/V, gate/up) runs its base as one matmul on the weights
+stacked, ``n @ [W_q; W_k; W_v]ᵀ``, each linear's output a column block of the result, and
+its input gradient as one, ``[g_q g_k g_v] @ [W_q; W_k; W_v]``: held weights lie stacked
+already (`narrows.core.HeldWeights` keeps a layer's in order), and otherwise each is
+dequantised straight into its rows of one buffer. A group of plain weights keeps one
+matmul per linear: stacking the model's own tensors would copy them at every call.
 
 Dropout draws one mask per adapter, in the group's order, from the device's generator:
 the caller replays the generator to redraw them (`masks`), so nothing of them is saved.
@@ -15,13 +22,14 @@ the caller replays the generator to redraw them (`masks`), so nothing of them is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Linear", "LinearGroup", "mm_f32"]
+__all__ = ["Linear", "LinearGroup", "WeightSource", "mm_f32", "side_by_side"]
 
 
 def mm_f32(a: Tensor, b: Tensor) -> Tensor:
@@ -35,13 +43,29 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
     return a.float().mm(b.float())
 
 
+class WeightSource(Protocol):
+    """A frozen base weight, (out, in): a 4-bit one dequantised or held, a plain one as it is."""
+
+    shape: tuple[int, int]
+    stacks: bool  # a group of these runs one matmul on them stacked
+
+    def __call__(self, like: Tensor) -> Tensor:
+        """The weight in `like`'s dtype."""
+
+    def ready(self, like: Tensor) -> Tensor | None:
+        """The weight in `like`'s dtype where that costs nothing (held, or already so)."""
+
+    def into(self, out: Tensor) -> None:
+        """Write the weight into `out` (its rows of a stacked buffer)."""
+
+
 @dataclass
 class Linear:
-    """One linear: its frozen base (a weight getter, so a 4-bit weight can be dequantised
+    """One linear: its frozen base (a weight source, so a 4-bit weight can be dequantised
     or held), its bias, and its adapter (None for none)."""
 
     name: str
-    weight: Callable[[Tensor], Tensor]  # (out, in) in the dtype of the tensor it is given
+    weight: WeightSource
     bias: Tensor | None
     a: nn.Parameter | None  # (r, in) float32 master
     b: nn.Parameter | None  # (out, r)
@@ -75,6 +99,26 @@ class LinearGroup:
         self.linears = list(linears)
         self.adapted = [p for p in self.linears if p.a is not None]
         self.dropout = any(p.dropout > 0 for p in self.adapted)
+        self.stacked = len(self.linears) > 1 and all(p.weight.stacks for p in self.linears)
+        self.widths = [p.weight.shape[0] for p in self.linears]
+        self.key = "+".join(p.name for p in self.linears)
+
+    def stacked_weight(self, like: Tensor, cache: dict[str, Tensor] | None) -> Tensor:
+        """The group's weights stacked, (Σ out, in) in `like`'s dtype: a view where they lie
+        so already, else each written into its rows of one new buffer; with `cache`,
+        fetched once for every use that shares it."""
+        w = None if cache is None else cache.get(self.key)
+        if w is not None:
+            return w
+        w = side_by_side([p.weight.ready(like) for p in self.linears], dim=0)
+        if w is None:
+            w = torch.empty(sum(self.widths), self.linears[0].weight.shape[1], dtype=like.dtype,
+                            device=like.device)  # fmt: skip
+            for p, rows in zip(self.linears, w.split(self.widths)):
+                p.weight.into(rows)
+        if cache is not None:
+            cache[self.key] = w
+        return w
 
     def params(self) -> list[nn.Parameter]:
         return [t for p in self.adapted for t in (p.a, p.b)]
@@ -116,7 +160,21 @@ class LinearGroup:
         the residual's size twice.) Without an adapter or bias, the add is the matmul's
         epilogue."""
         h = self._h(n, masks)
-        outs: list[Tensor | None] = []
+        if self.stacked:
+            assert not skip and residual is None, "a stacked group is never skipped nor given a residual"
+            w = self.stacked_weight(n, cache)
+            biases = [p.bias for p in self.linears]
+            if any(b is not None for b in biases):
+                bias = torch.cat([n.new_zeros(o) if b is None else b.to(n.dtype) for b, o in zip(biases, self.widths)])
+                base = torch.addmm(bias, n, w.t())
+            else:
+                base = n.mm(w.t())
+            outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
+            for out, p, hp in zip(outs, self.linears, h):
+                if hp is not None:
+                    out.addmm_(hp, p.b.to(n.dtype).t(), alpha=p.scaling)
+            return outs, GroupState(n, h, masks)
+        outs = []
         for p, hp in zip(self.linears, h):
             if p.name in skip:
                 outs.append(None)
@@ -137,9 +195,14 @@ class LinearGroup:
         in `params` order), from each linear's output gradient."""
         n = state.n
         g_n: Tensor | None = None
-        for p, g in zip(self.linears, grads):
-            w = p.w(g, cache)
-            g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
+        if self.stacked:  # the gradients are side by side already where written so (SwiGLU's)
+            joined = side_by_side(list(grads), dim=1)
+            joined = torch.cat(list(grads), dim=1) if joined is None else joined
+            g_n = joined.mm(self.stacked_weight(n, cache))
+        else:
+            for p, g in zip(self.linears, grads):
+                w = p.w(g, cache)
+                g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
         param_grads: list[Tensor] = []
         gh_all: list[Tensor] = []
         for p, g, hp, m in zip(self.linears, grads, state.h, state.masks):
@@ -158,3 +221,30 @@ class LinearGroup:
             a = torch.cat([p.a for p in self.adapted]).to(n.dtype)
             g_n.addmm_(torch.cat(gh_all, dim=1), a)
         return g_n, param_grads
+
+
+def side_by_side(ts: Sequence[Tensor | None], dim: int) -> Tensor | None:
+    """The 2-D tensors `ts` as one, joined along `dim`, where they already lie so in one
+    storage (rows one block after another, or column blocks of one row-major buffer) —
+    a view, nothing copied; None where they do not."""
+    if not ts or any(t is None or t.dim() != 2 or t.stride(1) != 1 for t in ts):
+        return None
+    first = ts[0]
+    size = first.element_size()
+    store = first.untyped_storage().data_ptr()
+    for a, b in zip(ts, ts[1:]):
+        if b.dtype != first.dtype or b.untyped_storage().data_ptr() != store or b.stride(0) != first.stride(0):
+            return None
+        if b.shape[1 - dim] != first.shape[1 - dim]:
+            return None
+        step = a.shape[0] * a.stride(0) if dim == 0 else a.shape[1]
+        if b.data_ptr() != a.data_ptr() + step * size:
+            return None
+    if dim == 0:
+        if first.stride(0) != first.shape[1]:
+            return None
+        return first.as_strided((sum(t.shape[0] for t in ts), first.shape[1]), (first.shape[1], 1))
+    width = sum(t.shape[1] for t in ts)
+    if first.stride(0) != width:
+        return None
+    return first.as_strided((first.shape[0], width), (width, 1))

@@ -5,7 +5,9 @@ Each op has one pure-PyTorch reference (what runs on CPU, and what the tests hol
 library kernels to); on CUDA the SwiGLU and the layer's two RMSNorms come from
 Liger-Kernel when it is installed (``pip install narrows-core[liger]``), since a well-kept
 Triton kernel beats one of our own (its "llama" casting: the normalised value rounded to
-the activation dtype before the weight multiplies it, as here). Which ran is
+the activation dtype before the weight multiplies it, as here). The SwiGLU of a stacked
+gate/up matmul — gate and up the two halves of one buffer, which Liger's kernel cannot
+read — runs narrows' own Triton kernel (`halves`), with this module's formula. Which ran is
 `kernels_in_use()`'s answer; ``NARROWS_LIGER=0`` in the environment keeps the references
 on CUDA too (to compare). Precision: statistics and derivatives in float32, one
 rounding to the activation dtype per output.
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from .lora import side_by_side
 
 __all__ = [
     "kernels_in_use",
@@ -65,6 +69,22 @@ def _liger_norm():
     return rms_norm
 
 
+@functools.cache
+def _triton_halves():
+    """narrows' SwiGLU over a stacked buffer's halves (`halves`), or None without Triton."""
+    if os.environ.get("NARROWS_LIGER") == "0":
+        return None
+    try:
+        from . import halves
+    except Exception:
+        return None
+    return halves
+
+
+def _use_triton(t: Tensor) -> bool:
+    return t.is_cuda and t.dtype != torch.float64 and _triton_halves() is not None
+
+
 def _use_liger(t: Tensor) -> bool:
     """Liger's SwiGLU on CUDA; float64 (the tests' reference) always takes the formula."""
     return t.is_cuda and t.dtype != torch.float64 and _liger() is not None
@@ -85,7 +105,8 @@ def kernels_in_use(device: torch.device | str) -> dict[str, str]:
     norms of Qwen3 always run the reference."""
     cuda = torch.device(device).type == "cuda"
     return {"rms_norm": "liger" if cuda and _liger_norm() is not None else "torch", "rope": "torch",
-            "swiglu": "liger" if cuda and _liger() is not None else "torch"}  # fmt: skip
+            "swiglu": "liger" if cuda and _liger() is not None else "torch",
+            "swiglu_halves": "narrows-triton" if cuda and _triton_halves() is not None else "torch"}  # fmt: skip
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -155,9 +176,20 @@ def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # SwiGLU -------------------------------------------------------------------------------
 
 
+def _halves(gate: Tensor, up: Tensor) -> Tensor | None:
+    """The one (tokens, 2·I) buffer whose halves `gate` and `up` are (a stacked gate/up
+    matmul's output), or None."""
+    if gate.dim() != 2 or gate.shape != up.shape:
+        return None
+    return side_by_side([gate, up], dim=1)
+
+
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up``, computed in float32 and rounded once."""
-    if _use_liger(gate):
+    joint = _halves(gate, up)
+    if joint is not None and _use_triton(gate):
+        return _triton_halves().swiglu_halves(joint)
+    if _use_liger(gate) and gate.is_contiguous() and up.is_contiguous():
         return _liger().swiglu_forward(gate, up)[2]
     g = _wide(gate)
     return (g * torch.sigmoid(g) * _wide(up)).to(gate.dtype)
@@ -167,8 +199,13 @@ def swiglu_backward(
     grad: Tensor, gate: Tensor, up: Tensor, *, inplace: bool = False
 ) -> tuple[Tensor, Tensor]:
     """Gradients of `gate` and `up`. With `inplace` the inputs' storage may be reused for
-    them (Liger writes them there), so neither may be read afterwards."""
-    if _use_liger(gate):
+    them (Liger writes them there; halves of one buffer get theirs written over them, so
+    the buffer is the stacked gradient), so neither may be read afterwards."""
+    joint = _halves(gate, up) if inplace else None
+    if joint is not None and _use_triton(gate):
+        _triton_halves().swiglu_halves_backward(grad, joint)
+        return gate, up
+    if _use_liger(gate) and gate.is_contiguous() and up.is_contiguous():
         if not inplace:
             gate, up = gate.clone(), up.clone()
         d_gate, d_up = _liger().swiglu_backward(gate, up, grad.contiguous())
@@ -178,4 +215,8 @@ def swiglu_backward(
     silu = g * sig
     d_up = (d * silu).to(up.dtype)
     d_gate = (d * u * sig * (1 + g * (1 - sig))).to(gate.dtype)
+    if joint is not None:  # as the kernel leaves them: over the halves
+        gate.copy_(d_gate)
+        up.copy_(d_up)
+        return gate, up
     return d_gate, d_up

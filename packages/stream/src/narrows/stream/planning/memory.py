@@ -52,7 +52,7 @@ class Shapes:
     seq: int
     eager_attention: bool
     loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
-    dequant_bytes: int = 0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes)
+    dequant_bytes: int = 0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes; a fast layer's gate+up)
     fast: bool = False  # every layer runs narrows.core's fast layer (it keeps and works in less)
     kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
 
@@ -75,7 +75,8 @@ class Shapes:
             seq=seq_len,
             eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
             loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
-            dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0),
+            # a fast layer dequantises gate and up side by side into one buffer: twice the largest
+            dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0) * (2 if fast else 1),
             fast=fast,
             kv_width=kv_heads * head_dim,
         )
@@ -125,14 +126,22 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
 
     An untiled fast layer's is what its recompute keeps plus its backward's gradients —
     about sixteen hidden-sized and 3.6 intermediate-sized tensors a token, the attention
-    backward's float32 accumulators among them — and a dequantised 4-bit weight. A tiled
-    one is priced as PEFT's: too high (at 32K tokens on the H100 the smallest footprint
-    peaked 2.5 GB under its plan), but never under, until it is fitted. (`benchmarks/fast_memory.py` on the H100, peak bytes per
-    token / predicted: 264.9 / 284.2 KB at 7B and 4096 tokens, 249.4 / 255.2 at 32K; 428.0
-    / 432.0 at 32B; 580.3 / 593.3 at 72B.)"""
+    backward's float32 accumulators among them — and its dequantised 4-bit weights: gate
+    and up stacked in one buffer, two of the largest (`Shapes.dequant_bytes`).
+    (`benchmarks/fast_memory.py` on the H100 before gate and up were stacked, peak bytes
+    per token / predicted with one weight: 264.9 / 284.2 KB at 7B and 4096 tokens, 249.4 /
+    255.2 at 32K; 428.0 / 432.0 at 32B; 580.3 / 593.3 at 72B. The second weight adds at
+    most its own size; at 4096 tokens it prices 33 KB a token more at 7B.) A tiled one keeps the hidden-sized part for every token and the
+    intermediate-sized part for one tile's tokens — its MLP is recomputed and differentiated
+    a tile at a time — beside the MLP's three weights, dequantised once for all tiles. (Not
+    yet fitted on the device; checked against the one measured run: 7B at 32K tokens in
+    2048-token tiles peaked 5.56 GiB (`benchmarks/h100/peers_7b_1x32768.json`), about
+    3.2 GiB of it this working set, which this prices at 4.0 GiB: above, never under.)"""
     tokens = s.batch * s.seq
-    if s.fast and tile is None:
-        return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes
+    if s.fast:
+        if tile is None or tile >= tokens:
+            return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes
+        return int((tokens * 16 * s.hidden + tile * 3.6 * s.intermediate) * s.act_bytes) + 2 * s.dequant_bytes
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
     if s.eager_attention:
