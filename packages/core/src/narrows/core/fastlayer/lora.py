@@ -22,6 +22,7 @@ the caller replays the generator to redraw them (`masks`), so nothing of them is
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -165,7 +166,9 @@ class LinearGroup:
             w = self.stacked_weight(n, cache)
             biases = [p.bias for p in self.linears]
             if any(b is not None for b in biases):
-                bias = torch.cat([n.new_zeros(o) if b is None else b.to(n.dtype) for b, o in zip(biases, self.widths)])
+                bias = torch.cat(
+                    [n.new_zeros(o) if b is None else b.to(n.dtype) for b, o in zip(biases, self.widths)]
+                )
                 base = torch.addmm(bias, n, w.t())
             else:
                 base = n.mm(w.t())
@@ -232,8 +235,12 @@ def side_by_side(ts: Sequence[Tensor | None], dim: int) -> Tensor | None:
     first = ts[0]
     size = first.element_size()
     store = first.untyped_storage().data_ptr()
-    for a, b in zip(ts, ts[1:]):
-        if b.dtype != first.dtype or b.untyped_storage().data_ptr() != store or b.stride(0) != first.stride(0):
+    for a, b in itertools.pairwise(ts):
+        if (
+            b.dtype != first.dtype
+            or b.untyped_storage().data_ptr() != store
+            or b.stride(0) != first.stride(0)
+        ):
             return None
         if b.shape[1 - dim] != first.shape[1 - dim]:
             return None
