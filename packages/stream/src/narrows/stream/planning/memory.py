@@ -52,9 +52,7 @@ class Shapes:
     seq: int
     eager_attention: bool
     loss_bytes: int | None = None  # what a replaced loss says it holds (narrows.core.loss_working_set)
-    dequant_bytes: int = (
-        0  # the largest 4-bit weight dequantised (narrows.core.dequantized_bytes; a fast layer's gate+up)
-    )
+    dequant_bytes: int = 0  # the largest 4-bit weight dequantised at once (a fast layer's: gate + up)
     fast: bool = False  # every layer runs narrows.core's fast layer (it keeps and works in less)
     kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
 
@@ -78,8 +76,7 @@ class Shapes:
             eager_attention=getattr(cfg, "_attn_implementation", "eager") == "eager",
             loss_bytes=loss_working_set(anat.model, batch_size * seq_len),
             # a fast layer dequantises gate and up side by side into one buffer: twice the largest
-            dequant_bytes=max((dequantized_bytes(layer) for layer in anat.layers), default=0)
-            * (2 if fast else 1),
+            dequant_bytes=(2 if fast else 1) * max(map(dequantized_bytes, anat.layers), default=0),
             fast=fast,
             kv_width=kv_heads * head_dim,
         )
