@@ -89,6 +89,21 @@ def _tile_of(mlp: nn.Module) -> int | None:
     return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
 
 
+def _trains_outside_adapters(layer: nn.Module) -> bool:
+    """Whether a parameter of `layer` whose name has no ``lora_`` part requires grad (as
+    ``named_parameters`` would find it, walked here directly: this runs at every call)."""
+    stack = [layer]
+    while stack:
+        module = stack.pop()
+        if any(
+            p is not None and p.requires_grad and "lora_" not in name
+            for name, p in module._parameters.items()
+        ):
+            return True
+        stack.extend(c for name, c in module._modules.items() if c is not None and "lora_" not in name)
+    return False
+
+
 def _norm(module: nn.Module) -> Norm | str:
     weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
     if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None:
@@ -233,7 +248,7 @@ def _parts(layer: nn.Module) -> LayerParts | str:
             f"attention runs as {getattr(config, '_attn_implementation', None)!r}; the fast layer runs SDPA "
             "(load the model with attn_implementation='sdpa')"
         )
-    if any(p.requires_grad for n, p in layer.named_parameters() if "lora_" not in n):
+    if _trains_outside_adapters(layer):
         return (
             "a weight or bias outside the adapters trains (the fast layer differentiates the adapters only)"
         )

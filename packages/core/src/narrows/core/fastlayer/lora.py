@@ -85,12 +85,23 @@ class Linear:
 
 
 @dataclass
+class _Low:
+    """A group's adapters cast to the activation dtype once per forward (the backward
+    reuses them: the masters do not change between a forward and its backward)."""
+
+    a: list[Tensor | None]  # each linear's A (None without an adapter)
+    b: list[Tensor | None]
+    a_all: Tensor | None  # every A of the group stacked (without dropout: one matmul for all)
+
+
+@dataclass
 class GroupState:
     """What a group's forward keeps for its backward."""
 
     n: Tensor  # the shared input, (tokens, in)
     h: list[Tensor | None]  # each adapter's (tokens, r) activation
     masks: list[Tensor | None]  # each adapter's dropout mask, scaled (None without dropout)
+    low: _Low  # the adapters in the activation dtype, as the forward cast them
 
 
 class LinearGroup:
@@ -136,19 +147,26 @@ class LinearGroup:
             out.append(torch.empty_like(n).bernoulli_(keep).div_(keep))
         return out
 
-    def _h(self, n: Tensor, masks: list[Tensor | None]) -> list[Tensor | None]:
+    def _low(self, dtype: torch.dtype) -> _Low:
+        none: list[Tensor | None] = [None] * len(self.linears)
+        if not self.adapted:
+            return _Low(none, none, None)
+        b = [None if p.b is None else p.b.to(dtype) for p in self.linears]
+        if self.dropout:
+            return _Low([None if p.a is None else p.a.to(dtype) for p in self.linears], b, None)
+        a_all = torch.cat([p.a for p in self.adapted]).to(dtype)
+        rows = iter(a_all.split([p.a.shape[0] for p in self.adapted]))
+        return _Low([next(rows) if p.a is not None else None for p in self.linears], b, a_all)
+
+    def _h(self, n: Tensor, masks: list[Tensor | None], low: _Low) -> list[Tensor | None]:
         """Each adapter's ``n @ Aᵀ`` (dropped out), in the activation dtype."""
         if not self.adapted:
             return [None] * len(self.linears)
-        if not self.dropout:
-            a = torch.cat([p.a for p in self.adapted]).to(n.dtype)
-            h_all = n.mm(a.t())
+        if low.a_all is not None:
+            h_all = n.mm(low.a_all.t())
             hs = iter(h_all.split([p.a.shape[0] for p in self.adapted], dim=1))
             return [next(hs) if p.a is not None else None for p in self.linears]
-        return [
-            None if p.a is None else (n if m is None else n * m).mm(p.a.to(n.dtype).t())
-            for p, m in zip(self.linears, masks)
-        ]
+        return [None if a is None else (n if m is None else n * m).mm(a.t()) for a, m in zip(low.a, masks)]
 
     def forward(self, n: Tensor, masks: list[Tensor | None], cache: dict[str, Tensor] | None = None, *,
                 skip: Sequence[str] = (), residual: Tensor | None = None,
@@ -160,7 +178,8 @@ class LinearGroup:
         round them. (Adding the adapter onto a sum that holds the residual would round at
         the residual's size twice.) Without an adapter or bias, the add is the matmul's
         epilogue."""
-        h = self._h(n, masks)
+        low = self._low(n.dtype)
+        h = self._h(n, masks, low)
         if self.stacked:
             assert not skip and residual is None, "a stacked group is never skipped nor given a residual"
             w = self.stacked_weight(n, cache)
@@ -173,12 +192,12 @@ class LinearGroup:
             else:
                 base = n.mm(w.t())
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
-            for out, p, hp in zip(outs, self.linears, h):
+            for out, p, hp, b in zip(outs, self.linears, h, low.b):
                 if hp is not None:
-                    out.addmm_(hp, p.b.to(n.dtype).t(), alpha=p.scaling)
-            return outs, GroupState(n, h, masks)
+                    out.addmm_(hp, b.t(), alpha=p.scaling)
+            return outs, GroupState(n, h, masks, low)
         outs = []
-        for p, hp in zip(self.linears, h):
+        for p, hp, b in zip(self.linears, h, low.b):
             if p.name in skip:
                 outs.append(None)
                 continue
@@ -188,9 +207,9 @@ class LinearGroup:
                 continue
             out = n.mm(w.t()) if p.bias is None else torch.addmm(p.bias.to(n.dtype), n, w.t())
             if hp is not None:
-                out.addmm_(hp, p.b.to(n.dtype).t(), alpha=p.scaling)
+                out.addmm_(hp, b.t(), alpha=p.scaling)
             outs.append(out if residual is None else out.add_(residual))
-        return outs, GroupState(n, h, masks)
+        return outs, GroupState(n, h, masks, low)
 
     def backward(self, grads: Sequence[Tensor], state: GroupState,
                  cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
@@ -208,21 +227,21 @@ class LinearGroup:
                 g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
         param_grads: list[Tensor] = []
         gh_all: list[Tensor] = []
-        for p, g, hp, m in zip(self.linears, grads, state.h, state.masks):
+        low = state.low
+        for p, g, hp, m, a, b in zip(self.linears, grads, state.h, state.masks, low.a, low.b):
             if p.a is None:
                 continue
-            gh = g.mm(p.b.to(g.dtype)).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
+            gh = g.mm(b).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
             g_b = mm_f32(g.t(), hp).mul_(p.scaling)
             g_a = mm_f32(gh.t(), n if m is None else n * m)
             param_grads += [g_a, g_b]
             if not self.dropout:  # every adapter's branch joins in one matmul below
                 gh_all.append(gh)
                 continue
-            branch = gh.mm(p.a.to(g.dtype))
+            branch = gh.mm(a)
             g_n.add_(branch if m is None else branch.mul_(m))
         if gh_all:
-            a = torch.cat([p.a for p in self.adapted]).to(n.dtype)
-            g_n.addmm_(torch.cat(gh_all, dim=1), a)
+            g_n.addmm_(torch.cat(gh_all, dim=1), low.a_all)
         return g_n, param_grads
 
 
