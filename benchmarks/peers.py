@@ -13,7 +13,10 @@ Per row: peak allocated GPU memory over the timed steps (`max_memory_allocated` 
 the median seconds a step over the timed steps after the warm-up (the device synchronised around
 each step), the final loss, the package versions the row's process ran with, and a fingerprint of
 its adapters' initial weights (equal fingerprints: the same start). The run records the pinned
-host->device bandwidth and the GPU.
+host->device bandwidth and the GPU. Each streamed narrows row also gets a twin check (``--twin``
+steps, 3 by default): the row's mode and the resident mode with the same kernels and loss
+(`twin_of`), each with deterministic kernels in its own process, and whether the adapters they
+train are ``torch.equal`` (the row's ``twin``, the table's last column).
 
 Modes: ``unsloth`` (FastLanguageModel over the folder, its own gradient checkpointing
 ``use_gradient_checkpointing="unsloth"``, run from its own site directory: see
@@ -80,6 +83,9 @@ SHAPES = {
     "32b-8x512": Shape("qwen2.5-32b", 8, 512, 1,
                        "stream-12GiB-lmhead-fast,stream-min-lmhead-fast,stream-12GiB-lmhead,unsloth,peft-ckpt"),
     "7b-1x32768": Shape("qwen2.5-7b", 1, 32768, 1, "stream-min-lmhead-fast,stream-min-lmhead,unsloth,peft-ckpt"),
+    # narrows only: no peer trains 72B on one card at these budgets
+    "72b-8x512": Shape("qwen2.5-72b", 8, 512, 1,
+                       "stream-16GiB-lmhead-fast,stream-24GiB-lmhead-fast,stream-min-lmhead-fast,stream-16GiB-lmhead"),
     "tiny": Shape("qwen2-tiny", 2, 64, 1, "stream-min-lmhead-fast,resident-ckpt-fast,resident,unsloth,peft,peft-ckpt"),
 }  # fmt: skip
 
@@ -308,7 +314,7 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
     row = stream_qlora.run_one(argparse.Namespace(
         run_one=args.run_one, model=args.model, seq=args.seq, steps=args.steps, warmup=args.warmup,
         grad_accum=args.grad_accum, batch=args.batch, attn=args.attn, trace=False, profile=False,
-        torch_profile=False,
+        torch_profile=False, deterministic=args.deterministic, save_adapters=args.save_adapters,
     ))  # fmt: skip
     marks = _StepClock.marks
     if args.warmup and len(marks) == args.warmup + args.steps:  # one optimizer step a training step
@@ -374,7 +380,39 @@ def family(mode: str) -> str:
     return "narrows, " + ("fast kernels" if "fast" in mode.split("-") else "PEFT's kernels")
 
 
-def child(args: argparse.Namespace, mode: str, folder: Path) -> dict:
+def twin_of(mode: str) -> tuple[str | None, str]:
+    """The resident mode whose training a narrows row's must equal bit for bit (the same
+    kernels: fast layers or PEFT's, the same loss), or None and why no twin is run."""
+    parts = mode.split("-")
+    if mode in ("unsloth", "peft", "peft-ckpt"):
+        return None, "not narrows"
+    if parts[0] == "resident":
+        return None, "a resident row is the twin's own kind"
+    if "tile" in parts:
+        return None, "a resident twin would need the plan's sequence tiles"
+    return "-".join(["resident", "ckpt", *(k for k in ("fast", "lmhead", "fuse") if k in parts)]), ""
+
+
+def equal_twin(args: argparse.Namespace, mode: str, folder: Path) -> dict:
+    """`mode` and its resident twin, each for --twin steps with deterministic kernels in a
+    process of its own: whether the adapters they train are `torch.equal`."""
+    other, why = twin_of(mode)
+    if other is None:
+        return {"skipped": why}
+    saved = {}
+    for m in (mode, other):
+        path = Path(args.work) / f"twin-{m}.pt"
+        path.unlink(missing_ok=True)
+        row = child(args, m, folder, twin=path)
+        if "error" in row:
+            return {"resident": other, "error": f"{m}: {row['error']}"}
+        saved[m] = torch.load(path)
+    a, b = saved[mode], saved[other]
+    same = a.keys() == b.keys() and bool(a) and all(torch.equal(a[k], b[k]) for k in a)
+    return {"resident": other, "steps": args.twin, "equal": same, "tensors": len(a)}
+
+
+def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None = None) -> dict:
     """One mode in its own process; Unsloth's with Unsloth's own site directory as PYTHONPATH."""
     if mode == "unsloth":
         if not torch.cuda.is_available():
@@ -387,9 +425,12 @@ def child(args: argparse.Namespace, mode: str, folder: Path) -> dict:
                 "mode": mode,
                 "error": f"{UNSLOTH_ENV} missing: run benchmarks/stage_unsloth.sh and carry .gpu-unsloth",
             }
+    steps, warmup = (args.twin, 0) if twin else (args.steps, args.warmup)
     flags = ["--run-one", mode, "--folder", str(folder), "--model", args.model, "--batch", str(args.batch),
-             "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--attn", args.attn]  # fmt: skip
+             "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--steps", str(steps),
+             "--warmup", str(warmup), "--attn", args.attn]  # fmt: skip
+    if twin:
+        flags += ["--deterministic", "--save-adapters", str(twin)]
     cmd = [sys.executable, __file__, *flags]
     if mode == "unsloth":  # its env sets PYTHONPATH afresh: no narrows, no .gpu/site ahead of its site
         cmd = ["bash", "-c", f'source {shlex.quote(str(UNSLOTH_ENV))} && exec "$@"', "unsloth", *cmd]
@@ -407,19 +448,28 @@ def child(args: argparse.Namespace, mode: str, folder: Path) -> dict:
 def table(rows: list[dict]) -> str:
     gib = 2**30
     ref = next((r for r in rows if r["mode"] == "unsloth" and "final_loss" in r), None)
-    lines = ["| mode | what | peak GiB | median s/step | tokens/s | final loss | vs Unsloth s/step |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| mode | what | peak GiB | median s/step | tokens/s | final loss | vs Unsloth s/step | = resident |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         if "final_loss" not in r:
             lines.append(
-                f"| `{r['mode']}` | {family(r['mode'])} | {r.get('skipped') or r.get('error', '')[:120]} |||||"
+                f"| `{r['mode']}` | {family(r['mode'])} | {r.get('skipped') or r.get('error', '')[:120]} ||||||"
             )
             continue
         peak = f"{r['peak_allocated'] / gib:.2f}" if r.get("peak_allocated") else "–"
         vs = f"{r['median_s_per_step'] / ref['median_s_per_step']:.2f}" if ref else "–"
         lines.append(f"| `{r['mode']}` | {family(r['mode'])} | {peak} | {r['median_s_per_step']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['final_loss']:.4f} | {vs} |")  # fmt: skip
+                     f"{r['tokens_per_s']:.0f} | {r['final_loss']:.4f} | {vs} | {twin_cell(r.get('twin'))} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def twin_cell(twin: dict | None) -> str:
+    """The table's word on a row's twin check: equal, DIFFERS, or why there is none."""
+    if not twin:
+        return "–"
+    if "equal" in twin:
+        return f"{'equal' if twin['equal'] else 'DIFFERS'} ({twin['steps']} steps)"
+    return twin.get("skipped") or f"error: {twin.get('error', '')[:60]}"
 
 
 def git_commit() -> str | None:
@@ -445,6 +495,11 @@ def main() -> None:
     ap.add_argument("--out", help="JSON of every row (default: benchmarks/results/peers_<shape>.json)")
     ap.add_argument("--check-unsloth", action="store_true",
                     help="list the requirements of Unsloth's staged site this interpreter does not meet, and exit")  # fmt: skip
+    ap.add_argument("--twin", type=int, default=3,
+                    help="steps of each narrows row's deterministic twin check against resident training "
+                         "(torch.equal adapters; 0: none)")  # fmt: skip
+    ap.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--save-adapters", help=argparse.SUPPRESS)
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -483,9 +538,11 @@ def main() -> None:
           flush=True)  # fmt: skip
     for mode in args.modes.split(","):
         row = child(args, mode, folder)
+        if args.twin and "error" not in row and "skipped" not in row:
+            row["twin"] = equal_twin(args, mode, folder)
         run["rows"].append(row)
         brief = {k: row[k] for k in ("mode", "median_s_per_step", "peak_allocated", "final_loss", "wall_s",
-                                      "error", "skipped") if k in row}  # fmt: skip
+                                      "error", "skipped", "twin") if k in row}  # fmt: skip
         print(json.dumps(brief), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(run, indent=2))  # after every row: a run cut short keeps what it measured

@@ -129,6 +129,11 @@ def run_one(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     mode = args.run_one
+    twin = getattr(args, "deterministic", False)  # peers.py's twins: deterministic kernels, adapters saved
+    if twin:
+        from narrows.core.determinism import deterministic
+
+        deterministic(True)
     torch.manual_seed(0)  # adapter init draws from the global RNG: same start in every mode
     t0 = time.perf_counter()
     model = random_nf4_model(load_config(args.model), work_device=str(device), attn=args.attn)
@@ -159,7 +164,7 @@ def run_one(args: argparse.Namespace) -> dict:
                   recompute="all" if "recompute" in parts or step else "auto",
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
                   host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none",
-                  kernels="fast" if "fast" in parts else "peft")  # fmt: skip
+                  kernels="fast" if "fast" in parts else "peft", deterministic=twin)  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     elif mode.startswith(("fsdp", "deepspeed")):
@@ -285,6 +290,9 @@ def run_one(args: argparse.Namespace) -> dict:
                 step()
             print(f"{mode}: one step profiled\n{prof}", file=sys.stderr)
             out["profile"] = prof.as_dict()
+    save = getattr(args, "save_adapters", None)
+    if save:  # the trained adapters, for peers.py's torch.equal against a twin run
+        torch.save({n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}, save)
     if args.torch_profile and cuda:  # one more step: where its time goes, host and device
         out["torch_profile"] = torch_profile(step)
         print(f"{mode}: torch profile {json.dumps(out['torch_profile'])}", file=sys.stderr)
