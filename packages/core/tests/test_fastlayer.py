@@ -162,6 +162,37 @@ def test_nf4_weights_are_dequantised_twice_a_step_when_recomputing(monkeypatch):
     assert _close(peft, fast, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.bnb
+@pytest.mark.parametrize("arch", FAMILY)
+def test_nf4_fast_layers_with_stacked_weights_train_what_peft_trains(arch):
+    """On a 4-bit base Q/K/V and gate/up run stacked (Qwen2's biases with them, Qwen3's
+    per-head norms after them): close to PEFT in float32; with dropout, keeping and
+    recomputing train the same bits."""
+    model = _random_biases(_model(arch, base="nf4"))
+    peft = _steps(model)
+    assert not fuse_layers(model).refused
+    parts = fuse.parts_or_none(model.base_model.model.model.layers[0])
+    assert parts.qkv.stacked and parts.gate_up.stacked
+    assert (arch == "qwen2") == all(p.bias is not None for p in parts.qkv.linears)
+    assert _close(peft, _steps(model), rtol=1e-3, atol=1e-5)
+    dropped = _random_biases(_model(arch, base="nf4", dropout=0.1))
+    fuse_layers(dropped, recompute=False)
+    kept = _steps(dropped, seed=3)
+    fuse_layers(dropped, recompute=True)
+    assert _equal(_steps(dropped, seed=3), kept)
+
+
+def _random_biases(model):
+    """Non-zero biases where the model has them (a fresh model's are zero: a bias dropped
+    would not show)."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and "lora_" not in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model
+
+
 def test_ops_match_autograd_of_their_references():
     torch.manual_seed(0)
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
