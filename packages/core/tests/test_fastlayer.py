@@ -287,7 +287,19 @@ def test_cuda_library_kernels_match_the_references():
     da, du = ops.swiglu_backward(g, x, up)
     a64 = ops.swiglu(x.double(), up.double())
     da64, du64 = ops.swiglu_backward(g.double(), x.double(), up.double())
-    for got, ref in ((y, y64), (dx, dx64), (a, a64), (da, da64), (du, du64)):
+    q = torch.randn(2, 4, 32, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 32, 64, device="cuda", dtype=torch.bfloat16)
+    half = torch.randn(2, 32, 32, device="cuda")  # tables as the family builds them: cat(freqs, freqs)
+    cos, sin = torch.cat([half.cos(), half.cos()], -1), torch.cat([half.sin(), half.sin()], -1)
+    cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+    rq, rk = ops.rope_pair(q.clone(), k.clone(), cos, sin)
+    gq, gk = ops.rope_pair_backward(q.clone(), k.clone(), cos, sin)
+    c64, s64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
+    rq64, rk64 = ops.rope(q.double(), c64, s64), ops.rope(k.double(), c64, s64)
+    gq64, gk64 = ops.rope_backward(q.double(), c64, s64), ops.rope_backward(k.double(), c64, s64)
+    assert used["rope"] == ("liger" if ops._liger() is not None else "torch")
+    for got, ref in ((y, y64), (dx, dx64), (a, a64), (da, da64), (du, du64), (rq, rq64), (rk, rk64),
+                     (gq, gq64), (gk, gk64)):  # fmt: skip
         assert ((got.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-2).all()
     assert set(used.values()) <= {"liger", "torch"}
 

@@ -38,7 +38,15 @@ from torch.nn import functional as F
 
 from .anatomy import LayerParts
 from .lora import GroupState
-from .ops import NormState, rms_norm, rms_norm_backward, rope, rope_backward, swiglu, swiglu_backward
+from .ops import (
+    NormState,
+    rms_norm,
+    rms_norm_backward,
+    rope_pair,
+    rope_pair_backward,
+    swiglu,
+    swiglu_backward,
+)
 
 __all__ = ["Saved", "backward", "forward", "forward_keeping", "recompute"]
 
@@ -54,7 +62,7 @@ class Saved:
     heads_pre: (
         tuple[Tensor, Tensor, NormState, NormState] | None
     )  # Qwen3: q, k before their norms, and the rstds
-    cos: Tensor
+    cos: Tensor  # the rotary tables, (batch or 1, seq, head_dim)
     sin: Tensor
     leaves: tuple[Tensor, Tensor, Tensor]  # attention's q, k, v (leaves of its one-node graph)
     attn: Tensor  # its output, (batch, heads, seq, head_dim)
@@ -96,9 +104,7 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         q, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
         k, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
         heads_pre = (q_pre, k_pre, rq, rk)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    q = rope(q.transpose(1, 2), c, s)
-    k = rope(k.transpose(1, 2), c, s)
+    q, k = rope_pair(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     v = v.view(batch, seq, parts.kv_heads, parts.head_dim).transpose(1, 2)
     if kv is not None:
         kv(k, v)
@@ -118,14 +124,14 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         out = _tiled_mlp(parts, n2, h1, (batch, seq), tiles, cache) if output else None
         if not keep:
             return out, None
-        return out, Saved(x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2,
+        return out, Saved(x.shape, x2, rstd1, st_qkv, heads_pre, cos, sin, leaves, attn, st_o, h1, rstd2,
                           None, None, None, None, n2)  # fmt: skip
     out, gate, up, st_gu, st_d = _mlp(parts, n2, cache, residual=h1 if output else None)
     out = None if out is None else out.view(batch, seq, hidden)
     if not keep:
         return out, None  # the attention's graph goes with `attn`
     saved = Saved(
-        x.shape, x2, rstd1, st_qkv, heads_pre, c, s, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
+        x.shape, x2, rstd1, st_qkv, heads_pre, cos, sin, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
     )
     return out, saved
 
@@ -219,8 +225,8 @@ def backward(parts: LayerParts, saved: Saved, grad: Tensor,
         g_attn = g_attn.view(batch, seq, parts.heads, parts.head_dim).transpose(1, 2)
     gq, gk, gv = torch.autograd.grad(saved.attn, saved.leaves, g_attn)
     with torch.no_grad():
-        gq = rope_backward(gq, saved.cos, saved.sin).transpose(1, 2)
-        gk = rope_backward(gk, saved.cos, saved.sin).transpose(1, 2)
+        gq, gk = rope_pair_backward(gq, gk, saved.cos, saved.sin)
+        gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)
         if saved.heads_pre is not None:
             q_pre, k_pre, rq, rk = saved.heads_pre
             gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)

@@ -2,7 +2,7 @@
 backward: RMSNorm, rotary embeddings, SwiGLU.
 
 Each op has one pure-PyTorch reference (what runs on CPU, and what the tests hold the
-library kernels to); on CUDA the SwiGLU and the layer's two RMSNorms come from
+library kernels to); on CUDA the SwiGLU, the layer's two RMSNorms and its rotary embeddings come from
 Liger-Kernel when it is installed (``pip install narrows-core[liger]``), since a well-kept
 Triton kernel beats one of our own (its "llama" casting: the normalised value rounded to
 the activation dtype before the weight multiplies it, as here). The SwiGLU of a stacked
@@ -31,6 +31,8 @@ __all__ = [
     "rms_norm_backward",
     "rope",
     "rope_backward",
+    "rope_pair",
+    "rope_pair_backward",
     "swiglu",
     "swiglu_backward",
 ]
@@ -85,6 +87,38 @@ def _use_triton(t: Tensor) -> bool:
     return t.is_cuda and t.dtype != torch.float64 and _triton_halves() is not None
 
 
+@functools.cache
+def _liger_rope():
+    """Liger-Kernel's RoPE module where its forward/backward take (q, k, cos, sin, ...)."""
+    if os.environ.get("NARROWS_LIGER") == "0":
+        return None
+    try:
+        from liger_kernel.ops import rope
+    except Exception:
+        return None
+    try:
+        fwd = list(inspect.signature(rope.rope_forward).parameters)[:4]
+        bwd = list(inspect.signature(rope.rope_backward).parameters)[:4]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if fwd != ["q", "k", "cos", "sin"] or bwd != ["dq", "dk", "cos", "sin"]:
+        return None
+    return rope
+
+
+def _use_liger_rope(t: Tensor, cos: Tensor) -> bool:
+    """Liger's RoPE for 4-D heads on CUDA with (batch or 1, seq, head_dim) tables, whose
+    rotary width is the whole head (the Llama family's)."""
+    return (
+        t.is_cuda
+        and t.dtype != torch.float64
+        and t.dim() == 4
+        and cos.dim() == 3
+        and cos.shape[-1] == t.shape[-1]
+        and _liger_rope() is not None
+    )
+
+
 def _use_liger(t: Tensor) -> bool:
     """Liger's SwiGLU on CUDA; float64 (the tests' reference) always takes the formula."""
     return t.is_cuda and t.dtype != torch.float64 and _liger() is not None
@@ -104,7 +138,8 @@ def kernels_in_use(device: torch.device | str) -> dict[str, str]:
     """Which implementation each op runs on `device` ("liger" or "torch"); the per-head
     norms of Qwen3 always run the reference."""
     cuda = torch.device(device).type == "cuda"
-    return {"rms_norm": "liger" if cuda and _liger_norm() is not None else "torch", "rope": "torch",
+    return {"rms_norm": "liger" if cuda and _liger_norm() is not None else "torch",
+            "rope": "liger" if cuda and _liger_rope() is not None else "torch",
             "swiglu": "liger" if cuda and _liger() is not None else "torch",
             "swiglu_halves": "narrows-triton" if cuda and _triton_halves() is not None else "torch"}  # fmt: skip
 
@@ -171,6 +206,29 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def rope_backward(grad: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """rotate_half is antisymmetric, so its transpose is its negation."""
     return grad * cos - _rotate_half(grad * sin)
+
+
+def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Queries (batch, heads, seq, head_dim) and keys (batch, kv_heads, ...) rotated, with
+    `cos`/`sin` of (batch or 1, seq, head_dim) as the model's rotary embedding gives them
+    (the family's tables: both halves alike, ``cat(freqs, freqs)``, RoPE scaling included —
+    Liger's kernel reads the first half only). On CUDA Liger-Kernel's kernel does both in
+    one pass, writing over `q` and `k` (or over their contiguous copies); elsewhere the
+    reference."""
+    if _use_liger_rope(q, cos):
+        q, k, _, _ = _liger_rope().rope_forward(q, k, cos, sin)
+        return q, k
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rope(q, c, s), rope(k, c, s)
+
+
+def rope_pair_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of `rope_pair`'s inputs (Liger's writes them over `gq` and `gk`)."""
+    if _use_liger_rope(gq, cos):
+        gq, gk = _liger_rope().rope_backward(gq, gk, cos, sin)[:2]
+        return gq, gk
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rope_backward(gq, c, s), rope_backward(gk, c, s)
 
 
 # SwiGLU -------------------------------------------------------------------------------
