@@ -408,8 +408,10 @@ def equal_twin(args: argparse.Namespace, mode: str, folder: Path) -> dict:
             return {"resident": other, "error": f"{m}: {row['error']}"}
         saved[m] = torch.load(path)
     a, b = saved[mode], saved[other]
-    same = a.keys() == b.keys() and bool(a) and all(torch.equal(a[k], b[k]) for k in a)
-    return {"resident": other, "steps": args.twin, "equal": same, "tensors": len(a)}
+    # B starts at zero: a twin whose B moved trained (two runs that both failed to are not "equal")
+    trained = any(bool(t.any()) for k, t in a.items() if "lora_B" in k)
+    same = a.keys() == b.keys() and trained and all(torch.equal(a[k], b[k]) for k in a)
+    return {"resident": other, "steps": args.twin, "equal": same, "trained": trained, "tensors": len(a)}
 
 
 def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None = None) -> dict:

@@ -229,18 +229,19 @@ def _kept_bytes(saved, *besides) -> int:
     return total
 
 
-def test_the_plan_prices_what_a_fast_layer_keeps():
+@pytest.mark.parametrize("base", ["float", pytest.param("nf4", marks=pytest.mark.bnb)])
+def test_the_plan_prices_what_a_fast_layer_keeps(base):
     """With every layer fast, a whole layer is priced by what `forward_keeping` keeps (counted
     here from its tensors, less the input and the rotary tables every layer shares: within
-    25% above it), not by PEFT's fit; one refused layer (a hook on
-    it) and ``kernels="peft"`` keep PEFT's prices."""
+    25% above it) — on a 4-bit base too, whose Q/K/V come out of one stacked matmul — not by
+    PEFT's fit; one refused layer (a hook on it) and ``kernels="peft"`` keep PEFT's prices."""
     from narrows.core.fastlayer import compute, parts_of
     from narrows.stream.planning import Shapes, input_bytes, whole_bytes
 
     model = _build(num_hidden_layers=2, hidden_size=256, intermediate_size=768, num_attention_heads=4,
-                   num_key_value_heads=2)  # fmt: skip
+                   num_key_value_heads=2, base=base)  # fmt: skip
     anat = anatomy_of(model)
-    batch, seq = 2, 256  # enough tokens that the adapters' casts kept beside them weigh as at real sizes
+    batch, seq = 2, 64
     x = torch.randn(batch, seq, 256)
     cos, sin = anat.decoder.rotary_emb(x, torch.arange(seq).expand(batch, -1))
     _, saved = compute.forward_keeping(parts_of(anat.layers[0]), x, cos, sin, None)

@@ -105,7 +105,12 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         k, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
         heads_pre = (q_pre, k_pre, rq, rk)
     q, k = rope_pair(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    v = v.view(batch, seq, parts.kv_heads, parts.head_dim).transpose(1, 2)
+    v = v.view(batch, seq, parts.kv_heads, parts.head_dim)
+    if heads_pre is None and not v.is_contiguous():
+        # a column block of the stacked Q/K/V output: attention keeps it, and alone it does not
+        # keep the queries and keys of that output with it
+        v = v.contiguous()
+    v = v.transpose(1, 2)
     if kv is not None:
         kv(k, v)
     if keep or not torch.is_inference_mode_enabled():
@@ -196,7 +201,11 @@ def forward_keeping(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask
                     ) -> tuple[Tensor, Saved]:  # fmt: skip
     """The output and what the backward needs (resident training without recompute)."""
     with torch.no_grad():
-        return _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
+        out, saved = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
+    for state in (saved.qkv, saved.o, saved.gate_up, saved.down):
+        if state is not None:  # kept until the step's backward: that casts the adapters again
+            state.low = None
+    return out, saved
 
 
 def recompute(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,

@@ -11,6 +11,8 @@ output; `test_fastlayer.py` holds them to it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,12 @@ def _backward(grad_ptr, x_ptr, n_cols, x_stride, grad_stride, BLOCK: tl.constexp
     tl.store(gate_ptrs + n_cols, d_up.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+def _on(x: Tensor):
+    """`x`'s CUDA device made current (Triton launches on the current one); nothing to do
+    elsewhere (Triton's CPU interpreter, which the tests run)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _grid(rows: int, cols: int) -> tuple[int, int]:
     return rows, triton.cdiv(cols, _BLOCK)
 
@@ -58,7 +66,8 @@ def swiglu_halves(x: Tensor) -> Tensor:
     cols = width // 2
     out = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     if rows:
-        _forward[_grid(rows, cols)](x, out, cols, x.stride(0), out.stride(0), BLOCK=_BLOCK)
+        with _on(x):
+            _forward[_grid(rows, cols)](x, out, cols, x.stride(0), out.stride(0), BLOCK=_BLOCK)
     return out
 
 
@@ -68,4 +77,5 @@ def swiglu_halves_backward(grad: Tensor, x: Tensor) -> None:
     cols = width // 2
     if rows:
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        _backward[_grid(rows, cols)](grad, x, cols, x.stride(0), grad.stride(0), BLOCK=_BLOCK)
+        with _on(x):
+            _backward[_grid(rows, cols)](grad, x, cols, x.stride(0), grad.stride(0), BLOCK=_BLOCK)

@@ -101,7 +101,7 @@ class GroupState:
     n: Tensor  # the shared input, (tokens, in)
     h: list[Tensor | None]  # each adapter's (tokens, r) activation
     masks: list[Tensor | None]  # each adapter's dropout mask, scaled (None without dropout)
-    low: _Low  # the adapters in the activation dtype, as the forward cast them
+    low: _Low | None  # the adapters in the activation dtype, as the forward cast them (None: cast again)
 
 
 class LinearGroup:
@@ -227,7 +227,7 @@ class LinearGroup:
                 g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
         param_grads: list[Tensor] = []
         gh_all: list[Tensor] = []
-        low = state.low
+        low = state.low if state.low is not None else self._low(n.dtype)
         for p, g, hp, m, a, b in zip(self.linears, grads, state.h, state.masks, low.a, low.b):
             if p.a is None:
                 continue
