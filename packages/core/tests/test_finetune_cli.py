@@ -327,3 +327,20 @@ def test_kernels_setting_is_checked_and_older_runs_keep_pefts():
     assert (
         FinetuneConfig.from_dict({"steps": 3}, "config.json").kernels == "peft"
     )  # written before fast layers
+    with pytest.raises(NarrowsError, match=r"--lora-dtype must be auto .* or float32"):
+        FinetuneConfig(lora_dtype="bf16").check()
+    with pytest.raises(NarrowsError, match=r"--lora-dtype float32 is the fast layers' option"):
+        FinetuneConfig(kernels="peft", lora_dtype="float32").check()
+    assert FinetuneConfig.from_dict({"steps": 3}, "config.json").lora_dtype == "auto"
+
+
+def test_lora_dtype_float32_reaches_the_fast_layers_and_the_summary(job, tmp_path):
+    """--lora-dtype float32: the fast layers compute the adapters in float32 (the summary
+    says so); given with --kernels peft it is refused before anything is written."""
+    _, args = job
+    done = cli(*args, "--steps", "1", "--lora-dtype", "float32", "--out", str(tmp_path / "wide"))
+    assert done.returncode == 0, done.stderr
+    assert "fast layers: all 3 decoder layers (LoRA in float32)" in done.stdout
+    refused = cli(*args, "--kernels", "peft", "--lora-dtype", "float32", "--out", str(tmp_path / "no"))
+    assert refused.returncode == 2 and "narrows: error: --lora-dtype float32" in refused.stderr
+    assert not (tmp_path / "no").exists()

@@ -177,6 +177,37 @@ def test_a_tiled_mlp_runs_its_forward_twice_a_step_not_three_times(monkeypatch):
 def test_an_unknown_kernels_value_is_refused():
     with pytest.raises(StreamSetupError, match="kernels='triton'"):
         ns.stream(_build(), device="cpu", kernels="triton")
+    with pytest.raises(StreamSetupError, match="lora_dtype='bf16'"):
+        ns.stream(_build(), device="cpu", lora_dtype="bf16")
+
+
+def _bf16(dropout=0.0):
+    """A bf16 base with float32 adapters (float32 LoRA differs from bf16 LoRA only there)."""
+    model = _build("qwen2", dtype=torch.bfloat16, dropout=dropout)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def test_float32_lora_streams_what_it_trains_resident():
+    """``lora_dtype="float32"``: streamed (the smallest footprint, dropout replayed) equals
+    resident `fuse_layers(lora_dtype=torch.float32)`, and not the default bf16 LoRA; the plan
+    sizes PEFT's activations for it."""
+    resident = _bf16(dropout=0.1)
+    assert "LoRA in float32" in str(fuse_layers(resident, lora_dtype=torch.float32))
+    reference = train(resident, steps=2, grad_accum=2)
+    streamed = _bf16(dropout=0.1)
+    got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", "lora_dtype": "float32"})
+    assert "LoRA in float32" in streamed.narrows_stream.kernels
+    assert_identical(reference, got)
+    low = train(_bf16(dropout=0.1), steps=2, grad_accum=2, stream_kwargs={"kernels": "fast"})
+    with pytest.raises(AssertionError):
+        assert_identical(low, got)
+    model = _bf16()
+    wide, fast, peft = (ns.plan(model, "fit", device="cpu", batch_size=2, seq_len=64, **kw)
+                        for kw in ({"lora_dtype": "float32"}, {}, {"kernels": "peft"}))  # fmt: skip
+    assert wide.work_bytes == peft.work_bytes > fast.work_bytes
 
 
 @pytest.mark.gpu

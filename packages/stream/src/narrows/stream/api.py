@@ -261,7 +261,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     layer_graphs = executor if isinstance(executor, LayerGraphs) else None
     kernels_said = "PEFT's modules (kernels='peft')"
     if cfg.kernels == "fast":  # whole layers too: the bits of fuse_layers on a resident model
-        fused = fuse_layers(model, recompute=False)
+        fused = fuse_layers(model, recompute=False, lora_dtype=torch.float32 if cfg.lora_dtype else None)
         kernels_said = str(fused)
         (log.warning if fused.refused else log.info)("narrows.stream: %s", kernels_said)
     streamed_head = None

@@ -269,7 +269,11 @@ def _parts(layer: nn.Module) -> LayerParts | str:
         linears[n].dropout > 0 for n in ("gate", "up", "down") if linears[n].a is not None
     ):
         return "its MLP runs in sequence tiles with LoRA dropout (the fast layer's tiles redraw no masks)"
-    g = LinearGroup
+    lora_dtype = getattr(layer, "_narrows_lora_dtype", None)  # fuse_layers' option
+
+    def g(group: list[Linear]) -> LinearGroup:
+        return LinearGroup(group, lora_dtype)
+
     return LayerParts(
         norms[0], norms[1], norms[2], norms[3],
         g([linears["q"], linears["k"], linears["v"]]), g([linears["o"]]),

@@ -90,12 +90,14 @@ class FuseReport:
 
     fused: list[int] = field(default_factory=list)
     refused: dict[int, str] = field(default_factory=dict)
+    lora_dtype: torch.dtype | None = None  # the adapters' arithmetic (None: the activations' dtype)
 
     def __str__(self) -> str:
+        lora = " (LoRA in float32)" if self.lora_dtype is not None else ""
         if not self.refused:
-            return f"fast layers: all {len(self.fused)} decoder layers"
+            return f"fast layers: all {len(self.fused)} decoder layers{lora}"
         reasons = sorted(set(self.refused.values()))
-        return (f"fast layers: {len(self.fused)} of {len(self.fused) + len(self.refused)} decoder layers; "
+        return (f"fast layers: {len(self.fused)} of {len(self.fused) + len(self.refused)} decoder layers{lora}; "
                 f"the others run as before: {'; '.join(reasons)}")  # fmt: skip
 
 
@@ -161,14 +163,23 @@ def is_fused(layer: nn.Module) -> bool:
     return isinstance(layer.__dict__.get("forward"), _FastForward)
 
 
-def fuse_layers(model: nn.Module, *, recompute: bool | None = None) -> FuseReport:
+def fuse_layers(model: nn.Module, *, recompute: bool | None = None,
+                lora_dtype: torch.dtype | None = None) -> FuseReport:  # fmt: skip
     """Run `model`'s covered decoder layers as fast layers (see the module doc). With
     `recompute` None, a layer recomputes in backward where the model's gradient
-    checkpointing was on when this ran. Patches instances; `unfuse_layers` undoes it."""
+    checkpointing was on when this ran. `lora_dtype`: the adapters' arithmetic — None, the
+    activations' dtype (bf16 on tensor cores); ``torch.float32``, PEFT's float32 arithmetic
+    for them (slower; `lora.py` says how it rounds). Patches instances; `unfuse_layers`
+    undoes it."""
+    if lora_dtype not in (None, torch.float32):
+        raise ValueError(f"fuse_layers: lora_dtype={lora_dtype!r}: give None (the activations' dtype) or "
+                         "torch.float32")  # fmt: skip
     report = coverage(model)
+    report.lora_dtype = lora_dtype
     layers = anatomy_of(model).layers
     for i in list(report.fused):
         layer = layers[i]
+        layer._narrows_lora_dtype = lora_dtype
         if "forward" in layer.__dict__ and not is_fused(layer):
             report.fused.remove(i)
             report.refused[i] = "its forward was replaced by someone else"
@@ -191,5 +202,6 @@ def unfuse_layers(model: nn.Module) -> int:
             if hasattr(layer, "gradient_checkpointing"):  # as at fuse time, or as turned on since
                 layer.gradient_checkpointing = layer._narrows_checkpointing or layer.gradient_checkpointing
             del layer._narrows_checkpointing
+            layer.__dict__.pop("_narrows_lora_dtype", None)
             count += 1
     return count

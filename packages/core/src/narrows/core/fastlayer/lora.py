@@ -16,6 +16,11 @@ already (`narrows.core.HeldWeights` keeps a layer's in order), and otherwise eac
 dequantised straight into its rows of one buffer. A group of plain weights keeps one
 matmul per linear: stacking the model's own tensors would copy them at every call.
 
+With ``lora_dtype=torch.float32`` (`fuse_layers`'s option) the adapters compute as PEFT's
+do on a bf16 model with float32 adapters: their input cast to float32 once per group, their
+matmuls in float32 (on tensor cores where ``torch.set_float32_matmul_precision`` allows
+TF32), the adapter's output added to the base's in float32 and the sum rounded once.
+
 Dropout draws one mask per adapter, in the group's order, from the device's generator:
 the caller replays the generator to redraw them (`masks`), so nothing of them is saved.
 """
@@ -107,8 +112,9 @@ class GroupState:
 class LinearGroup:
     """Linears that read one input (Q/K/V; gate/up; o; down)."""
 
-    def __init__(self, linears: Sequence[Linear]):
+    def __init__(self, linears: Sequence[Linear], lora_dtype: torch.dtype | None = None):
         self.linears = list(linears)
+        self.lora_dtype = lora_dtype  # the adapters' arithmetic: None, the activations' dtype
         self.adapted = [p for p in self.linears if p.a is not None]
         self.dropout = any(p.dropout > 0 for p in self.adapted)
         self.stacked = len(self.linears) > 1 and all(p.weight.stacks for p in self.linears)
@@ -178,8 +184,8 @@ class LinearGroup:
         round them. (Adding the adapter onto a sum that holds the residual would round at
         the residual's size twice.) Without an adapter or bias, the add is the matmul's
         epilogue."""
-        low = self._low(n.dtype)
-        h = self._h(n, masks, low)
+        low = self._low(self.lora_dtype or n.dtype)
+        h = self._h(self._wide(n), masks, low)
         if self.stacked:
             assert not skip and residual is None, "a stacked group is never skipped nor given a residual"
             w = self.stacked_weight(n, cache)
@@ -194,7 +200,7 @@ class LinearGroup:
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
             for out, p, hp, b in zip(outs, self.linears, h, low.b):
                 if hp is not None:
-                    out.addmm_(hp, b.t(), alpha=p.scaling)
+                    _add_adapter(out, hp, b, p.scaling)
             return outs, GroupState(n, h, masks, low)
         outs = []
         for p, hp, b in zip(self.linears, h, low.b):
@@ -207,7 +213,7 @@ class LinearGroup:
                 continue
             out = n.mm(w.t()) if p.bias is None else torch.addmm(p.bias.to(n.dtype), n, w.t())
             if hp is not None:
-                out.addmm_(hp, b.t(), alpha=p.scaling)
+                _add_adapter(out, hp, b, p.scaling)
             outs.append(out if residual is None else out.add_(residual))
         return outs, GroupState(n, h, masks, low)
 
@@ -227,22 +233,41 @@ class LinearGroup:
                 g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
         param_grads: list[Tensor] = []
         gh_all: list[Tensor] = []
-        low = state.low if state.low is not None else self._low(n.dtype)
+        low = state.low if state.low is not None else self._low(self.lora_dtype or n.dtype)
+        n_lora = self._wide(n)
         for p, g, hp, m, a, b in zip(self.linears, grads, state.h, state.masks, low.a, low.b):
             if p.a is None:
                 continue
+            g = g if g.dtype == b.dtype else g.to(b.dtype)
             gh = g.mm(b).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
             g_b = mm_f32(g.t(), hp).mul_(p.scaling)
-            g_a = mm_f32(gh.t(), n if m is None else n * m)
+            g_a = mm_f32(gh.t(), n_lora if m is None else n_lora * m)
             param_grads += [g_a, g_b]
             if not self.dropout:  # every adapter's branch joins in one matmul below
                 gh_all.append(gh)
                 continue
             branch = gh.mm(a)
-            g_n.add_(branch if m is None else branch.mul_(m))
+            g_n.add_(branch if m is None else branch.mul_(m))  # (float32 LoRA: rounded as it is added)
         if gh_all:
-            g_n.addmm_(torch.cat(gh_all, dim=1), low.a_all)
+            if low.a_all.dtype == g_n.dtype:
+                g_n.addmm_(torch.cat(gh_all, dim=1), low.a_all)
+            else:
+                g_n.add_(torch.cat(gh_all, dim=1).mm(low.a_all))
         return g_n, param_grads
+
+    def _wide(self, n: Tensor) -> Tensor:
+        """The input the adapters read: `n`, or `n` in `lora_dtype` (float32 LoRA)."""
+        return n if self.lora_dtype is None or self.lora_dtype == n.dtype else n.to(self.lora_dtype)
+
+
+def _add_adapter(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> None:
+    """``out += scaling · h @ bᵀ``: in the matmul's float32 epilogue where `h` has `out`'s
+    dtype; float32 LoRA adds its float32 product to `out` in float32 and rounds the sum once,
+    as PEFT does."""
+    if h.dtype == out.dtype:
+        out.addmm_(h, b.t(), alpha=scaling)
+    else:
+        out.add_(h.mm(b.t()), alpha=scaling)
 
 
 def side_by_side(ts: Sequence[Tensor | None], dim: int) -> Tensor | None:

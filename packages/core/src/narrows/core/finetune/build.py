@@ -175,7 +175,9 @@ def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dty
             narrows.stream.tile_sequence(model, tile)
         # after the tiles: the fast layer runs them (not with LoRA dropout: it says so)
         if cfg.kernels == "fast":
-            kernels = str(fuse_layers(model))
+            kernels = str(
+                fuse_layers(model, lora_dtype=torch.float32 if cfg.lora_dtype == "float32" else None)
+            )
     else:
         import narrows.stream
 
@@ -207,6 +209,7 @@ def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1
         host_state=host_state,
         world_size=world_size,
         kernels=cfg.kernels,
+        lora_dtype="float32" if cfg.lora_dtype == "float32" else None,
     )
 
 

@@ -110,6 +110,10 @@ def add_parser(sub) -> None:
       help="the decoder layers' kernels: fast (default: narrows' fast layers — one autograd node a layer, LoRA in "
       "bf16 on tensor cores with float32 masters and gradients — where they cover the model; the run says which "
       "layers and why not the others) or peft (PEFT's modules: PEFT's bits)")  # fmt: skip
+    a("--lora-dtype", choices=("auto", "float32"),
+      help="the fast layers' adapter arithmetic: auto (default: the activations' dtype, bf16 on tensor cores, with "
+      "float32 masters and gradients) or float32 (PEFT's: the adapters' matmuls and their sum with the base in "
+      "float32; slower, and the plan sizes PEFT's activations)")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")
@@ -147,8 +151,8 @@ def add_parser(sub) -> None:
 ADVANCED = (
     "--data-split", "--eval-split", "--columns", "--alpha", "--dropout", "--targets", "--host-budget", "--cache",
     "--lmhead", "--seq-tile", "--step-mode", "--offload-optimizer", "--offload-adapters", "--cuda-graphs",
-    "--kernels", "--warmup", "--seed", "--save-every", "--eval-rows", "--eval-every", "--exact-match", "--dtype",
-    "--no-progress",
+    "--kernels", "--lora-dtype", "--warmup", "--seed", "--save-every", "--eval-rows", "--eval-every",
+    "--exact-match", "--dtype", "--no-progress",
 )  # fmt: skip
 
 

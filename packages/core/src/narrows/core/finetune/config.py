@@ -79,6 +79,8 @@ class FinetuneConfig:
     cuda_graphs: bool | None = None
     # the decoder layers' kernels: "fast" (narrows' fast layers where they cover the layer) or "peft"
     kernels: str = "fast"
+    # the fast layers' adapter arithmetic: "auto" (the activations' dtype) or "float32" (PEFT's)
+    lora_dtype: str = "auto"
     offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
     offload_adapters: bool = False  # and the adapters too (implies offload_optimizer)
     lr: float = 5e-4
@@ -166,6 +168,12 @@ class FinetuneConfig:
         if self.kernels not in ("fast", "peft"):
             raise NarrowsError(f"--kernels must be fast (narrows' fast decoder layers where they cover the model) "
                                f"or peft (PEFT's modules, PEFT's bits), got {self.kernels!r}")  # fmt: skip
+        if self.lora_dtype not in ("auto", "float32"):
+            raise NarrowsError(f"--lora-dtype must be auto (the fast layers' adapters compute in the activations' "
+                               f"dtype) or float32 (PEFT's arithmetic for them), got {self.lora_dtype!r}")  # fmt: skip
+        if self.lora_dtype == "float32" and self.kernels != "fast":
+            raise NarrowsError("--lora-dtype float32 is the fast layers' option; with --kernels peft PEFT computes "
+                               "the adapters in their own dtype already: leave --lora-dtype out")  # fmt: skip
         if self.adapter == "dora":
             require("narrows.dora", "--adapter dora")
         if self.quant == "nf4":

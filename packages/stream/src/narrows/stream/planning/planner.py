@@ -49,8 +49,9 @@ __all__ = ["plan", "runs_fast"]
 
 def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     """Whether every decoder layer will run as a fast layer, whose activations the plan
-    then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's)."""
-    return cfg.kernels == "fast" and not coverage(model).refused
+    then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's; so does float32
+    LoRA, whose float32 temporaries the fast layer's fit does not hold)."""
+    return cfg.kernels == "fast" and cfg.lora_dtype is None and not coverage(model).refused
 
 
 def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
