@@ -265,6 +265,33 @@ def test_uncovered_layers_and_adapters_are_refused_with_their_reason():
     assert fuse_layers(hooked).refused == {1: "its attention or its MLP has hooks or a replaced forward"}
 
 
+@pytest.mark.parametrize("where", ["call", "config", "module"])
+def test_bidirectional_attention_runs_the_layers_own_forward(where):
+    """``is_causal=False`` (transformers' bidirectional attention: a call's keyword, the
+    config's, or a layer's attention module's), with no padding mask to follow: the fast
+    layer, causal, would compute something else; the layer's own forward runs instead."""
+    model = _model("llama")
+    extra = {"is_causal": False} if where == "call" else {}
+    if where == "config":
+        model.config.is_causal = False
+    if where == "module":
+        for layer in model.base_model.model.model.layers:
+            layer.self_attn.is_causal = False
+
+    def steps():
+        for p in model.parameters():
+            p.grad = None
+        loss = model(**tiny_batch(pad_last=0), **extra).loss
+        loss.backward()
+        return [loss.detach(), *(p.grad.clone() for p in model.parameters() if p.requires_grad)]
+
+    peft = steps()
+    report = fuse_layers(model)
+    if where != "call":
+        assert all("bidirectional" in r for r in report.refused.values()) and not report.fused
+    assert _close(peft, steps(), rtol=1e-5, atol=1e-7)
+
+
 def test_a_kv_cache_is_filled_and_decoding_runs_the_layers_own_forward():
     model = _model("qwen2").eval()
     ids = tiny_batch(batch=1, pad_last=0)["input_ids"]

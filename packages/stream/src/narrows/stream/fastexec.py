@@ -5,7 +5,7 @@ written-out backward — instead of the layer's modules under autograd.
 
 Its bits are resident `fuse_layers`'s: the same functions on the same inputs, the RNG
 replayed around the recompute by the streamed layer as for any executor. A layer or a
-call it does not cover (hooked side outputs, a KV cache being read) goes to the executor
+call it does not cover (hooked side outputs, a KV cache being read, ``is_causal=False``) goes to the executor
 it wraps (eager: the layer's forward, which `stream` made the fast layer's where it covers
 it). Under CUDA graphs this executor is not used: the graphs replay that same forward.
 While a layer's 4-bit weights are held (the plan's `held_weights`) the recompute and the
@@ -33,6 +33,8 @@ def _inputs(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor | None] |
     not run it."""
     given = dict(zip(_NAMES, args)) | kwargs
     if given.get("past_key_values") is not None or given.get("position_embeddings") is None:
+        return None
+    if given.get("is_causal") is False:  # bidirectional attention asked for: the layer's own forward
         return None
     cos, sin = given["position_embeddings"]
     return cos, sin, given.get("attention_mask")

@@ -243,6 +243,8 @@ def _parts(layer: nn.Module) -> LayerParts | str:
         return "pretraining_tp > 1 splits its matmuls"
     if attn.training and getattr(attn, "attention_dropout", 0.0):
         return "attention dropout is on"
+    if getattr(attn, "is_causal", True) is False or getattr(config, "is_causal", True) is False:
+        return "its attention is bidirectional (is_causal=False); the fast layer's is causal"
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return (
             f"attention runs as {getattr(config, '_attn_implementation', None)!r}; the fast layer runs SDPA "

@@ -9,9 +9,9 @@ RNG so dropout draws the same masks; otherwise it keeps what its backward reads.
 the bits are the same.
 
 A layer the fast layer does not cover keeps its own forward (`FuseReport.refused` says
-why: another architecture, eager attention, DoRA, hooks, a weight outside the adapters
-that trains), as does a call it does not cover: a KV cache being read, no position
-embeddings, merged or disabled adapters.
+why: another architecture, eager attention, bidirectional attention, DoRA, hooks, a weight
+outside the adapters that trains), as does a call it does not cover: a KV cache being read,
+no position embeddings, ``is_causal=False``, merged or disabled adapters.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class _FastForward:
                  position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:  # fmt: skip
         layer = self.layer()
         parts, kv = None, _kv_sink(layer, past_key_values)
-        if kv is not False and position_embeddings is not None:
+        # a call asking for bidirectional attention runs the layer's own forward
+        if kv is not False and position_embeddings is not None and kwargs.get("is_causal") is not False:
             parts = parts_or_none(layer)
         if parts is None:
             return type(layer).forward(layer, hidden_states, attention_mask, position_ids, past_key_values,
