@@ -13,9 +13,10 @@ backward through the output's gradient:
   (from the model's own float32 angles) and SDPA's math kernel all float64;
 * ``peft``: the unfused PEFT layer in bf16 with float32 adapters, as PEFT runs it;
 * ``fast``: the same model after `fuse_layers` (LoRA in bf16 on tensor cores from the
-  float32 masters; Liger-Kernel's RMSNorm and SwiGLU on CUDA when installed). On CUDA with
-  Liger in use it runs once more with ``NARROWS_LIGER=0`` (``fast·torch``: the PyTorch
-  references of the element-wise ops).
+  float32 masters; Liger-Kernel's RMSNorm, RoPE and SwiGLU on CUDA when installed). On CUDA
+  with Liger in use it runs once more with ``NARROWS_LIGER=0`` (``fast·torch``: the PyTorch
+  references of the element-wise ops); and once with ``lora_dtype=torch.float32`` (the
+  adapters in PEFT's float32 arithmetic inside the fast layer).
 
 For the layer output, the input gradient and each adapter's A and B gradients it reports
 the relative error ``‖x − ref‖ / ‖ref‖`` (Frobenius, in float64) of ``peft`` and ``fast``
@@ -399,6 +400,8 @@ def main() -> None:
     if library:
         with torch_ops_only():
             got["fast_torch"] = layer_pass(model, x, g, pos)
+    fuse_layers(model, lora_dtype=torch.float32)  # the option: the adapters in PEFT's float32 arithmetic
+    got["fast_f32"] = layer_pass(model, x, g, pos)
 
     keys = ["output", "d_input"] + [f"{p}.{m}" for p in PROJECTIONS for m in "AB"]
     layer_table = []
@@ -409,6 +412,7 @@ def main() -> None:
             "fast": rel(got["fast"][k], got["ref"][k]),
         }
         row["ratio"] = row["fast"] / row["peft_bf16"]
+        row["fast_float32_lora"] = rel(got["fast_f32"][k], got["ref"][k])
         if library:
             row["fast_torch_ops"] = rel(got["fast_torch"][k], got["ref"][k])
         layer_table.append(row)
@@ -421,12 +425,12 @@ def main() -> None:
              f"seven projections, on {device}; ops: {used}")  # fmt: skip
     print(f"\n{title}\n\nlayer: relative error vs float64 (‖x − ref‖/‖ref‖)\n")
     extra = " fast·torch ops |" if library else ""
-    print(
-        f"| quantity | PEFT bf16 | fast |{extra} fast / PEFT |\n|---|---:|---:|{'---:|' if library else ''}---:|"
-    )
+    print(f"| quantity | PEFT bf16 | fast |{extra} fast / PEFT | fast, float32 LoRA |\n"
+          f"|---|---:|---:|{'---:|' if library else ''}---:|---:|")  # fmt: skip
     for r in layer_table:
         ft = f" {r['fast_torch_ops']:.3e} |" if library else ""
-        print(f"| {r['quantity']} | {r['peft_bf16']:.3e} | {r['fast']:.3e} |{ft} {r['ratio']:.2f} |")
+        print(f"| {r['quantity']} | {r['peft_bf16']:.3e} | {r['fast']:.3e} |{ft} {r['ratio']:.2f} | "
+              f"{r['fast_float32_lora']:.3e} |")  # fmt: skip
     verdict = "within" if worst["ratio"] <= 1.5 else "MISSES"
     print(f"\nworst ratio {worst['ratio']:.2f} ({worst['quantity']}): {verdict} the 1.5x aim")
 

@@ -20,6 +20,7 @@ plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-
 False, neither: the library's "auto"; step modes plan with grad_accum and step_mode=True);
 "-fast" on a stream mode: kernels="fast" (the same fast layers, streamed); on a resident mode: narrows.core.fuse_layers (each decoder layer one autograd node with a
 written-out backward, LoRA in bf16 on tensor cores; with -ckpt it recomputes itself, selectively);
+"-f32lora" with "-fast": the fast layers' adapters in PEFT's float32 arithmetic (lora_dtype);
 "-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
 cast of an input shared by Q/K/V or gate/up made and saved once);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
@@ -164,7 +165,8 @@ def run_one(args: argparse.Namespace) -> dict:
                   recompute="all" if "recompute" in parts or step else "auto",
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
                   host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none",
-                  kernels="fast" if "fast" in parts else "peft", deterministic=twin)  # fmt: skip
+                  kernels="fast" if "fast" in parts else "peft", deterministic=twin,
+                  lora_dtype="float32" if "f32lora" in parts else None)  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     elif mode.startswith(("fsdp", "deepspeed")):
@@ -188,7 +190,9 @@ def run_one(args: argparse.Namespace) -> dict:
         if "fast" in parts:  # after checkpointing: a fused layer recomputes itself where it was on
             from narrows.core import fuse_layers
 
-            print(fuse_layers(model), file=sys.stderr)
+            print(
+                fuse_layers(model, lora_dtype=torch.float32 if "f32lora" in parts else None), file=sys.stderr
+            )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     gen = torch.Generator().manual_seed(0)
