@@ -10,6 +10,7 @@ timeout 240 python3 -m pytest packages/core/tests/test_fastlayer.py packages/str
 timeout 120 python3 benchmarks/fast_memory.py --cases qwen2.5-7b:4096:512 --out $OUT/fast_layer_time_7b.json 2>&1 | tail -2
 timeout 120 python3 benchmarks/fast_memory.py --no-timing --cases qwen2.5-7b:32768:32768:2048 \
   --out $OUT/fast_memory_tiled_7b.json 2>&1 | tail -2
+timeout 150 python3 benchmarks/fast_accuracy.py --out $OUT/fast_accuracy_7b.json 2>&1 | sed -n 5,25p
 timeout ${T:-420} python3 benchmarks/peers.py --shape 7b-8x512 --timeout 200 --twin 3 \
-  --modes ${MODES:-unsloth,stream-8GiB-lmhead-fast,stream-6GiB-lmhead-fast,stream-min-lmhead-fast} \
+  --modes ${MODES:-unsloth,stream-8GiB-lmhead-fast,stream-6GiB-lmhead-fast,stream-min-lmhead-fast,stream-8GiB-lmhead-fast-f32lora} \
   --out $OUT/peers_7b_8x512.json 2>&1 | tail -9
