@@ -16,9 +16,12 @@ rounding to the activation dtype per output.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,37 +41,43 @@ __all__ = [
 ]
 
 
-@functools.cache
-def _liger():
-    """Liger-Kernel's SwiGLU module, or None where it is not installed (or has moved it)."""
+def _library(module: str, accepts: Callable[[Any], bool]) -> Any:
+    """``liger_kernel.ops.<module>`` where it is installed, takes what we pass (`accepts`
+    says, from its signatures) and ``NARROWS_LIGER=0`` does not turn it off; else None."""
     if os.environ.get("NARROWS_LIGER") == "0":
         return None
     try:
-        from liger_kernel.ops import swiglu
+        found = importlib.import_module(f"liger_kernel.ops.{module}")
     except Exception:  # not installed, or no Triton
         return None
-    if not hasattr(swiglu, "swiglu_forward") or not hasattr(swiglu, "swiglu_backward"):
+    try:
+        return found if accepts(found) else None
+    except (AttributeError, TypeError, ValueError):  # moved or renamed
         return None
-    return swiglu
+
+
+def _params(fn: Callable[..., Any]) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+@functools.cache
+def _liger():
+    """Liger-Kernel's SwiGLU module."""
+    return _library("swiglu", lambda m: callable(m.swiglu_forward) and callable(m.swiglu_backward))
 
 
 @functools.cache
 def _liger_norm():
-    """Liger-Kernel's RMSNorm module where its forward/backward take what we pass (0.8.5's)."""
-    if os.environ.get("NARROWS_LIGER") == "0":
-        return None
-    try:
-        from liger_kernel.ops import rms_norm
-    except Exception:
-        return None
-    try:
-        fwd = inspect.signature(rms_norm.rms_norm_forward).parameters
-        bwd = inspect.signature(rms_norm.rms_norm_backward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return None
-    if list(fwd) != ["X", "W", "eps", "offset", "casting_mode", "row_mode"] or "needs_dw" not in bwd:
-        return None
-    return rms_norm
+    """Liger-Kernel's RMSNorm module (0.8.5's forward and backward)."""
+    return _library("rms_norm", lambda m: _params(m.rms_norm_forward) == ["X", "W", "eps", "offset", "casting_mode",
+                    "row_mode"] and "needs_dw" in _params(m.rms_norm_backward))  # fmt: skip
+
+
+@functools.cache
+def _liger_rope():
+    """Liger-Kernel's RoPE module (forward and backward taking q, k, cos, sin first)."""
+    return _library("rope", lambda m: _params(m.rope_forward)[:4] == ["q", "k", "cos", "sin"]
+                    and _params(m.rope_backward)[:4] == ["dq", "dk", "cos", "sin"])  # fmt: skip
 
 
 @functools.cache
@@ -85,25 +94,6 @@ def _triton_halves():
 
 def _use_triton(t: Tensor) -> bool:
     return t.is_cuda and t.dtype != torch.float64 and _triton_halves() is not None
-
-
-@functools.cache
-def _liger_rope():
-    """Liger-Kernel's RoPE module where its forward/backward take (q, k, cos, sin, ...)."""
-    if os.environ.get("NARROWS_LIGER") == "0":
-        return None
-    try:
-        from liger_kernel.ops import rope
-    except Exception:
-        return None
-    try:
-        fwd = list(inspect.signature(rope.rope_forward).parameters)[:4]
-        bwd = list(inspect.signature(rope.rope_backward).parameters)[:4]
-    except (AttributeError, TypeError, ValueError):
-        return None
-    if fwd != ["q", "k", "cos", "sin"] or bwd != ["dq", "dk", "cos", "sin"]:
-        return None
-    return rope
 
 
 def _use_liger_rope(t: Tensor, cos: Tensor) -> bool:
