@@ -131,10 +131,12 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     (`benchmarks/fast_memory.py` on the H100 before gate and up were stacked, peak bytes
     per token / predicted with one weight: 264.9 / 284.2 KB at 7B and 4096 tokens, 249.4 /
     255.2 at 32K; 428.0 / 432.0 at 32B; 580.3 / 593.3 at 72B. The second weight adds at
-    most its own size; at 4096 tokens it prices 33 KB a token more at 7B.) A tiled one keeps the hidden-sized part for every token and the
-    intermediate-sized part for one tile's tokens — its MLP is recomputed and differentiated
-    a tile at a time — beside the MLP's three weights, dequantised once for all tiles
-    (priced as two stacked buffers: a weight to spare). (Not yet fitted on the device;
+    most its own size; at 4096 tokens it prices 33 KB a token more at 7B.)
+
+    A tiled one keeps the hidden-sized part for every token and the intermediate-sized part
+    for one tile's tokens — its MLP is recomputed and differentiated a tile at a time —
+    beside the MLP's three weights, dequantised once for all tiles (priced as two stacked
+    buffers: a weight to spare). (Not yet fitted on the device;
     checked against the one measured run: 7B at 32K tokens in 2048-token tiles peaked 5.56
     GiB (`benchmarks/h100/peers_7b_1x32768.json`), about 3.2 GiB of it this working set,
     which this prices at 4.3 GiB: above, never under.)"""
