@@ -390,7 +390,9 @@ def twin_of(mode: str) -> tuple[str | None, str]:
         return None, "a resident row is the twin's own kind"
     if "tile" in parts:
         return None, "a resident twin would need the plan's sequence tiles"
-    return "-".join(["resident", "ckpt", *(k for k in ("fast", "f32lora", "lmhead", "fuse") if k in parts)]), ""
+    return "-".join(
+        ["resident", "ckpt", *(k for k in ("fast", "f32lora", "lmhead", "fuse") if k in parts)]
+    ), ""
 
 
 def equal_twin(args: argparse.Namespace, mode: str, folder: Path) -> dict:
