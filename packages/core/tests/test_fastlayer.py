@@ -8,6 +8,7 @@ it broken."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -197,19 +198,24 @@ def test_float32_lora_gives_the_adapters_float32_precision():
     g = torch.randn(96, lin.weight.shape[0]).to(torch.bfloat16)
     n64, g64, w64 = n.double(), g.double(), lin.weight(n).double()
     a64, b64, s = lin.a.double(), lin.b.double(), lin.scaling
-    want_out = n64 @ w64.t() + s * (n64 @ a64.t()) @ b64.t()
-    want = [s * ((g64 @ b64).t() @ n64), s * (g64.t() @ (n64 @ a64.t()))]  # A's, B's gradients
 
-    def error(lora_dtype):
-        group = LinearGroup([lin], lora_dtype)
-        (out,), state = group.forward(n, [None])
+    def error(lora_dtype, dropout):
+        group = LinearGroup([dataclasses.replace(lin, dropout=dropout)], lora_dtype)
+        torch.manual_seed(1)
+        masks = group.masks(n)
+        keep = 1.0 if masks[0] is None else masks[0].double() / (1 - dropout)  # the exact scale
+        d64 = n64 * keep  # the adapter's input, dropped out
+        want_out = n64 @ w64.t() + s * (d64 @ a64.t()) @ b64.t()
+        want = [s * ((g64 @ b64).t() @ d64), s * (g64.t() @ (d64 @ a64.t()))]  # A's, B's gradients
+        (out,), state = group.forward(n, masks)
         _, grads = group.backward([g], state)
         got = [out, *grads]
         return [((x.double() - y).norm() / y.norm()).item() for x, y in zip(got, [want_out, *want])]
 
-    wide, low = error(torch.float32), error(None)
-    assert wide[0] <= low[0]  # the output: rounded to bf16 either way
-    assert all(w < b / 50 for w, b in zip(wide[1:], low[1:])), (wide, low)
+    for dropout in (0.0, 0.1):  # with dropout too: the mask's 1/keep is not rounded to bf16
+        wide, low = error(torch.float32, dropout), error(None, dropout)
+        assert wide[0] <= low[0]  # the output: rounded to bf16 either way
+        assert all(w < b / 50 for w, b in zip(wide[1:], low[1:])), (dropout, wide, low)
     report = fuse_layers(model, lora_dtype=torch.float32)
     assert "LoRA in float32" in str(report)
     dropped = _model("llama", dtype=torch.bfloat16, dropout=0.1, adapter_dtype=torch.float32)
@@ -219,6 +225,8 @@ def test_float32_lora_gives_the_adapters_float32_precision():
     assert _equal(_steps(dropped, seed=3), kept)
     fuse_layers(dropped, recompute=True)
     assert not _equal(_steps(dropped, seed=3), kept)  # bf16 LoRA: other bits
+    unfuse_layers(dropped)
+    assert not any("_narrows_lora_dtype" in layer.__dict__ for layer in dropped.base_model.model.model.layers)
     with pytest.raises(ValueError, match="lora_dtype"):
         fuse_layers(_model("llama"), lora_dtype=torch.float16)
 

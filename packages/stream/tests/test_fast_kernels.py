@@ -193,7 +193,7 @@ def _bf16(dropout=0.0):
 def test_float32_lora_streams_what_it_trains_resident():
     """``lora_dtype="float32"``: streamed (the smallest footprint, dropout replayed) equals
     resident `fuse_layers(lora_dtype=torch.float32)`, and not the default bf16 LoRA; the plan
-    sizes PEFT's activations for it."""
+    prices its float32 temporaries; with PEFT's kernels it is refused."""
     resident = _bf16(dropout=0.1)
     assert "LoRA in float32" in str(fuse_layers(resident, lora_dtype=torch.float32))
     reference = train(resident, steps=2, grad_accum=2)
@@ -205,9 +205,11 @@ def test_float32_lora_streams_what_it_trains_resident():
     with pytest.raises(AssertionError):
         assert_identical(low, got)
     model = _bf16()
-    wide, fast, peft = (ns.plan(model, "fit", device="cpu", batch_size=2, seq_len=64, **kw)
-                        for kw in ({"lora_dtype": "float32"}, {}, {"kernels": "peft"}))  # fmt: skip
-    assert wide.work_bytes == peft.work_bytes > fast.work_bytes
+    wide, fast = (ns.plan(model, "fit", device="cpu", batch_size=2, seq_len=64, **kw)
+                  for kw in ({"lora_dtype": "float32"}, {}))  # fmt: skip
+    assert wide.work_bytes > fast.work_bytes  # its float32 temporaries
+    with pytest.raises(StreamSetupError, match="the fast layers' option"):
+        ns.stream(_bf16(), device="cpu", kernels="peft", lora_dtype="float32")
 
 
 @pytest.mark.gpu

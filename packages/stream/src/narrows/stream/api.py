@@ -274,7 +274,8 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     held = HeldWeights(anat.layers, dev) if the_plan.held_weights else None
     install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev, held)
 
-    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg))
+    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
+                       lora_float32=cfg.lora_dtype == "float32")  # fmt: skip
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replanned = cfg.replace(gpu_budget=the_plan.budget)
 

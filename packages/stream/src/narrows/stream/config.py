@@ -126,9 +126,9 @@ class StreamConfig:
         "auto"  # CUDA graphs of the layers narrows runs: True, False, "auto" (where predicted faster)
     )
     kernels: str = "fast"  # "fast": narrows.core's fast layers where they cover a layer (twin: fuse_layers); "peft": PEFT's
-    lora_dtype: str | None = (
-        None  # fast layers' adapter arithmetic: None (the activations' dtype) or "float32" (PEFT's)
-    )
+    # the fast layers' adapter arithmetic: None (the activations' dtype) or "float32" (PEFT's); stream fuses
+    # the layers itself with this (a model fused before with another lora_dtype takes this one)
+    lora_dtype: str | None = None
     # accumulation and step mode (`StepTrainer`)
     grad_accum: int = 1  # micro-batches a step: with 2 or more the plan weighs block-major steps
     step_mode: bool | str = "auto"  # block-major accumulation: True, False, "auto" (where predicted faster)
@@ -216,6 +216,9 @@ def _check(c: StreamConfig) -> None:
     if c.lora_dtype not in (None, "float32"):
         raise StreamSetupError(f"lora_dtype={c.lora_dtype!r}: use None (the fast layers' adapters compute in the "
                                "activations' dtype, bf16 on tensor cores) or 'float32' (PEFT's arithmetic for them)")  # fmt: skip
+    if c.lora_dtype is not None and c.kernels != "fast":
+        raise StreamSetupError(f"lora_dtype={c.lora_dtype!r} is the fast layers' option; with kernels='peft' PEFT "
+                               "computes the adapters in their own dtype already: leave lora_dtype None")  # fmt: skip
     if not (isinstance(c.graphs, bool) or c.graphs == "auto"):
         raise StreamSetupError(f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
                                "(default: graphs where the planner predicts them faster)")  # fmt: skip

@@ -180,11 +180,11 @@ def fuse_layers(model: nn.Module, *, recompute: bool | None = None,
     layers = anatomy_of(model).layers
     for i in list(report.fused):
         layer = layers[i]
-        layer._narrows_lora_dtype = lora_dtype
         if "forward" in layer.__dict__ and not is_fused(layer):
             report.fused.remove(i)
             report.refused[i] = "its forward was replaced by someone else"
             continue
+        layer._narrows_lora_dtype = lora_dtype
         if not is_fused(layer):
             # the node recomputes itself: transformers' own checkpoint around it would run it twice
             layer._narrows_checkpointing = bool(getattr(layer, "gradient_checkpointing", False))
@@ -198,11 +198,11 @@ def unfuse_layers(model: nn.Module) -> int:
     """Back to the layers' own forwards (and their checkpointing); returns how many."""
     count = 0
     for layer in anatomy_of(model).layers:
+        layer.__dict__.pop("_narrows_lora_dtype", None)
         if is_fused(layer):
             del layer.forward
             if hasattr(layer, "gradient_checkpointing"):  # as at fuse time, or as turned on since
                 layer.gradient_checkpointing = layer._narrows_checkpointing or layer.gradient_checkpointing
             del layer._narrows_checkpointing
-            layer.__dict__.pop("_narrows_lora_dtype", None)
             count += 1
     return count

@@ -105,7 +105,7 @@ class GroupState:
 
     n: Tensor  # the shared input, (tokens, in)
     h: list[Tensor | None]  # each adapter's (tokens, r) activation
-    masks: list[Tensor | None]  # each adapter's dropout mask, scaled (None without dropout)
+    masks: list[Tensor | None]  # each adapter's dropout mask, 0 or 1 (None without dropout)
     low: _Low | None  # the adapters in the activation dtype, as the forward cast them (None: cast again)
 
 
@@ -142,15 +142,16 @@ class LinearGroup:
         return [t for p in self.adapted for t in (p.a, p.b)]
 
     def masks(self, n: Tensor) -> list[Tensor | None]:
-        """Each adapter's scaled dropout mask, drawn in order from `n`'s device's
-        generator (a replay of the same generator state draws the same masks)."""
+        """Each adapter's dropout mask (0 or 1: the 1/keep scale is applied where it is
+        used, so a dropped-out input is rounded once, not scaled by a rounded 1/keep), drawn
+        in order from `n`'s device's generator (a replay of the same generator state draws
+        the same masks)."""
         out: list[Tensor | None] = []
         for p in self.linears:
             if p.a is None or p.dropout == 0:
                 out.append(None)
                 continue
-            keep = 1.0 - p.dropout
-            out.append(torch.empty_like(n).bernoulli_(keep).div_(keep))
+            out.append(torch.empty_like(n).bernoulli_(1.0 - p.dropout))
         return out
 
     def _low(self, dtype: torch.dtype) -> _Low:
@@ -172,7 +173,9 @@ class LinearGroup:
             h_all = n.mm(low.a_all.t())
             hs = iter(h_all.split([p.a.shape[0] for p in self.adapted], dim=1))
             return [next(hs) if p.a is not None else None for p in self.linears]
-        return [None if a is None else (n if m is None else n * m).mm(a.t()) for a, m in zip(low.a, masks)]
+        return [
+            None if a is None else _dropped(n, m, p).mm(a.t()) for p, a, m in zip(self.linears, low.a, masks)
+        ]
 
     def forward(self, n: Tensor, masks: list[Tensor | None], cache: dict[str, Tensor] | None = None, *,
                 skip: Sequence[str] = (), residual: Tensor | None = None,
@@ -241,13 +244,13 @@ class LinearGroup:
             g = g if g.dtype == b.dtype else g.to(b.dtype)
             gh = g.mm(b).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
             g_b = mm_f32(g.t(), hp).mul_(p.scaling)
-            g_a = mm_f32(gh.t(), n_lora if m is None else n_lora * m)
+            g_a = mm_f32(gh.t(), _dropped(n_lora, m, p))
             param_grads += [g_a, g_b]
             if not self.dropout:  # every adapter's branch joins in one matmul below
                 gh_all.append(gh)
                 continue
             branch = gh.mm(a)
-            g_n.add_(branch if m is None else branch.mul_(m))  # (float32 LoRA: rounded as it is added)
+            g_n.add_(_dropped(branch, m, p))  # (float32 LoRA: rounded as it is added)
         if gh_all:
             if low.a_all.dtype == g_n.dtype:
                 g_n.addmm_(torch.cat(gh_all, dim=1), low.a_all)
@@ -258,6 +261,13 @@ class LinearGroup:
     def _wide(self, n: Tensor) -> Tensor:
         """The input the adapters read: `n`, or `n` in `lora_dtype` (float32 LoRA)."""
         return n if self.lora_dtype is None or self.lora_dtype == n.dtype else n.to(self.lora_dtype)
+
+
+def _dropped(t: Tensor, mask: Tensor | None, p: Linear) -> Tensor:
+    """`t` through `p`'s dropout: ``t · mask / keep``, the product rounded once (`t`'s dtype)."""
+    if mask is None:
+        return t
+    return (t * mask).mul_(1.0 / (1.0 - p.dropout))
 
 
 def _add_adapter(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> None:

@@ -113,7 +113,7 @@ def add_parser(sub) -> None:
     a("--lora-dtype", choices=("auto", "float32"),
       help="the fast layers' adapter arithmetic: auto (default: the activations' dtype, bf16 on tensor cores, with "
       "float32 masters and gradients) or float32 (PEFT's: the adapters' matmuls and their sum with the base in "
-      "float32; slower, and the plan sizes PEFT's activations)")  # fmt: skip
+      "float32; slower, and more memory: the plan counts its float32 temporaries)")  # fmt: skip
     a("--lr", type=float, help="peak learning rate (default 5e-4), cosine decay after warmup")
     a("--warmup", type=int, help="warmup steps (default 5%% of --steps)")
     a("--seed", type=int, help="seed for the adapter init, data order and dropout (default 0)")

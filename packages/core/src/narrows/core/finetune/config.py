@@ -173,7 +173,7 @@ class FinetuneConfig:
                                f"dtype) or float32 (PEFT's arithmetic for them), got {self.lora_dtype!r}")  # fmt: skip
         if self.lora_dtype == "float32" and self.kernels != "fast":
             raise NarrowsError("--lora-dtype float32 is the fast layers' option; with --kernels peft PEFT computes "
-                               "the adapters in their own dtype already: leave --lora-dtype out")  # fmt: skip
+                               "the adapters in their own dtype already: give --lora-dtype auto (or leave it out)")  # fmt: skip
         if self.adapter == "dora":
             require("narrows.dora", "--adapter dora")
         if self.quant == "nf4":

@@ -55,11 +55,13 @@ class Shapes:
     dequant_bytes: int = 0  # the largest 4-bit weight dequantised at once (a fast layer's: gate + up)
     fast: bool = False  # every layer runs narrows.core's fast layer (it keeps and works in less)
     kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
+    lora_float32: bool = False  # the fast layers' adapters in float32 (their temporaries in float32)
 
     @classmethod
-    def of(cls, anat: Anatomy, batch_size: int, seq_len: int, *, fast: bool = False) -> Shapes:
+    def of(cls, anat: Anatomy, batch_size: int, seq_len: int, *, fast: bool = False,
+           lora_float32: bool = False) -> Shapes:  # fmt: skip
         """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens;
-        `fast`: every decoder layer runs as a fast layer."""
+        `fast`: every decoder layer runs as a fast layer; `lora_float32`: with float32 LoRA."""
         cfg = anat.config
         act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -79,6 +81,7 @@ class Shapes:
             dequant_bytes=(2 if fast else 1) * max(map(dequantized_bytes, anat.layers), default=0),
             fast=fast,
             kv_width=kv_heads * head_dim,
+            lora_float32=fast and lora_float32,
         )
 
     @property
@@ -139,12 +142,20 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     buffers: a weight to spare). (Not yet fitted on the device;
     checked against the one measured run: 7B at 32K tokens in 2048-token tiles peaked 5.56
     GiB (`benchmarks/h100/peers_7b_1x32768.json`), about 3.2 GiB of it this working set,
-    which this prices at 4.3 GiB: above, never under.)"""
+    which this prices at 4.3 GiB: above, never under.) Float32 LoRA (`Shapes.lora_float32`)
+    adds its float32 temporaries, counted from the code, not measured."""
     tokens = s.batch * s.seq
     if s.fast:
-        if tile is None or tile >= tokens:
-            return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes
-        return int((tokens * 16 * s.hidden + tile * 3.6 * s.intermediate) * s.act_bytes) + 2 * s.dequant_bytes
+        mlp_tokens = tokens if tile is None else min(tokens, tile)
+        # float32 LoRA's temporaries, counted (not fitted): an adapter's float32 product and its
+        # float32 input, an intermediate-sized pair at the MLP, a hidden-sized pair elsewhere
+        wide = (
+            (tokens * 2 * s.hidden + mlp_tokens * 2 * s.intermediate) * s.act_bytes if s.lora_float32 else 0
+        )
+        if mlp_tokens == tokens:
+            return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes + wide
+        work = (tokens * 16 * s.hidden + tile * 3.6 * s.intermediate) * s.act_bytes + 2 * s.dequant_bytes
+        return int(work) + wide
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
     if s.eager_attention:

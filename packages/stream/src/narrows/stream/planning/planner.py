@@ -49,9 +49,8 @@ __all__ = ["plan", "runs_fast"]
 
 def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     """Whether every decoder layer will run as a fast layer, whose activations the plan
-    then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's; so does float32
-    LoRA, whose float32 temporaries the fast layer's fit does not hold)."""
-    return cfg.kernels == "fast" and cfg.lora_dtype is None and not coverage(model).refused
+    then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's)."""
+    return cfg.kernels == "fast" and not coverage(model).refused
 
 
 def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
@@ -78,7 +77,8 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
     tiers = getattr(anat.model, "narrows_tiers", None)
     layer_bytes = tuple(frozen_layer_bytes(anat))
 
-    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg))
+    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
+                       lora_float32=cfg.lora_dtype == "float32")  # fmt: skip
     budget = budget_bytes(cfg.gpu_budget, dev)  # read once: every candidate plan is judged against the same
 
     def residency(reserve: int, recompute: str, held: bool = False) -> Plan:
