@@ -380,19 +380,18 @@ def family(mode: str) -> str:
     return "narrows, " + ("fast kernels" if "fast" in mode.split("-") else "PEFT's kernels")
 
 
-def twin_of(mode: str) -> tuple[str | None, str]:
+def twin_of(mode: str, tile_tokens: int | None = None) -> tuple[str | None, str]:
     """The resident mode whose training a narrows row's must equal bit for bit (the same
-    kernels: fast layers or PEFT's, the same loss), or None and why no twin is run."""
+    kernels: fast layers or PEFT's, the same loss, the MLP in the tiles the row's plan chose),
+    or None and why no twin is run."""
     parts = mode.split("-")
     if mode in ("unsloth", "peft", "peft-ckpt"):
         return None, "not narrows"
     if parts[0] == "resident":
         return None, "a resident row is the twin's own kind"
-    if "tile" in parts:
-        return None, "a resident twin would need the plan's sequence tiles"
-    return "-".join(
-        ["resident", "ckpt", *(k for k in ("fast", "f32lora", "lmhead", "fuse") if k in parts)]
-    ), ""
+    kinds = [k for k in ("fast", "f32lora", "lmhead", "fuse") if k in parts]
+    tiles = [f"tile{tile_tokens}"] if "tile" in parts and tile_tokens else []
+    return "-".join(["resident", "ckpt", *kinds, *tiles]), ""
 
 
 def equal_twin(args: argparse.Namespace, mode: str, folder: Path) -> dict:
@@ -401,8 +400,10 @@ def equal_twin(args: argparse.Namespace, mode: str, folder: Path) -> dict:
     other, why = twin_of(mode)
     if other is None:
         return {"skipped": why}
-    saved = {}
-    for m in (mode, other):
+    saved, row = {}, {}
+    for m in (mode, None):
+        if m is None:  # the resident twin, with the tiles the streamed run's plan chose
+            m = other = twin_of(mode, row.get("tile_tokens"))[0]
         path = Path(args.work) / f"twin-{m}.pt"
         path.unlink(missing_ok=True)
         row = child(args, m, folder, twin=path)

@@ -24,7 +24,7 @@ written-out backward, LoRA in bf16 on tensor cores; with -ckpt it recomputes its
 "-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
 cast of an input shared by Q/K/V or gate/up made and saved once);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
-checkpointing); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
+checkpointing), either with "-tile<N>" (the MLP over sequence tiles of N tokens); "-offload" on resident-ckpt holds the checkpointed inputs in pinned host
 memory (transformers' own `offload=True`, or torch's `save_on_cpu` around its
 checkpoint where that transformers has no such option); the peers (benchmarks/_peers.py):
 fsdp-offload (answer.ai's FSDP+QLoRA recipe: FSDP1, parameters offloaded to CPU, every
@@ -187,6 +187,9 @@ def run_one(args: argparse.Namespace) -> dict:
             checkpointing(model, offload="offload" in parts)
             model.enable_input_require_grads()
         model.to(device)
+        tile = next((int(x[4:]) for x in parts if x.startswith("tile") and x[4:].isdigit()), None)
+        if tile is not None:  # "-tile<N>": the MLP over sequence tiles of N tokens (peers.py's tiled twins)
+            ns.tile_sequence(model, tile)
         if "fast" in parts:  # after checkpointing: a fused layer recomputes itself where it was on
             from narrows.core import fuse_layers
 
