@@ -473,7 +473,8 @@ def twin_cell(twin: dict | None) -> str:
     if not twin:
         return "–"
     if "equal" in twin:
-        return f"{'equal' if twin['equal'] else 'DIFFERS'} ({twin['steps']} steps)"
+        word = "equal" if twin["equal"] else "DIFFERS" if twin["trained"] else "untrained: no verdict"
+        return f"{word} ({twin['steps']} steps)"
     return twin.get("skipped") or f"error: {twin.get('error', '')[:60]}"
 
 
