@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .lora import side_by_side
+from .stacking import side_by_side
 
 __all__ = [
     "kernels_in_use",
