@@ -208,6 +208,10 @@ def run_one(args: argparse.Namespace) -> dict:
     )
 
     def step() -> float:
+        return float(enqueue())
+
+    def enqueue() -> torch.Tensor | float:
+        """One step's work handed to the device; its loss, not yet read back (no sync)."""
         batches = []
         for _ in range(g):
             ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(device)
@@ -221,14 +225,14 @@ def run_one(args: argparse.Namespace) -> dict:
                 engine.backward(loss)
                 engine.step()
                 total = total + loss.detach() / g
-            return float(total)
+            return total
         for batch in batches:
             loss = model(**batch).loss
             (loss / g).backward()
             total = total + loss.detach() / g  # no device sync per micro-batch
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(total)
+        return total
 
     for _ in range(args.warmup):
         step()
@@ -250,6 +254,13 @@ def run_one(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / args.steps
     peaks = read_peaks(device)
+    host_s = []  # how long the host takes to hand one step over: near s/step, the host is the bottleneck
+    for _ in range(3 if cuda and not twin else 0):  # not in a twin: it saves the adapters after --steps
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = enqueue()
+        host_s.append(time.perf_counter() - t)
+        float(loss)
     if args.trace and cuda:
         print(peak_breakdown(torch.cuda.memory._snapshot()), file=sys.stderr)
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -264,6 +275,7 @@ def run_one(args: argparse.Namespace) -> dict:
         "peak_reserved": peaks.cuda_reserved,
         "host_rss_peak": peaks.host_rss,
         "final_loss": losses[-1],
+        "host_s_per_step": sorted(host_s)[len(host_s) // 2] if host_s else None,
     }
     if plan is not None:
         moved = (moved_h2d() - loads0) / args.steps

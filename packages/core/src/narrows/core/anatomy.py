@@ -207,6 +207,20 @@ def _find_norm(decoder: nn.Module) -> nn.Module | None:
     return norms[-1] if len(norms) == 1 else None
 
 
+def _layer_paths(lm: nn.Module, layers: nn.ModuleList) -> tuple[str, ...]:
+    """Qualified names of `layers` in `lm`. The walk stops at the list, which comes early in
+    the module tree: the head's per-step lookups made a full walk over a 7B PEFT model's
+    modules twice a step."""
+    for name, m in lm.named_modules():
+        if m is layers:
+            names = {id(c): n for n, c in layers.named_children()}
+            if all(id(layer) in names for layer in layers):
+                return tuple(f"{name}.{names[id(layer)]}" if name else names[id(layer)] for layer in layers)
+            break
+    prefix = {id(m): n for n, m in lm.named_modules()}
+    return tuple(prefix[id(layer)] for layer in layers)
+
+
 def anatomy_of(model: nn.Module) -> Anatomy:
     """Find the decoder layers, embedding, final norm and head of a causal LM.
 
@@ -271,8 +285,7 @@ def anatomy_of(model: nn.Module) -> Anatomy:
             "`narrows.core.register_architecture(...)`."
         )
 
-    prefix = {id(m): n for n, m in lm.named_modules()}
-    layer_paths = tuple(prefix[id(layer)] for layer in layers)
+    layer_paths = _layer_paths(lm, layers)
     head_w, embed_w = _base_weight(head), _base_weight(embed)
     tied = head_w is not None and head_w is embed_w
     return Anatomy(

@@ -132,11 +132,14 @@ def snapshot(slots: Sequence[FrozenSlot]) -> list[Tensor]:
     return [s.tensor for s in slots]
 
 
-def assign(slots: Sequence[FrozenSlot], tensors: Sequence[Tensor]) -> None:
-    """Point each slot at the matching tensor (checked before anything is changed)."""
+def assign(slots: Sequence[FrozenSlot], tensors: Sequence[Tensor], *, check: bool = True) -> None:
+    """Point each slot at the matching tensor (checked before anything is changed).
+
+    ``check=False`` skips the per-tensor comparison for callers re-pointing slots at views
+    of a layout made from those very slots (the stream, twice per layer call)."""
     if len(slots) != len(tensors):
         raise SlotMismatchError(f"{len(slots)} slots but {len(tensors)} tensors")
-    for s, t in zip(slots, tensors):  # validate all first: never leave a module half-moved
+    for s, t in zip(slots, tensors) if check else ():  # validate all first: never leave a module half-moved
         cur = s.tensor
         if t.shape != cur.shape or t.dtype != cur.dtype or t.stride() != cur.stride():
             s.set(t)  # raises with the full message

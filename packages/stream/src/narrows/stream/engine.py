@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +55,14 @@ class DeviceSlab:
     last_used: int = 0
     ready: object | None = None  # torch.cuda.Event: copy finished
     free: object | None = None  # torch.cuda.Event: compute finished reading
+    views: dict[int, list[Tensor]] = field(default_factory=dict)  # per layer: its slots' views of `buffer`
+
+    def views_for(self, store: LayerStore) -> list[Tensor]:
+        """`store`'s tensors as views of this slab, made once (the host's cost of a layer call)."""
+        views = self.views.get(store.index)
+        if views is None:
+            views = self.views[store.index] = store.layout.views(self.buffer)
+        return views
 
 
 @dataclass
@@ -225,7 +233,7 @@ class TransferEngine:
         slab.in_use = True
         self._clock += 1
         slab.last_used = self._clock
-        assign(store.slots, store.layout.views(slab.buffer))
+        assign(store.slots, slab.views_for(store), check=False)  # the views of its own layout
 
     @contextmanager
     def using(self, index: int, *, then: int | None = None) -> Iterator[None]:
@@ -264,7 +272,7 @@ class TransferEngine:
         store = self.stores[index]
         if store.resident_views is not None:
             return
-        assign(store.slots, store.host_views)
+        assign(store.slots, store.host_views, check=False)
         slab = self._holding(index)
         if slab is None:
             return
