@@ -234,6 +234,11 @@ def run_one(args: argparse.Namespace) -> dict:
         opt.zero_grad(set_to_none=True)
         return total
 
+    if args.gc != "on":  # does the collector's walk over the model's objects cost the host?
+        import gc
+
+        gc.collect()
+        gc.freeze() if args.gc == "freeze" else gc.disable()
     for _ in range(args.warmup):
         step()
 
@@ -312,10 +317,28 @@ def run_one(args: argparse.Namespace) -> dict:
     save = getattr(args, "save_adapters", None)
     if save:  # the trained adapters, for peers.py's torch.equal against a twin run
         torch.save({n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}, save)
+    if args.host_profile:  # one more step: the host's time by Python function (torch ops as builtins)
+        out["host_profile"] = host_profile(step)
+        print(f"{mode}: host profile\n" + "\n".join(map(str, out["host_profile"])), file=sys.stderr)
     if args.torch_profile and cuda:  # one more step: where its time goes, host and device
         out["torch_profile"] = torch_profile(step)
         print(f"{mode}: torch profile {json.dumps(out['torch_profile'])}", file=sys.stderr)
     return out
+
+
+def host_profile(step, top: int = 40) -> list[list]:
+    """One step under cProfile: [function, calls, own s, cumulative s], by own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [[f"{Path(f).name}:{line}({fn})", calls, round(own, 4), round(cum, 4)]
+            for (f, line, fn), (_, calls, own, cum, _) in ranked]  # fmt: skip
 
 
 def torch_profile(step, top: int = 25) -> dict:
@@ -370,6 +393,14 @@ def main() -> None:
         action="store_true",
         help="after the timed steps, run one more under torch.profiler: wall vs device-busy time, top ops",
     )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="after the timed steps, run one more under cProfile: the host's time by Python function",
+    )
+    ap.add_argument("--gc", choices=("on", "freeze", "off"), default="on",
+                    help="Python's garbage collector in each mode: on, the model's objects frozen "
+                    "(gc.freeze after the build), or off")  # fmt: skip
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     ap.add_argument(
         "--trace",
@@ -391,7 +422,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
                "--grad-accum", str(args.grad_accum), "--batch", str(args.batch), *(["--profile"] if args.profile else []),
-               *(["--trace"] if args.trace else []), *(["--torch-profile"] if args.torch_profile else [])]  # fmt: skip
+               *(["--trace"] if args.trace else []), *(["--torch-profile"] if args.torch_profile else []),
+               *(["--host-profile"] if args.host_profile else []), "--gc", args.gc]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if args.trace:  # the child's breakdown of its peak
             said = proc.stderr.splitlines()
