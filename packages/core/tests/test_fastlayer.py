@@ -183,6 +183,32 @@ def test_nf4_fast_layers_with_stacked_weights_train_what_peft_trains(arch):
     assert _equal(_steps(dropped, seed=3), kept)
 
 
+@pytest.mark.bnb
+def test_stacked_groups_run_their_adapters_as_one_where_they_share_a_scale():
+    """A stacked 4-bit group whose adapters share one scale runs them as one matmul on a
+    block-diagonal B (`blocked`), also where some linears of the group have no adapter
+    (Q and V adapted, K not); a group with two scales (Q's rank differs) keeps one matmul
+    per adapter. Either way: close to PEFT in float32."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = quantize_nf4(_sdpa(tiny_model("llama")))
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
+                     rank_pattern={"gate_proj": 2}, alpha_pattern={"gate_proj": 2}, task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(base, cfg).train()
+    model.config.use_cache = False
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    peft = _steps(model)
+    assert not fuse_layers(model).refused
+    parts = fuse.parts_or_none(model.base_model.model.model.layers[0])
+    assert parts.qkv.blocked and [p.a is not None for p in parts.qkv.linears] == [True, False, True]
+    assert not parts.gate_up.blocked  # gate's scale is 1, up's 2
+    assert _close(peft, _steps(model), rtol=1e-3, atol=1e-5)
+
+
 def test_float32_lora_gives_the_adapters_float32_precision():
     """``lora_dtype=torch.float32``: one group's adapter gradients and output against a
     float64 computation on the same (bf16) input, weight and gradient are far more precise
