@@ -317,8 +317,9 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
         torch_profile=False, deterministic=args.deterministic, save_adapters=args.save_adapters,
     ))  # fmt: skip
     marks = _StepClock.marks
-    if args.warmup and len(marks) == args.warmup + args.steps:  # one optimizer step a training step
-        timed = marks[args.warmup - 1 :]  # the last warm-up step's end starts the first timed step
+    if args.warmup and len(marks) >= args.warmup + args.steps:  # one optimizer step a training step
+        # the last warm-up step's end starts the first timed step (stream_qlora's host-time steps follow)
+        timed = marks[args.warmup - 1 : args.warmup + args.steps]
         row["step_s"] = [b - a for a, b in itertools.pairwise(timed)]
     return {**seen, **row}
 
