@@ -136,14 +136,15 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     255.2 at 32K; 428.0 / 432.0 at 32B; 580.3 / 593.3 at 72B. The second weight adds at
     most its own size; at 4096 tokens it prices 33 KB a token more at 7B.)
 
-    A tiled one keeps the hidden-sized part for every token and the intermediate-sized part
-    for one tile's tokens — its MLP is recomputed and differentiated a tile at a time —
-    beside the MLP's three weights, dequantised once for all tiles (priced as two stacked
-    buffers: a weight to spare). (Not yet fitted on the device;
-    checked against the one measured run: 7B at 32K tokens in 2048-token tiles peaked 5.56
-    GiB (`benchmarks/h100/peers_7b_1x32768.json`), about 3.2 GiB of it this working set,
-    which this prices at 4.3 GiB: above, never under.) Float32 LoRA (`Shapes.lora_float32`)
-    adds its float32 temporaries, counted from the code, not measured."""
+    A tiled one keeps eleven hidden-sized tensors a token for every token (attention's
+    share) and, for one tile's tokens, the MLP's five hidden-sized and 3.6 intermediate-sized
+    — its MLP is recomputed and differentiated a tile at a time — beside the MLP's
+    weights, dequantised once for all tiles (priced as two stacked buffers). Fitted to one
+    device measurement, above it: 7B at 32K tokens in 2048-token tiles peaked at 3.21 GB
+    (`benchmarks/fast_memory.py`, `benchmarks/h100/fast_memory_tiled_7b.json`), priced at
+    3.48 GB (8.5% over; the untiled formula with the tile's MLP priced 4.58 GB). Float32
+    LoRA (`Shapes.lora_float32`) adds its float32 temporaries, counted from the code, not
+    measured."""
     tokens = s.batch * s.seq
     if s.fast:
         mlp_tokens = tokens if tile is None else min(tokens, tile)
@@ -154,7 +155,8 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
         )
         if mlp_tokens == tokens:
             return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes + wide
-        work = (tokens * 16 * s.hidden + tile * 3.6 * s.intermediate) * s.act_bytes + 2 * s.dequant_bytes
+        work = (tokens * 11 * s.hidden + tile * (5 * s.hidden + 3.6 * s.intermediate)) * s.act_bytes
+        work += 2 * s.dequant_bytes
         return int(work) + wide
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
