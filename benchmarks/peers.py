@@ -315,11 +315,11 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
         run_one=args.run_one, model=args.model, seq=args.seq, steps=args.steps, warmup=args.warmup,
         grad_accum=args.grad_accum, batch=args.batch, attn=args.attn, trace=False, profile=False,
         torch_profile=False, deterministic=args.deterministic, save_adapters=args.save_adapters,
+        host_steps=0,  # its optimizer clock synchronises every step: host time would be step time
     ))  # fmt: skip
     marks = _StepClock.marks
-    if args.warmup and len(marks) >= args.warmup + args.steps:  # one optimizer step a training step
-        # the last warm-up step's end starts the first timed step (stream_qlora's host-time steps follow)
-        timed = marks[args.warmup - 1 : args.warmup + args.steps]
+    if args.warmup and len(marks) == args.warmup + args.steps:  # one optimizer step a training step
+        timed = marks[args.warmup - 1 :]  # the last warm-up step's end starts the first timed step
         row["step_s"] = [b - a for a, b in itertools.pairwise(timed)]
     return {**seen, **row}
 

@@ -261,13 +261,6 @@ def run_one(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t) / args.steps
     peaks = read_peaks(device)
-    host_s = []  # how long the host takes to hand one step over: near s/step, the host is the bottleneck
-    for _ in range(3 if cuda and not twin else 0):  # not in a twin: it saves the adapters after --steps
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        loss = enqueue()
-        host_s.append(time.perf_counter() - t)
-        float(loss)
     if args.trace and cuda:
         print(peak_breakdown(torch.cuda.memory._snapshot()), file=sys.stderr)
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -282,7 +275,6 @@ def run_one(args: argparse.Namespace) -> dict:
         "peak_reserved": peaks.cuda_reserved,
         "host_rss_peak": peaks.host_rss,
         "final_loss": losses[-1],
-        "host_s_per_step": sorted(host_s)[len(host_s) // 2] if host_s else None,
     }
     if plan is not None:
         moved = (moved_h2d() - loads0) / args.steps
@@ -316,6 +308,18 @@ def run_one(args: argparse.Namespace) -> dict:
                 step()
             print(f"{mode}: one step profiled\n{prof}", file=sys.stderr)
             out["profile"] = prof.as_dict()
+    # After the step's counters are read: how long the host takes to hand one step over (the
+    # device synchronised before it). It counts any wait for the device inside the step too, so
+    # it bounds the host's share from above. Not in a twin (it saves the adapters after --steps)
+    # nor where peers.py's optimizer clock synchronises every step (host_steps=0).
+    host_s = []
+    for _ in range(getattr(args, "host_steps", 3) if cuda and not twin else 0):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        loss = enqueue()
+        host_s.append(time.perf_counter() - t)
+        float(loss)
+    out["host_s_per_step"] = sorted(host_s)[len(host_s) // 2] if host_s else None
     save = getattr(args, "save_adapters", None)
     if save:  # the trained adapters, for peers.py's torch.equal against a twin run
         torch.save({n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}, save)

@@ -207,6 +207,10 @@ def test_stacked_groups_run_their_adapters_as_one_where_they_share_a_scale():
     assert parts.qkv.blocked and [p.a is not None for p in parts.qkv.linears] == [True, False, True]
     assert not parts.gate_up.blocked  # gate's scale is 1, up's 2
     assert _close(peft, _steps(model), rtol=1e-3, atol=1e-5)
+    with torch.no_grad():  # no tokens (empty tensors have no address to lie side by side at)
+        n0 = torch.zeros(0, parts.qkv.linears[0].weight.shape[1])
+        outs, _ = parts.qkv.forward(n0, parts.qkv.masks(n0))
+    assert [tuple(o.shape) for o in outs] == [(0, w) for w in parts.qkv.widths]
 
 
 def test_float32_lora_gives_the_adapters_float32_precision():

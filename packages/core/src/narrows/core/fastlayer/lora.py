@@ -183,7 +183,7 @@ class LinearGroup:
                 blocks.append(None)
                 continue
             block = rows_p[:, col : col + p.b.shape[1]]
-            blocks.append(block.copy_(p.b))  # rounded as `.to` rounds
+            blocks.append(block.copy_(p.b.detach()))  # rounded as `.to` rounds
             col += p.b.shape[1]
         return _Low(a, blocks, a_all, b_all)
 
@@ -223,7 +223,9 @@ class LinearGroup:
             else:
                 base = n.mm(w.t())
             if low.b_all is not None:  # every adapter in one matmul; h's blocks lie side by side
-                _add_adapter(base, side_by_side([hp for hp in h if hp is not None], dim=1), low.b_all,
+                hs = [hp for hp in h if hp is not None]
+                h_all = side_by_side(hs, dim=1)  # (None for no tokens: empty tensors have no address)
+                _add_adapter(base, torch.cat(hs, dim=1) if h_all is None else h_all, low.b_all,
                              self.adapted[0].scaling)  # fmt: skip
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
             for out, p, hp, b in zip(outs, self.linears, h, low.b) if low.b_all is None else ():
