@@ -3,6 +3,8 @@
 # the host sets the pace (7B 1x512 G=8, 8x512) beside Unsloth in one run. Carry .gpu and .gpu-unsloth.
 source .gpu/env
 export NARROWS_CACHE=/tmp/narrows-cache
+CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 150 python3 -m pytest packages/core/tests/test_fastlayer.py \
+  packages/stream/tests/test_fast_kernels.py packages/core/tests/test_nf4held.py -m gpu -q -p no:cacheprovider -rfE 2>&1 | tail -3
 python3 benchmarks/host_launch.py --out $OUT/host_launch_plain.json | tail -9
 CUBLAS_WORKSPACE_CONFIG=:4096:8 python3 benchmarks/host_launch.py --out $OUT/host_launch_ws.json | tail -9
 python3 benchmarks/host_launch.py --blas cublaslt --out $OUT/host_launch_lt.json | tail -9
