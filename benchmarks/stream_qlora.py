@@ -234,13 +234,12 @@ def run_one(args: argparse.Namespace) -> dict:
         opt.zero_grad(set_to_none=True)
         return total
 
-    if (
-        getattr(args, "gc", "on") != "on"
-    ):  # (peers.py builds its own args)  # does the collector's walk over the model's objects cost the host?
+    collector = getattr(args, "gc", "on")  # (peers.py builds its own args, without it)
+    if collector != "on":  # does the collector's walk over the model's objects cost the host?
         import gc
 
         gc.collect()
-        gc.freeze() if getattr(args, "gc", "on") == "freeze" else gc.disable()
+        gc.freeze() if collector == "freeze" else gc.disable()
     for _ in range(args.warmup):
         step()
 
@@ -323,9 +322,7 @@ def run_one(args: argparse.Namespace) -> dict:
     save = getattr(args, "save_adapters", None)
     if save:  # the trained adapters, for peers.py's torch.equal against a twin run
         torch.save({n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}, save)
-    if getattr(
-        args, "host_profile", False
-    ):  # one more step: the host's time by Python function (torch ops as builtins)
+    if getattr(args, "host_profile", False):  # one more step: the host's time by Python function
         out["host_profile"] = host_profile(step)
         print(f"{mode}: host profile\n" + "\n".join(map(str, out["host_profile"])), file=sys.stderr)
     if args.torch_profile and cuda:  # one more step: where its time goes, host and device

@@ -37,7 +37,7 @@ from .executor import EagerExecutor, LayerExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .offload import ActivationOffload
-from .planning import Plan, Rates, Shapes, plan, runs_fast
+from .planning import Plan, Rates, Shapes, plan, planned_shapes
 from .planning.measure import device_parts, head_rows, host_embedding, resolve_device, streams_head
 from .profile import Profile
 from .selfcheck import self_check
@@ -274,8 +274,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     held = HeldWeights(anat.layers, dev) if the_plan.held_weights else None
     install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev, held)
 
-    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
-                       lora_float32=cfg.lora_dtype == "float32")  # fmt: skip
+    shapes = planned_shapes(model, anat, cfg)
     # the same plan with other rates (a profile's): the budget as this plan resolved it
     replanned = cfg.replace(gpu_budget=the_plan.budget)
 

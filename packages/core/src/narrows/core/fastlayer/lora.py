@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .stacking import side_by_side
+from .stacking import joined, side_by_side
 
 __all__ = ["Linear", "LinearGroup", "WeightSource", "mm_f32"]
 
@@ -224,9 +224,7 @@ class LinearGroup:
             else:
                 base = n.mm(w.t())
             if low.b_all is not None:  # every adapter in one matmul; h's blocks lie side by side
-                hs = [hp for hp in h if hp is not None]
-                h_all = side_by_side(hs, dim=1)  # (None for no tokens: empty tensors have no address)
-                _add_adapter(base, torch.cat(hs, dim=1) if h_all is None else h_all, low.b_all,
+                _add_adapter(base, joined([hp for hp in h if hp is not None], dim=1), low.b_all,
                              self.adapted[0].scaling)  # fmt: skip
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
             for out, p, hp, b in zip(outs, self.linears, h, low.b) if low.b_all is None else ():
@@ -255,9 +253,8 @@ class LinearGroup:
         n = state.n
         g_n: Tensor | None = None
         if self.stacked:  # the gradients are side by side already where written so (SwiGLU's)
-            joined = side_by_side(list(grads), dim=1)
-            joined = torch.cat(list(grads), dim=1) if joined is None else joined
-            g_n = joined.mm(self.stacked_weight(n, cache))
+            g_joined = joined(grads, dim=1)
+            g_n = g_joined.mm(self.stacked_weight(n, cache))
         else:
             for p, g in zip(self.linears, grads):
                 w = p.w(g, cache)
@@ -267,7 +264,7 @@ class LinearGroup:
         low = state.low if state.low is not None else self._low(self.lora_dtype or n.dtype)
         n_lora = self._wide(n)
         if low.b_all is not None:
-            return g_n, self._blocked_backward(joined, state, low, n_lora, g_n)
+            return g_n, self._blocked_backward(g_joined, state, low, n_lora, g_n)
         for p, g, hp, m, a, b in zip(self.linears, grads, state.h, state.masks, low.a, low.b):
             if p.a is None:
                 continue
@@ -289,19 +286,17 @@ class LinearGroup:
         return g_n, param_grads
 
     def _blocked_backward(
-        self, joined: Tensor, state: GroupState, low: _Low, n: Tensor, g_n: Tensor
+        self, g_joined: Tensor, state: GroupState, low: _Low, n: Tensor, g_n: Tensor
     ) -> list[Tensor]:
         """`backward` of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all`` (every
         adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``, B's as
         one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied out: a
         gradient keeps its parameter's layout), and the input's ``gh @ A_all`` added."""
         scaling = self.adapted[0].scaling
-        g = joined if joined.dtype == low.b_all.dtype else joined.to(low.b_all.dtype)
+        g = g_joined if g_joined.dtype == low.b_all.dtype else g_joined.to(low.b_all.dtype)
         gh = g.mm(low.b_all).mul_(scaling)
         g_a = mm_f32(gh.t(), n).split([p.a.shape[0] for p in self.adapted])
-        hs = [hp for hp in state.h if hp is not None]
-        h_all = side_by_side(hs, dim=1)
-        g_b_all = mm_f32(g.t(), torch.cat(hs, dim=1) if h_all is None else h_all).mul_(scaling)
+        g_b_all = mm_f32(g.t(), joined([hp for hp in state.h if hp is not None], dim=1)).mul_(scaling)
         out: list[Tensor] = []
         i = col = 0
         for p, rows in zip(self.linears, g_b_all.split(self.widths)):

@@ -7,9 +7,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
-__all__ = ["side_by_side"]
+__all__ = ["joined", "side_by_side"]
+
+
+def joined(ts: Sequence[Tensor], dim: int) -> Tensor:
+    """`ts` joined along `dim`: `side_by_side`'s view where they lie so, else a copy (``cat``;
+    also for no rows, where empty tensors have no address to lie side by side at)."""
+    view = side_by_side(ts, dim)
+    return torch.cat(list(ts), dim=dim) if view is None else view
 
 
 def side_by_side(ts: Sequence[Tensor | None], dim: int) -> Tensor | None:

@@ -25,7 +25,7 @@ from .memory import (
     work_bytes,
 )
 from .placement import spread
-from .planner import plan, runs_fast
+from .planner import plan, planned_shapes, runs_fast
 from .record import HOST_STATE_NOTES, Plan
 from .residency import DEFAULT_TILE, MIN_TILE, make_plan, tile_choices
 from .steptime import Rates, dequant_seconds, layer_seconds, step_seconds
@@ -49,6 +49,7 @@ __all__ = [
     "layer_work_bytes",
     "make_plan",
     "plan",
+    "planned_shapes",
     "runs_fast",
     "spread",
     "step_mode_reserve",

@@ -146,8 +146,8 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     LoRA (`Shapes.lora_float32`) adds its float32 temporaries, counted from the code, not
     measured."""
     tokens = s.batch * s.seq
+    mlp_tokens = tokens if tile is None else min(tokens, tile)
     if s.fast:
-        mlp_tokens = tokens if tile is None else min(tokens, tile)
         # float32 LoRA's temporaries, counted (not fitted): an adapter's float32 product and its
         # float32 input, an intermediate-sized pair at the MLP, a hidden-sized pair elsewhere
         wide = (
@@ -158,7 +158,6 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
         work = (tokens * 11 * s.hidden + tile * (5 * s.hidden + 3.6 * s.intermediate)) * s.act_bytes
         work += 2 * s.dequant_bytes
         return int(work) + wide
-    mlp_tokens = tokens if tile is None else min(tokens, tile)
     layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
     if s.eager_attention:
         layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from narrows.core import anatomy_of, ensure_architecture, format_bytes
+from narrows.core import Anatomy, anatomy_of, ensure_architecture, format_bytes
 from narrows.core.fastlayer import coverage
 
 from ..config import StreamConfig, tile_option
@@ -44,13 +44,20 @@ from .record import Plan
 from .residency import make_plan
 from .steptime import Rates, step_seconds
 
-__all__ = ["plan", "runs_fast"]
+__all__ = ["plan", "planned_shapes", "runs_fast"]
 
 
 def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     """Whether every decoder layer will run as a fast layer, whose activations the plan
     then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's)."""
     return cfg.kernels == "fast" and not coverage(model).refused
+
+
+def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes:
+    """The shapes a plan sizes: the model's, the batch's, and which layers' arithmetic
+    (fast layers, with float32 LoRA or not)."""
+    return Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
+                     lora_float32=cfg.lora_dtype == "float32")  # fmt: skip
 
 
 def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
@@ -77,8 +84,7 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
     tiers = getattr(anat.model, "narrows_tiers", None)
     layer_bytes = tuple(frozen_layer_bytes(anat))
 
-    shapes = Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
-                       lora_float32=cfg.lora_dtype == "float32")  # fmt: skip
+    shapes = planned_shapes(model, anat, cfg)
     budget = budget_bytes(cfg.gpu_budget, dev)  # read once: every candidate plan is judged against the same
 
     def residency(reserve: int, recompute: str, held: bool = False) -> Plan:
