@@ -60,16 +60,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=200, help="calls per case (few enough not to fill the queue)")
     ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default")
+    ap.add_argument("--workspace-bytes", type=int, default=None,
+                    help="set cuBLAS's workspace through torch.backends.cuda.cublas_workspace_size "
+                         "(which takes precedence over CUBLAS_WORKSPACE_CONFIG) before the first matmul")  # fmt: skip
     ap.add_argument("--out", default="benchmarks/results/host_launch.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_launch.py times CUDA calls: run it on a GPU machine")
     if args.blas != "default":
         torch.backends.cuda.preferred_blas_library(args.blas)
+    if args.workspace_bytes is not None:
+        torch.backends.cuda.cublas_workspace_size(args.workspace_bytes)
     dev = torch.device("cuda")
     rows = [{"call": name, "host_us": host_us(fn, args.reps)} for name, fn in cases(dev).items()]
     run = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blas": args.blas,
-           "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"), "reps": args.reps,
+           "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+           "workspace_bytes": args.workspace_bytes, "reps": args.reps,
            "rows": rows}  # fmt: skip
     print(f"{run['device']}, torch {run['torch']}, blas {args.blas}, "
           f"CUBLAS_WORKSPACE_CONFIG={run['CUBLAS_WORKSPACE_CONFIG']}\n")  # fmt: skip

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -363,7 +364,8 @@ def run_one(args: argparse.Namespace) -> dict:
         row = run_peft(args, folder, device)
     else:
         row = run_narrows(args, folder, device)
-    row.update(mode=mode, wall_s=time.perf_counter() - t, versions=versions())
+    row.update(mode=mode, wall_s=time.perf_counter() - t, versions=versions(),
+               cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # costs host time a matmul
     steps = row.get("step_s")
     if steps:
         row["median_s_per_step"] = statistics.median(steps)
