@@ -16,4 +16,20 @@ b)
   timeout 560 python3 benchmarks/peers.py --shape 7b-8x512 --timeout 200 --twin 2 \
     --modes unsloth,stream-8GiB-lmhead-fast,stream-min-lmhead-fast,peft-ckpt \
     --out $OUT/peers_7b_8x512.json 2>&1 | tail -9 ;;
+c)
+  timeout 580 python3 benchmarks/peers.py --shape 7b-8x512 --timeout 200 --twin 2 \
+    --modes unsloth,stream-8GiB-lmhead-fast-graphs,stream-8GiB-lmhead-fast-auto,stream-min-lmhead-fast-graphs \
+    --out $OUT/peers_7b_8x512_graphs.json 2>&1 | tail -9 ;;
+d)
+  timeout 580 python3 benchmarks/peers.py --shape 32b-8x512 --timeout 200 --twin 0 \
+    --modes unsloth,stream-12GiB-lmhead-fast,stream-12GiB-lmhead-fast-auto,stream-min-lmhead-fast-auto \
+    --out $OUT/peers_32b_8x512.json 2>&1 | tail -9 ;;
+e)
+  timeout 580 python3 benchmarks/peers.py --shape 7b-1x32768 --timeout 240 --twin 0 \
+    --modes unsloth,stream-8GiB-lmhead-fast-tile,stream-min-lmhead-fast-tile \
+    --out $OUT/peers_7b_1x32768.json 2>&1 | tail -9 ;;
+f)
+  timeout 580 python3 benchmarks/peers.py --shape 72b-8x512 --timeout 260 --twin 0 \
+    --modes stream-16GiB-lmhead-fast-auto,stream-min-lmhead-fast-auto \
+    --out $OUT/peers_72b_8x512.json 2>&1 | tail -9 ;;
 esac
