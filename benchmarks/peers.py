@@ -99,6 +99,11 @@ def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: 
     embedding and head in bf16, `quantization_config` in config.json, and a byte-level tokenizer.
     Kept and reused while its `complete` marker is there."""
     if (folder / "complete").is_file():
+        kept = json.loads((folder / "config.json").read_text())
+        want = _models.load_config(config_name)
+        shape = ("hidden_size", "num_hidden_layers", "intermediate_size")
+        if any(kept.get(k) != getattr(want, k) for k in shape):
+            raise SystemExit(f"{folder} holds another model's shape than {config_name}: remove it or pick another --work")
         return folder
     from safetensors.torch import save_file
     from transformers import BitsAndBytesConfig
@@ -534,7 +539,8 @@ def main() -> None:
 
     out = Path(args.out or f"benchmarks/results/peers_{args.shape}.json")
     t = time.perf_counter()
-    folder = build_folder(args.model, Path(args.work) / f"{Path(args.model).stem}-nf4")
+    folder = build_folder(args.model, Path(args.work) / f"{Path(args.model).name.removesuffix('.json')}-nf4")
+    # (not .stem: "qwen2.5-7b" and "qwen2.5-32b" both have the stem "qwen2", and the second reused the first's folder)
     build_s = time.perf_counter() - t
     bw = stream_qlora.pinned_bandwidth()
     if torch.cuda.is_available():
