@@ -32,4 +32,9 @@ f)
   timeout 580 python3 benchmarks/peers.py --shape 72b-8x512 --timeout 260 --twin 0 \
     --modes stream-16GiB-lmhead-fast-auto,stream-min-lmhead-fast-auto \
     --out $OUT/peers_72b_8x512.json 2>&1 | tail -9 ;;
+g)
+  python3 benchmarks/stream_qlora.py --model qwen2.5-7b --batch 8 --seq 512 --steps 4 --torch-profile \
+    --modes stream-8GiB-lmhead-fast-auto --out $OUT/prof_7b_8x512.json 2>&1 | tail -4
+  timeout 300 python3 benchmarks/stream_qlora.py --model qwen2.5-72b --batch 8 --seq 512 --steps 2 --torch-profile \
+    --modes stream-16GiB-lmhead-fast-auto --out $OUT/prof_72b_8x512.json 2>&1 | tail -4 ;;
 esac
