@@ -7,6 +7,13 @@ down_proj's output, which it does not) and `forward_keeping` (both, for resident
 training without checkpointing). `backward` takes what either kept and the output's
 gradient, and gives the input's gradient and the adapters' (float32).
 
+Between the two, a recomputed layer may keep its attention (`forward(..., keep=store)`):
+SDPA's one autograd node, whose saved q, k, v, output and log-sum-exp live where `store`
+puts them (`narrows.stream` moves them to host memory at long context). Its recompute
+then runs no attention forward and, without per-head norms, no Q/K/V base matmul: it
+reads the kept output, and the backward calls the kept node. The same kernels on the
+same inputs as a recompute would run, so the same bits.
+
 The steps, for ``x`` of (batch, seq, hidden): ``n1 = norm(x)``; Q/K/V (a `LinearGroup`);
 the heads (Qwen3's per-head norms), rotary embeddings; attention through SDPA (flash
 or cuDNN on CUDA) with grouped-query heads and the model's mask; ``h1 = x + o(attn)``
@@ -30,7 +37,9 @@ times. Its weights are dequantised once for all of a pass's tiles.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -48,7 +57,51 @@ from .ops import (
     swiglu_backward,
 )
 
-__all__ = ["Saved", "backward", "forward", "forward_keeping", "recompute"]
+__all__ = ["AttentionStore", "KeptAttention", "OnDevice", "Saved", "backward", "forward", "forward_keeping",
+           "forward_keeping_attention", "recompute"]  # fmt: skip
+
+
+class AttentionStore(Protocol):
+    """Where a kept attention node's saved tensors live between a forward and its backward."""
+
+    def saving(self) -> AbstractContextManager[Any]:
+        """The context the attention call runs in (saved-tensor hooks, or none)."""
+
+    def keep(self, leaves: tuple[Tensor, Tensor, Tensor], attn: Tensor) -> Callable[[], Tensor]:
+        """After the call: what gives its output back on the device, for the recompute."""
+
+
+class OnDevice:
+    """Kept on the device as they are: the node holds its saved tensors, the output is held."""
+
+    def saving(self) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def keep(self, leaves: tuple[Tensor, Tensor, Tensor], attn: Tensor) -> Callable[[], Tensor]:
+        return lambda: attn
+
+
+@dataclass
+class KeptAttention:
+    """One layer call's attention, kept from its forward: the SDPA node (with everything
+    its backward reads saved in it) and its output for the recompute."""
+
+    node: Any  # torch.autograd.graph.Node: one node on the leaves q, k, v
+    out: Callable[[], Tensor]
+
+    def grads(self, g_attn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q's, k's and v's gradients: the node differentiated alone, as `autograd.grad`
+        over it would (it is the whole graph between them)."""
+        gq, gk, gv = self.node(g_attn)[:3]
+        return gq, gk, gv
+
+
+def _one_node(attn: Tensor, leaves: tuple[Tensor, Tensor, Tensor]) -> bool:
+    """Whether SDPA recorded one node on the leaves themselves (a fused kernel's; the math
+    fallback records a graph of many, which is not kept)."""
+    nexts = attn.grad_fn.next_functions if attn.grad_fn is not None else ()
+    got = [getattr(f, "variable", None) for f, _ in nexts[:3]]
+    return len(got) == 3 and all(a is b for a, b in zip(got, leaves))
 
 
 @dataclass
@@ -64,7 +117,7 @@ class Saved:
     )  # Qwen3: q, k before their norms, and the rstds
     cos: Tensor  # the rotary tables, (batch or 1, seq, head_dim)
     sin: Tensor
-    leaves: tuple[Tensor, Tensor, Tensor]  # attention's q, k, v (leaves of its one-node graph)
+    leaves: tuple[Tensor, Tensor, Tensor] | None  # attention's q, k, v (leaves of its one-node graph)
     attn: Tensor  # its output, (batch, heads, seq, head_dim)
     o: GroupState
     h1: Tensor
@@ -74,6 +127,7 @@ class Saved:
     up: Tensor | None
     down: GroupState | None
     n2: Tensor | None = None  # the tiled MLP's input
+    kept: KeptAttention | None = None  # the forward's attention (then `leaves` is None)
 
 
 def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -89,13 +143,34 @@ def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
 KVSink = Callable[[Tensor, Tensor], object]  # takes the keys and values (a KV cache's update)
 
 
+@dataclass
+class _Front:
+    """A layer call up to its attention: what the rest of it and its backward read."""
+
+    x: Tensor  # the input, (batch, seq, hidden)
+    x2: Tensor  # the same, (tokens, hidden)
+    rstd1: NormState
+    qkv: GroupState
+    heads_pre: tuple[Tensor, Tensor, NormState, NormState] | None
+    cos: Tensor
+    sin: Tensor
+
+
 def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-         cache: dict[str, Tensor] | None, *, output: bool, keep: bool,
-         kv: KVSink | None = None) -> tuple[Tensor | None, Saved | None]:  # fmt: skip
+         cache: dict[str, Tensor] | None, *, output: bool, keep: bool, kv: KVSink | None = None,
+         store: AttentionStore | None = None, kept: KeptAttention | None = None,
+         ) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:  # fmt: skip
+    """The layer's output (`output`), what its backward needs (`keep`) and, with `store`,
+    its attention kept there; with `kept`, the attention a forward kept is read instead
+    of run (and Q/K/V's base matmul skipped where nothing else reads its output)."""
     batch, seq, hidden = x.shape
     x2 = x.reshape(-1, hidden)
     n1, rstd1 = rms_norm(x2, parts.norm1.weight, parts.norm1.eps)
-    (q, k, v), st_qkv = parts.qkv.forward(n1, parts.qkv.masks(n1), cache)
+    masks = parts.qkv.masks(n1)
+    if kept is not None and parts.q_norm is None:  # the adapters' side only: q, k, v were kept
+        front = _Front(x, x2, rstd1, parts.qkv.state(n1, masks), None, cos, sin)
+        return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
+    (q, k, v), st_qkv = parts.qkv.forward(n1, masks, cache)
     q = q.view(batch, seq, parts.heads, parts.head_dim)
     k = k.view(batch, seq, parts.kv_heads, parts.head_dim)
     heads_pre = None
@@ -104,6 +179,9 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         q, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
         k, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
         heads_pre = (q_pre, k_pre, rq, rk)
+    front = _Front(x, x2, rstd1, st_qkv, heads_pre, cos, sin)
+    if kept is not None:  # per-head norms: their inputs recomputed, the attention still kept
+        return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
     q, k = rope_pair(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     v = v.view(batch, seq, parts.kv_heads, parts.head_dim)
     if heads_pre is None and not v.is_contiguous():
@@ -113,32 +191,41 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
     v = v.transpose(1, 2)
     if kv is not None:
         kv(k, v)
-    if keep or not torch.is_inference_mode_enabled():
+    new_kept = None
+    if keep or store is not None or not torch.is_inference_mode_enabled():
         # recorded as the backward's one-node graph; recorded in a forward that keeps nothing
         # too, so SDPA picks the same kernel (and gives the same bits) as in the recompute
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        with torch.enable_grad():
+        with torch.enable_grad(), store.saving() if store is not None else nullcontext():
             attn = _attention(parts, *leaves, mask)
+        if store is not None and _one_node(attn, leaves):
+            new_kept = KeptAttention(attn.grad_fn, store.keep(leaves, attn))
     else:
         leaves, attn = None, _attention(parts, q, k, v, mask)
+    return _rest(parts, front, attn, leaves, new_kept, cache, output=output, keep=keep)
+
+
+def _rest(parts: LayerParts, f: _Front, attn: Tensor, leaves: tuple[Tensor, Tensor, Tensor] | None,
+          kept: KeptAttention | None, cache: dict[str, Tensor] | None, *, output: bool, keep: bool,
+          ) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:  # fmt: skip
+    """`_run` from the attention's output on: o, the MLP, and what is kept."""
+    batch, seq, hidden = f.x.shape
     o_in = attn.detach().transpose(1, 2).reshape(-1, parts.heads * parts.head_dim)
-    (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=x2)
+    (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=f.x2)
     n2, rstd2 = rms_norm(h1, parts.norm2.weight, parts.norm2.eps)
     tiles = parts.mlp_tiles(batch, seq)
     if tiles is not None:
         out = _tiled_mlp(parts, n2, h1, (batch, seq), tiles, cache) if output else None
-        if not keep:
-            return out, None
-        return out, Saved(x.shape, x2, rstd1, st_qkv, heads_pre, cos, sin, leaves, attn, st_o, h1, rstd2,
-                          None, None, None, None, n2)  # fmt: skip
-    out, gate, up, st_gu, st_d = _mlp(parts, n2, cache, residual=h1 if output else None)
-    out = None if out is None else out.view(batch, seq, hidden)
+        mlp: tuple = (None, None, None, None, n2)
+    else:
+        out, gate, up, st_gu, st_d = _mlp(parts, n2, cache, residual=h1 if output else None)
+        out = None if out is None else out.view(batch, seq, hidden)
+        mlp = (st_gu, gate, up, st_d, None)
     if not keep:
-        return out, None  # the attention's graph goes with `attn`
-    saved = Saved(
-        x.shape, x2, rstd1, st_qkv, heads_pre, cos, sin, leaves, attn, st_o, h1, rstd2, st_gu, gate, up, st_d
-    )
-    return out, saved
+        return out, None, kept  # the attention's graph goes with `attn` unless kept
+    saved = Saved(f.x.shape, f.x2, f.rstd1, f.qkv, f.heads_pre, f.cos, f.sin, leaves, attn, st_o, h1, rstd2,
+                  *mlp, kept=kept)  # fmt: skip
+    return out, saved, kept
 
 
 def _mlp(parts: LayerParts, n: Tensor, cache: dict[str, Tensor] | None, residual: Tensor | None,
@@ -196,12 +283,21 @@ def forward(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor
         return _run(parts, x, cos, sin, mask, cache, output=True, keep=False, kv=kv)[0]
 
 
+def forward_keeping_attention(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
+                              store: AttentionStore) -> tuple[Tensor, KeptAttention | None]:  # fmt: skip
+    """The layer's output and its attention kept in `store` for `recompute` (None where
+    SDPA recorded more than one node: its math fallback, which the recompute runs again)."""
+    with torch.no_grad():
+        out, _, kept = _run(parts, x, cos, sin, mask, None, output=True, keep=False, store=store)
+    return out, kept
+
+
 def forward_keeping(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
                     cache: dict[str, Tensor] | None = None, kv: KVSink | None = None,
                     ) -> tuple[Tensor, Saved]:  # fmt: skip
     """The output and what the backward needs (resident training without recompute)."""
     with torch.no_grad():
-        out, saved = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
+        out, saved, _ = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
     for state in (saved.qkv, saved.o, saved.gate_up, saved.down):
         if state is not None:  # kept until the step's backward: that casts the adapters again
             state.low = None
@@ -209,11 +305,12 @@ def forward_keeping(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask
 
 
 def recompute(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-              cache: dict[str, Tensor] | None = None) -> Saved:  # fmt: skip
+              cache: dict[str, Tensor] | None = None, kept: KeptAttention | None = None) -> Saved:  # fmt: skip
     """What the backward needs, recomputed from the layer's input (the RNG replayed by
-    the caller when an adapter drops out); down_proj's output is not computed."""
+    the caller when an adapter drops out); down_proj's output is not computed, nor the
+    attention where the forward `kept` it."""
     with torch.no_grad():
-        return _run(parts, x, cos, sin, mask, cache, output=False, keep=True)[1]
+        return _run(parts, x, cos, sin, mask, cache, output=False, keep=True, kept=kept)[1]
 
 
 def backward(parts: LayerParts, saved: Saved, grad: Tensor,
@@ -232,7 +329,11 @@ def backward(parts: LayerParts, saved: Saved, grad: Tensor,
         g_h1 = rms_norm_backward(g_n2, saved.h1, parts.norm2.weight, saved.rstd2).add_(g_out)
         (g_attn, p_o) = parts.o.backward([g_h1], saved.o, cache)
         g_attn = g_attn.view(batch, seq, parts.heads, parts.head_dim).transpose(1, 2)
-    gq, gk, gv = torch.autograd.grad(saved.attn, saved.leaves, g_attn)
+    if saved.kept is not None:
+        with torch.no_grad():
+            gq, gk, gv = saved.kept.grads(g_attn)
+    else:
+        gq, gk, gv = torch.autograd.grad(saved.attn, saved.leaves, g_attn)
     with torch.no_grad():
         gq, gk = rope_pair_backward(gq, gk, saved.cos, saved.sin)
         gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)

@@ -210,8 +210,8 @@ class LinearGroup:
         round them. (Adding the adapter onto a sum that holds the residual would round at
         the residual's size twice.) Without an adapter or bias, the add is the matmul's
         epilogue."""
-        low = self._low(self.lora_dtype or n.dtype)
-        h = self._h(self._wide(n), masks, low)
+        state = self.state(n, masks)
+        low, h = state.low, state.h
         if self.stacked:
             assert not skip and residual is None, "a stacked group is never skipped nor given a residual"
             w = self.stacked_weight(n, cache)
@@ -230,7 +230,7 @@ class LinearGroup:
             for out, p, hp, b in zip(outs, self.linears, h, low.b) if low.b_all is None else ():
                 if hp is not None:
                     _add_adapter(out, hp, b, p.scaling)
-            return outs, GroupState(n, h, masks, low)
+            return outs, state
         outs = []
         for p, hp, b in zip(self.linears, h, low.b):
             if p.name in skip:
@@ -244,7 +244,13 @@ class LinearGroup:
             if hp is not None:
                 _add_adapter(out, hp, b, p.scaling)
             outs.append(out if residual is None else out.add_(residual))
-        return outs, GroupState(n, h, masks, low)
+        return outs, state
+
+    def state(self, n: Tensor, masks: list[Tensor | None]) -> GroupState:
+        """What the backward needs from `forward` without any output: the adapters' side
+        alone (a recompute whose outputs were kept: the attention's Q/K/V)."""
+        low = self._low(self.lora_dtype or n.dtype)
+        return GroupState(n, self._h(self._wide(n), masks, low), masks, low)
 
     def backward(self, grads: Sequence[Tensor], state: GroupState,
                  cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
