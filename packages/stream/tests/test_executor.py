@@ -23,23 +23,33 @@ class Recording(EagerExecutor):
         self.calls: list[tuple[str, int]] = []
         self.side: list[int] = []  # how many side gradients each backward received
 
-    def forward(self, index, layer, fn, hidden, args, kwargs):
+    def forward(self, index, layer, fn, hidden, args, kwargs, state=None):
         self.calls.append(("forward", index))
-        return super().forward(index, layer, fn, hidden, args, kwargs)
+        return super().forward(index, layer, fn, hidden, args, kwargs, state)
 
     def backward(
-        self, index, layer, fn, hidden, args, kwargs, grad_out, params, side: SideGrads | None = None
+        self,
+        index,
+        layer,
+        fn,
+        hidden,
+        args,
+        kwargs,
+        grad_out,
+        params,
+        side: SideGrads | None = None,
+        state=None,
     ):
         self.calls.append(("backward", index))
         self.side.append(len(side.grads) if side is not None else 0)
-        return super().backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side)
+        return super().backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side, state)
 
 
 def _record(monkeypatch) -> list[Recording]:
     """Every model streamed from now on runs its layers through a new `Recording`."""
     made: list[Recording] = []
 
-    def executor_for(plan, device, kernels="fast"):
+    def executor_for(plan, device, kernels="fast", attention=None):
         made.append(Recording())
         return made[-1]
 

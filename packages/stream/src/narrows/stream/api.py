@@ -36,6 +36,7 @@ from .errors import StreamSetupError
 from .executor import EagerExecutor, LayerExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
+from .keptattn import HostAttention
 from .offload import ActivationOffload
 from .planning import Plan, Rates, Shapes, plan, planned_shapes
 from .planning.measure import device_parts, head_rows, host_embedding, resolve_device, streams_head
@@ -257,7 +258,12 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
                             reader=reader)  # fmt: skip
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
-    executor = executor_for(the_plan, dev, cfg.kernels)
+    attention = None
+    if the_plan.kept_attention:  # the fast layers' attention in host memory from forward to backward
+        kept = set(the_plan.kept_attention)
+        attention = HostAttention(kept, ActivationOffload(dev, kept, copy_stream=engine.copy_stream,
+                                                          stats=engine.stats))  # fmt: skip
+    executor = executor_for(the_plan, dev, cfg.kernels, attention)
     layer_graphs = executor if isinstance(executor, LayerGraphs) else None
     kernels_said = "PEFT's modules (kernels='peft')"
     if cfg.kernels == "fast":  # whole layers too: the bits of fuse_layers on a resident model

@@ -97,6 +97,12 @@ class StreamConfig:
     (one layer's adapters, gradients and state; block-major steps only). `world_size`:
     data-parallel ranks training the model (several keep accumulation sequential).
     `reserve`: device bytes the plan leaves free within the budget, for the caller.
+    `keep_attention`: each recomputed fast layer's attention (SDPA's node: q, k, v, its
+    output and log-sum-exp) kept from the forward for the backward in host memory, so the
+    recompute runs no attention and no Q/K/V base matmul: True, False, or "auto" — at long
+    context, where attention is a large share of a layer's recompute, with a budget that
+    holds one more layer's attention in flight (not at the smallest footprint, nor with
+    CUDA graphs or block-major steps, which replay the recompute as it is).
     """
 
     # budget and the batch the plan sizes activations for
@@ -138,6 +144,9 @@ class StreamConfig:
     host_state: str = "none"  # training state in host memory: "none", "optimizer", "adapters"
     world_size: int = 1  # data-parallel ranks (step mode trains in one process)
     reserve: int = 0  # device bytes the plan leaves free in the budget, for the caller
+    keep_attention: bool | str = (
+        "auto"  # fast layers' attention kept from forward to backward in host memory: True, False, "auto"
+    )
     # the run
     check: bool = True  # a one-layer streamed-vs-resident self-check before training
     inference: bool = False  # forward passes only (evaluation): nothing trains
@@ -227,7 +236,9 @@ def _check(c: StreamConfig) -> None:
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: give a whole number ≥ 1")
     for name, meaning in (("step_mode", "block-major accumulation; 'auto' where predicted faster"),
                           ("hold_weights", "4-bit weights dequantised once per pass in step mode; 'auto' where "
-                                           "the plan has the room")):  # fmt: skip
+                                           "the plan has the room"),
+                          ("keep_attention", "the fast layers' attention kept in host memory for the backward; "
+                                             "'auto' at long context")):  # fmt: skip
         if not (isinstance(getattr(c, name), bool) or getattr(c, name) == "auto"):
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True, False or 'auto' ({meaning})")
     if not _whole(c.reserve, 0):

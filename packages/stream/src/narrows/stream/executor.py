@@ -25,7 +25,15 @@ from torch import Tensor, nn
 
 from .sideouts import SideOutputs
 
-__all__ = ["EagerExecutor", "LayerExecutor", "SideGrads", "eager_backward", "eager_forward"]
+__all__ = ["CallState", "EagerExecutor", "LayerExecutor", "SideGrads", "eager_backward", "eager_forward"]
+
+
+@dataclass
+class CallState:
+    """What an executor keeps from one layer call's forward for that call's backward (the
+    fast layer's attention); the caller holds it between the two (`remat.LayerCall`)."""
+
+    kept: Any = None
 
 
 @dataclass(frozen=True)
@@ -81,14 +89,14 @@ class LayerExecutor(Protocol):
     ``fn(hidden, *args, **kwargs)``; `layer` the module (whose parameters it may read)."""
 
     def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict) -> Tensor:  # fmt: skip
+                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
         """The layer's output, detached, computed as resident training computes it (grad
         on, the same kernels)."""
         ...
 
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                  kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
         """Recompute the layer and differentiate it: the gradient of `hidden` when it
         requires grad, then one per parameter of `params` (None where unused)."""
         ...
@@ -98,10 +106,10 @@ class EagerExecutor(LayerExecutor):
     """Each call runs the layer's kernels one by one, as resident training does."""
 
     def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict) -> Tensor:  # fmt: skip
+                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
         return eager_forward(fn, hidden, args, kwargs)
 
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                  kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
         return eager_backward(fn, hidden, args, kwargs, grad_out, params, side)

@@ -10,6 +10,8 @@ it wraps (eager: the layer's forward, which `stream` made the fast layer's where
 it). Under CUDA graphs this executor is not used: the graphs replay that same forward.
 While a layer's 4-bit weights are held (the plan's `held_weights`) the recompute and the
 backward read the held copies; otherwise each dequantises its own, as the plan priced it.
+Where the plan keeps a layer's attention (`keptattn.HostAttention`), its forward keeps it
+in the call's state and its recompute reads it instead of running it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import Tensor, nn
 
 from narrows.core.fastlayer import compute, parts_or_none
 
-from .executor import LayerExecutor, SideGrads
+from .executor import CallState, LayerExecutor, SideGrads
+from .keptattn import HostAttention
 
 __all__ = ["FastExecutor"]
 
@@ -43,25 +46,36 @@ def _inputs(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor | None] |
 class FastExecutor(LayerExecutor):
     """Covered layers through `narrows.core.fastlayer.compute`; the rest to `fallback`."""
 
-    def __init__(self, fallback: LayerExecutor):
+    def __init__(self, fallback: LayerExecutor, attention: HostAttention | None = None):
         self.fallback = fallback
+        self.attention = attention  # where the plan keeps attention, and for which layers
 
     def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict) -> Tensor:  # fmt: skip
+                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
         parts = parts_or_none(layer)
         inputs = None if parts is None else _inputs(args, kwargs)
         if inputs is None:
             return self.fallback.forward(index, layer, fn, hidden, args, kwargs)
+        if state is not None and self.attention is not None and index in self.attention.layers:
+            out, state.kept = compute.forward_keeping_attention(
+                parts, hidden, *inputs, self.attention.store(index)
+            )
+            return out
         return compute.forward(parts, hidden, *inputs)
 
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                  kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
         parts = parts_or_none(layer)
         inputs = None if parts is None else _inputs(args, kwargs)
         if inputs is None or (side is not None and side.grads) or grad_out is None:
             return self.fallback.backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side)
-        saved = compute.recompute(parts, hidden.detach(), *inputs)
+        kept = None
+        if state is not None:
+            kept, state.kept = state.kept, None
+        if self.attention is not None:
+            self.attention.prefetch(index - 1)  # the next backward's, behind its weights
+        saved = compute.recompute(parts, hidden.detach(), *inputs, kept=kept)
         g_x, grads = compute.backward(parts, saved, grad_out)
         by_id = {id(p): g for p, g in zip(parts.params(), grads)}
         out: list[Tensor | None] = [g_x] if hidden.requires_grad else []

@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 from narrows.core import ambient_state, held_token
 
 from .config import DEFAULT_SHAPES
-from .executor import LayerExecutor, SideGrads, eager_backward, eager_forward
+from .executor import CallState, LayerExecutor, SideGrads, eager_backward, eager_forward
 
 log = logging.getLogger("narrows.stream")
 
@@ -166,7 +166,7 @@ class LayerGraphs(LayerExecutor):
 
     # ---- what the layers call ---------------------------------------------------------
     def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict) -> Tensor:  # fmt: skip
+                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
         """`eager_forward`, through a graph when the layer can be captured."""
         leaves = [hidden, *pytree.tree_leaves((args, kwargs))]
         key = self._key("fwd", index, layer, leaves, args, kwargs, hidden.requires_grad)
@@ -181,7 +181,7 @@ class LayerGraphs(LayerExecutor):
 
     def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
                  kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
         """`eager_backward`, through a graph when the layer can be captured. A call whose
         output has no gradient or whose side outputs have one runs eagerly, uncounted."""
         leaves = [hidden, *pytree.tree_leaves((args, kwargs)), grad_out]

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from narrows.core import Ambient, HeldWeights, ambient_as, ambient_state
 
 from . import rng
-from .executor import EagerExecutor, LayerExecutor, SideGrads
+from .executor import CallState, EagerExecutor, LayerExecutor, SideGrads
 from .sideouts import SideOutputs
 
 if TYPE_CHECKING:  # what a call is handed; remat only calls it
@@ -51,6 +51,7 @@ class LayerCall:
     ambient: Ambient | None = None  # the forward's autocast and attention settings, for the recompute
     executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the forward and the recompute
     held: HeldWeights | None = None  # the buffer its 4-bit weights are held in through the backward
+    kept: CallState = field(default_factory=CallState)  # what the executor keeps from forward to backward
 
     def holding(self) -> Any:
         """The layer's 4-bit weights dequantised once for its backward (recompute and input
@@ -87,7 +88,8 @@ class StreamedLayer(torch.autograd.Function):
         with call.engine.using(call.index, then=call.index + 1), torch.enable_grad(), \
                 call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
-            out = call.executor.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs)
+            out = call.executor.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
+                                        call.kept)  # fmt: skip
         side = call.side.take_stand_ins()
         ctx.call, ctx.offloaded = call, saved
         ctx.save_for_backward(hidden if saved is None else None)
@@ -109,7 +111,7 @@ class StreamedLayer(torch.autograd.Function):
             h = hidden.detach().requires_grad_(need_h)
             params = [p for p, n in zip(call.params, need_p) if n]
             grads = call.executor.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
-                                           grad_out, params, SideGrads(call.side, grad_side))  # fmt: skip
+                                           grad_out, params, SideGrads(call.side, grad_side), call.kept)  # fmt: skip
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)

@@ -37,6 +37,7 @@ from .executor import EagerExecutor, LayerExecutor
 from .fastexec import FastExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
+from .keptattn import HostAttention
 from .offload import ActivationOffload
 from .planning import Plan
 from .remat import LayerCall, drop_cache, streamed_call
@@ -46,14 +47,16 @@ from .tiling import tile_sequence
 __all__ = ["executor_for", "install_forwards", "tile_mlps"]
 
 
-def executor_for(plan: Plan, device: torch.device, kernels: str = "peft") -> LayerExecutor:
+def executor_for(plan: Plan, device: torch.device, kernels: str = "peft",
+                 attention: HostAttention | None = None) -> LayerExecutor:  # fmt: skip
     """The layer executor the plan asks for: CUDA graphs (emulated off CUDA) or eager;
-    eager with ``kernels="fast"``: the fast layer's entry points where it covers the layer.
+    eager with ``kernels="fast"``: the fast layer's entry points where it covers the layer,
+    keeping the attention of the plan's `kept_attention` layers in `attention`.
     Graphs replay the layer's forward, which with ``kernels="fast"`` is the fast layer's
     (`stream` fuses the layers first): the same bits either way."""
     if plan.graphs:
         return LayerGraphs(device)
-    return FastExecutor(EagerExecutor()) if kernels == "fast" else EagerExecutor()
+    return FastExecutor(EagerExecutor(), attention) if kernels == "fast" else EagerExecutor()
 
 
 def tile_mlps(model: nn.Module, plan: Plan) -> None:

@@ -64,8 +64,9 @@ __all__ = ["AttentionStore", "KeptAttention", "OnDevice", "Saved", "backward", "
 class AttentionStore(Protocol):
     """Where a kept attention node's saved tensors live between a forward and its backward."""
 
-    def saving(self) -> AbstractContextManager[Any]:
-        """The context the attention call runs in (saved-tensor hooks, or none)."""
+    def saving(self, mask: Tensor | None) -> AbstractContextManager[Any]:
+        """The context the attention call runs in (saved-tensor hooks, or none); `mask` is
+        the call's attention mask, an input of every layer (left where it is)."""
 
     def keep(self, leaves: tuple[Tensor, Tensor, Tensor], attn: Tensor) -> Callable[[], Tensor]:
         """After the call: what gives its output back on the device, for the recompute."""
@@ -74,7 +75,7 @@ class AttentionStore(Protocol):
 class OnDevice:
     """Kept on the device as they are: the node holds its saved tensors, the output is held."""
 
-    def saving(self) -> AbstractContextManager[Any]:
+    def saving(self, mask: Tensor | None) -> AbstractContextManager[Any]:
         return nullcontext()
 
     def keep(self, leaves: tuple[Tensor, Tensor, Tensor], attn: Tensor) -> Callable[[], Tensor]:
@@ -196,7 +197,7 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         # recorded as the backward's one-node graph; recorded in a forward that keeps nothing
         # too, so SDPA picks the same kernel (and gives the same bits) as in the recompute
         leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        with torch.enable_grad(), store.saving() if store is not None else nullcontext():
+        with torch.enable_grad(), store.saving(mask) if store is not None else nullcontext():
             attn = _attention(parts, *leaves, mask)
         if store is not None and _one_node(attn, leaves):
             new_kept = KeptAttention(attn.grad_fn, store.keep(leaves, attn))

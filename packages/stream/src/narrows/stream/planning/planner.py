@@ -9,7 +9,9 @@ decides once, and returns one `Plan` with every decision and its reason:
    else the plan for sequential steps (`accumulation`);
 3. whether each layer's 4-bit weights are dequantised once and held: for block-major
    steps through a pass of every micro-batch (`holds_weights`), for sequential steps
-   through each recomputed layer's backward (`_held_in_backward`).
+   through each recomputed layer's backward (`_held_in_backward`);
+4. whether the fast layers keep their attention in host memory for the backward
+   (`attention.keep_attention`).
 
 `stream` applies the plan; `StepTrainer` reads the accumulation, the held weights and the
 host state from it.
@@ -29,6 +31,7 @@ from narrows.core.fastlayer import coverage
 from ..config import StreamConfig, tile_option
 from ..errors import BudgetTooSmallError
 from . import accumulation
+from .attention import keep_attention
 from .measure import (
     budget_bytes,
     device_parts,
@@ -103,7 +106,9 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
         )
         return replace(plan, step_seconds=t)
 
-    return _with_accumulation(model, cfg, dev.type == "cuda", residency, rates)
+    chosen = _with_accumulation(model, cfg, dev.type == "cuda", residency, rates)
+    return keep_attention(model, anat, chosen, option=cfg.keep_attention, fast=shapes.fast, inference=cfg.inference,
+                          seq=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len, act_bytes=shapes.act_bytes)  # fmt: skip
 
 
 def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[..., Plan],

@@ -57,6 +57,9 @@ class Plan:
         False  # 4-bit weights dequantised once and held: through a block-major pass, or a backward
     )
     held_choice: str = ""  # why (`holds_weights`)
+    kept_attention: tuple[int, ...] = ()  # fast layers whose attention waits in host memory for the backward
+    attention_host_bytes: int = 0  # the host memory that takes (page-locked on CUDA)
+    attention_choice: str = ""  # why (`attention.keep_attention`)
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -97,6 +100,8 @@ class Plan:
             rows.append(("accumulation", self.accumulation_choice or self.accumulation))
         if self.held_choice:
             rows.append(("held 4-bit weights", self.held_choice))
+        if self.attention_choice:
+            rows.append(("kept attention", self.attention_choice))
         if self.d2h_bytes_per_step:
             rows.append(("device→host per step", format_bytes(self.d2h_bytes_per_step)))
         if self.predicted_host_bytes is not None:

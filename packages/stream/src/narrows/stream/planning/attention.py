@@ -1,0 +1,95 @@
+"""Whether the fast layers keep their attention from forward to backward, in host memory.
+
+A kept attention (`narrows.stream.keptattn`) spares each recomputed layer its attention
+forward and its Q/K/V base matmul, for the bytes of q, k, v, the output and the
+log-sum-exp going to host memory in the forward and back in the backward — beside the
+weights on the same copy engine, behind the layer's compute. Its share of a layer's
+recompute grows with the sequence: attention's forward is ``2·seq·(heads·head_dim)``
+multiply-adds a token against the layer's matmuls' fixed count, so "auto" keeps it where
+that share reaches `KEEP_SHARE` (7B: from about 12K tokens a sequence; at 512 it is 1%).
+The device holds one more layer's kept attention in flight (the next backward's, brought
+back early); host memory holds every recomputed layer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import nn
+
+from narrows.core import Anatomy, format_bytes
+
+from .record import Plan
+
+__all__ = ["KEEP_SHARE", "attention_bytes", "attention_share", "keep_attention"]
+
+KEEP_SHARE = 0.25  # "auto" keeps attention where its forward is at least this share of a recompute
+
+
+def _dims(anat: Anatomy) -> tuple[int, int, int]:
+    cfg = anat.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, head_dim, kv_heads
+
+
+def attention_bytes(anat: Anatomy, tokens: int, act_bytes: int) -> int:
+    """One layer call's kept attention: q and the output (heads wide), k and v (key-value
+    heads wide) in the activations' dtype, and the float32 log-sum-exp per head."""
+    heads, head_dim, kv_heads = _dims(anat)
+    return tokens * ((2 * heads + 2 * kv_heads) * head_dim * act_bytes + heads * 4)
+
+
+def attention_share(anat: Anatomy, seq: int) -> float:
+    """Attention's forward as a share of a fast layer's recompute (its matmuls without
+    down_proj's, plus the attention), per token of a `seq`-token causal sequence."""
+    cfg = anat.config
+    heads, head_dim, kv_heads = _dims(anat)
+    hidden, inter = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
+    matmuls = hidden * (2 * heads + 2 * kv_heads) * head_dim + 2 * hidden * inter  # q, k, v, o; gate, up
+    attn = seq * heads * head_dim  # QKᵀ and PV over the causal half: 2·seq·width/2 each
+    return attn / (matmuls + attn)
+
+
+def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, *, option: bool | str, fast: bool,
+                   inference: bool, seq: int, tokens: int, act_bytes: int) -> Plan:  # fmt: skip
+    """`plan` with the recomputed layers' attention kept in host memory, or its reason not."""
+    if option is False:
+        return replace(plan, attention_choice="off (keep_attention=False)")
+    why = None
+    recomputed = tuple(i for i in range(len(plan.layer_bytes)) if i not in set(plan.whole))
+    if not fast:
+        why = "PEFT's modules run the layers (only the fast layers keep it)"
+    elif inference:
+        why = "forward passes only"
+    elif plan.graphs:
+        why = "CUDA graphs replay the recompute as it is"
+    elif plan.accumulation == "block-major":
+        why = "block-major steps recompute every layer as it is"
+    elif not recomputed:
+        why = "every layer runs whole: nothing is recomputed"
+    share = attention_share(anat, seq)
+    per_call = attention_bytes(anat, tokens, act_bytes)
+    host = per_call * len(recomputed)
+    if why is None and option == "auto":
+        if share < KEEP_SHARE:
+            why = (
+                f"attention is {share:.0%} of a layer's recompute at {seq} tokens; kept from {KEEP_SHARE:.0%}"
+            )
+        elif plan.budget is None:
+            why = f"no budget: the smallest footprint (one more layer's in flight takes {format_bytes(per_call)})"
+    if why is None and plan.budget is not None and plan.predicted_peak + per_call > plan.budget:
+        why = f"the budget does not hold one more layer's attention in flight ({format_bytes(per_call)})"
+    if why is None and plan.host_budget is not None and plan.predicted_host_bytes is not None \
+            and plan.predicted_host_bytes + host > plan.host_budget:  # fmt: skip
+        why = f"host memory: {format_bytes(host)} more than the host budget holds"
+    if why is not None:
+        return replace(plan, attention_choice=f"off ({why})")
+    return replace(  # out in the forward and back in the backward, as offloaded inputs are counted
+        plan, kept_attention=recomputed, attention_host_bytes=host, predicted_peak=plan.predicted_peak + per_call,
+        d2h_bytes_per_step=plan.d2h_bytes_per_step + host, h2d_bytes_per_step=plan.h2d_bytes_per_step + host,
+        predicted_host_bytes=None if plan.predicted_host_bytes is None else plan.predicted_host_bytes + host,
+        attention_choice=f"on: {len(recomputed)} layers' attention in host memory ({format_bytes(host)}); attention "
+                         f"is {share:.0%} of a layer's recompute at {seq} tokens",
+    )  # fmt: skip
