@@ -12,7 +12,9 @@ that budget), either with "-head" (LM head streamed in vocabulary chunks too) an
 planner may tile the MLP over the sequence: seq_tile="auto") or "-keep" (saved layer
 inputs never offloaded: offload="off") or "-recompute" (every layer recomputed, none kept
 whole: recompute="all") or "-graphs" (layers replayed as CUDA graphs: graphs=True) or "-auto" (the planner's choice,
-graphs="auto"; without either suffix graphs=False; the library defaults to "auto"), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
+graphs="auto"; without either suffix graphs=False; the library defaults to "auto"), "-attn"/"-noattn" (the fast
+layers' attention kept in host memory for the backward: keep_attention=True/False; without either, "auto",
+the library's default), e.g. stream-min-head-lmhead-tile; step-<size>/step-min (the same
 plan trained by `StepTrainer`: block-major accumulation over --grad-accum micro-batches;
 "-hostopt": AdamW state in host memory, each layer updated when its gradients are complete;
 "-hostadapters": that and the adapter parameters in host memory too (host_state="adapters");
@@ -166,7 +168,8 @@ def run_one(args: argparse.Namespace) -> dict:
                   graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
                   host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none",
                   kernels="fast" if "fast" in parts else "peft", deterministic=twin,
-                  lora_dtype="float32" if "f32lora" in parts else None)  # fmt: skip
+                  lora_dtype="float32" if "f32lora" in parts else None,
+                  keep_attention=True if "attn" in parts else False if "noattn" in parts else "auto")  # fmt: skip
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     elif mode.startswith(("fsdp", "deepspeed")):
@@ -293,6 +296,8 @@ def run_one(args: argparse.Namespace) -> dict:
             graph_bytes_planned=plan.graph_bytes,
             graphs_planned=plan.graphs,
             graphs_choice=plan.graphs_choice,
+            kept_attention_layers=len(plan.kept_attention),
+            attention_choice=plan.attention_choice,
         )
         if trainer is not None:
             out["hold_weights"] = trainer.held_choice

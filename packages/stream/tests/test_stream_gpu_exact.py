@@ -235,6 +235,44 @@ def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(ll
             assert_identical(llama_resident, streamed)
 
 
+@pytest.mark.parametrize("wait", [True, False], ids=["event-waited", "wait-dropped"])
+def test_kept_attention_comes_back_exact_and_the_gate_catches_a_missing_wait(llama_resident, wait):
+    """Every layer's attention (q, k, v, output, LSE) kept in pinned host memory from the
+    forward (keep_attention=True), each copy back delayed as on a slow link: with the
+    compute stream waiting for it, exact; without that wait the backward reads a
+    half-copied tensor and the run differs."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("no copy stream to race on this device")
+
+    def slow_fetches(model):
+        offload = model.narrows_stream.executor.attention.offload
+        start = offload.start_fetch
+
+        def delayed(saved):
+            with torch.cuda.stream(offload.copy_stream):
+                torch.cuda._sleep(20_000_000)
+            start(saved)
+
+        def fetch_without_wait(saved):
+            if saved.fetched is None:
+                delayed(saved)
+            out, saved.fetched = saved.fetched, None
+            return out
+
+        offload.start_fetch = delayed
+        if not wait:
+            offload.fetch = fetch_without_wait
+
+    model = _model("llama")
+    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"keep_attention": True}, tamper=slow_fetches)
+    assert model.narrows_stream.plan.kept_attention == tuple(range(LLAMA["num_hidden_layers"]))
+    if wait:
+        assert_identical(llama_resident, streamed)
+    else:
+        with pytest.raises(AssertionError):
+            assert_identical(llama_resident, streamed)
+
+
 def test_sequence_tiles_streamed_equal_the_same_tiles_resident():
     """The MLP in tiles of 384 tokens (not a divisor of 1024), every input offloaded, LoRA
     dropout, gradient accumulation: streamed == the same tiling resident, bit for bit."""
