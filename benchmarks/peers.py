@@ -103,7 +103,9 @@ def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: 
         want = _models.load_config(config_name)
         shape = ("hidden_size", "num_hidden_layers", "intermediate_size")
         if any(kept.get(k) != getattr(want, k) for k in shape):
-            raise SystemExit(f"{folder} holds another model's shape than {config_name}: remove it or pick another --work")
+            raise SystemExit(
+                f"{folder} holds another model's shape than {config_name}: remove it or pick another --work"
+            )
         return folder
     from safetensors.torch import save_file
     from transformers import BitsAndBytesConfig
@@ -369,8 +371,12 @@ def run_one(args: argparse.Namespace) -> dict:
         row = run_peft(args, folder, device)
     else:
         row = run_narrows(args, folder, device)
-    row.update(mode=mode, wall_s=time.perf_counter() - t, versions=versions(),
-               cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # costs host time a matmul
+    row.update(
+        mode=mode,
+        wall_s=time.perf_counter() - t,
+        versions=versions(),
+        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )  # costs host time a matmul
     steps = row.get("step_s")
     if steps:
         row["median_s_per_step"] = statistics.median(steps)
