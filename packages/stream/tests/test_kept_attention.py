@@ -4,6 +4,7 @@ train; the planner keeps it at long context only, and says why not elsewhere."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -12,7 +13,8 @@ from helpers import assert_identical, build, train
 import narrows.stream as ns
 import narrows.stream.fastexec as fastexec
 import narrows.stream.keptattn as keptattn
-from narrows.core import fuse_layers
+from narrows.core import anatomy_of, fuse_layers
+from narrows.stream.planning.attention import keep_attention
 
 
 def _build(arch="llama", **kw):
@@ -115,7 +117,24 @@ def test_the_planner_keeps_attention_at_long_context_only():
     assert graphs.kept_attention == () and "CUDA graphs" in graphs.attention_choice
     off = plan(model, device="cpu", seq_len=8192, gpu_budget=8 << 30, keep_attention=False)
     assert off.kept_attention == () and "kept attention" in str(off)
-    tight = plan(model, device="cpu", seq_len=8192, gpu_budget=long.predicted_peak - 1)
+    # no room beside a plan with every layer resident: the same plan with the room reserved,
+    # one layer fewer resident (asked for at a short sequence, whose attention is smaller than a layer)
+    full = plan(model, device="cpu", seq_len=64, gpu_budget=8 << 30, keep_attention=False)
+    per_call = plan(model, device="cpu", seq_len=64, gpu_budget=8 << 30, keep_attention=True).predicted_peak - \
+        full.predicted_peak  # fmt: skip
+    assert 0 < per_call < min(full.layer_bytes) and len(full.resident) == len(full.layer_bytes)
+    snug = plan(
+        model, device="cpu", seq_len=64, gpu_budget=full.predicted_peak + per_call // 2, keep_attention=True
+    )
+    assert snug.kept_attention == long.kept_attention and snug.reserved_bytes >= per_call
+    assert len(snug.resident) < len(full.resident) and snug.predicted_peak <= snug.budget
+
+    def no_room(extra):
+        raise ns.BudgetTooSmallError("no plan holds it")
+
+    at_budget = dataclasses.replace(full, budget=full.predicted_peak)
+    tight = keep_attention(model, anatomy_of(model), at_budget, no_room, option=True, fast=True, inference=False,
+                           seq=64, tokens=64, act_bytes=4)  # fmt: skip
     assert tight.kept_attention == () and "in flight" in tight.attention_choice
 
 

@@ -13,12 +13,14 @@ back early); host memory holds every recomputed layer's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from torch import nn
 
 from narrows.core import Anatomy, format_bytes
 
+from ..errors import BudgetTooSmallError
 from .record import Plan
 
 __all__ = ["KEEP_SHARE", "attention_bytes", "attention_share", "keep_attention"]
@@ -52,9 +54,14 @@ def attention_share(anat: Anatomy, seq: int) -> float:
     return attn / (matmuls + attn)
 
 
-def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, *, option: bool | str, fast: bool,
-                   inference: bool, seq: int, tokens: int, act_bytes: int) -> Plan:  # fmt: skip
-    """`plan` with the recomputed layers' attention kept in host memory, or its reason not."""
+def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
+                   option: bool | str, fast: bool, inference: bool, seq: int, tokens: int,
+                   act_bytes: int) -> Plan:  # fmt: skip
+    """`plan` with the recomputed layers' attention kept in host memory, or its reason not.
+    Where the plan leaves no room for one more layer's attention in flight, ``replan(bytes)``
+    makes the same plan with that much more reserved (fewer resident layers, more inputs
+    offloaded: at the sequences where attention is kept, the weights' copies hide behind
+    compute anyway)."""
     if option is False:
         return replace(plan, attention_choice="off (keep_attention=False)")
     why = None
@@ -79,15 +86,20 @@ def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, *, option: bool 
             )
         elif plan.budget is None:
             why = f"no budget: the smallest footprint (one more layer's in flight takes {format_bytes(per_call)})"
-    if why is None and plan.budget is not None and plan.predicted_peak + per_call > plan.budget:
-        why = f"the budget does not hold one more layer's attention in flight ({format_bytes(per_call)})"
+    peak = plan.predicted_peak + per_call
+    if why is None and plan.budget is not None and peak > plan.budget:
+        try:
+            plan = replan(per_call)
+            peak = plan.predicted_peak
+        except BudgetTooSmallError:
+            why = f"the budget does not hold one more layer's attention in flight ({format_bytes(per_call)})"
     if why is None and plan.host_budget is not None and plan.predicted_host_bytes is not None \
             and plan.predicted_host_bytes + host > plan.host_budget:  # fmt: skip
         why = f"host memory: {format_bytes(host)} more than the host budget holds"
     if why is not None:
         return replace(plan, attention_choice=f"off ({why})")
     return replace(  # out in the forward and back in the backward, as offloaded inputs are counted
-        plan, kept_attention=recomputed, attention_host_bytes=host, predicted_peak=plan.predicted_peak + per_call,
+        plan, kept_attention=recomputed, attention_host_bytes=host, predicted_peak=peak,
         d2h_bytes_per_step=plan.d2h_bytes_per_step + host, h2d_bytes_per_step=plan.h2d_bytes_per_step + host,
         predicted_host_bytes=None if plan.predicted_host_bytes is None else plan.predicted_host_bytes + host,
         attention_choice=f"on: {len(recomputed)} layers' attention in host memory ({format_bytes(host)}); attention "

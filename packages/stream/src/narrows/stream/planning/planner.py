@@ -107,8 +107,15 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
         return replace(plan, step_seconds=t)
 
     chosen = _with_accumulation(model, cfg, dev.type == "cuda", residency, rates)
-    return keep_attention(model, anat, chosen, option=cfg.keep_attention, fast=shapes.fast, inference=cfg.inference,
-                          seq=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len, act_bytes=shapes.act_bytes)  # fmt: skip
+
+    def with_room(extra: int) -> Plan:  # the chosen sequential plan with `extra` more reserved
+        again = residency(chosen.reserved_bytes + extra, cfg.recompute, held=chosen.held_weights)
+        return replace(again, held_weights=chosen.held_weights, held_choice=chosen.held_choice,
+                       grad_accum=chosen.grad_accum, accumulation_choice=chosen.accumulation_choice)  # fmt: skip
+
+    return keep_attention(model, anat, chosen, with_room, option=cfg.keep_attention, fast=shapes.fast,
+                          inference=cfg.inference, seq=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len,
+                          act_bytes=shapes.act_bytes)  # fmt: skip
 
 
 def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[..., Plan],

@@ -81,7 +81,7 @@ class Plan:
                 f": {list(self.whole)}" if 0 < len(self.whole) < n else "")),
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
             ("fixed on device", format_bytes(self.fixed_bytes) + (
-                f" (of which {format_bytes(self.reserved_bytes)} reserved: held weights, step mode's room, or the caller's)"
+                f" (of which {format_bytes(self.reserved_bytes)} reserved: held weights, kept attention in flight, step mode's room, or the caller's)"
                 if self.reserved_bytes else "") + HOST_STATE_NOTES[self.host_state]),
             ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
                 f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
