@@ -12,7 +12,7 @@ a)
     --modes stream-8GiB-lmhead-fast-tile,stream-8GiB-lmhead-fast-tile-noattn \
     --out $OUT/peers_7b_1x32768_attn.json 2>&1 | tail -6 ;;
 b)
-  timeout 580 python3 benchmarks/peers.py --shape 7b-1x32768 --timeout 200 --twin 1 \
-    --modes unsloth,stream-8GiB-lmhead-fast-tile \
+  timeout 580 python3 benchmarks/peers.py --shape 7b-1x32768 --timeout 200 --twin 0 \
+    --modes unsloth,stream-8GiB-lmhead-fast-tile,stream-8GiB-lmhead-fast-tile-noattn \
     --out $OUT/peers_7b_1x32768_attn_twin.json 2>&1 | tail -6 ;;
 esac
