@@ -7,7 +7,7 @@ down_proj's output, which it does not) and `forward_keeping` (both, for resident
 training without checkpointing). `backward` takes what either kept and the output's
 gradient, and gives the input's gradient and the adapters' (float32).
 
-Between the two, a recomputed layer may keep its attention (`forward(..., keep=store)`):
+Between the two, a recomputed layer may keep its attention (`forward_keeping_attention`):
 SDPA's one autograd node, whose saved q, k, v, output and log-sum-exp live where `store`
 puts them (`narrows.stream` moves them to host memory at long context). Its recompute
 then runs no attention forward and, without per-head norms, no Q/K/V base matmul: it
@@ -188,9 +188,9 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
         return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
     q, k = rope_pair(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     v = v.view(batch, seq, parts.kv_heads, parts.head_dim)
-    if heads_pre is None and not v.is_contiguous():
-        # a column block of the stacked Q/K/V output: attention keeps it, and alone it does not
-        # keep the queries and keys of that output with it
+    if not v.is_contiguous():
+        # a column block of the stacked Q/K/V output: attention keeps it, and alone it would
+        # keep that whole output alive (on the device, or unable to go to host memory)
         v = v.contiguous()
     v = v.transpose(1, 2)
     if kv is not None:
