@@ -7,7 +7,8 @@ entry points (`compute`) for a streamed one, so the two train the same bits."""
 from . import compute
 from .anatomy import FAST_LAYER_TYPES, LayerParts, parts_of, parts_or_none, why_not
 from .fuse import FastLayerFunction, FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
-from .lora import Linear, LinearGroup, mm_f32
+from .lora import Linear, LinearGroup
+from .loramath import mm_f32
 from .ops import kernels_in_use
 from .stacking import side_by_side
 

@@ -34,20 +34,15 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from .loramath import add_adapter, dropped, mm_f32
 from .stacking import joined, side_by_side
 
-__all__ = ["Linear", "LinearGroup", "WeightSource", "mm_f32"]
-
-
-def mm_f32(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` with a float32 result (float64 for float64 inputs): 16-bit inputs on CUDA
-    go to tensor cores with a float32 output; elsewhere they are cast to float32 first
-    (what a CPU matmul of 16-bit inputs accumulates in anyway)."""
-    if a.dtype in (torch.float32, torch.float64):
-        return a.mm(b.to(a.dtype))
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float().mm(b.float())
+__all__ = [
+    "Linear",
+    "LinearGroup",
+    "WeightSource",
+    "mm_f32",
+]  # mm_f32: loramath's, used by callers through here
 
 
 class WeightSource(Protocol):
@@ -197,7 +192,7 @@ class LinearGroup:
             hs = iter(h_all.split([p.a.shape[0] for p in self.adapted], dim=1))
             return [next(hs) if p.a is not None else None for p in self.linears]
         return [
-            None if a is None else _dropped(n, m, p).mm(a.t()) for p, a, m in zip(self.linears, low.a, masks)
+            None if a is None else dropped(n, m, p).mm(a.t()) for p, a, m in zip(self.linears, low.a, masks)
         ]
 
     def forward(self, n: Tensor, masks: list[Tensor | None], cache: dict[str, Tensor] | None = None, *,
@@ -224,12 +219,12 @@ class LinearGroup:
             else:
                 base = n.mm(w.t())
             if low.b_all is not None:  # every adapter in one matmul; h's blocks lie side by side
-                _add_adapter(base, joined([hp for hp in h if hp is not None], dim=1), low.b_all,
+                add_adapter(base, joined([hp for hp in h if hp is not None], dim=1), low.b_all,
                              self.adapted[0].scaling)  # fmt: skip
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
             for out, p, hp, b in zip(outs, self.linears, h, low.b) if low.b_all is None else ():
                 if hp is not None:
-                    _add_adapter(out, hp, b, p.scaling)
+                    add_adapter(out, hp, b, p.scaling)
             return outs, state
         outs = []
         for p, hp, b in zip(self.linears, h, low.b):
@@ -242,7 +237,7 @@ class LinearGroup:
                 continue
             out = n.mm(w.t()) if p.bias is None else torch.addmm(p.bias.to(n.dtype), n, w.t())
             if hp is not None:
-                _add_adapter(out, hp, b, p.scaling)
+                add_adapter(out, hp, b, p.scaling)
             outs.append(out if residual is None else out.add_(residual))
         return outs, state
 
@@ -277,13 +272,13 @@ class LinearGroup:
             g = g if g.dtype == b.dtype else g.to(b.dtype)
             gh = g.mm(b).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
             g_b = mm_f32(g.t(), hp).mul_(p.scaling)
-            g_a = mm_f32(gh.t(), _dropped(n_lora, m, p))
+            g_a = mm_f32(gh.t(), dropped(n_lora, m, p))
             param_grads += [g_a, g_b]
             if not self.dropout:  # every adapter's branch joins in one matmul below
                 gh_all.append(gh)
                 continue
             branch = gh.mm(a)
-            g_n.add_(_dropped(branch, m, p))  # (float32 LoRA: rounded as it is added)
+            g_n.add_(dropped(branch, m, p))  # (float32 LoRA: rounded as it is added)
         if gh_all:
             if low.a_all.dtype == g_n.dtype:
                 g_n.addmm_(torch.cat(gh_all, dim=1), low.a_all)
@@ -316,20 +311,3 @@ class LinearGroup:
     def _wide(self, n: Tensor) -> Tensor:
         """The input the adapters read: `n`, or `n` in `lora_dtype` (float32 LoRA)."""
         return n if self.lora_dtype is None or self.lora_dtype == n.dtype else n.to(self.lora_dtype)
-
-
-def _dropped(t: Tensor, mask: Tensor | None, p: Linear) -> Tensor:
-    """`t` through `p`'s dropout: ``t · mask / keep``, the product rounded once (`t`'s dtype)."""
-    if mask is None:
-        return t
-    return (t * mask).mul_(1.0 / (1.0 - p.dropout))
-
-
-def _add_adapter(out: Tensor, h: Tensor, b: Tensor, scaling: float) -> None:
-    """``out += scaling · h @ bᵀ``: in the matmul's float32 epilogue where `h` has `out`'s
-    dtype; float32 LoRA adds its float32 product to `out` in float32 and rounds the sum once,
-    as PEFT does."""
-    if h.dtype == out.dtype:
-        out.addmm_(h, b.t(), alpha=scaling)
-    else:
-        out.add_(h.mm(b.t()), alpha=scaling)
