@@ -196,21 +196,18 @@ def test_slow_copies_are_waited_for_and_the_gate_catches_a_missing_wait(llama_re
             assert_identical(llama_resident, streamed)
 
 
-@pytest.mark.parametrize("wait", [True, False], ids=["event-waited", "wait-dropped"])
-def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(llama_resident, wait):
-    """Every layer's saved input goes to pinned host memory and back (offload="all"), each
-    host→device copy delayed as on a slow link: with the compute stream waiting for it,
-    exact; without that wait the recompute reads a half-copied input and the run differs."""
-    if torch.device(DEVICE).type != "cuda":
-        pytest.skip("no copy stream to race on this device")
+def _slow_fetches(offload_of, wait: bool, *, cycles: int):
+    """A tamper for `_train`: each host→device copy of `offload_of(model)` (an
+    `ActivationOffload`) starts after `cycles` of sleep on its copy stream, as on a slow link;
+    without `wait` the compute stream no longer waits for it."""
 
-    def slow_fetches(model):
-        offload = model.narrows_stream.offload
+    def tamper(model):
+        offload = offload_of(model)
         start = offload.start_fetch
 
         def delayed(saved):
             with torch.cuda.stream(offload.copy_stream):
-                torch.cuda._sleep(40_000_000)
+                torch.cuda._sleep(cycles)
             start(saved)
 
         def fetch_without_wait(saved):
@@ -223,8 +220,20 @@ def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(ll
         if not wait:
             offload.fetch = fetch_without_wait
 
+    return tamper
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["event-waited", "wait-dropped"])
+def test_offloaded_inputs_come_back_exact_and_the_gate_catches_a_missing_wait(llama_resident, wait):
+    """Every layer's saved input goes to pinned host memory and back (offload="all"), each
+    host→device copy delayed as on a slow link: with the compute stream waiting for it,
+    exact; without that wait the recompute reads a half-copied input and the run differs."""
+    if torch.device(DEVICE).type != "cuda":
+        pytest.skip("no copy stream to race on this device")
+
     model = _model("llama")
-    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"offload": "all"}, tamper=slow_fetches)
+    tamper = _slow_fetches(lambda m: m.narrows_stream.offload, wait, cycles=40_000_000)
+    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"offload": "all"}, tamper=tamper)
     stats = model.narrows_stream.stats
     assert model.narrows_stream.plan.offloaded == tuple(range(LLAMA["num_hidden_layers"]))
     assert stats.act_d2h == stats.act_h2d > 0
@@ -244,27 +253,9 @@ def test_kept_attention_comes_back_exact_and_the_gate_catches_a_missing_wait(lla
     if torch.device(DEVICE).type != "cuda":
         pytest.skip("no copy stream to race on this device")
 
-    def slow_fetches(model):
-        offload = model.narrows_stream.executor.attention.offload
-        start = offload.start_fetch
-
-        def delayed(saved):
-            with torch.cuda.stream(offload.copy_stream):
-                torch.cuda._sleep(20_000_000)
-            start(saved)
-
-        def fetch_without_wait(saved):
-            if saved.fetched is None:
-                delayed(saved)
-            out, saved.fetched = saved.fetched, None
-            return out
-
-        offload.start_fetch = delayed
-        if not wait:
-            offload.fetch = fetch_without_wait
-
     model = _model("llama")
-    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"keep_attention": True}, tamper=slow_fetches)
+    tamper = _slow_fetches(lambda m: m.narrows_stream.executor.attention.offload, wait, cycles=20_000_000)
+    streamed = _train(model, seq=LLAMA_SEQ, stream_kwargs={"keep_attention": True}, tamper=tamper)
     assert model.narrows_stream.plan.kept_attention == tuple(range(LLAMA["num_hidden_layers"]))
     if wait:
         assert_identical(llama_resident, streamed)
