@@ -136,6 +136,9 @@ def test_the_planner_keeps_attention_at_long_context_only():
     tight = keep_attention(model, anatomy_of(model), at_budget, no_room, option=True, fast=True, inference=False,
                            seq=64, tokens=64, act_bytes=4)  # fmt: skip
     assert tight.kept_attention == () and "in flight" in tight.attention_choice
+    small_host = keep_attention(model, anatomy_of(model), full, no_room, option=True, fast=True, inference=False,
+                                seq=64, tokens=64, act_bytes=4, host_available=1000)  # fmt: skip
+    assert small_host.kept_attention == () and "0.977 KiB available" in small_host.attention_choice
 
 
 def test_keep_attention_takes_true_false_or_auto():

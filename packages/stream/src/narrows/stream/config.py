@@ -101,8 +101,9 @@ class StreamConfig:
     output and log-sum-exp) kept from the forward for the backward in host memory, so the
     recompute runs no attention and no Q/K/V base matmul: True, False, or "auto" — at long
     context, where attention is a large share of a layer's recompute, with a budget that
-    holds one more layer's attention in flight (not at the smallest footprint, nor with
-    CUDA graphs or block-major steps, which replay the recompute as it is).
+    holds one more layer's attention in flight and host memory every recomputed layer's
+    (not at the smallest footprint, nor with CUDA graphs or block-major steps, which
+    replay the recompute as it is).
     """
 
     # budget and the batch the plan sizes activations for

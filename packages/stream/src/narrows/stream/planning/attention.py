@@ -21,6 +21,7 @@ from torch import nn
 from narrows.core import Anatomy, format_bytes
 
 from ..errors import BudgetTooSmallError
+from .measure import default_host_budget
 from .record import Plan
 
 __all__ = ["KEEP_SHARE", "attention_bytes", "attention_share", "keep_attention"]
@@ -56,12 +57,14 @@ def attention_share(anat: Anatomy, seq: int) -> float:
 
 def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
                    option: bool | str, fast: bool, inference: bool, seq: int, tokens: int,
-                   act_bytes: int) -> Plan:  # fmt: skip
+                   act_bytes: int, host_available: int | None = None) -> Plan:  # fmt: skip
     """`plan` with the recomputed layers' attention kept in host memory, or its reason not.
     Where the plan leaves no room for one more layer's attention in flight, ``replan(bytes)``
     makes the same plan with that much more reserved (fewer resident layers, more inputs
     offloaded: at the sequences where attention is kept, the weights' copies hide behind
-    compute anyway)."""
+    compute anyway). Host memory: the host budget where the model has one (its tiers), else
+    `host_available` (default: 85% of what the kernel reports available now), which the
+    plan's offloaded inputs share."""
     if option is False:
         return replace(plan, attention_choice="off (keep_attention=False)")
     why = None
@@ -93,9 +96,14 @@ def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable
             peak = plan.predicted_peak
         except BudgetTooSmallError:
             why = f"the budget does not hold one more layer's attention in flight ({format_bytes(per_call)})"
-    if why is None and plan.host_budget is not None and plan.predicted_host_bytes is not None \
-            and plan.predicted_host_bytes + host > plan.host_budget:  # fmt: skip
-        why = f"host memory: {format_bytes(host)} more than the host budget holds"
+    if why is None and plan.host_budget is not None and plan.predicted_host_bytes is not None:
+        if plan.predicted_host_bytes + host > plan.host_budget:
+            why = f"host memory: {format_bytes(host)} more than the host budget holds"
+    elif why is None:
+        available = default_host_budget() if host_available is None else host_available
+        if plan.host_activation_bytes + host > available:
+            why = (f"host memory: {format_bytes(host)} beside the offloaded inputs' "
+                   f"{format_bytes(plan.host_activation_bytes)}; {format_bytes(available)} available")  # fmt: skip
     if why is not None:
         return replace(plan, attention_choice=f"off ({why})")
     return replace(  # out in the forward and back in the backward, as offloaded inputs are counted
