@@ -133,12 +133,16 @@ def test_the_planner_keeps_attention_at_long_context_only():
         raise ns.BudgetTooSmallError("no plan holds it")
 
     at_budget = dataclasses.replace(full, budget=full.predicted_peak)
-    tight = keep_attention(model, anatomy_of(model), at_budget, no_room, option=True, fast=True, inference=False,
+    tight = keep_attention(anatomy_of(model), at_budget, no_room, option=True, fast=True, inference=False,
                            seq=64, tokens=64, act_bytes=4)  # fmt: skip
     assert tight.kept_attention == () and "in flight" in tight.attention_choice
-    small_host = keep_attention(model, anatomy_of(model), full, no_room, option=True, fast=True, inference=False,
+    small_host = keep_attention(anatomy_of(model), full, no_room, option=True, fast=True, inference=False,
                                 seq=64, tokens=64, act_bytes=4, host_available=1000)  # fmt: skip
     assert small_host.kept_attention == () and "0.977 KiB available" in small_host.attention_choice
+    roomier = dataclasses.replace(at_budget, reserved_bytes=at_budget.reserved_bytes + per_call)
+    refused = keep_attention(anatomy_of(model), at_budget, lambda extra: roomier, option=True, fast=True,
+                             inference=False, seq=64, tokens=64, act_bytes=4, host_available=1000)  # fmt: skip
+    assert refused.reserved_bytes == at_budget.reserved_bytes  # not kept: the plan as it was, no room taken
 
 
 def test_keep_attention_takes_true_false_or_auto():

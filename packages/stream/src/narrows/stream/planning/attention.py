@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from torch import nn
-
 from narrows.core import Anatomy, format_bytes
 
 from ..errors import BudgetTooSmallError
@@ -55,7 +53,7 @@ def attention_share(anat: Anatomy, seq: int) -> float:
     return attn / (matmuls + attn)
 
 
-def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
+def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
                    option: bool | str, fast: bool, inference: bool, seq: int, tokens: int,
                    act_bytes: int, host_available: int | None = None) -> Plan:  # fmt: skip
     """`plan` with the recomputed layers' attention kept in host memory, or its reason not.
@@ -67,7 +65,7 @@ def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable
     plan's offloaded inputs share."""
     if option is False:
         return replace(plan, attention_choice="off (keep_attention=False)")
-    why = None
+    given, why = plan, None
     recomputed = tuple(i for i in range(len(plan.layer_bytes)) if i not in set(plan.whole))
     if not fast:
         why = "PEFT's modules run the layers (only the fast layers keep it)"
@@ -94,6 +92,8 @@ def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable
         try:
             plan = replan(per_call)
             peak = plan.predicted_peak
+            recomputed = tuple(i for i in range(len(plan.layer_bytes)) if i not in set(plan.whole))
+            host = per_call * len(recomputed)
         except BudgetTooSmallError:
             why = f"the budget does not hold one more layer's attention in flight ({format_bytes(per_call)})"
     if why is None and plan.host_budget is not None and plan.predicted_host_bytes is not None:
@@ -105,7 +105,7 @@ def keep_attention(model: nn.Module, anat: Anatomy, plan: Plan, replan: Callable
             why = (f"host memory: {format_bytes(host)} beside the offloaded inputs' "
                    f"{format_bytes(plan.host_activation_bytes)}; {format_bytes(available)} available")  # fmt: skip
     if why is not None:
-        return replace(plan, attention_choice=f"off ({why})")
+        return replace(given, attention_choice=f"off ({why})")
     return replace(  # out in the forward and back in the backward, as offloaded inputs are counted
         plan, kept_attention=recomputed, attention_host_bytes=host, predicted_peak=peak,
         d2h_bytes_per_step=plan.d2h_bytes_per_step + host, h2d_bytes_per_step=plan.h2d_bytes_per_step + host,
