@@ -154,7 +154,7 @@ def test_a_reserve_is_left_free_within_the_budget():
     assert kept.reserved_bytes == reserve and kept.fixed_bytes == without.fixed_bytes + reserve
     assert kept.predicted_peak <= budget
     assert (len(kept.resident), len(kept.whole)) < (len(without.resident), len(without.whole))
-    assert "reserved: held weights, step mode's room, or the caller's" in str(kept)
+    assert "reserved: held weights, kept attention in flight, step mode's room, or the caller's" in str(kept)
     with pytest.raises(ns.StreamSetupError, match="reserve"):
         ns.plan(model, budget, device="cpu", reserve=-1)
 
