@@ -14,6 +14,7 @@ import narrows.stream as ns
 import narrows.stream.fastexec as fastexec
 import narrows.stream.keptattn as keptattn
 from narrows.core import anatomy_of, fuse_layers
+from narrows.stream.planning import planned_shapes
 from narrows.stream.planning.attention import keep_attention
 
 
@@ -133,15 +134,17 @@ def test_the_planner_keeps_attention_at_long_context_only():
         raise ns.BudgetTooSmallError("no plan holds it")
 
     at_budget = dataclasses.replace(full, budget=full.predicted_peak)
-    tight = keep_attention(anatomy_of(model), at_budget, no_room, option=True, fast=True, inference=False,
-                           seq=64, tokens=64, act_bytes=4)  # fmt: skip
+    cfg = ns.StreamConfig(seq_len=64, keep_attention=True)
+    shapes = planned_shapes(model, anatomy_of(model), cfg)
+    assert shapes.fast and shapes.act_bytes == 4
+    tight = keep_attention(anatomy_of(model), at_budget, no_room, cfg, shapes)
     assert tight.kept_attention == () and "in flight" in tight.attention_choice
-    small_host = keep_attention(anatomy_of(model), full, no_room, option=True, fast=True, inference=False,
-                                seq=64, tokens=64, act_bytes=4, host_available=1000)  # fmt: skip
+    small_host = keep_attention(anatomy_of(model), full, no_room, cfg, shapes, host_available=1000)
     assert small_host.kept_attention == () and "0.977 KiB available" in small_host.attention_choice
     roomier = dataclasses.replace(at_budget, reserved_bytes=at_budget.reserved_bytes + per_call)
-    refused = keep_attention(anatomy_of(model), at_budget, lambda extra: roomier, option=True, fast=True,
-                             inference=False, seq=64, tokens=64, act_bytes=4, host_available=1000)  # fmt: skip
+    refused = keep_attention(
+        anatomy_of(model), at_budget, lambda extra: roomier, cfg, shapes, host_available=1000
+    )
     assert refused.reserved_bytes == at_budget.reserved_bytes  # not kept: the plan as it was, no room taken
 
 

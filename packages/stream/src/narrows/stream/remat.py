@@ -51,7 +51,7 @@ class LayerCall:
     ambient: Ambient | None = None  # the forward's autocast and attention settings, for the recompute
     executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the forward and the recompute
     held: HeldWeights | None = None  # the buffer its 4-bit weights are held in through the backward
-    kept: CallState = field(default_factory=CallState)  # what the executor keeps from forward to backward
+    executor_state: CallState = field(default_factory=CallState)  # what the executor keeps for the backward
 
     def holding(self) -> Any:
         """The layer's 4-bit weights dequantised once for its backward (recompute and input
@@ -89,7 +89,7 @@ class StreamedLayer(torch.autograd.Function):
                 call.side.collecting(forward=True):  # fmt: skip
             h = hidden.detach().requires_grad_(hidden.requires_grad)
             out = call.executor.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
-                                        call.kept)  # fmt: skip
+                                        call.executor_state)  # fmt: skip
         side = call.side.take_stand_ins()
         ctx.call, ctx.offloaded = call, saved
         ctx.save_for_backward(hidden if saved is None else None)
@@ -111,7 +111,7 @@ class StreamedLayer(torch.autograd.Function):
             h = hidden.detach().requires_grad_(need_h)
             params = [p for p, n in zip(call.params, need_p) if n]
             grads = call.executor.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
-                                           grad_out, params, SideGrads(call.side, grad_side), call.kept)  # fmt: skip
+                                           grad_out, params, SideGrads(call.side, grad_side), call.executor_state)  # fmt: skip
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)

@@ -18,8 +18,10 @@ from dataclasses import replace
 
 from narrows.core import Anatomy, format_bytes
 
+from ..config import StreamConfig
 from ..errors import BudgetTooSmallError
 from .measure import default_host_budget
+from .memory import Shapes
 from .record import Plan
 
 __all__ = ["KEEP_SHARE", "attention_bytes", "attention_share", "keep_attention"]
@@ -53,9 +55,8 @@ def attention_share(anat: Anatomy, seq: int) -> float:
     return attn / (matmuls + attn)
 
 
-def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
-                   option: bool | str, fast: bool, inference: bool, seq: int, tokens: int,
-                   act_bytes: int, host_available: int | None = None) -> Plan:  # fmt: skip
+def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], cfg: StreamConfig, shapes: Shapes,
+                   host_available: int | None = None) -> Plan:  # fmt: skip
     """`plan` with the recomputed layers' attention kept in host memory, or its reason not.
     Where the plan leaves no room for one more layer's attention in flight, ``replan(bytes)``
     makes the same plan with that much more reserved (fewer resident layers, more inputs
@@ -63,13 +64,14 @@ def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
     compute anyway). Host memory: the host budget where the model has one (its tiers), else
     `host_available` (default: 85% of what the kernel reports available now), which the
     plan's offloaded inputs share."""
+    option, seq = cfg.keep_attention, cfg.seq_len
     if option is False:
         return replace(plan, attention_choice="off (keep_attention=False)")
     given, why = plan, None
     recomputed = tuple(i for i in range(len(plan.layer_bytes)) if i not in set(plan.whole))
-    if not fast:
+    if not shapes.fast:
         why = "PEFT's modules run the layers (only the fast layers keep it)"
-    elif inference:
+    elif cfg.inference:
         why = "forward passes only"
     elif plan.graphs:
         why = "CUDA graphs replay the recompute as it is"
@@ -78,7 +80,7 @@ def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], *,
     elif not recomputed:
         why = "every layer runs whole: nothing is recomputed"
     share = attention_share(anat, seq)
-    per_call = attention_bytes(anat, tokens, act_bytes)
+    per_call = attention_bytes(anat, cfg.batch_size * seq, shapes.act_bytes)
     host = per_call * len(recomputed)
     if why is None and option == "auto":
         if share < KEEP_SHARE:

@@ -113,9 +113,7 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
         return replace(again, held_weights=chosen.held_weights, held_choice=chosen.held_choice,
                        grad_accum=chosen.grad_accum, accumulation_choice=chosen.accumulation_choice)  # fmt: skip
 
-    return keep_attention(anat, chosen, with_room, option=cfg.keep_attention, fast=shapes.fast,
-                          inference=cfg.inference, seq=cfg.seq_len, tokens=cfg.batch_size * cfg.seq_len,
-                          act_bytes=shapes.act_bytes)  # fmt: skip
+    return keep_attention(anat, chosen, with_room, cfg, shapes)
 
 
 def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[..., Plan],
