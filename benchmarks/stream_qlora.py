@@ -44,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -364,6 +365,8 @@ def torch_profile(step, top: int = 25) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     events = prof.key_averages()
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    prof.export_chrome_trace(str(trace))
 
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -379,7 +382,51 @@ def torch_profile(step, top: int = 25) -> dict:
         "host_ops": sum(e.count for e in events),
         "top_host": rows(lambda e: e.self_cpu_time_total),  # [op, calls, self host s, self device s]
         "top_device": rows(device_us),
+        **device_categories(json.loads(trace.read_text())),
     }
+
+
+CATEGORIES = (  # (category, substrings of a kernel's name), first match wins
+    ("dequantise", ("Dequantize",)),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "xmma", "splitKreduce")),
+)
+
+
+def device_categories(trace: dict) -> dict:
+    """Device time by kind of kernel, and how busy the busiest stream (the compute
+    stream) was: its kernels' union against the span from its first to its last, so a
+    stream idle while it waits for the host or a copy shows as idle."""
+    by_cat: dict[str, float] = {}
+    others: dict[str, float] = {}
+    streams: dict[object, list[tuple[float, float]]] = {}
+    for e in trace.get("traceEvents", []):
+        cat = e.get("cat", "")
+        if e.get("ph") != "X" or cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0)) / 1e6
+        if cat != "kernel":
+            kind = "copy " + (
+                "host→device" if "HtoD" in name else "device→host" if "DtoH" in name else "other"
+            )
+        else:
+            kind = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other kernels")
+            streams.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+            if kind == "other kernels":
+                others[name[:70]] = others.get(name[:70], 0.0) + dur
+        by_cat[kind] = by_cat.get(kind, 0.0) + dur
+    busiest = max(streams.values(), key=lambda iv: sum(b - a for a, b in iv), default=[])
+    busy, end = 0.0, None
+    for a, b in sorted(busiest):
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    span = (max(b for _, b in busiest) - min(a for a, _ in busiest)) / 1e6 if busiest else 0.0
+    top_others = sorted(others.items(), key=lambda kv: -kv[1])[:12]
+    return {"device_s_by_kind": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+            "compute_stream": {"span_s": round(span, 4), "busy_s": round(busy / 1e6, 4)},
+            "other_kernels_top": [[k, round(v, 4)] for k, v in top_others]}  # fmt: skip
 
 
 def main() -> None:

@@ -3,11 +3,13 @@ the activation dtype, and the adapters' matmuls on tensor cores in that dtype to
 the float32 masters cast once per call — with float32 gradients for the masters.
 
 Forward of a group on input ``n`` (tokens × in): ``h = n @ cat(A)ᵀ`` (one matmul for
-every adapter of the group when none drops out), then the base and
-``out += s · h_p @ B_pᵀ`` as one ``addmm_`` per adapter (the scale in the matmul's
-float32 epilogue, one rounding). Backward: the input's gradient sums every linear's
-``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``; ``A`` and ``B``'s gradients come out of
-the matmuls in float32 (``mm_f32``), never rounded to the activation dtype.
+every adapter of the group when none drops out), then ``s · h @ Bᵀ`` (the scale in the
+matmul's float32 epilogue, one rounding) with the base matmul accumulated onto it in its
+epilogue (`loramath.adapter_then_base`: one pass over the output, not two). Backward: the
+input's gradient sums every linear's ``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``, the
+adapters' branch written first and the base accumulated onto it; ``A`` and ``B``'s
+gradients come out of the matmuls in float32 (``mm_f32``), never rounded to the
+activation dtype.
 
 A group of 4-bit linears (Q/K/V, gate/up) runs its base as one matmul on the weights
 stacked, ``n @ [W_q; W_k; W_v]ᵀ``, each linear's output a column block of the result, and
@@ -34,7 +36,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .loramath import add_adapter, dropped, mm_f32
+from .loramath import adapter_then_base, add_adapter, dropped, mm_f32
 from .stacking import joined, side_by_side
 
 __all__ = [
@@ -211,16 +213,16 @@ class LinearGroup:
             assert not skip and residual is None, "a stacked group is never skipped nor given a residual"
             w = self.stacked_weight(n, cache)
             biases = [p.bias for p in self.linears]
+            bias = None
             if any(b is not None for b in biases):
                 bias = torch.cat(
                     [n.new_zeros(o) if b is None else b.to(n.dtype) for b, o in zip(biases, self.widths)]
                 )
-                base = torch.addmm(bias, n, w.t())
-            else:
-                base = n.mm(w.t())
             if low.b_all is not None:  # every adapter in one matmul; h's blocks lie side by side
-                add_adapter(base, joined([hp for hp in h if hp is not None], dim=1), low.b_all,
-                             self.adapted[0].scaling)  # fmt: skip
+                base = adapter_then_base(n, w, joined([hp for hp in h if hp is not None], dim=1), low.b_all,
+                                         self.adapted[0].scaling, bias)  # fmt: skip
+            else:
+                base = n.mm(w.t()) if bias is None else torch.addmm(bias, n, w.t())
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
             for out, p, hp, b in zip(outs, self.linears, h, low.b) if low.b_all is None else ():
                 if hp is not None:
@@ -235,9 +237,12 @@ class LinearGroup:
             if residual is not None and hp is None and p.bias is None:
                 outs.append(torch.addmm(residual, n, w.t()))
                 continue
-            out = n.mm(w.t()) if p.bias is None else torch.addmm(p.bias.to(n.dtype), n, w.t())
-            if hp is not None:
-                add_adapter(out, hp, b, p.scaling)
+            if hp is not None and hp.dtype == n.dtype:
+                out = adapter_then_base(n, w, hp, b, p.scaling, p.bias)
+            else:
+                out = n.mm(w.t()) if p.bias is None else torch.addmm(p.bias.to(n.dtype), n, w.t())
+                if hp is not None:
+                    add_adapter(out, hp, b, p.scaling)
             outs.append(out if residual is None else out.add_(residual))
         return outs, state
 
@@ -252,47 +257,58 @@ class LinearGroup:
         """The input's gradient and the adapters' (float32, ``a`` then ``b`` per adapter,
         in `params` order), from each linear's output gradient."""
         n = state.n
-        g_n: Tensor | None = None
-        if self.stacked:  # the gradients are side by side already where written so (SwiGLU's)
-            g_joined = joined(grads, dim=1)
-            g_n = g_joined.mm(self.stacked_weight(n, cache))
+        low = state.low if state.low is not None else self._low(self.lora_dtype or n.dtype)
+        n_lora = self._wide(n)
+        g_joined = joined(grads, dim=1) if self.stacked else None  # side by side already where written so
+        if low.b_all is not None:
+            param_grads, branch, dropped_out = *self._blocked_backward(g_joined, state, low, n_lora), []
+        else:
+            param_grads, branch, dropped_out = self._adapter_grads(grads, state, low, n_lora)
+        # the adapters' branch (when it is in the activations' dtype) first, the base accumulated onto it
+        first = branch is not None and branch[1].dtype == n.dtype
+        g_n: Tensor | None = branch[0].mm(branch[1]) if first else None
+        if self.stacked:
+            w = self.stacked_weight(n, cache)
+            g_n = g_joined.mm(w) if g_n is None else g_n.addmm_(g_joined, w)
         else:
             for p, g in zip(self.linears, grads):
                 w = p.w(g, cache)
                 g_n = g.mm(w) if g_n is None else g_n.addmm_(g, w)
+        if branch is not None and not first:  # float32 LoRA: its branch added in float32, rounded once
+            g_n.add_(branch[0].mm(branch[1]))
+        for p, gh, m, a in dropped_out:  # (float32 LoRA: rounded as it is added)
+            g_n.add_(dropped(gh.mm(a), m, p))
+        return g_n, param_grads
+
+    def _adapter_grads(self, grads: Sequence[Tensor], state: GroupState, low: _Low, n: Tensor,
+                       ) -> tuple[list[Tensor], tuple[Tensor, Tensor] | None, list[tuple]]:  # fmt: skip
+        """The adapters' gradients, one adapter at a time, and their branches of the
+        input's gradient: as one ``(ghs side by side) @ A_all`` where nothing drops out,
+        else one ``(gh_p @ A_p)`` per adapter, to be dropped out (``(linear, gh, mask, A)``)."""
         param_grads: list[Tensor] = []
         gh_all: list[Tensor] = []
-        low = state.low if state.low is not None else self._low(self.lora_dtype or n.dtype)
-        n_lora = self._wide(n)
-        if low.b_all is not None:
-            return g_n, self._blocked_backward(g_joined, state, low, n_lora, g_n)
+        dropped_out: list[tuple] = []
         for p, g, hp, m, a, b in zip(self.linears, grads, state.h, state.masks, low.a, low.b):
             if p.a is None:
                 continue
             g = g if g.dtype == b.dtype else g.to(b.dtype)
             gh = g.mm(b).mul_(p.scaling)  # (tokens, r): the scaled branch's gradient
             g_b = mm_f32(g.t(), hp).mul_(p.scaling)
-            g_a = mm_f32(gh.t(), dropped(n_lora, m, p))
+            g_a = mm_f32(gh.t(), dropped(n, m, p))
             param_grads += [g_a, g_b]
-            if not self.dropout:  # every adapter's branch joins in one matmul below
+            if self.dropout:
+                dropped_out.append((p, gh, m, a))
+            else:  # every adapter's branch joins in one matmul
                 gh_all.append(gh)
-                continue
-            branch = gh.mm(a)
-            g_n.add_(dropped(branch, m, p))  # (float32 LoRA: rounded as it is added)
-        if gh_all:
-            if low.a_all.dtype == g_n.dtype:
-                g_n.addmm_(torch.cat(gh_all, dim=1), low.a_all)
-            else:
-                g_n.add_(torch.cat(gh_all, dim=1).mm(low.a_all))
-        return g_n, param_grads
+        branch = (torch.cat(gh_all, dim=1), low.a_all) if gh_all else None
+        return param_grads, branch, dropped_out
 
-    def _blocked_backward(
-        self, g_joined: Tensor, state: GroupState, low: _Low, n: Tensor, g_n: Tensor
-    ) -> list[Tensor]:
-        """`backward` of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all`` (every
-        adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``, B's as
-        one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied out: a
-        gradient keeps its parameter's layout), and the input's ``gh @ A_all`` added."""
+    def _blocked_backward(self, g_joined: Tensor, state: GroupState, low: _Low, n: Tensor,
+                          ) -> tuple[list[Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
+        """The adapters' gradients of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all``
+        (every adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``,
+        B's as one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied
+        out: a gradient keeps its parameter's layout); and the input's branch, ``gh @ A_all``."""
         scaling = self.adapted[0].scaling
         g = g_joined if g_joined.dtype == low.b_all.dtype else g_joined.to(low.b_all.dtype)
         gh = g.mm(low.b_all).mul_(scaling)
@@ -305,8 +321,7 @@ class LinearGroup:
                 r = p.a.shape[0]
                 out += [g_a[i], rows[:, col : col + r].contiguous()]
                 i, col = i + 1, col + r
-        g_n.addmm_(gh, low.a_all)
-        return out
+        return out, (gh, low.a_all)
 
     def _wide(self, n: Tensor) -> Tensor:
         """The input the adapters read: `n`, or `n` in `lora_dtype` (float32 LoRA)."""
