@@ -188,7 +188,7 @@ def main() -> None:
     rows["gate/up: adapter, then base addmm_ onto it (h given)"] = timed(adapter_first, args.reps * 4)
 
     run = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-           "tokens": T, "layers": L, "reps": args.reps, "seconds": rows}  # fmt: skip
+           "tokens": T, "layers": L, "reps": args.reps, "copy_bytes": nbytes, "seconds": rows}  # fmt: skip
     flops = 2 * T * hid * (qo + 2 * kvo + 2 * inter) + 2 * T * qo * hid + 2 * T * inter * hid
     run["gemm_tflops"] = flops / rows["gemms, per layer"] / 1e12
     print(f"{run['device']}, {args.shape}, {T} tokens; layer GEMMs at {run['gemm_tflops']:.0f} TFLOP/s")
