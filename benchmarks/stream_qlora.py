@@ -23,6 +23,7 @@ False, neither: the library's "auto"; step modes plan with grad_accum and step_m
 "-fast" on a stream mode: kernels="fast" (the same fast layers, streamed); on a resident mode: narrows.core.fuse_layers (each decoder layer one autograd node with a
 written-out backward, LoRA in bf16 on tensor cores; with -ckpt it recomputes itself, selectively);
 "-f32lora" with "-fast": the fast layers' adapters in PEFT's float32 arithmetic (lora_dtype);
+"-drop" on any mode: LoRA dropout 0.05 (DROPOUT; without it none, as the peers run);
 "-fuse" on any mode: narrows.core.fuse_lora (each LoRA branch one autograd node, the float32
 cast of an input shared by Q/K/V or gate/up made and saved once);
 resident-ckpt (everything on the GPU, PEFT + HF gradient checkpointing), resident (no
@@ -124,6 +125,9 @@ def peak_breakdown(snapshot: dict, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+DROPOUT = 0.05  # "-drop": a LoRA dropout users set (PEFT's examples use 0.05 or 0.1)
+
+
 def run_one(args: argparse.Namespace) -> dict:
     from _models import add_lora, load_config, random_nf4_model
 
@@ -141,12 +145,12 @@ def run_one(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)  # adapter init draws from the global RNG: same start in every mode
     t0 = time.perf_counter()
     model = random_nf4_model(load_config(args.model), work_device=str(device), attn=args.attn)
-    model = add_lora(model).train()
+    parts = mode.split("-")
+    model = add_lora(model, dropout=DROPOUT if "drop" in parts else 0.0).train()
     model.config.use_cache = False
     vocab = model.config.vocab_size
     build_s = time.perf_counter() - t0
     plan = engine = None
-    parts = mode.split("-")
     if "fuse" in parts:  # each LoRA branch one autograd node, a shared input cast once
         from narrows.core import fuse_lora
 

@@ -186,6 +186,39 @@ def test_nf4_fast_layers_with_stacked_weights_train_what_peft_trains(arch):
 
 
 @pytest.mark.bnb
+def test_a_stacked_group_with_dropout_runs_b_as_one_and_each_a_on_its_own_dropped_input():
+    """With dropout, a stacked group whose adapters share one scale still runs B's side as
+    one matmul (`blocked`), each A on its own dropped-out input. Its outputs, input gradient
+    and adapter gradients match a float64 computation of each linear on its own with the
+    same masks (a mask given to the wrong adapter, a lost 1/keep or a gradient split at the
+    wrong rank would not)."""
+    model = _model("llama", base="nf4", dropout=0.25)
+    assert not fuse_layers(model).refused
+    group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv
+    assert group.stacked and group.blocked and group.dropout
+    torch.manual_seed(0)
+    n = torch.randn(10, group.linears[0].weight.shape[1])
+    masks = group.masks(n)
+    assert all(m is not None for m in masks) and not torch.equal(masks[0], masks[1])
+    grads = [torch.randn(n.shape[0], w) for w in group.widths]
+    with torch.no_grad():
+        outs, state = group.forward(n, masks)
+        g_n, p_grads = group.backward(grads, state)
+    x = n.double().requires_grad_()
+    leaves, ref_outs = [], []
+    for p, m in zip(group.linears, masks):
+        a, b = (t.detach().double().requires_grad_() for t in (p.a, p.b))
+        leaves += [a, b]
+        dropped = x * m.double() / (1 - p.dropout)
+        ref_outs.append(x @ p.weight(n).double().t() + p.scaling * (dropped @ a.t()) @ b.t())
+    ref_grads = torch.autograd.grad(
+        sum((o * g.double()).sum() for o, g in zip(ref_outs, grads)), [x, *leaves]
+    )
+    for got, ref in zip([*outs, g_n, *p_grads], [*ref_outs, *ref_grads]):
+        assert got.shape == ref.shape and torch.allclose(got.double(), ref.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.bnb
 def test_stacked_groups_run_their_adapters_as_one_where_they_share_a_scale():
     """A stacked 4-bit group whose adapters share one scale runs them as one matmul on a
     block-diagonal B (`blocked`), also where some linears of the group have no adapter
