@@ -35,3 +35,10 @@ f)
     --modes stream-16GiB-lmhead-fast-auto \
     --out $OUT/peers_72b_8x512_s8.json 2>&1 | tail -9 ;;
 esac
+case "$1" in
+g)
+  for r in 1 2; do for v in old new; do ab $v 7b_8x512_drop_r$r --model qwen2.5-7b --steps 10 --modes stream-8GiB-lmhead-fast-auto-drop,stream-min-lmhead-fast-drop; done; done ;;
+h)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 200 python3 -m pytest packages/core/tests/test_fastlayer.py -m gpu -q -p no:cacheprovider -rfE 2>&1 | tail -2
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout 330 python3 -m pytest packages/stream/tests/test_stream_gpu_exact.py -q -p no:cacheprovider -rfE -x 2>&1 | tail -2 ;;
+esac

@@ -186,16 +186,17 @@ def test_nf4_fast_layers_with_stacked_weights_train_what_peft_trains(arch):
 
 
 @pytest.mark.bnb
-def test_a_stacked_group_with_dropout_runs_b_as_one_and_each_a_on_its_own_dropped_input():
-    """With dropout, a stacked group whose adapters share one scale still runs B's side as
-    one matmul (`blocked`), each A on its own dropped-out input. Its outputs, input gradient
-    and adapter gradients match a float64 computation of each linear on its own with the
-    same masks (a mask given to the wrong adapter, a lost 1/keep or a gradient split at the
-    wrong rank would not)."""
+def test_a_stacked_group_with_dropout_computes_what_each_adapter_would():
+    """With dropout a stacked group runs each adapter on its own dropped-out input (one
+    base matmul on the stacked weights). Its outputs, input gradient and adapter gradients
+    match a float64 computation of each linear on its own with the same masks (a mask given
+    to the wrong adapter, a lost 1/keep or a gradient of the wrong adapter would not).
+    Running B's side as one matmul there (as without dropout) measured no faster on the
+    H100: `benchmarks/h100/ab_7b_8x512_drop_*.json`."""
     model = _model("llama", base="nf4", dropout=0.25)
     assert not fuse_layers(model).refused
     group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv
-    assert group.stacked and group.blocked and group.dropout
+    assert group.stacked and group.dropout and not group.blocked
     torch.manual_seed(0)
     n = torch.randn(10, group.linears[0].weight.shape[1])
     masks = group.masks(n)

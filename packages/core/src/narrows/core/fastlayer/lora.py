@@ -119,14 +119,13 @@ class LinearGroup:
         self.stacked = len(self.linears) > 1 and all(p.weight.stacks for p in self.linears)
         self.widths = [p.weight.shape[0] for p in self.linears]
         self.key = "+".join(p.name for p in self.linears)
-        # a stacked group whose adapters share one scale runs their B side as one: ``s · h_all @
-        # B_allᵀ`` with every B on the diagonal of one matrix, and in the backward ``s · [g_q g_k
-        # g_v] @ B_all`` and B's gradients as one matmul each; without dropout A's side too (with
-        # it each A reads its own dropped-out input). The zeros add nothing; the host launches
-        # up to 8 matmuls fewer per Q/K/V forward and backward (4 per gate/up), each about 80 µs
-        # of its time on the H100 machine.
+        # a stacked group whose adapters share one scale and drop nothing out runs them as one:
+        # ``out += s · h_all @ B_allᵀ`` with every B on the diagonal of one matrix, and in the
+        # backward ``s · [g_q g_k g_v] @ B_all`` and A's and B's gradients as one matmul each.
+        # The zeros add nothing; the host launches 8 matmuls fewer per Q/K/V forward and
+        # backward (4 per gate/up), each about 80 µs of its time on the H100 machine.
         self.blocked = (
-            self.stacked and len(self.adapted) > 1 and lora_dtype is None
+            self.stacked and not self.dropout and len(self.adapted) > 1 and lora_dtype is None
             and len({p.scaling for p in self.adapted}) == 1
         )  # fmt: skip
 
@@ -168,16 +167,14 @@ class LinearGroup:
         if not self.adapted:
             return _Low(none, none, None)
         b = [None if p.b is None else p.b.to(dtype) for p in self.linears]
-        if self.dropout:  # each A reads its own dropped-out input: no A_all
-            a, a_all = [None if p.a is None else p.a.to(dtype) for p in self.linears], None
-        else:
-            a_all = torch.cat([p.a for p in self.adapted]).to(dtype)
-            rows = iter(a_all.split([p.a.shape[0] for p in self.adapted]))
-            a = [next(rows) if p.a is not None else None for p in self.linears]
+        if self.dropout:
+            return _Low([None if p.a is None else p.a.to(dtype) for p in self.linears], b, None)
+        a_all = torch.cat([p.a for p in self.adapted]).to(dtype)
+        rows = iter(a_all.split([p.a.shape[0] for p in self.adapted]))
+        a = [next(rows) if p.a is not None else None for p in self.linears]
         if not self.blocked:
             return _Low(a, b, a_all)
-        rank = sum(p.a.shape[0] for p in self.adapted)
-        b_all = torch.zeros(sum(self.widths), rank, dtype=dtype, device=self.adapted[0].b.device)
+        b_all = a_all.new_zeros(sum(self.widths), a_all.shape[0])
         blocks, col = [], 0
         for p, rows_p in zip(self.linears, b_all.split(self.widths)):
             if p.b is None:
@@ -264,7 +261,7 @@ class LinearGroup:
         n_lora = self._wide(n)
         g_joined = joined(grads, dim=1) if self.stacked else None  # side by side already where written so
         if low.b_all is not None:
-            param_grads, branch, dropped_out = self._blocked_backward(g_joined, state, low, n_lora)
+            param_grads, branch, dropped_out = *self._blocked_backward(g_joined, state, low, n_lora), []
         else:
             param_grads, branch, dropped_out = self._adapter_grads(grads, state, low, n_lora)
         # the adapters' branch (when it is in the activations' dtype) first, the base accumulated onto it
@@ -307,25 +304,15 @@ class LinearGroup:
         return param_grads, branch, dropped_out
 
     def _blocked_backward(self, g_joined: Tensor, state: GroupState, low: _Low, n: Tensor,
-                          ) -> tuple[list[Tensor], tuple[Tensor, Tensor] | None, list[tuple]]:  # fmt: skip
+                          ) -> tuple[list[Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
         """The adapters' gradients of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all``
         (every adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``,
         B's as one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied
-        out: a gradient keeps its parameter's layout); and the input's branch, ``gh @ A_all``.
-        With dropout, A's gradients and the input's branches are each adapter's, on its own
-        dropped-out input (``(linear, gh_p, mask, A_p)`` to be dropped out)."""
+        out: a gradient keeps its parameter's layout); and the input's branch, ``gh @ A_all``."""
         scaling = self.adapted[0].scaling
         g = g_joined if g_joined.dtype == low.b_all.dtype else g_joined.to(low.b_all.dtype)
         gh = g.mm(low.b_all).mul_(scaling)
-        ranks = [p.a.shape[0] for p in self.adapted]
-        branch, dropped_out = (gh, low.a_all), []
-        if low.a_all is not None:
-            g_a = mm_f32(gh.t(), n).split(ranks)
-        else:  # dropout: (linear, gh_p, mask, A_p) for each adapter
-            adapted = [(p, m, a) for p, m, a in zip(self.linears, state.masks, low.a) if p.a is not None]
-            dropped_out = [(p, gp, m, a) for (p, m, a), gp in zip(adapted, gh.split(ranks, dim=1))]
-            g_a = [mm_f32(gp.t(), dropped(n, m, p)) for p, gp, m, _ in dropped_out]
-            branch = None
+        g_a = mm_f32(gh.t(), n).split([p.a.shape[0] for p in self.adapted])
         g_b_all = mm_f32(g.t(), joined([hp for hp in state.h if hp is not None], dim=1)).mul_(scaling)
         out: list[Tensor] = []
         i = col = 0
@@ -334,7 +321,7 @@ class LinearGroup:
                 r = p.a.shape[0]
                 out += [g_a[i], rows[:, col : col + r].contiguous()]
                 i, col = i + 1, col + r
-        return out, branch, dropped_out
+        return out, (gh, low.a_all)
 
     def _wide(self, n: Tensor) -> Tensor:
         """The input the adapters read: `n`, or `n` in `lora_dtype` (float32 LoRA)."""
