@@ -165,3 +165,24 @@ def test_disk_tier_layers_and_whole_layers_never_collide():
         assert q.predicted_peak <= q.budget
         seen_whole_disk |= N - 1 in q.whole and len(q.resident) < N
     assert seen_whole_disk
+
+
+def test_fast_layers_dropout_masks_are_priced():
+    """Fast layers with LoRA dropout keep each adapter's mask for the backward (a whole
+    layer until the step's backward, a recomputed one through its backward). The plan
+    prices them — found in eval mode too, as a model is often planned before ``.train()`` —
+    so with every layer whole the peak is predicted higher by every layer's masks at least,
+    and the budget that holds every layer whole without dropout holds fewer with it."""
+    from narrows.stream.planning import dropout_mask_bytes
+
+    drop, plain = _model(dropout=0.1).eval(), _model(dropout=0.0)
+    for m in (drop, plain):
+        m.set_attn_implementation("sdpa")  # the fast layers' attention
+    shapes = Shapes.of(anatomy_of(drop), 2, 12, fast=True, dropout=True)
+    assert dropout_mask_bytes(shapes) == 2 * 12 * (6 * 128 + 512) * shapes.act_bytes
+    fit_drop, fit_plain = (ns.plan(m, "fit", **SHAPE) for m in (drop, plain))
+    assert len(fit_drop.whole) == len(fit_plain.whole) == N
+    assert fit_drop.predicted_peak - fit_plain.predicted_peak >= N * dropout_mask_bytes(shapes)
+    budget = fit_plain.predicted_peak
+    tight = ns.plan(drop, budget, **SHAPE)
+    assert len(tight.whole) < N and tight.predicted_peak <= budget

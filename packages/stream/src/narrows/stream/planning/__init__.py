@@ -15,6 +15,7 @@ from .measure import default_host_budget
 from .memory import (
     Shapes,
     activation_bytes,
+    dropout_mask_bytes,
     graph_bytes,
     held_weight_bytes,
     input_bytes,
@@ -41,6 +42,7 @@ __all__ = [
     "choose_step_mode",
     "default_host_budget",
     "dequant_seconds",
+    "dropout_mask_bytes",
     "graph_bytes",
     "held_weight_bytes",
     "holds_weights",

@@ -27,6 +27,7 @@ from ..config import DEFAULT_SHAPES
 __all__ = [
     "Shapes",
     "activation_bytes",
+    "dropout_mask_bytes",
     "graph_bytes",
     "held_weight_bytes",
     "input_bytes",
@@ -56,12 +57,14 @@ class Shapes:
     fast: bool = False  # every layer runs narrows.core's fast layer (it keeps and works in less)
     kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
     lora_float32: bool = False  # the fast layers' adapters in float32 (their temporaries in float32)
+    dropout: bool = False  # the fast layers' adapters drop out (each keeps its mask for the backward)
 
     @classmethod
     def of(cls, anat: Anatomy, batch_size: int, seq_len: int, *, fast: bool = False,
-           lora_float32: bool = False) -> Shapes:  # fmt: skip
+           lora_float32: bool = False, dropout: bool = False) -> Shapes:  # fmt: skip
         """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens;
-        `fast`: every decoder layer runs as a fast layer; `lora_float32`: with float32 LoRA."""
+        `fast`: every decoder layer runs as a fast layer; `lora_float32`: with float32 LoRA;
+        `dropout`: the fast layers' adapters drop out."""
         cfg = anat.config
         act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -82,6 +85,7 @@ class Shapes:
             fast=fast,
             kv_width=kv_heads * head_dim,
             lora_float32=fast and lora_float32,
+            dropout=fast and dropout,
         )
 
     @property
@@ -114,14 +118,29 @@ def whole_bytes(s: Shapes) -> int:
     and values, and gate, up and their product; a quarter hidden of slack covers the
     adapters' rank-wide activations and the norms' statistics. (`benchmarks/fast_memory.py`
     on the H100, bytes per token beyond the input / predicted: 151.9 / 153.3 KB at 7B,
-    221.6 / 223.7 at 32B, 263.9 / 267.5 at 72B.)"""
+    221.6 / 223.7 at 32B, 263.9 / 267.5 at 72B.) With dropout (`Shapes.dropout`) it keeps
+    each adapter's mask too, the size of the adapter's input: six hidden-sized and one
+    intermediate-sized a token where all seven linears drop out (`dropout_mask_bytes`)."""
     tokens = s.batch * s.seq
     if s.fast:
-        return int(tokens * (6.25 * s.hidden + 2 * s.kv + 3 * s.intermediate) * s.act_bytes)
+        kept = int(tokens * (6.25 * s.hidden + 2 * s.kv + 3 * s.intermediate) * s.act_bytes)
+        return kept + dropout_mask_bytes(s)
     kept = tokens * (18 * s.hidden + 5 * s.intermediate) * s.act_bytes
     if s.eager_attention:
         kept += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
     return kept
+
+
+def dropout_mask_bytes(s: Shapes) -> int:
+    """One fast layer's dropout masks, each the size of its adapter's input, in the
+    activations' dtype: Q, K, V, o, gate and up read hidden-sized inputs, down an
+    intermediate-sized one (all seven counted). 0 without dropout. On the H100 at 7B, 8 ×
+    512 tokens, dropout 0.05: the smallest footprint peaked 0.43 GiB higher than without,
+    the `8GiB` plan's five whole layers 1.67 GiB (`benchmarks/h100/ab_7b_8x512_drop_r1_new.json`
+    against `ab_7b_8x512_r1_new.json`); this prices 0.45 and 2.0."""
+    if not s.dropout:
+        return 0
+    return s.batch * s.seq * (6 * s.hidden + s.intermediate) * s.act_bytes
 
 
 def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
@@ -144,7 +163,9 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     (`benchmarks/fast_memory.py`, `benchmarks/h100/fast_memory_tiled_7b.json`), priced at
     3.48 GB (8.5% over; the untiled formula with the tile's MLP priced 4.58 GB). Float32
     LoRA (`Shapes.lora_float32`) adds its float32 temporaries, counted from the code, not
-    measured."""
+    measured. Dropout (`Shapes.dropout`; never with tiles) adds the layer's masks and one
+    dropped-out input at a time, the widest down_proj's (`dropout_mask_bytes`, and an
+    intermediate-sized tensor a token)."""
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     if s.fast:
@@ -154,7 +175,10 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
             (tokens * 2 * s.hidden + mlp_tokens * 2 * s.intermediate) * s.act_bytes if s.lora_float32 else 0
         )
         if mlp_tokens == tokens:
-            return int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes + wide
+            work = int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes + wide
+            if s.dropout:
+                work += dropout_mask_bytes(s) + tokens * s.intermediate * s.act_bytes
+            return work
         work = (tokens * 11 * s.hidden + tile * (5 * s.hidden + 3.6 * s.intermediate)) * s.act_bytes
         work += 2 * s.dequant_bytes
         return int(work) + wide

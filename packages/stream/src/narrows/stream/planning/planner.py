@@ -58,9 +58,16 @@ def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
 
 def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes:
     """The shapes a plan sizes: the model's, the batch's, and which layers' arithmetic
-    (fast layers, with float32 LoRA or not)."""
+    (fast layers, with float32 LoRA or not, with dropout or not)."""
     return Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
-                     lora_float32=cfg.lora_dtype == "float32")  # fmt: skip
+                     lora_float32=cfg.lora_dtype == "float32", dropout=lora_dropout(model))  # fmt: skip
+
+
+def lora_dropout(model: nn.Module) -> bool:
+    """Whether any LoRA adapter drops out (PEFT's ``lora_dropout`` modules; in train mode
+    or not: a model is often planned before ``.train()``)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for name, m in model.named_modules()
+               if ".lora_dropout." in f".{name}.")  # fmt: skip
 
 
 def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
