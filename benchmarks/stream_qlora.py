@@ -146,7 +146,8 @@ def run_one(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     model = random_nf4_model(load_config(args.model), work_device=str(device), attn=args.attn)
     parts = mode.split("-")
-    model = add_lora(model, dropout=DROPOUT if "drop" in parts else 0.0).train()
+    dropout = DROPOUT if "drop" in parts else 0.0
+    model = add_lora(model, dropout=dropout).train()
     model.config.use_cache = False
     vocab = model.config.vocab_size
     build_s = time.perf_counter() - t0
@@ -273,6 +274,7 @@ def run_one(args: argparse.Namespace) -> dict:
         torch.cuda.memory._record_memory_history(enabled=None)
     out = {
         "mode": mode,
+        "lora_dropout": dropout,
         "grad_accum": g,
         "build_s": round(build_s, 1),
         "s_per_step": dt,
