@@ -1,15 +1,23 @@
 """The CUDA bf16 error test over seeds: fast / PEFT (max relative error against float64), both orders."""
-import sys, torch
+
+import sys
+
+import torch
+
 sys.path.insert(0, "packages/core/tests")
 import test_fastlayer as t
+
 from narrows.core.fastlayer import lora, loramath
 from narrows.core.testing import tiny_model, with_adapter
+
 orig = loramath.adapter_then_base
+
 
 def old(n, w, h, b, s, bias=None):
     out = n.mm(w.t()) if bias is None else torch.addmm(bias.to(n.dtype), n, w.t())
     out.addmm_(h, b.t(), alpha=s)
     return out
+
 
 def model(arch, seed, dtype, adapter_dtype=None):
     m = with_adapter(t._sdpa(tiny_model(arch, dtype=dtype, seed=seed)), "lora", seed=seed).train().cuda()
@@ -20,8 +28,10 @@ def model(arch, seed, dtype, adapter_dtype=None):
                 p.data = p.data.to(adapter_dtype)
     return m
 
+
 def err(ref, got):
     return max(((r - g.double()).norm() / r.norm()).item() for r, g in zip(ref, got))
+
 
 for arch in ("qwen2", "llama", "mistral", "qwen3"):
     for seed in range(4):
