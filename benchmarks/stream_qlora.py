@@ -371,8 +371,10 @@ def torch_profile(step, top: int = 25) -> dict:
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
     events = prof.key_averages()
-    trace = Path(tempfile.mkdtemp()) / "trace.json"
-    prof.export_chrome_trace(str(trace))
+    with tempfile.TemporaryDirectory() as tmp:  # a 72B step's trace is hundreds of MB: not left behind
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        kinds = device_categories(json.loads(trace.read_text()))
 
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
@@ -388,7 +390,7 @@ def torch_profile(step, top: int = 25) -> dict:
         "host_ops": sum(e.count for e in events),
         "top_host": rows(lambda e: e.self_cpu_time_total),  # [op, calls, self host s, self device s]
         "top_device": rows(device_us),
-        **device_categories(json.loads(trace.read_text())),
+        **kinds,
     }
 
 

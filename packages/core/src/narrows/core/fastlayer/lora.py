@@ -261,7 +261,7 @@ class LinearGroup:
         n_lora = self._wide(n)
         g_joined = joined(grads, dim=1) if self.stacked else None  # side by side already where written so
         if low.b_all is not None:
-            param_grads, branch, dropped_out = *self._blocked_backward(g_joined, state, low, n_lora), []
+            param_grads, branch, dropped_out = self._blocked_backward(g_joined, state, low, n_lora)
         else:
             param_grads, branch, dropped_out = self._adapter_grads(grads, state, low, n_lora)
         # the adapters' branch (when it is in the activations' dtype) first, the base accumulated onto it
@@ -304,11 +304,12 @@ class LinearGroup:
         return param_grads, branch, dropped_out
 
     def _blocked_backward(self, g_joined: Tensor, state: GroupState, low: _Low, n: Tensor,
-                          ) -> tuple[list[Tensor], tuple[Tensor, Tensor]]:  # fmt: skip
-        """The adapters' gradients of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all``
-        (every adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``,
-        B's as one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied
-        out: a gradient keeps its parameter's layout); and the input's branch, ``gh @ A_all``."""
+                          ) -> tuple[list[Tensor], tuple[Tensor, Tensor], list[tuple]]:  # fmt: skip
+        """`_adapter_grads` of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all`` (every
+        adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``, B's as
+        one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied out: a
+        gradient keeps its parameter's layout); the input's branch, ``gh @ A_all``; nothing
+        dropped out (a blocked group has no dropout)."""
         scaling = self.adapted[0].scaling
         g = g_joined if g_joined.dtype == low.b_all.dtype else g_joined.to(low.b_all.dtype)
         gh = g.mm(low.b_all).mul_(scaling)
@@ -321,7 +322,7 @@ class LinearGroup:
                 r = p.a.shape[0]
                 out += [g_a[i], rows[:, col : col + r].contiguous()]
                 i, col = i + 1, col + r
-        return out, (gh, low.a_all)
+        return out, (gh, low.a_all), []
 
     def _wide(self, n: Tensor) -> Tensor:
         """The input the adapters read: `n`, or `n` in `lora_dtype` (float32 LoRA)."""
