@@ -5,7 +5,8 @@ the same token stream, each mode in its own process.
 What every row shares: one pre-quantised bitsandbytes NF4 checkpoint *folder* per model
 (transformers' 4-bit serialisation, `quantization_config` in config.json, a byte-level tokenizer),
 built once from `_models.random_nf4_model` (seeded, quantised layer by layer) and loaded by every
-mode; LoRA r16, alpha 32, no dropout, on q, k, v, o, gate, up and down; AdamW at lr 1e-4; bf16
+mode; LoRA r16, alpha 32, on q, k, v, o, gate, up and down, no dropout unless ``--dropout P`` gives
+every row's adapters (the twins' too) that dropout; AdamW at lr 1e-4; bf16
 compute; seeded random token ids over the model's vocabulary, the same batches in the same order
 (stream_qlora.py's stream); G micro-batches per optimizer step, each loss scaled by 1/G.
 
@@ -241,7 +242,7 @@ def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> di
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation=args.attn,
                                                  device_map=place)  # fmt: skip
     torch.manual_seed(0)  # as stream_qlora.run_one before add_lora: the same initial adapters
-    model = _models.add_lora(model).train()
+    model = _models.add_lora(model, dropout=args.dropout).train()
     model.config.use_cache = False
     if args.run_one.endswith("-ckpt"):
         stream_qlora.checkpointing(model, offload=False)
@@ -263,7 +264,7 @@ def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) ->
     t = time.perf_counter()
     model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=args.seq, dtype=torch.bfloat16,
                                                  load_in_4bit=True, random_state=0)  # fmt: skip
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0,
+    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=args.dropout,
                                              target_modules=list(_models.TARGETS), bias="none",
                                              use_gradient_checkpointing="unsloth", random_state=0)  # fmt: skip
     FastLanguageModel.for_training(model)
@@ -312,6 +313,9 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
         return model
 
     def lora(model, **kw):
+        if args.dropout:  # the run's dropout over the mode's
+            kw["dropout"] = args.dropout
+        seen["lora_dropout"] = kw.get("dropout", 0.0)
         model = add_lora(model, **kw)
         seen["adapters_init"] = adapter_fingerprint(model)
         return model
@@ -329,7 +333,7 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
     if args.warmup and len(marks) == args.warmup + args.steps:  # one optimizer step a training step
         timed = marks[args.warmup - 1 :]  # the last warm-up step's end starts the first timed step
         row["step_s"] = [b - a for a, b in itertools.pairwise(timed)]
-    return {**seen, **row}
+    return {**seen, **row, "lora_dropout": seen.get("lora_dropout")}
 
 
 def unmet_requirements(package: str) -> list[str]:
@@ -447,7 +451,7 @@ def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None =
     steps, warmup = (args.twin, 0) if twin else (args.steps, args.warmup)
     flags = ["--run-one", mode, "--folder", str(folder), "--model", args.model, "--batch", str(args.batch),
              "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--steps", str(steps),
-             "--warmup", str(warmup), "--attn", args.attn]  # fmt: skip
+             "--warmup", str(warmup), "--attn", args.attn, "--dropout", str(args.dropout)]  # fmt: skip
     if twin:
         flags += ["--deterministic", "--save-adapters", str(twin)]
     cmd = [sys.executable, __file__, *flags]
@@ -509,6 +513,8 @@ def main() -> None:
     ap.add_argument("--modes", help="comma-separated rows (default: the shape's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="LoRA dropout of every row's adapters (Unsloth's fast LoRA path wants 0)")  # fmt: skip
     ap.add_argument("--attn", default="sdpa", help="attention implementation of the narrows and PEFT rows")
     ap.add_argument("--work", default="/tmp/peers", help="where the checkpoint folders are built and kept")
     ap.add_argument("--timeout", type=int, default=420, help="seconds a row may take, loading included")
@@ -551,7 +557,7 @@ def main() -> None:
     bw = stream_qlora.pinned_bandwidth()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    run = {"shape": args.shape, **{k: getattr(args, k) for k in ("model", "batch", "seq", "grad_accum", "steps", "warmup")},
+    run = {"shape": args.shape, **{k: getattr(args, k) for k in ("model", "batch", "seq", "grad_accum", "steps", "warmup", "dropout")},
            "folder": str(folder), "folder_bytes": folder_bytes(folder), "folder_build_s": build_s, "pinned_bw": bw,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "commit": git_commit(),
            "versions": versions(), "rows": []}  # fmt: skip
