@@ -339,6 +339,18 @@ def test_uncovered_layers_and_adapters_are_refused_with_their_reason():
     assert fuse_layers(hooked).refused == {1: "its attention or its MLP has hooks or a replaced forward"}
 
 
+def test_a_dropout_of_one_runs_the_layers_own_forward():
+    """PEFT trains with ``lora_dropout=1.0`` (every adapter's branch zero); the fast layer's
+    inverted dropout would divide by zero, so it names the reason and PEFT's forward runs."""
+    model = _model("llama", dropout=1.0)
+    peft = _steps(model)
+    report = fuse_layers(model)
+    assert not report.fused and all(
+        "dropout is 1: it drops every input" in r for r in report.refused.values()
+    )
+    assert _equal(peft, _steps(model))
+
+
 @pytest.mark.parametrize("where", ["call", "config", "module"])
 def test_bidirectional_attention_runs_the_layers_own_forward(where):
     """``is_causal=False`` (transformers' bidirectional attention: a call's keyword, the

@@ -11,10 +11,11 @@ import pytest
 import torch
 import transformers as tf
 from helpers import build
+from peft import LoraConfig, get_peft_model
 
 import narrows.stream as ns
 from narrows.core import anatomy_of
-from narrows.core.testing import with_adapter
+from narrows.core.testing import tiny_model, with_adapter
 
 
 def _packed_batch() -> dict[str, torch.Tensor]:
@@ -101,3 +102,16 @@ def test_layerdrop_is_refused_whatever_the_rng_state(seed):
     model.config.layerdrop = 0.0  # the config alone: the decoder still drops layers
     with pytest.raises(ns.StreamSetupError, match=r"\.layerdrop=0\.3"):
         ns.stream(model, device="cpu")
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_alora_is_refused(inference):
+    """aLoRA's per-call offsets reach the adapters through hooks that live only inside
+    PeftModel.forward: a recomputed layer would run with its adapter off (its gradients
+    silently zero). Refused, and the model is left as it was."""
+    model = get_peft_model(tiny_model("llama", num_hidden_layers=2), LoraConfig(
+        r=4, lora_alpha=8, alora_invocation_tokens=[5, 6], target_modules=["q_proj", "v_proj"],
+        task_type="CAUSAL_LM"))  # fmt: skip
+    with pytest.raises(ns.StreamSetupError, match="aLoRA adapter"):
+        ns.stream(model, device="cpu", inference=inference)
+    assert getattr(model, "narrows_stream", None) is None

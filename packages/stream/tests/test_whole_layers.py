@@ -13,7 +13,15 @@ import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
 from narrows.stream.errors import StreamSetupError
-from narrows.stream.planning import Shapes, input_bytes, step_seconds, whole_bytes
+from narrows.stream.planning import (
+    Shapes,
+    input_bytes,
+    layer_seconds,
+    passes,
+    recompute_share,
+    step_seconds,
+    whole_bytes,
+)
 
 SHAPE = {"batch_size": 2, "seq_len": 12, "device": "cpu"}  # tiny_batch(): 2 rows of 12 positions
 SIZE = {"batch_size": 2, "seq_len": 12}
@@ -78,6 +86,24 @@ def test_step_model_prefers_residency_when_copies_are_exposed():
     assert step_seconds(copy_bound, shapes, 2, 0) < step_seconds(copy_bound, shapes, 1, 1)
     tiny = [10**3] * 8
     assert step_seconds(tiny, shapes, 1, 1) < step_seconds(tiny, shapes, 2, 0)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_whole_layer_saves_its_recompute(fast):
+    """Keeping a layer whole saves what its recompute would run: a whole forward under
+    autograd, all but down_proj in a fast layer, whose backward is also cheaper."""
+    s = Shapes.of(anatomy_of(_model()), 1, 512, fast=fast)
+    tiny = [10**3] * 8  # compute-bound: nothing exposed
+    f = layer_seconds(tiny[0], s)[0]
+    saved = step_seconds(tiny, s, 1, 0) - step_seconds(tiny, s, 1, 1)
+    assert saved == pytest.approx(recompute_share(s) * f)
+    whole, recomputed, _ = passes(s)
+    if fast:
+        d, i = s.hidden, s.intermediate
+        assert recompute_share(s) == pytest.approx((4 * d * d + 2 * d * i) / (4 * d * d + 3 * d * i))
+        assert whole < 3 and recomputed < 4
+    else:
+        assert (whole, recomputed) == (3, 4)
 
 
 def test_whole_layers_cost_what_the_planner_says():

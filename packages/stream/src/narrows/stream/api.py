@@ -187,6 +187,22 @@ def _refuse_layerdrop(model: nn.Module) -> None:
             )
 
 
+def _refuse_call_hooks(model: nn.Module) -> None:
+    """aLoRA: PEFT hands each call's offsets to the adapters through forward hooks that live
+    only inside ``PeftModel.forward``. A streamed layer recomputed in backward runs after
+    they are gone (its adapter silently off), and the self-check, which stops the model at
+    its first layer, leaves them behind. Refused, in training and in inference."""
+    for name, m in model.named_modules():
+        for key, variant in getattr(m, "lora_variant", {}).items():
+            if type(variant).__name__.startswith("ALora"):
+                raise StreamSetupError(
+                    f"{name} carries an aLoRA adapter ({key!r}, alora_invocation_tokens): PEFT passes its "
+                    "per-call offsets to the adapters through hooks that exist only during PeftModel.forward, "
+                    "and narrows.stream recomputes layers outside it. Train aLoRA without narrows.stream, or use "
+                    "a plain LoRA adapter (no alora_invocation_tokens)"
+                )
+
+
 def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, **options: Any) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to the device.
 
@@ -201,7 +217,8 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     The model's config is left as it was given (``use_cache`` included: a streamed layer
     drops the KV cache per call in training, and with packed rows the cache decides the
     attention mask, so pass ``use_cache=False`` yourself for per-sequence masks). A model
-    with LayerDrop (``layerdrop`` > 0) is refused for training, whatever the RNG state.
+    with LayerDrop (``layerdrop`` > 0) is refused for training, whatever the RNG state;
+    one with an aLoRA adapter (``alora_invocation_tokens``) is refused.
     Returns the same model object.
     """
     cfg = StreamConfig.of(config, **options)
@@ -213,6 +230,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         )  # forward passes only: nothing is recomputed, no step repeats a capture
     if not cfg.inference:
         _refuse_layerdrop(model)
+    _refuse_call_hooks(model)
     if cfg.deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")

@@ -29,7 +29,7 @@ from .placement import spread
 from .planner import plan, planned_shapes, runs_fast
 from .record import HOST_STATE_NOTES, Plan
 from .residency import DEFAULT_TILE, MIN_TILE, make_plan, tile_choices
-from .steptime import Rates, dequant_seconds, layer_seconds, step_seconds
+from .steptime import Rates, dequant_seconds, layer_seconds, passes, recompute_share, step_seconds
 
 __all__ = [
     "DEFAULT_TILE",
@@ -50,8 +50,10 @@ __all__ = [
     "layer_seconds",
     "layer_work_bytes",
     "make_plan",
+    "passes",
     "plan",
     "planned_shapes",
+    "recompute_share",
     "runs_fast",
     "spread",
     "step_mode_reserve",

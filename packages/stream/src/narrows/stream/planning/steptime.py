@@ -1,7 +1,13 @@
 """The step-time model that ranks plans: one layer's compute and copy time, and a step's
 layer time for a residency, with or without CUDA graphs, sequential or block-major
-accumulation, held 4-bit weights. Not a prediction the report shows — a way to compare
-plans; a profile's measured rates (`narrows.stream.Profile.rates`) replace the fitted ones.
+accumulation, held 4-bit weights, PEFT's layers or narrows.core's fast layers. Not a
+prediction the report shows — a way to compare plans; a profile's measured rates
+(`narrows.stream.Profile.rates`) replace the fitted ones.
+
+A layer's work is counted in forwards. PEFT's layers under autograd: a whole layer runs a
+forward and a backward of two forwards, a recomputed one a forward more. Fast layers: the
+backward is `FAST_BACKWARD` forwards (the input's gradient and the adapters'), and the
+recompute skips down_proj, the share of a forward `recompute_share` gives.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .memory import Shapes
 
-__all__ = ["Rates", "dequant_seconds", "layer_seconds", "step_seconds"]
+__all__ = ["Rates", "dequant_seconds", "layer_seconds", "passes", "recompute_share", "step_seconds"]
 
 # The step-time model that ranks plans (not a prediction the report shows): fitted to the
 # H100 (PCIe gen5, bitsandbytes-style NF4 dequantisation per forward) at the Qwen2.5 shapes.
@@ -22,6 +28,14 @@ MATMUL_RATE = 400e12  # flop/s a layer's matmuls reach at a few thousand tokens
 DEQUANT_RATE = 500e9  # parameters/s the device dequantises NF4 weights at, per use
 HOST_RATE = 65e9  # parameters/s: an eager NF4 layer's forward on the host (its per-kernel
 # launches; the batch-1 floor), which graph replays do not pay
+# Fast layers, fitted to the H100 at the Qwen2.5 7B, 32B and 72B shapes (benchmarks/README.md,
+# "The step-time model"): their matmuls run near the library GEMMs' rate (overlap.py: 800
+# TFLOP/s), the rest of a forward (norms, rotary, attention, SwiGLU, the adapters) costs
+# about as much as reading and writing each token's hidden and intermediate channels ten times
+FAST_MATMUL_RATE = 800e12  # flop/s
+FAST_CHANNEL_SECONDS = 6.5e-12  # seconds a token and channel (hidden + intermediate) a forward
+FAST_BACKWARD = 1.2  # a fast layer's backward in forwards (fast_layer_time_7b.json)
+FAST_HOST_RATE = 95e9  # parameters/s: an eager fast layer's forward on the host (peers_7b_1x512_g8.json)
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,26 @@ class Rates:
     graphed: bool = False  # forward_s was measured on graph replays
 
 
+def recompute_share(s: Shapes) -> float:
+    """The share of a forward a layer's recompute runs: all of it under autograd, all but
+    down_proj in a fast layer (its output is not needed by the backward)."""
+    if not s.fast:
+        return 1.0
+    return (4 * s.hidden * s.hidden + 2 * s.hidden * s.intermediate) / _params(s)
+
+
+def passes(s: Shapes) -> tuple[float, float, float]:
+    """A whole layer's work and a recomputed one's, in forwards, and how much of it (the
+    recompute and the backward) hides the copy of the layer the backward reaches next."""
+    backward = FAST_BACKWARD if s.fast else 2.0
+    rest = recompute_share(s) + backward
+    return 1.0 + backward, 1.0 + rest, rest
+
+
+def _params(s: Shapes) -> int:
+    return 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+
+
 def layer_seconds(
     nbytes: int, s: Shapes, rates: Rates | None = None, graphed: bool = False
 ) -> tuple[float, float]:
@@ -41,11 +75,17 @@ def layer_seconds(
     host→device copy of it, predicted. A measured forward replaces the model's figure for
     the way it was measured; the other way is scaled by the model's ratio."""
     rates = rates or Rates()
-    params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
-    matmul = 2 * s.batch * s.seq * params / MATMUL_RATE
+    params = _params(s)
+    tokens = s.batch * s.seq
+    if s.fast:
+        matmul = 2 * tokens * params / FAST_MATMUL_RATE
+        matmul += tokens * (s.hidden + s.intermediate) * FAST_CHANNEL_SECONDS
+        host = params / FAST_HOST_RATE
+    else:
+        matmul, host = 2 * tokens * params / MATMUL_RATE, params / HOST_RATE
     quantised = nbytes < params  # below a byte per parameter: dequantised on every use
     graph = matmul + (params / DEQUANT_RATE if quantised else 0.0)  # what the device does
-    eager = max(graph, params / HOST_RATE) if quantised else graph  # or the host, if slower
+    eager = max(graph, host) if quantised else graph  # or the host, if slower
     compute = graph if graphed else eager
     if rates.forward_s is not None:
         compute = rates.forward_s * compute / (graph if rates.graphed else eager)
@@ -54,7 +94,7 @@ def layer_seconds(
 
 def dequant_seconds(nbytes: int, s: Shapes) -> float:
     """One dequantisation of a 4-bit layer's weights (0 for a float layer)."""
-    params = 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+    params = _params(s)
     return params / DEQUANT_RATE if nbytes < params else 0.0
 
 
@@ -62,8 +102,8 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
                  rates: Rates | None = None, graphs: bool = False, *, micro_batches: int = 1,
                  block_major: bool = False, held: bool = False) -> float:  # fmt: skip
     """Predicted time of one step's layers with `resident` resident layers of which
-    `whole` run without recompute: forward, backward (twice the forward), the recompute
-    of every other layer, and what a streamed layer's copies cannot hide — behind the
+    `whole` run without recompute: forward, backward, the recompute of every other layer
+    (`passes`), and what a streamed layer's copies cannot hide — behind the
     previous layer's forward, and behind the next layer's backward and recompute. With
     `graphs` the layers narrows runs (all but the whole ones) are priced as graph replays;
     whole layers run eagerly either way. Over `micro_batches`: sequential accumulation
@@ -79,9 +119,10 @@ def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: in
     eager, c = layer_seconds(max(layer_bytes), s, rates)
     f = layer_seconds(max(layer_bytes), s, rates, graphed=True)[0] if graphs else eager
     behind = micro_batches if block_major else 1  # micro-batches' compute one copy hides behind
-    exposed = max(0.0, c - behind * f) + max(0.0, c - 3 * behind * f)
+    whole_work, recomputed_work, hiding = passes(s)
+    exposed = max(0.0, c - behind * f) + max(0.0, c - hiding * behind * f)
     copies = 1 if block_major else micro_batches
-    compute = micro_batches * (whole * 3 * eager + (n - whole) * 4 * f)
+    compute = micro_batches * (whole * whole_work * eager + (n - whole) * recomputed_work * f)
     if held:
         d = min(f, dequant_seconds(max(layer_bytes), s))
         if block_major:  # three per micro-batch (forward, recompute, input gradient) become two a step
