@@ -15,7 +15,7 @@ import torch
 
 import narrows.core.fastlayer.fuse as fuse
 from narrows.core import fuse_layers, quantize_nf4, unfuse_layers
-from narrows.core.fastlayer import ops, why_not
+from narrows.core.fastlayer import loramath, ops, why_not
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 FAMILY = ("llama", "qwen2", "qwen3", "mistral")
@@ -186,6 +186,27 @@ def test_nf4_fast_layers_with_stacked_weights_train_what_peft_trains(arch):
 
 
 @pytest.mark.bnb
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_dropout_masks_are_bool_draws_applied_with_one_rounding(dtype):
+    """A group's masks are bool, drawn as PEFT's dropout draws them on this device (on the
+    CPU: `bernoulli_` in the input's dtype), and a dropped-out tensor is ``(t · mask) ·
+    (1/keep)``, the product rounded once — not `t` times a 1/keep rounded to `t`'s dtype."""
+    model = _model("llama", base="nf4", dropout=0.3)
+    fuse_layers(model)
+    group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv
+    n = torch.randn(64, group.linears[0].weight.shape[1], dtype=dtype)
+    torch.manual_seed(5)
+    masks = group.masks(n)
+    torch.manual_seed(5)
+    draws = [torch.empty_like(n).bernoulli_(0.7) for _ in masks]
+    assert all(m.dtype == torch.bool and torch.equal(m.to(dtype), d) for m, d in zip(masks, draws))
+    p = group.linears[0]
+    got = loramath.dropped(n, masks[0], p)
+    assert torch.equal(got, (n * draws[0]).mul_(1 / 0.7))
+    if dtype == torch.bfloat16:
+        assert not torch.equal(got, n * (draws[0] / 0.7))  # the scale rounded first: other bits
+
+
 def test_a_stacked_group_with_dropout_computes_what_each_adapter_would():
     """With dropout a stacked group runs each adapter on its own dropped-out input (one
     base matmul on the stacked weights). Its outputs, input gradient and adapter gradients
@@ -386,6 +407,22 @@ def test_a_kv_cache_is_filled_and_decoding_runs_the_layers_own_forward():
         fuse_layers(model)
         fast = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True)
     assert torch.equal(plain, fast)
+
+
+@pytest.mark.gpu
+def test_cuda_dropout_masks_are_pefts_draws():
+    """On CUDA a group's masks are the fused dropout kernel's, as PEFT's `nn.Dropout` draws
+    them from the same generator state, and a dropped-out input has PEFT's bits."""
+    model = _model("llama", dropout=0.3, device="cuda")
+    fuse_layers(model)
+    group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv
+    n = torch.randn(512, group.linears[0].weight.shape[1], device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(5)
+    masks = group.masks(n)
+    torch.manual_seed(5)
+    peft = [torch.nn.functional.dropout(n, 0.3, training=True) for _ in masks]
+    assert all(torch.equal(m, d != 0) for m, d in zip(masks, peft))
+    assert all(torch.equal(loramath.dropped(n, m, group.linears[0]), d) for m, d in zip(masks, peft))
 
 
 @pytest.mark.gpu

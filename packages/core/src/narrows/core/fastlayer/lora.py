@@ -24,7 +24,10 @@ matmuls in float32 (on tensor cores where ``torch.set_float32_matmul_precision``
 TF32), the adapter's output added to the base's in float32 and the sum rounded once.
 
 Dropout draws one mask per adapter, in the group's order, from the device's generator:
-the caller replays the generator to redraw them (`masks`), so nothing of them is saved.
+the caller replays the generator to redraw them (`masks`). A mask is a bool tensor drawn
+as `torch.nn.functional.dropout` draws it (the same kernel: on CUDA the fused one, whose
+masks under one generator state are PEFT's), and a dropped-out tensor is computed from it
+in one pass (`loramath.dropped`).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class GroupState:
 
     n: Tensor  # the shared input, (tokens, in)
     h: list[Tensor | None]  # each adapter's (tokens, r) activation
-    masks: list[Tensor | None]  # each adapter's dropout mask, 0 or 1 (None without dropout)
+    masks: list[Tensor | None]  # each adapter's dropout mask, bool (None without dropout)
     low: _Low | None  # the adapters in the activation dtype, as the forward cast them (None: cast again)
 
 
@@ -150,16 +153,17 @@ class LinearGroup:
         return [t for p in self.adapted for t in (p.a, p.b)]
 
     def masks(self, n: Tensor) -> list[Tensor | None]:
-        """Each adapter's dropout mask (0 or 1: the 1/keep scale is applied where it is
-        used, so a dropped-out input is rounded once, not scaled by a rounded 1/keep), drawn
-        in order from `n`'s device's generator (a replay of the same generator state draws
-        the same masks)."""
+        """Each adapter's dropout mask (bool: the 1/keep scale is applied where it is used,
+        so a dropped-out input is rounded once, not scaled by a rounded 1/keep), drawn in
+        order from `n`'s device's generator (a replay of the same generator state draws the
+        same masks) by `torch.native_dropout`, the kernel of PEFT's dropout (on the CPU a
+        `bernoulli_` in `n`'s dtype, as before; its dropped-out output is not used)."""
         out: list[Tensor | None] = []
         for p in self.linears:
             if p.a is None or p.dropout == 0:
                 out.append(None)
                 continue
-            out.append(torch.empty_like(n).bernoulli_(1.0 - p.dropout))
+            out.append(torch.native_dropout(n, p.dropout, True)[1])
         return out
 
     def _low(self, dtype: torch.dtype) -> _Low:
