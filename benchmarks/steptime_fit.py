@@ -12,9 +12,10 @@ import argparse
 import json
 from pathlib import Path
 
-from narrows.stream.planning import Shapes, step_seconds
+from narrows.stream.planning import Shapes, step_seconds, steptime
 
 HERE = Path(__file__).resolve().parent
+BAND = (0.7, 1.1)  # the share of a measured step tests/test_steptime_fit.py holds the model's figure to
 RUNS = [  # peers JSON, its default row, the shape it ran
     ("peers_7b_8x512_s8.json", "stream-8GiB-lmhead-fast-auto", "qwen2.5-7b"),
     ("peers_32b_8x512_s8.json", "stream-12GiB-lmhead-fast-auto", "qwen2.5-32b"),
@@ -54,8 +55,10 @@ def main() -> None:
         print(
             f"| `{r['json']}` | {r['measured_s']:.3f} s | {r['fast_layers_s']:.3f} s | {r['peft_layers_s']:.3f} s |"
         )
+    constants = {"peft_matmul_tflops": steptime.MATMUL_RATE / 1e12, "fast_matmul_tflops": steptime.FAST_MATMUL_RATE / 1e12,
+                 "fast_backward_forwards": steptime.FAST_BACKWARD, "band": BAND}  # fmt: skip
     if args.out:
-        Path(args.out).write_text(json.dumps({"rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"constants": constants, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

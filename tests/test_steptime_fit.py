@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from steptime_fit import RUNS, fit
+from steptime_fit import BAND, RUNS, fit
 
 
 @pytest.mark.parametrize("name, mode, config", RUNS, ids=[r[2] for r in RUNS])
 def test_fast_layer_time_is_near_the_measured_step(name, mode, config):
     r = fit(name, mode, config)
-    assert 0.7 <= r["fast_over_measured"] <= 1.1, r
+    assert BAND[0] <= r["fast_over_measured"] <= BAND[1], r
     # PEFT's layers priced for the same plan: autograd's backward and a whole recompute
     assert r["peft_layers_s"] > 1.8 * r["fast_layers_s"]
