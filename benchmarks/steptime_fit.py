@@ -31,12 +31,19 @@ def predicted(run: dict, row: dict, config: dict, fast: bool = True) -> float:
                     seq=run["seq"], eager_attention=False, fast=fast)  # fmt: skip
     streamed = row["layers"] - row["resident_layers"]
     layer = int(row["h2d_bytes_per_step"] // max(1, 2 * streamed))  # each streamed layer copied twice a step
-    return step_seconds([layer] * row["layers"], shapes, row["resident_layers"], row["whole_layers"],
-                        graphs=row["graphs_planned"], held=True)  # fmt: skip
+    return step_seconds(
+        [layer] * row["layers"],
+        shapes,
+        row["resident_layers"],
+        row["whole_layers"],
+        graphs=row["graphs_planned"],
+        held=True,
+    )  # fmt: skip  (held: where the budget has room, the default)
 
 
 def fit(name: str, mode: str, config: str) -> dict:
     run = json.loads((HERE / "h100" / name).read_text())
+    assert run["grad_accum"] == 1, "predicted() prices one micro-batch a step"
     row = next(r for r in run["rows"] if r["mode"] == mode)
     cfg = json.loads((HERE / "configs" / f"{config}.json").read_text())
     fast, peft = predicted(run, row, cfg), predicted(run, row, cfg, fast=False)

@@ -1,7 +1,7 @@
 """The step-time model beside the steps it ranks plans for: with the fast layers' figures
 fitted to the H100, its layer time for the measured default plans (7B, 32B and 72B, the
-peers runs the README quotes; `benchmarks/steptime_fit.py`) stays within a band below each
-measured step, which also holds the head, the loss and the optimizer. A constant changed,
+peers runs the README quotes; `benchmarks/steptime_fit.py`) stays near each measured step
+(which also holds the head, the loss and the optimizer: 0.7 to 1.1 of it). A constant changed,
 or the work counted another way, without refitting fails here (before the fit it
 predicted 7.0 s at 72B against 2.92 s measured)."""
 

@@ -185,13 +185,12 @@ def test_nf4_fast_layers_with_stacked_weights_train_what_peft_trains(arch):
     assert _equal(_steps(dropped, seed=3), kept)
 
 
-@pytest.mark.bnb
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_dropout_masks_are_bool_draws_applied_with_one_rounding(dtype):
-    """A group's masks are bool, drawn as PEFT's dropout draws them on this device (on the
-    CPU: `bernoulli_` in the input's dtype), and a dropped-out tensor is ``(t · mask) ·
+    """A group's masks are bool, drawn by dropout's own kernel (on the CPU: `bernoulli_` in
+    the input's dtype, PEFT's draws for adapters in that dtype), and a dropped-out tensor is ``(t · mask) ·
     (1/keep)``, the product rounded once — not `t` times a 1/keep rounded to `t`'s dtype."""
-    model = _model("llama", base="nf4", dropout=0.3)
+    model = _model("llama", dropout=0.3)
     fuse_layers(model)
     group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv
     n = torch.randn(64, group.linears[0].weight.shape[1], dtype=dtype)
@@ -207,6 +206,7 @@ def test_dropout_masks_are_bool_draws_applied_with_one_rounding(dtype):
         assert not torch.equal(got, n * (draws[0] / 0.7))  # the scale rounded first: other bits
 
 
+@pytest.mark.bnb
 def test_a_stacked_group_with_dropout_computes_what_each_adapter_would():
     """With dropout a stacked group runs each adapter on its own dropped-out input (one
     base matmul on the stacked weights). Its outputs, input gradient and adapter gradients
@@ -412,7 +412,9 @@ def test_a_kv_cache_is_filled_and_decoding_runs_the_layers_own_forward():
 @pytest.mark.gpu
 def test_cuda_dropout_masks_are_pefts_draws():
     """On CUDA a group's masks are the fused dropout kernel's, as PEFT's `nn.Dropout` draws
-    them from the same generator state, and a dropped-out input has PEFT's bits."""
+    them from the same generator state for an input in the activations' dtype (PEFT's
+    float32 adapters drop out a float32 copy: the kernel's vector width differs, and so do
+    the masks), and a dropped-out input has that dropout's bits."""
     model = _model("llama", dropout=0.3, device="cuda")
     fuse_layers(model)
     group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv

@@ -12,7 +12,7 @@ import torch
 from helpers import Dequantizations, assert_identical, build
 
 import narrows.stream as ns
-from narrows.core import fuse_lora, is_nf4_linear
+from narrows.core import fuse_layers, fuse_lora, is_nf4_linear
 from narrows.core.testing import tiny_batch
 from narrows.stream import rng
 from narrows.stream.errors import StreamSetupError
@@ -43,10 +43,12 @@ def _record(params, opt, losses):
 
 @functools.cache
 def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False,
-             dtype=torch.float32):  # fmt: skip
-    """Plain sequential accumulation on the resident model (PEFT's own LoRA forwards):
-    the reference."""
-    model = build(arch, dropout=dropout, base=base, dtype=dtype).to(device)
+             dtype=torch.float32, fast=False):  # fmt: skip
+    """Plain sequential accumulation on the resident model (PEFT's own LoRA forwards; with
+    `fast`, SDPA attention and narrows.core's fast layers): the reference."""
+    model = _build(arch, dropout=dropout, base=base, dtype=dtype, fast=fast).to(device)
+    if fast:
+        assert not fuse_layers(model).refused
     torch.manual_seed(0)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
@@ -68,6 +70,15 @@ def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cp
     return {**_record(params, opt, losses), "grad": grads}
 
 
+def _build(arch: str, *, fast: bool = False, **kw):
+    """The test model; `fast`: with SDPA attention, which the fast layers (the stream's
+    default kernels) run, and without which the stream keeps PEFT's modules."""
+    model = build(arch, **kw)
+    if fast:
+        model.set_attn_implementation("sdpa")
+    return model
+
+
 def _seed(step: int, micro: int) -> int:
     return 1000 + 10 * step + micro
 
@@ -83,9 +94,10 @@ def stepped(
     trainer=None,
     dtype=torch.float32,
     fuse=False,
+    fast=False,
     **stream_kwargs,
 ):
-    model = build(arch, dropout=dropout, base=base, dtype=dtype)
+    model = _build(arch, dropout=dropout, base=base, dtype=dtype, fast=fast)
     if fuse:
         fuse_lora(model)
     torch.manual_seed(0)
@@ -134,6 +146,17 @@ def test_fused_lora_streams_block_major_bit_identically(dtype):
     assert [s.mode for s in stats] == ["block-major"] * STEPS
     assert any(type(m.__dict__.get("forward")).__name__ == "_FusedForward" for m in model.modules())
     assert_identical(resident(dropout=0.0, dtype=dtype), got)
+
+
+def test_fast_layers_dropout_draws_are_learned_and_reproduced_block_major():
+    """The fast layers draw their masks with dropout's own kernel: the first step records
+    those draws, later steps predict them and run block-major, bit-identical to resident
+    fast layers."""
+    model, stats, got = stepped(dropout=0.05, fast=True)
+    assert "fast layers" in model.narrows_stream.kernels
+    assert stats[0].mode.startswith("sequential (learning")
+    assert [s.mode for s in stats[1:]] == ["block-major"] * (STEPS - 1)
+    assert_identical(resident(dropout=0.05, fast=True), got)
 
 
 def test_block_major_with_dropout_learns_the_rng_draws_then_reproduces_them():

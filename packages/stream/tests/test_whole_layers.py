@@ -78,10 +78,11 @@ def test_planner_spends_a_growing_budget_on_a_faster_step():
     assert ns.plan(model, "fit", **SHAPE, recompute="all").whole == ()
 
 
-def test_step_model_prefers_residency_when_copies_are_exposed():
+@pytest.mark.parametrize("fast", [False, True])
+def test_step_model_prefers_residency_when_copies_are_exposed(fast):
     """A transfer-bound layer (the copy longer than the compute hiding it) is made resident
     before any layer is kept whole; a compute-bound one is kept whole instead."""
-    shapes = Shapes.of(anatomy_of(_model()), 1, 512)
+    shapes = Shapes.of(anatomy_of(_model()), 1, 512, fast=fast)
     copy_bound = [10**9] * 8  # 25 ms a copy against microseconds of compute
     assert step_seconds(copy_bound, shapes, 2, 0) < step_seconds(copy_bound, shapes, 1, 1)
     tiny = [10**3] * 8
@@ -97,13 +98,18 @@ def test_a_whole_layer_saves_its_recompute(fast):
     f = layer_seconds(tiny[0], s)[0]
     saved = step_seconds(tiny, s, 1, 0) - step_seconds(tiny, s, 1, 1)
     assert saved == pytest.approx(recompute_share(s) * f)
-    whole, recomputed, _ = passes(s)
+    whole, recomputed, hiding = passes(s)
     if fast:
         d, i = s.hidden, s.intermediate
         assert recompute_share(s) == pytest.approx((4 * d * d + 2 * d * i) / (4 * d * d + 3 * d * i))
-        assert whole < 3 and recomputed < 4
+        assert whole < 3 and recomputed < 4 and hiding == pytest.approx(recomputed - 1)
     else:
-        assert (whole, recomputed) == (3, 4)
+        assert (whole, recomputed, hiding) == (3, 4, 3)  # PEFT's layers priced as before
+    # a copy longer than a forward: what the backward's share hides of it is exposed no more
+    c = layer_seconds(10**9, s)[1]
+    g = layer_seconds(10**9, s)[0]
+    exposed = step_seconds([10**9] * 8, s, 7, 0) - 8 * recomputed * g  # one streamed layer of eight
+    assert exposed == pytest.approx(max(0.0, c - g) + max(0.0, c - hiding * g))
 
 
 def test_whole_layers_cost_what_the_planner_says():

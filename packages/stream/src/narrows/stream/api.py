@@ -187,14 +187,19 @@ def _refuse_layerdrop(model: nn.Module) -> None:
             )
 
 
-def _refuse_call_hooks(model: nn.Module) -> None:
+def _refuse_alora(model: nn.Module) -> None:
     """aLoRA: PEFT hands each call's offsets to the adapters through forward hooks that live
     only inside ``PeftModel.forward``. A streamed layer recomputed in backward runs after
     they are gone (its adapter silently off), and the self-check, which stops the model at
-    its first layer, leaves them behind. Refused, in training and in inference."""
+    its first layer, leaves them behind. Any aLoRA adapter on the model, active or not, is
+    refused, in training and in inference."""
+    try:
+        from peft.tuners.lora.variants import ALoraLinearVariant
+    except ImportError:  # a PEFT without aLoRA
+        return
     for name, m in model.named_modules():
         for key, variant in getattr(m, "lora_variant", {}).items():
-            if type(variant).__name__.startswith("ALora"):
+            if isinstance(variant, ALoraLinearVariant):
                 raise StreamSetupError(
                     f"{name} carries an aLoRA adapter ({key!r}, alora_invocation_tokens): PEFT passes its "
                     "per-call offsets to the adapters through hooks that exist only during PeftModel.forward, "
@@ -230,7 +235,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         )  # forward passes only: nothing is recomputed, no step repeats a capture
     if not cfg.inference:
         _refuse_layerdrop(model)
-    _refuse_call_hooks(model)
+    _refuse_alora(model)
     if cfg.deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")

@@ -178,7 +178,7 @@ def _linear(name: str, module: nn.Module) -> Linear | str:
             return f"{name} has merged, disabled or several active adapters"
         key = module.active_adapters[0]
         if key in getattr(module, "lora_variant", {}):
-            return f"{name} runs a LoRA variant ({type(module.lora_variant[key]).__name__}: DoRA, aLoRA, ...)"
+            return f"{name} runs a LoRA variant ({type(module.lora_variant[key]).__name__}; DoRA, aLoRA, ...)"
         if key in module.lora_A:
             a, b, drop = module.lora_A[key], module.lora_B[key], module.lora_dropout[key]
             if (
@@ -192,9 +192,9 @@ def _linear(name: str, module: nn.Module) -> Linear | str:
                 return f"{name}'s LoRA dropout is a {type(drop).__name__}"
             if any(map(_hooked, (module, a, b, drop))):
                 return f"{name} or its adapter has hooks or a replaced forward"
+            if isinstance(drop, nn.Dropout) and drop.p >= 1.0:  # in eval mode too: the plan sees one answer
+                return f"{name}'s LoRA dropout is {drop.p:g}: it drops every input"  # (PEFT's forward: a zero branch)
             p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
-            if p >= 1.0:  # the branch is zero: PEFT's own forward computes that without a 1/(1-p)
-                return f"{name}'s LoRA dropout is {p:g}: it drops every input"
             adapter = (a.weight, b.weight, float(module.scaling[key]), float(p))
         base = module.base_layer
     if _hooked(base):

@@ -25,9 +25,11 @@ TF32), the adapter's output added to the base's in float32 and the sum rounded o
 
 Dropout draws one mask per adapter, in the group's order, from the device's generator:
 the caller replays the generator to redraw them (`masks`). A mask is a bool tensor drawn
-as `torch.nn.functional.dropout` draws it (the same kernel: on CUDA the fused one, whose
-masks under one generator state are PEFT's), and a dropped-out tensor is computed from it
-in one pass (`loramath.dropped`).
+by `torch.nn.functional.dropout`'s kernel over the group's input (on CUDA the fused one:
+PEFT's masks under one generator state where PEFT's adapters run in the activations'
+dtype; PEFT's float32 adapters drop out a float32 copy, which that kernel maps to random
+numbers differently), and a dropped-out tensor is computed from it by dropout's backward
+kernel (`loramath.dropped`).
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class LinearGroup:
         """Each adapter's dropout mask (bool: the 1/keep scale is applied where it is used,
         so a dropped-out input is rounded once, not scaled by a rounded 1/keep), drawn in
         order from `n`'s device's generator (a replay of the same generator state draws the
-        same masks) by `torch.native_dropout`, the kernel of PEFT's dropout (on the CPU a
+        same masks) by `torch.native_dropout`, dropout's own kernel (on the CPU a
         `bernoulli_` in `n`'s dtype, as before; its dropped-out output is not used)."""
         out: list[Tensor | None] = []
         for p in self.linears:

@@ -29,8 +29,8 @@ def mm_f32(a: Tensor, b: Tensor) -> Tensor:
 
 def dropped(t: Tensor, mask: Tensor | None, p: Linear) -> Tensor:
     """`t` through `p`'s dropout: ``t · mask / keep``, the product rounded once (`t`'s dtype),
-    in one pass over `t` and the bool mask (dropout's own backward kernel: on the CPU the
-    same bits as ``(t · mask) · (1/keep)``, tested)."""
+    by dropout's own backward kernel (on CUDA one pass over `t` and the bool mask; on the
+    CPU the same bits as ``(t · mask) · (1/keep)``, tested)."""
     if mask is None:
         return t
     return torch.ops.aten.native_dropout_backward(t, mask, 1.0 / (1.0 - p.dropout))

@@ -134,11 +134,12 @@ def whole_bytes(s: Shapes) -> int:
 def dropout_mask_bytes(s: Shapes) -> int:
     """One fast layer's dropout masks, each the size of its adapter's input, a byte an
     element (bool): Q, K, V, o, gate and up read hidden-sized inputs, down an
-    intermediate-sized one (all seven counted). 0 without dropout. (On the H100 at 7B, 8 ×
-    512 tokens, dropout 0.05, with masks in the activations' dtype, twice this: the smallest
-    footprint peaked 0.43 GiB higher than without, the `8GiB` plan's five whole layers 1.67
-    GiB, `benchmarks/h100/ab_7b_8x512_drop_r1_new.json` against `ab_7b_8x512_r1_new.json`;
-    then priced 0.45 and 2.0.)"""
+    intermediate-sized one (all seven counted). 0 without dropout. On the H100 at 7B, 8 ×
+    512 tokens, dropout 0.05: the `8GiB` plan peaked at 6.87 GiB against 7.95 predicted, the
+    smallest footprint at 3.29 against 3.47 (`benchmarks/h100/ab_7b_8x512_drop9_new.json`).
+    (With masks in the activations' dtype, twice this, the smallest footprint had peaked
+    0.43 GiB higher than without and the `8GiB` plan's five whole layers 1.67 GiB,
+    `ab_7b_8x512_drop_r1_new.json` against `ab_7b_8x512_r1_new.json`.)"""
     if not s.dropout:
         return 0
     return s.batch * s.seq * (6 * s.hidden + s.intermediate)
