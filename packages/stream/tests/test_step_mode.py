@@ -371,9 +371,11 @@ def test_rng_restore_and_capture_round_trip():
 
 
 @pytest.mark.gpu
-def test_block_major_on_cuda_with_dropout_and_offloaded_boundaries():
-    """On the GPU: Philox dropout states predicted by replay, boundaries through pinned
-    host memory on their own streams, deterministic kernels — still bit-identical."""
+@pytest.mark.parametrize("fast", [False, True], ids=["peft-kernels", "fast-layers"])
+def test_block_major_on_cuda_with_dropout_and_offloaded_boundaries(fast):
+    """On the GPU: Philox dropout states predicted by replay (PEFT's dropout, or the fast
+    layers' fused-kernel masks), boundaries through pinned host memory on their own
+    streams, deterministic kernels — still bit-identical."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     import os
@@ -382,9 +384,9 @@ def test_block_major_on_cuda_with_dropout_and_offloaded_boundaries():
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     deterministic(True)
-    _, stats, got = stepped(dropout=0.05, device="cuda", offload="all")
+    _, stats, got = stepped(dropout=0.05, device="cuda", offload="all", fast=fast)
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
-    assert_identical(resident(dropout=0.05, device="cuda"), got)
+    assert_identical(resident(dropout=0.05, device="cuda", fast=fast), got)
 
 
 @pytest.mark.gpu
