@@ -106,8 +106,7 @@ def test_a_whole_layer_saves_its_recompute(fast):
     else:
         assert (whole, recomputed, hiding) == (3, 4, 3)  # PEFT's layers priced as before
     # a copy longer than a forward: what the backward's share hides of it is exposed no more
-    c = layer_seconds(10**9, s)[1]
-    g = layer_seconds(10**9, s)[0]
+    g, c = layer_seconds(10**9, s)
     exposed = step_seconds([10**9] * 8, s, 7, 0) - 8 * recomputed * g  # one streamed layer of eight
     assert exposed == pytest.approx(max(0.0, c - g) + max(0.0, c - hiding * g))
 
