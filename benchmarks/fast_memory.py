@@ -29,12 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def one_layer(name: str, device: torch.device):
+def one_layer(name: str, device: torch.device, dropout: float = 0.0):
     from _models import add_lora, load_config, random_nf4_model
 
     cfg = load_config(name)
     cfg.num_hidden_layers = 1
-    model = add_lora(random_nf4_model(cfg, work_device=str(device))).train()
+    model = add_lora(random_nf4_model(cfg, work_device=str(device)), dropout=dropout).train()
     model.to(device)
     for p in model.parameters():  # non-zero B: the adapters' backward does its full work
         if p.requires_grad and p.dim() == 2 and not p.any():

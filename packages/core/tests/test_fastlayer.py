@@ -16,6 +16,7 @@ import torch
 import narrows.core.fastlayer.fuse as fuse
 from narrows.core import fuse_layers, quantize_nf4, unfuse_layers
 from narrows.core.fastlayer import loramath, ops, why_not
+from narrows.core.fastlayer.lora import Masks
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 FAMILY = ("llama", "qwen2", "qwen3", "mistral")
@@ -204,6 +205,31 @@ def test_dropout_masks_are_bool_draws_applied_with_one_rounding(dtype):
     assert torch.equal(got, (n * draws[0]).mul_(1 / 0.7))
     if dtype == torch.bfloat16:
         assert not torch.equal(got, n * (draws[0] / 0.7))  # the scale rounded first: other bits
+
+
+def test_the_forward_reads_a_dropped_out_input_once_with_droppeds_bits():
+    """The forward's adapters compute on ``dropped(n, mask)``: on the CPU they compute it
+    (the CPU's dropout output is rounded twice in bf16, other bits), and the draws' outputs
+    are let go once read, so a group's state keeps the masks alone."""
+    model = _model("llama", dropout=0.3)
+    fuse_layers(model)
+    group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv
+    n = torch.randn(64, group.linears[0].weight.shape[1], dtype=torch.bfloat16)
+    torch.manual_seed(5)
+    masks = group.masks(n)
+    assert masks.outs is None  # nothing rides along on the CPU
+    with torch.no_grad():
+        _, state = group.forward(n, masks)
+        for p, h, m in zip(group.linears, state.h, state.masks):
+            assert torch.equal(h, loramath.dropped(n, m, p).mm(p.a.to(n.dtype).t()))
+    assert type(state.masks) is list
+    torch.manual_seed(5)
+    draws = [torch.native_dropout(n, 0.3, True)[0] for _ in masks]  # the CPU kernel's own output
+    assert not all(torch.equal(d, loramath.dropped(n, m, group.linears[0])) for d, m in zip(draws, masks))
+    cuda_like = Masks(list(masks), [loramath.dropped(n, m, group.linears[0]) for m in masks])
+    with torch.no_grad():
+        _, again = group.forward(n, cuda_like)
+    assert cuda_like.outs is None and all(torch.equal(a, b) for a, b in zip(again.h, state.h))
 
 
 @pytest.mark.bnb
@@ -425,6 +451,15 @@ def test_cuda_dropout_masks_are_pefts_draws():
     peft = [torch.nn.functional.dropout(n, 0.3, training=True) for _ in masks]
     assert all(torch.equal(m, d != 0) for m, d in zip(masks, peft))
     assert all(torch.equal(loramath.dropped(n, m, group.linears[0]), d) for m, d in zip(masks, peft))
+    # the forward's adapters read the draws' own outputs: the bits `dropped` gives the backward,
+    # at a width with a tail past the kernel's vectors too
+    for rows in (512, 517):
+        n = torch.randn(rows, n.shape[1] - 3, device="cuda", dtype=torch.bfloat16)
+        masks = group.masks(n)
+        assert len(masks.outs) == 3 and all(o is not None for o in masks.outs)
+        assert all(
+            torch.equal(loramath.dropped(n, m, group.linears[0]), o) for m, o in zip(masks, masks.outs)
+        )
 
 
 @pytest.mark.gpu

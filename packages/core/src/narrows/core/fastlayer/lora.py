@@ -29,7 +29,9 @@ by `torch.nn.functional.dropout`'s kernel over the group's input (on CUDA the fu
 PEFT's masks under one generator state where PEFT's adapters run in the activations'
 dtype; PEFT's float32 adapters drop out a float32 copy, which that kernel maps to random
 numbers differently), and a dropped-out tensor is computed from it by dropout's backward
-kernel (`loramath.dropped`).
+kernel (`loramath.dropped`). On CUDA the forward's adapters read the draw's own output
+instead (`Masks.outs`: the same bits, one pass over the input fewer per adapter); the
+backward, which keeps only the mask, computes it again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .stacking import joined, side_by_side
 __all__ = [
     "Linear",
     "LinearGroup",
+    "Masks",
     "WeightSource",
     "mm_f32",
 ]  # mm_f32: loramath's, used by callers through here
@@ -101,6 +104,18 @@ class _Low:
     b: list[Tensor | None]
     a_all: Tensor | None  # every A of the group stacked (without dropout: one matmul for all)
     b_all: Tensor | None = None  # every B block-diagonal, (Σ out, Σ r): `LinearGroup.blocked`
+
+
+class Masks(list):
+    """Each adapter's dropout mask (None where it drops nothing out), and `outs`: the draw's
+    own dropped-out input for each (``n · mask / keep``), where its bits are `dropped`'s —
+    on CUDA, for adapters computing in the input's dtype (the CPU's kernel rounds twice).
+    The forward's adapters read `outs` once and let them go (`LinearGroup.state`), so they
+    live no longer than the one matmul each would have computed them for."""
+
+    def __init__(self, masks: list[Tensor | None], outs: list[Tensor | None] | None = None):
+        super().__init__(masks)
+        self.outs = outs
 
 
 @dataclass
@@ -159,14 +174,20 @@ class LinearGroup:
         so a dropped-out input is rounded once, not scaled by a rounded 1/keep), drawn in
         order from `n`'s device's generator (a replay of the same generator state draws the
         same masks) by `torch.native_dropout`, dropout's own kernel (on the CPU a
-        `bernoulli_` in `n`'s dtype, as before; its dropped-out output is not used)."""
-        out: list[Tensor | None] = []
+        `bernoulli_` in `n`'s dtype, as before). Its dropped-out output rides along for
+        the forward where it has `dropped`'s bits (`Masks`)."""
+        reuse = n.is_cuda and self._wide(n) is n
+        masks: list[Tensor | None] = []
+        outs: list[Tensor | None] = []
         for p in self.linears:
             if p.a is None or p.dropout == 0:
-                out.append(None)
+                masks.append(None)
+                outs.append(None)
                 continue
-            out.append(torch.native_dropout(n, p.dropout, True)[1])
-        return out
+            out, mask = torch.native_dropout(n, p.dropout, True)
+            masks.append(mask)
+            outs.append(out if reuse else None)
+        return Masks(masks, outs if reuse and self.dropout else None)
 
     def _low(self, dtype: torch.dtype) -> _Low:
         none: list[Tensor | None] = [None] * len(self.linears)
@@ -191,16 +212,19 @@ class LinearGroup:
             col += p.b.shape[1]
         return _Low(a, blocks, a_all, b_all)
 
-    def _h(self, n: Tensor, masks: list[Tensor | None], low: _Low) -> list[Tensor | None]:
-        """Each adapter's ``n @ Aᵀ`` (dropped out), in the activation dtype."""
+    def _h(self, n: Tensor, masks: list[Tensor | None], low: _Low,
+           outs: list[Tensor | None] | None = None) -> list[Tensor | None]:  # fmt: skip
+        """Each adapter's ``n @ Aᵀ`` (dropped out: `outs`' where given), in the activation dtype."""
         if not self.adapted:
             return [None] * len(self.linears)
         if low.a_all is not None:
             h_all = n.mm(low.a_all.t())
             hs = iter(h_all.split([p.a.shape[0] for p in self.adapted], dim=1))
             return [next(hs) if p.a is not None else None for p in self.linears]
+        outs = outs or [None] * len(self.linears)
         return [
-            None if a is None else dropped(n, m, p).mm(a.t()) for p, a, m in zip(self.linears, low.a, masks)
+            None if a is None else (dropped(n, m, p) if o is None else o).mm(a.t())
+            for p, a, m, o in zip(self.linears, low.a, masks, outs)
         ]
 
     def forward(self, n: Tensor, masks: list[Tensor | None], cache: dict[str, Tensor] | None = None, *,
@@ -256,7 +280,10 @@ class LinearGroup:
         """What the backward needs from `forward` without any output: the adapters' side
         alone (a recompute whose outputs were kept: the attention's Q/K/V)."""
         low = self._low(self.lora_dtype or n.dtype)
-        return GroupState(n, self._h(self._wide(n), masks, low), masks, low)
+        outs = getattr(masks, "outs", None)
+        if outs is not None:
+            masks.outs = None  # read once, here: the state keeps the masks alone
+        return GroupState(n, self._h(self._wide(n), masks, low, outs), list(masks), low)
 
     def backward(self, grads: Sequence[Tensor], state: GroupState,
                  cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
