@@ -17,7 +17,9 @@ work off a step's critical path, this measures whether it would overlap at all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
 from pathlib import Path
 
 import torch
@@ -43,6 +45,31 @@ def timed(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+@contextlib.contextmanager
+def sampled_clocks():
+    """nvidia-smi's SM clock (MHz) and power (W), sampled every 20 ms while the block runs:
+    yields a dict filled with their means and minimums when it ends (empty without nvidia-smi)."""
+    got: dict = {}
+    try:
+        proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                 "-lms", "20"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    except OSError:
+        yield got
+        return
+    try:
+        yield got
+    finally:
+        proc.terminate()
+        out = proc.communicate()[0]
+        pairs = [
+            tuple(float(v) for v in line.split(",")) for line in out.splitlines() if line.count(",") == 1
+        ]
+        if pairs:
+            mhz, watts = zip(*pairs)
+            got.update(samples=len(pairs), sm_mhz_mean=sum(mhz) / len(mhz), sm_mhz_min=min(mhz),
+                       watts_mean=sum(watts) / len(watts), watts_max=max(watts))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="72b")
@@ -50,6 +77,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6, help="layers a timed call runs")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/overlap.json")
+    ap.add_argument("--drag", action="store_true",
+                    help="also: the matmuls while host→device copies run as long as they do (whole or in "
+                    "pieces) against alone, with the SM clock and power sampled")  # fmt: skip
     args = ap.parse_args()
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
@@ -148,6 +178,32 @@ def main() -> None:
 
     rows["gemms while both copy, per layer"] = timed(lambda: copying(L), args.reps) / L
 
+    if args.drag:  # a step's pattern: host→device copies alone (no d2h), for as long as the matmuls run
+        long = 5 * L
+        clocks: dict[str, dict] = {}
+        for chunk in (nbytes, nbytes // 16):
+            pieces = [(host_a[i : i + chunk], dev_a[i : i + chunk]) for i in range(0, nbytes, chunk)]
+
+            def h2d_while(layers: int = long, pieces=pieces) -> None:
+                main = torch.cuda.current_stream()
+                up_s.wait_stream(main)
+                with torch.cuda.stream(up_s):
+                    for _ in range(14 * L // 6):  # ≈ the matmuls' time at 55 GB/s
+                        for src, dst in pieces:
+                            dst.copy_(src, non_blocking=True)
+                for _ in range(layers):
+                    gemms(bufs[0])
+                main.wait_stream(up_s)
+
+            name = f"gemms while h2d copies ({chunk >> 20} MiB pieces), per layer"
+            with sampled_clocks() as got:
+                rows[name] = timed(h2d_while, args.reps) / long
+            clocks[name] = got
+        name = "gemms alone, as long, per layer"
+        with sampled_clocks() as got:
+            rows[name] = timed(lambda: [gemms(bufs[0]) for _ in range(long)], args.reps) / long
+        clocks[name] = got
+
     w, bmat = bufs[0]["gu"], torch.randn(2 * inter, rank, device=dev, dtype=bf)
     amat = torch.randn(rank, hid, device=dev, dtype=bf)
     wide_w = torch.randn(2 * inter, hid + rank, device=dev, dtype=bf)
@@ -181,6 +237,8 @@ def main() -> None:
 
     run = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
            "tokens": T, "layers": L, "reps": args.reps, "copy_bytes": nbytes, "seconds": rows}  # fmt: skip
+    if args.drag:
+        run["clocks"] = clocks  # SM MHz and watts sampled by nvidia-smi while each timed call ran
     flops = 2 * T * hid * (qo + 2 * kvo + 2 * inter) + 2 * T * qo * hid + 2 * T * inter * hid
     run["gemm_tflops"] = flops / rows["gemms, per layer"] / 1e12
     print(f"{run['device']}, {args.shape}, {T} tokens; layer GEMMs at {run['gemm_tflops']:.0f} TFLOP/s")
