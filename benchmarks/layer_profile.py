@@ -86,6 +86,25 @@ def profile_passes(fwd, back, reps: int) -> dict:
     return out
 
 
+def totals(row: dict, layers: int) -> dict:
+    """One layer's two passes summed, against their floor at 800 TFLOP/s, by kind of kernel
+    and with the adapters' rank-r matmuls (a dimension of 64 or less) apart; and the same
+    for the model's `layers` (what the layers of a step cost with nothing beside them)."""
+    passes = [row["forward"], row["recompute_backward"]]
+    device = sum(p["device_s"] for p in passes)
+    floor = sum(row["floor_s_at_800"].values())
+    kinds: dict[str, float] = {}
+    for p in passes:
+        for k, v in p["device_s_by_kind"].items():
+            kinds[k] = round(kinds.get(k, 0.0) + v, 6)
+    adapters = sum(r["s_per_pass"] for p in passes for r in p["matmuls"]
+                   if min(min(s) for s in r["shapes"] if len(s) == 2) <= 64)  # fmt: skip
+    return {"model_layers": layers, "floor_tflops": 800, "layer_device_s": device, "layer_floor_s_at_800": floor,
+            "layer_over_floor": device / floor, "layer_s_by_kind": kinds, "layer_adapter_matmuls_s": adapters,
+            "layers_device_s": device * layers, "layers_floor_s_at_800": floor * layers,
+            "layers_flop": floor * 800e12 * layers}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", default="qwen2.5-72b:4096:512", help="model:tokens:seq")
@@ -127,6 +146,9 @@ def main() -> None:
     row = {"case": args.case, "dropout": args.dropout, "kernels": kernels_in_use(device), "base_flop": flop,
            "floor_s_at_800": {"forward": fwd_flop / 800e12, "recompute_backward": back_flop / 800e12},
            **passes}  # fmt: skip
+    from _models import load_config
+
+    row["totals"] = totals(row, load_config(name).num_hidden_layers)
     for label in ("forward", "recompute_backward"):
         p = passes[label]
         print(f"{label}: device {p['device_s'] * 1e3:.2f} ms  {p['device_s_by_kind']}")

@@ -241,6 +241,8 @@ def main() -> None:
         run["clocks"] = clocks  # SM MHz and watts sampled by nvidia-smi while each timed call ran
     flops = 2 * T * hid * (qo + 2 * kvo + 2 * inter) + 2 * T * qo * hid + 2 * T * inter * hid
     run["gemm_tflops"] = flops / rows["gemms, per layer"] / 1e12
+    if args.drag:  # the rate a step's matmuls hold for longer than a burst (the card's power limit)
+        run["gemm_tflops_sustained"] = flops / rows["gemms alone, as long, per layer"] / 1e12
     print(f"{run['device']}, {args.shape}, {T} tokens; layer GEMMs at {run['gemm_tflops']:.0f} TFLOP/s")
     for name, s in rows.items():
         print(f"  {name:48s} {s * 1e3:8.3f} ms")
