@@ -40,5 +40,9 @@ def test_streamed_evaluation_equals_resident_per_request(folder, tmp_path, kind)
         with_adapter(AutoModelForCausalLM.from_pretrained(folder), kind).save_pretrained(adapter)
     resident = scores(NarrowsLM(pretrained=str(folder), adapter=adapter, device="cpu"))
     lm = NarrowsLM(pretrained=str(folder), adapter=adapter, device="cpu", gpu_budget="min")
-    assert lm.narrows.streamed and lm.narrows.model.narrows_stream.plan.resident == ()
+    handle = lm.narrows.model.narrows_stream
+    assert lm.narrows.streamed and handle.plan.resident == ()
+    # the resident path runs the layers' own modules, so the streamed one does too: the fast
+    # layers sum the adapter and the base in another order (bits differ on some CPUs)
+    assert handle.config.kernels == "peft"
     assert torch.equal(scores(lm), resident)

@@ -126,7 +126,8 @@ def load_for_inference(
     `quant="nf4"` quantises the decoder linears (bitsandbytes). `gpu_budget` (bytes, a size
     like ``"8GiB"``, or ``"fit"``/``"min"``) streams the frozen base through narrows-stream:
     only what fits the budget stays on the device, the rest comes from host memory layer by
-    layer with prefetch, no autograd state kept. A DoRA adapter runs through narrows-dora
+    layer with prefetch, no autograd state kept; its layers run their own modules (PEFT's,
+    not the fast layers), so it scores exactly as the resident model does. A DoRA adapter runs through narrows-dora
     when it is installed (same numbers as PEFT's, without the dense B·A). `pretrained` may
     also be a model already in host memory (then pass its `tokenizer`), or None for the base
     a run folder given as `adapter` trained on. A run folder is used at its final adapter,
@@ -178,8 +179,12 @@ def load_for_inference(
         import narrows.stream
 
         budget = None if gpu_budget in ("min", "none") else gpu_budget
+        # the layers' own modules (PEFT's), as the resident path runs them: a streamed
+        # evaluation scores every request exactly as a resident one. The fast layers compute
+        # in another order (the adapter's product first, the base accumulated onto it), so
+        # their scores differ from PEFT's in the last bits on some CPUs and in bf16 on CUDA
         narrows.stream.stream(
-            model, budget, device=dev, batch_size=batch_size, seq_len=seq_len, inference=True
+            model, budget, device=dev, batch_size=batch_size, seq_len=seq_len, inference=True, kernels="peft"
         )
     else:
         model.to(dev)
