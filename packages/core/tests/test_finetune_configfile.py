@@ -131,3 +131,33 @@ def test_help_shows_the_common_flags_and_help_advanced_the_rest():
     for flag in ADVANCED:
         assert not listed(flag, short) and listed(flag, full), flag
     assert "--step-mode" in ADVANCED and "--help-advanced" in short
+
+
+def resume_rows() -> list[str]:
+    """README's table of what a resume may change, from the three tables in the code."""
+    from narrows.core.finetune.config import FIXED, OVERRIDABLE, RESUMABLE
+
+    def flag(name: str) -> str:
+        return "the ranks (torchrun)" if name == "world_size" else f"`--{name.replace('_', '-')}`"
+
+    return [f"| {flag(name)} | {when} | {how} |"
+            for table, when in ((RESUMABLE, "freely"), (OVERRIDABLE, "`--override`"), (FIXED, "never"))
+            for name, how in table.items()]  # fmt: skip
+
+
+def test_every_setting_says_what_a_resume_does_with_it_and_the_readme_lists_them():
+    """Each FinetuneConfig field is in exactly one of RESUMABLE, OVERRIDABLE and FIXED, and
+    README's "What a resume may change" table is theirs, row for row."""
+    import dataclasses
+    from pathlib import Path
+
+    from narrows.core.finetune.config import FIXED, OVERRIDABLE, RESUMABLE, FinetuneConfig
+
+    fields = [f.name for f in dataclasses.fields(FinetuneConfig)]
+    tables = [*RESUMABLE, *OVERRIDABLE, *FIXED]
+    assert sorted(tables) == sorted(fields), set(tables) ^ set(fields)
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    head = "| setting | with `--resume` | how it takes effect |\n|---|---|---|\n"
+    assert head in readme
+    table = readme.split(head, 1)[1].split("\n\n", 1)[0].splitlines()
+    assert table == resume_rows()

@@ -219,3 +219,73 @@ def test_tokenising_a_large_corpus_says_how_far_it_got(capsys):
         f"narrows: tokenising d.jsonl: {n}" for n in (1, 2, 3)
     ]
     assert list(_ticking(iter(rows), "d.jsonl")) == rows and capsys.readouterr().err == ""
+
+
+def rewrite_weights(folder: Path, change) -> None:
+    """The folder's model.safetensors written again in place with `change(name, tensor)` applied
+    to every tensor: the same names, dtypes, shapes and metadata, so the same header bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    file = folder / "model.safetensors"
+    with safe_open(str(file), "pt") as f:
+        meta = f.metadata()
+    weights = load_file(file)
+    save_file({k: change(k, v.clone()) for k, v in weights.items()}, str(file), metadata=meta)
+
+
+def test_weights_rewritten_under_the_same_header_are_caught_by_their_sampled_content(tmp_path):
+    """A fine-tuned copy saved over the original (every weight other, the header the same),
+    one byte in a sampled block of a large tensor, and one in a small tensor kept whole are
+    each caught; a byte between the samples of a large tensor is not (the sampling's limit,
+    as the fingerprint's docstring and the README say)."""
+    from narrows.core.fingerprint import SAMPLE_BYTES, SAMPLES
+
+    folder = tiny_model_folder(tmp_path / "m", vocab_size=2048)  # a 512 KiB embedding among small tensors
+    before = model_fingerprint(folder)
+    sizes = {k: v.numel() * v.element_size() for k, v in load_file(folder / "model.safetensors").items()}
+    large = max(sizes, key=sizes.get)
+    small = min(sizes, key=sizes.get)
+    assert sizes[large] > 4 * SAMPLES * SAMPLE_BYTES and sizes[small] <= SAMPLES * SAMPLE_BYTES
+
+    def nudged(target: str, byte: int):
+        def change(name, tensor):
+            if name == target:
+                raw = tensor.view(-1).view(torch.uint8)
+                raw[byte] ^= 1
+            return tensor
+
+        return change
+
+    gap = SAMPLE_BYTES + (sizes[large] - SAMPLE_BYTES) // (SAMPLES - 1) // 2  # between the 1st and 2nd block
+    cases = {
+        "fine-tuned": (lambda name, t: t + 0.01 if t.is_floating_point() else t, True),
+        "last byte of the largest tensor": (nudged(large, sizes[large] - 1), True),
+        "a byte of the smallest tensor": (nudged(small, sizes[small] // 2), True),
+        "a byte between samples": (nudged(large, gap), False),
+    }
+    for name, (change, caught) in cases.items():
+        copy = shutil.copytree(folder, tmp_path / name.replace(" ", "-"))
+        rewrite_weights(copy, change)
+        after = model_fingerprint(copy)
+        file_before, file_after = before["files"]["model.safetensors"], after["files"]["model.safetensors"]
+        assert file_before["header_sha256"] == file_after["header_sha256"], name  # the same header
+        said = differences(before, after)
+        if caught:
+            assert said == ["model.safetensors has other weights under the same header (sampled: "
+                            f"{after['weights_sampled']})"], name  # fmt: skip
+        else:
+            assert said == [], name
+    # a record made before narrows sampled weights compares by size and header only
+    old = json.loads(json.dumps(before))
+    del old["files"]["model.safetensors"]["weights_sample_sha256"]
+    assert differences(old, model_fingerprint(folder)) == []
+
+
+def test_resume_refuses_a_base_whose_weights_were_rewritten_under_the_same_header(started, tmp_path):
+    model = shutil.copytree(started.root / "model", tmp_path / "model")
+    run = copy_run(started.run, tmp_path / "run", model=model)
+    rewrite_weights(model, lambda name, t: t * 1.5 if t.is_floating_point() else t)
+    err = refused(cli("--resume", run, "--steps", "4", cwd=tmp_path))
+    assert "the model changed since the run started" in err
+    assert "model.safetensors has other weights under the same header" in err

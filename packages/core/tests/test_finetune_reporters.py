@@ -213,3 +213,57 @@ def test_a_missing_or_unknown_logger_is_refused_before_loading(job, monkeypatch,
         assert parse_report_to("all") == [] and parse_report_to("none") == []
     finally:
         is_available.cache_clear()
+
+
+def test_wandb_without_credentials_is_refused_before_anything_is_loaded_or_written(
+    job, wandb, monkeypatch, capsys, tmp_path
+):
+    """W&B would stop a run that has no key once the model is loaded: narrows asks first,
+    as wandb looks (WANDB_API_KEY, the netrc entry `wandb login` writes, WANDB_MODE)."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.com login me password elsewhere\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    out = tmp_path / "run"
+    assert main(["finetune", *job.args, "--report-to", "wandb", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("narrows: error: --report-to wandb: W&B has no credentials here")
+        and "api.wandb.ai" in err
+    )
+    assert "wandb login" in err and "WANDB_MODE=offline" in err
+    assert not out.exists() and not wandb.inits
+
+    netrc.write_text(netrc.read_text() + "machine api.wandb.ai login user password k3y\n")
+    assert parse_report_to("wandb") == ["wandb"]  # logged in, as `wandb login` leaves it
+    netrc.write_text("")
+    for name, value in (("WANDB_API_KEY", "k3y"), ("WANDB_MODE", "offline"), ("WANDB_MODE", "disabled")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert parse_report_to("wandb") == ["wandb"]
+
+
+def test_a_wandb_run_that_fails_to_start_leaves_the_run_folder_as_it_found_it(job, wandb, tmp_path):
+    """W&B refusing after the model has loaded (a key its server rejects, no network): one
+    `narrows: error:` line, and neither config.json nor wandb-id nor wandb/ is left behind,
+    so the same command runs once W&B works."""
+    from narrows.core import NarrowsError
+    from narrows.core.finetune.job import finetune
+
+    def refusing(**kwargs):
+        (Path(kwargs["dir"]) / "wandb").mkdir()  # what wandb writes before it gives up
+        raise RuntimeError("api_key not configured (no-tty)")
+
+    working, wandb.module.init = wandb.module.init, refusing
+    out = tmp_path / "run"
+    settings = {**job.settings, "steps": 2, "report_to": "tensorboard,wandb", "out": str(out)}
+    with pytest.raises(
+        NarrowsError, match=r"--report-to wandb: W&B did not start a run \(RuntimeError: api_key"
+    ):
+        finetune(FinetuneConfig(**settings), progress=False)
+    assert not out.exists()
+    wandb.module.init = working
+    finetune(FinetuneConfig(**settings), progress=False)
+    assert {"config.json", "wandb-id", "tensorboard"} <= {p.name for p in out.iterdir()}

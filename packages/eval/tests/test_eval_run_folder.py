@@ -19,6 +19,7 @@ import torch
 
 from narrows.core import NarrowsError
 from narrows.core.cli import main
+from narrows.core.fingerprint import SAMPLING
 from narrows.core.testing import finetune_cli, write_jsonl
 
 ROWS = [
@@ -81,7 +82,7 @@ def test_a_checkpoint_asked_for_is_scored_with_its_own_weights(runs, tiny_folder
     assert main(["eval", str(runs.cut), "--checkpoint", "6", *tiny(tiny_tasks)]) == 0
     out = capsys.readouterr()
     assert f"scored: run {runs.cut} at step 6: checkpoint step-000006 of 8 steps" in out.out
-    assert "narrows: scoring run" in out.err
+    assert out.err.count("narrows: scoring run") == 1, out.err
     report = json.loads((runs.cut / "eval-step-6" / "report.json").read_text())
     assert (report["adapter_step"], report["checkpoint"], report["model"]) == (6, 6, str(tiny_folder))
 
@@ -104,6 +105,7 @@ def test_a_finished_run_is_scored_from_its_folder_alone(runs, tiny_folder, tiny_
     out = capsys.readouterr()
     assert f"scored: run {runs.four} at step 4 (its final adapter)" in out.out
     assert f"narrows: base: {tiny_folder} (the Hugging Face model folder {tiny_folder})" in out.err
+    assert out.err.count("narrows: scoring run") == 1, out.err
     report = json.loads((runs.four / "eval" / "report.json").read_text())
     assert (report["adapter_step"], report["checkpoint"], report["model"]) == (4, None, str(tiny_folder))
 
@@ -117,6 +119,8 @@ def faked(runs, tmp_path, name, **config):
     run = shutil.copytree(runs.four, tmp_path / name)
     body = json.loads((run / "config.json").read_text())
     body["config"].update(config)
+    if "model" in config:  # another base than the one the run recorded: a run from before the record
+        body.pop("inputs", None)
     (run / "config.json").write_text(json.dumps(body))
     return run
 
@@ -142,3 +146,46 @@ def test_defaults_come_from_the_run(runs, tiny_folder, tiny_adapters, tmp_path):
 
     plan = plan_evaluation(None, faked(runs, tmp_path, "default", model=None, data=None))
     assert (plan.model, plan.tasks) == (smollm2_gguf(), ["gsm8k"])
+
+
+def with_own_base(runs, tiny_folder, tmp_path) -> tuple:
+    """A copy of `four` and of the base it trained on, the run pointing at that copy."""
+    base = shutil.copytree(tiny_folder, tmp_path / "base")
+    run = shutil.copytree(runs.four, tmp_path / "run", ignore=shutil.ignore_patterns("eval"))
+    body = json.loads((run / "config.json").read_text())
+    body["config"]["model"] = body["inputs"]["model"]["path"] = str(base)
+    (run / "config.json").write_text(json.dumps(body))
+    return run, base
+
+
+def test_a_changed_or_moved_base_is_refused_and_one_given_explicitly_is_recorded(
+    runs, tiny_folder, tiny_tasks, tmp_path, capsys
+):
+    from safetensors.torch import load_file, save_file
+
+    from narrows.eval import NarrowsLM
+
+    run, base = with_own_base(runs, tiny_folder, tmp_path)
+    weights = load_file(base / "model.safetensors")  # another model saved over it, the same header
+    save_file(
+        {k: v * 1.5 for k, v in weights.items()}, str(base / "model.safetensors"), metadata={"format": "pt"}
+    )
+    assert main(["eval", str(run), *tiny(tiny_tasks)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("narrows: error:") and f"its base {base} changed since the run trained on it" in err
+    assert "other weights under the same header" in err and f"--model {base}" in err
+    assert not (run / "eval").exists()
+    with pytest.raises(NarrowsError, match=rf"changed since the run trained on it.*pretrained={base}"):
+        NarrowsLM(adapter=str(run), device="cpu")
+
+    assert main(["eval", str(run), "--model", str(base), *tiny(tiny_tasks)]) == 0  # asked for: scored, said
+    err = capsys.readouterr().err
+    assert f"narrows: --model {base} differs from the base {run} trained on" in err
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["base_differs"] == ["model.safetensors has other weights under the same header (sampled: "
+                                      f"{SAMPLING})"]  # fmt: skip
+
+    shutil.rmtree(base)  # moved away: the way to name its new place
+    assert main(["eval", str(run), *tiny(tiny_tasks)]) == 2
+    err = capsys.readouterr().err
+    assert f"the base it trained on, {base}, is not there any more" in err and "--model NEW_PATH" in err

@@ -3,12 +3,18 @@ and of data files, and the differences between two fingerprints in words.
 
 A run records these when it starts, so ``--resume`` from any directory finds the same
 files or refuses, naming what changed, and a moved file can be named anew when its
-content matches. Data files and GGUF files are hashed whole (sha256, read in 8 MiB
-blocks: about 1.7 GB/s on a core with SHA extensions, so a 1 GB file costs a second or
-two when cached in RAM, its disk read when not). A safetensors shard is identified by
-its size and the hash of its header (names, dtypes, shapes, offsets): hashing every
-weight of a 70B checkpoint on every start would read 140 GB. Other files of a model
-folder (config, index, tokenizer, chat template) are hashed whole.
+content matches; ``narrows eval`` and the lm-eval backend check a run's base the same way.
+Data files and GGUF files are hashed whole (sha256, read in 8 MiB blocks: about 1.7 GB/s
+on a core with SHA extensions, so a 1 GB file costs a second or two when cached in RAM,
+its disk read when not). Hashing every weight of a 72B checkpoint would read 145 GB, so
+a safetensors shard is fingerprinted by its size, the hash of its header (names, dtypes,
+shapes, offsets) and a sampled hash of its weights: every tensor's bytes whole when they
+are at most 64 KiB (norms, biases), else 16 blocks of 4 KiB spread evenly from its first
+byte to its last. Weights rewritten under the same header (a re-export, a fine-tuned copy
+saved over the original) change every sampled block; a change confined to bytes between
+the samples goes unseen. It reads 64 KiB a tensor: ~22 MB at 7B, ~63 MB at 72B
+(README, "What a run trusts"). Other files of a model folder (config, index, tokenizer,
+chat template) are hashed whole.
 
 Hashes are remembered for the life of the process, keyed by the file's inode, size and
 change time (which every write moves, whatever the modification time is set back to),
@@ -18,28 +24,79 @@ so a file fingerprinted and then read for the token cache is hashed once.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 from pathlib import Path
 
-__all__ = ["data_fingerprint", "differences", "file_sha256", "model_fingerprint"]
+__all__ = [
+    "SAMPLING",
+    "data_fingerprint",
+    "differences",
+    "file_sha256",
+    "model_fingerprint",
+    "unsampled",
+    "weights_sample_sha256",
+]
 
 _BLOCK = 1 << 23
 _WHOLE = 64 << 20  # non-weight files of a model folder up to this size are hashed whole
+SAMPLES, SAMPLE_BYTES = 16, 4096  # blocks hashed of each safetensors tensor, and their size
+SAMPLING = f"every tensor whole up to {SAMPLES * SAMPLE_BYTES >> 10} KiB, else {SAMPLES} blocks of {SAMPLE_BYTES >> 10} KiB evenly spread"
 _MEMO: dict[tuple, str] = {}
+
+
+def _remembered(path: str | os.PathLike, kind: str, compute) -> str:
+    """`compute(path)`, remembered per file (inode, size, modification and change time)."""
+    st = os.stat(path)
+    key = (kind, str(Path(path).absolute()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _MEMO:
+        _MEMO[key] = compute(path)
+    return _MEMO[key]
 
 
 def file_sha256(path: str | os.PathLike) -> str:
     """The sha256 of a file's bytes (remembered per inode, size and change time)."""
-    st = os.stat(path)
-    key = (str(Path(path).absolute()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if key not in _MEMO:
+
+    def whole(p) -> str:
         digest = hashlib.sha256()
-        with open(path, "rb") as f:
+        with open(p, "rb") as f:
             while chunk := f.read(_BLOCK):
                 digest.update(chunk)
-        _MEMO[key] = digest.hexdigest()
-    return _MEMO[key]
+        return digest.hexdigest()
+
+    return _remembered(path, "sha256", whole)
+
+
+def weights_sample_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a safetensors file's weights as sampled (`SAMPLING`): for each tensor in
+    name order, its name and its bytes whole (up to ``SAMPLES * SAMPLE_BYTES``) or
+    ``SAMPLES`` blocks of ``SAMPLE_BYTES`` at evenly spread offsets, first and last block
+    included. A file whose header does not parse is hashed whole."""
+
+    def sampled(p) -> str:
+        digest = hashlib.sha256()
+        with open(p, "rb") as f:
+            fd = f.fileno()
+            try:
+                (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                header = json.loads(os.pread(fd, n, 8))
+                tensors = sorted((k, v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+            except (struct.error, ValueError, TypeError, KeyError, AttributeError):
+                return file_sha256(p)
+            for name, (begin, end) in tensors:
+                digest.update(name.encode() + b"\0")
+                start, size = 8 + n + begin, end - begin
+                if size <= SAMPLES * SAMPLE_BYTES:
+                    digest.update(os.pread(fd, size, start))
+                    continue
+                for i in range(SAMPLES):
+                    digest.update(
+                        os.pread(fd, SAMPLE_BYTES, start + i * (size - SAMPLE_BYTES) // (SAMPLES - 1))
+                    )
+        return digest.hexdigest()
+
+    return _remembered(path, "weights", sampled)
 
 
 def _head_sha256(path: Path, nbytes: int) -> str:
@@ -64,8 +121,8 @@ def _files(folder: Path) -> list[Path]:
 
 def model_fingerprint(path: str | os.PathLike) -> dict:
     """A GGUF file: its size and sha256. An HF folder: for every file in it, its size and
-    sha256 (safetensors shards: the sha256 of their header; other files over 64 MiB: of
-    their first 64 MiB)."""
+    sha256 (safetensors shards: the sha256 of their header and of their weights as sampled,
+    `weights_sample_sha256`; other files over 64 MiB: of their first 64 MiB)."""
     path = Path(path).expanduser()
     if path.is_file():
         return {
@@ -76,12 +133,13 @@ def model_fingerprint(path: str | os.PathLike) -> dict:
     for p in _files(path):
         name, size = str(p.relative_to(path)), p.stat().st_size
         if p.suffix == ".safetensors":
-            files[name] = {"size": size, "header_sha256": _safetensors_header(p)}
+            files[name] = {"size": size, "header_sha256": _safetensors_header(p),
+                           "weights_sample_sha256": weights_sample_sha256(p)}  # fmt: skip
         elif size > _WHOLE:
             files[name] = {"size": size, "head_sha256": _head_sha256(p, _WHOLE)}
         else:
             files[name] = {"size": size, "sha256": file_sha256(p)}
-    return {"kind": "folder", "files": files}
+    return {"kind": "folder", "files": files, "weights_sampled": SAMPLING}
 
 
 def data_fingerprint(path: str | os.PathLike) -> dict:
@@ -100,7 +158,8 @@ def data_fingerprint(path: str | os.PathLike) -> dict:
 
 def differences(old: dict, new: dict) -> list[str]:
     """What differs between two fingerprints, one phrase per file ([] when they match).
-    A single file compares by content whatever its name (a renamed copy matches)."""
+    A single file compares by content whatever its name (a renamed copy matches). A record
+    made before narrows sampled weights compares by what it holds (`unsampled` names them)."""
     if old.get("kind") != new.get("kind"):
         return [f"it was a {old.get('kind')}, it is now a {new.get('kind')}"]
     a, b = old.get("files", {}), new.get("files", {})
@@ -112,11 +171,26 @@ def differences(old: dict, new: dict) -> list[str]:
             said.append(f"{name} is gone")
         elif name not in a:
             said.append(f"{name} is new")
-        elif a[name] != b[name]:
-            if a[name].get("size") != b[name].get("size"):
-                said.append(f"{name} changed size ({a[name].get('size')} → {b[name].get('size')} bytes)")
-            elif "header_sha256" in a[name]:
+        else:
+            was, now = a[name], {k: v for k, v in b[name].items() if k in a[name]}
+            if was == now:
+                continue
+            if was.get("size") != now.get("size"):
+                said.append(f"{name} changed size ({was.get('size')} → {now.get('size')} bytes)")
+            elif was.get("header_sha256") != now.get("header_sha256"):
                 said.append(f"{name} has another header (tensor names, dtypes or shapes)")
+            elif "weights_sample_sha256" in was:
+                said.append(f"{name} has other weights under the same header (sampled: {SAMPLING})")
             else:
                 said.append(f"{name} has other content (same size, another sha256)")
     return said
+
+
+def unsampled(old: dict) -> list[str]:
+    """The safetensors files of a model fingerprint recorded before narrows sampled their
+    weights: only their size and header can be compared."""
+    return sorted(
+        n
+        for n, f in old.get("files", {}).items()
+        if "header_sha256" in f and "weights_sample_sha256" not in f
+    )

@@ -22,7 +22,14 @@ from .errors import NarrowsError
 from .finetune.runstate import RunState, run_base, run_state
 from .optional import is_available, require
 
-__all__ = ["AdapterChoice", "InferenceModel", "choose_adapter", "load_base", "load_for_inference"]
+__all__ = [
+    "AdapterChoice",
+    "InferenceModel",
+    "check_run_base",
+    "choose_adapter",
+    "load_base",
+    "load_for_inference",
+]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,6 +65,36 @@ class InferenceModel:
     device: torch.device
     streamed: bool
     choice: AdapterChoice | None = None
+    base_differs: list[str] | None = None  # how a base given explicitly differs from the run's own
+
+
+def check_run_base(
+    run: RunState, path: str | os.PathLike, *, explicit: bool, how: str = "--model {}"
+) -> list[str]:
+    """Check the base at `path` against the one `run` trained on, by content (sampled
+    weights, `narrows.core.fingerprint`), before anything is loaded. The run's own base (not
+    `explicit`) must be there and the same, or the refusal says so and how to score anyway
+    (`how`: the way to give a base, e.g. ``--model {}``); a base given explicitly that
+    differs is said on stderr and its differences returned, for the report to record."""
+    import sys
+
+    where = Path(path)
+    if not where.exists():
+        raise NarrowsError(f"{run.root}: the base it trained on, {where}, is not there any more; if it moved, "
+                           f"give its new place: {how.format('NEW_PATH')} (its content is checked against the "
+                           "run's record)")  # fmt: skip
+    differs = run.base_differences(where)
+    if not differs:  # the same content, or a run from before narrows recorded it
+        return []
+    said = "; ".join(differs)
+    if not explicit:
+        raise NarrowsError(f"{run.root}: its base {where} changed since the run trained on it ({said}): the scores "
+                           "would be of another model than the one trained. Put the original back, or give a base "
+                           f"explicitly with {how.format(where)} to score on it anyway (the difference is recorded "
+                           "with the scores)")  # fmt: skip
+    print(f"narrows: {how.format(where)} differs from the base {run.root} trained on ({said}); scoring on it as "
+          "asked (recorded with the scores)", file=sys.stderr, flush=True)  # fmt: skip
+    return differs
 
 
 def choose_adapter(path: str | os.PathLike, checkpoint: int | str | None = None, *,
@@ -109,7 +146,7 @@ def load_for_inference(
     pretrained: str | os.PathLike | nn.Module | None,
     *,
     tokenizer: object | None = None,
-    adapter: str | os.PathLike | None = None,
+    adapter: str | os.PathLike | AdapterChoice | None = None,
     checkpoint: int | str | None = None,
     dtype: str | torch.dtype = "auto",
     quant: str | None = None,
@@ -132,8 +169,11 @@ def load_for_inference(
     also be a model already in host memory (then pass its `tokenizer`), or None for the base
     a run folder given as `adapter` trained on. A run folder is used at its final adapter,
     and refused while that is not its newest state, unless `checkpoint` (a step or
-    ``"latest"``) asks for a checkpoint's weights. `caller` is the function a user called,
-    named where a message shows how to call it.
+    ``"latest"``) asks for a checkpoint's weights; a run's base is checked by content against
+    the one it trained on (`check_run_base`: its own refused when changed, one given as
+    `pretrained` said and recorded in `InferenceModel.base_differs`). `adapter` may be an
+    `AdapterChoice` its caller made and checked (narrows eval). `caller` is the function a
+    user called, named where a message shows how to call it.
     """
     dev = (
         torch.device(device)
@@ -142,18 +182,24 @@ def load_for_inference(
     )
     if quant not in (None, "none", "nf4"):
         raise NarrowsError(f"quant must be nf4 or none, got {quant!r}")
-    choice = (
-        choose_adapter(adapter, checkpoint, how="checkpoint={}") if adapter else None
-    )  # before the slow load
+    chosen = isinstance(adapter, AdapterChoice)  # chosen, and its base checked, by the caller
+    if chosen:
+        choice = adapter
+    else:  # before the slow load
+        choice = choose_adapter(adapter, checkpoint, how="checkpoint={}") if adapter else None
     if checkpoint is not None and choice is None:
         raise NarrowsError(
             f"checkpoint={checkpoint} picks a checkpoint of a run: give the run as the adapter too"
         )
+    explicit = pretrained is not None
     if pretrained is None:
         if choice is None or choice.run is None:
             raise NarrowsError("no base model given (pretrained): give a model folder or .gguf file, or a "
                                "`narrows finetune` run folder as the adapter, whose base it then is")  # fmt: skip
         pretrained = run_base(choice.run.config).path
+    differs = None
+    if choice is not None and choice.run is not None and not chosen and not isinstance(pretrained, nn.Module):
+        differs = check_run_base(choice.run, pretrained, explicit=explicit, how="pretrained={}") or None
     if gpu_budget is not None:
         require("narrows.stream", "evaluation with gpu_budget (streaming the base)")
     elif host_budget is not None:
@@ -188,7 +234,7 @@ def load_for_inference(
         )
     else:
         model.to(dev)
-    return InferenceModel(model, tokenizer, dev, gpu_budget is not None, choice)
+    return InferenceModel(model, tokenizer, dev, gpu_budget is not None, choice, differs)
 
 
 def _dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

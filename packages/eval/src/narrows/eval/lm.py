@@ -17,7 +17,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .loading import load_for_eval
+from .loading import AdapterChoice, load_for_eval
 
 __all__ = ["NarrowsLM"]
 
@@ -36,7 +36,7 @@ class NarrowsLM(HFLM):
     ``quant`` (``nf4``), ``dtype`` (``auto``: bf16 on CUDA, fp32 on CPU), ``device``,
     ``batch_size``, ``max_length`` and the rest of HFLM's own arguments."""
 
-    def __init__(self, pretrained=None, tokenizer=None, adapter: str | None = None,
+    def __init__(self, pretrained=None, tokenizer=None, adapter: str | AdapterChoice | None = None,
                  checkpoint: str | int | None = None, gpu_budget: str | None = None, host_budget: str | None = None,
                  quant: str | None = None, dtype: str = "auto", device: str | None = None,
                  batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
@@ -57,7 +57,7 @@ class NarrowsLM(HFLM):
             batch_size=int(batch_size) if str(batch_size).isdigit() else 1,
         )
         self.narrows = loaded
-        if loaded.choice is not None:
+        if loaded.choice is not None and not isinstance(adapter, AdapterChoice):  # (narrows eval said it)
             print(f"narrows: scoring {loaded.choice.describe()}", file=sys.stderr, flush=True)
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, backend="causal",
                          batch_size=batch_size, max_length=max_length, **kwargs)  # fmt: skip
@@ -70,6 +70,7 @@ class NarrowsLM(HFLM):
         info = {"narrows_adapter": self.narrows.adapter, "narrows_streamed": self.narrows.streamed,
                 "narrows_adapter_step": choice.step if choice else None,
                 "narrows_checkpoint": choice.checkpoint if choice else None,
+                "narrows_base_differs": self.narrows.base_differs,
                 "model_dtype": str(next(self.narrows.model.parameters()).dtype)}  # fmt: skip
         handle = getattr(self.narrows.model, "narrows_stream", None)
         if handle is not None:

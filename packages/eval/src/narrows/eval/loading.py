@@ -27,6 +27,7 @@ class EvalModel:
     streamed: bool
     adapter: str | None
     choice: AdapterChoice | None = None  # what `adapter` is: a run's step, or a PEFT folder
+    base_differs: list[str] | None = None  # how a base given explicitly differs from the run's own
 
 
 def resolve_adapter(path: str | os.PathLike) -> Path:
@@ -39,7 +40,7 @@ def load_for_eval(
     pretrained: str | os.PathLike | nn.Module | None,
     *,
     tokenizer: object | None = None,
-    adapter: str | os.PathLike | None = None,
+    adapter: str | os.PathLike | AdapterChoice | None = None,
     checkpoint: int | str | None = None,
     dtype: str | torch.dtype = "auto",
     quant: str | None = None,
@@ -58,4 +59,4 @@ def load_for_eval(
                                 caller="load_for_eval")  # fmt: skip
     choice = loaded.choice
     return EvalModel(loaded.model, loaded.tokenizer, loaded.device, loaded.streamed,
-                     str(choice.folder) if choice else None, choice)  # fmt: skip
+                     str(choice.folder) if choice else None, choice, loaded.base_differs)  # fmt: skip

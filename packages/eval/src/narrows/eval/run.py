@@ -13,6 +13,7 @@ import torch
 
 from narrows.core import NarrowsError
 from narrows.core.finetune import run_base
+from narrows.core.inference import check_run_base
 
 from .loading import AdapterChoice, choose_adapter
 from .report import compare, write_report
@@ -64,6 +65,7 @@ class EvalPlan:
     quant: str | None
     dtype: str
     said: list[str]
+    base_differs: list[str] | None = None  # how a base given with --model differs from the run's own
 
 
 def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike, tasks: list[str] | None = None,
@@ -74,12 +76,14 @@ def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike,
     run = choice.run
     base = run_base(run.config) if run is not None else None
     said = []
+    explicit = model is not None
     if model is None:
         if base is None:
             raise NarrowsError(f"{choice.folder} is not a `narrows finetune` run (no config.json), so its base model "
                                "is unknown: give --model (the HF folder or .gguf file it was trained on)")  # fmt: skip
         model = base.path
         said.append(f"base: {model} ({base.origin})")
+    differs = check_run_base(run, model, explicit=explicit) if run is not None else None
     if run is not None:
         quant = quant or run.config.quant
         dtype = dtype or run.config.dtype
@@ -99,7 +103,7 @@ def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike,
         out = choice.folder / ("eval" if choice.checkpoint is None else f"eval-step-{choice.checkpoint}")
     said.append(f"scoring {choice.describe()}")
     return EvalPlan(choice, Path(model), list(tasks), Path(out), None if quant in (None, "none") else quant,
-                    dtype or "auto", said)  # fmt: skip
+                    dtype or "auto", said, differs or None)  # fmt: skip
 
 
 def evaluate(
@@ -144,7 +148,7 @@ def evaluate(
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        lm = NarrowsLM(pretrained=str(model), adapter=adp, checkpoint=choice.checkpoint if adp else None,
+        lm = NarrowsLM(pretrained=str(model), adapter=choice if adp else None,
                        gpu_budget=gpu_budget, host_budget=host_budget, quant=quant, dtype=dtype,
                        device=device, batch_size=batch_size)  # fmt: skip
         results[which] = run_tasks(lm, names, manager, limit=limit, num_fewshot=num_fewshot)
@@ -155,7 +159,8 @@ def evaluate(
     rows = compare(results["base"], results["adapted"])
     meta = {"model": str(model), "adapter": str(choice.folder), "adapter_step": choice.step,
             "checkpoint": choice.checkpoint, "scored": choice.describe(), "tasks": names, "limit": limit,
-            "gpu_budget": gpu_budget, "quant": quant, "dtype": dtype, "runs": runs}  # fmt: skip
+            "gpu_budget": gpu_budget, "quant": quant, "dtype": dtype, "runs": runs,
+            "base_differs": plan.base_differs}  # fmt: skip
     step = f" (step {choice.step})" if choice.step is not None else ""
     title = f"{Path(model).name}: base vs {choice.folder.name}{step}"
     return {"paths": write_report(rows, plan.out, title=title, meta=meta), "rows": rows, "results": results,

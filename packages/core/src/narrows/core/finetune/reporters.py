@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import NarrowsError
 from ..optional import is_available, require
 
-__all__ = ["REPORTERS", "open_reporters", "parse_report_to", "summary_row"]
+__all__ = ["REPORTERS", "open_reporters", "parse_report_to", "summary_row", "wandb_can_log"]
 
 # --report-to name -> the module it imports
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -50,7 +50,39 @@ def parse_report_to(text: str) -> list[str]:
     for name in names:
         if not is_available(REPORTERS[name]):  # found, not imported: the check stays light
             require(REPORTERS[name], f"--report-to {name}")
+    if "wandb" in names:
+        wandb_can_log()
     return list(dict.fromkeys(names))
+
+
+def wandb_can_log() -> None:
+    """Refuse ``--report-to wandb`` where W&B would refuse to start a run, before anything is
+    loaded: it logs offline (``WANDB_MODE`` offline or disabled), or has credentials as
+    wandb looks for them (``WANDB_API_KEY``, ``WANDB_IDENTITY_TOKEN_FILE``, or the netrc
+    entry ``wandb login`` writes for the host of ``WANDB_BASE_URL``). Read without importing
+    wandb; whether the key is valid only W&B's server can say."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "dryrun", "disabled"):
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    if os.environ.get("NETRC"):
+        files = [Path(os.environ["NETRC"]).expanduser()]
+    else:
+        files = [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    for file in files:
+        try:
+            entry = netrc.netrc(str(file)).authenticators(host)
+        except (OSError, netrc.NetrcParseError):
+            continue
+        if entry and entry[2]:
+            return
+    raise NarrowsError(f"--report-to wandb: W&B has no credentials here (no WANDB_API_KEY, no entry for {host} in "
+                       f"{files[0]}), so it would stop the run once the model is loaded: run `wandb login`, set "
+                       "WANDB_API_KEY, or set WANDB_MODE=offline to log into RUN/wandb and `wandb sync` it later")  # fmt: skip
 
 
 def open_reporters(config: dict, root: Path, step: int) -> list:
@@ -126,9 +158,15 @@ class WandB:
             run_id = path.read_text().strip()
         else:
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "narrows", name=root.resolve().name,
+                                  id=run_id, resume="allow", dir=str(root), config=config, allow_val_change=True)  # fmt: skip
+        except Exception as e:  # a key W&B's server refuses, no network: said, not a traceback
+            raise NarrowsError(f"--report-to wandb: W&B did not start a run ({type(e).__name__}: {e}); fix its "
+                               "login (wandb login), or set WANDB_MODE=offline to log into RUN/wandb and `wandb "
+                               "sync` it later") from None  # fmt: skip
+        if not path.is_file():  # kept once W&B has the run, so that a resumed run continues it
             path.write_text(run_id + "\n")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "narrows", name=root.resolve().name,
-                              id=run_id, resume="allow", dir=str(root), config=config, allow_val_change=True)  # fmt: skip
 
     def log(self, row: dict) -> None:
         numbers = scalars(row)

@@ -26,18 +26,19 @@ import socket
 import sys
 import time
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..errors import NarrowsError
 from ..files import atomic_dir, atomic_write
-from ..memory import format_bytes
+from ..sizes import format_bytes
 from .config import FinetuneConfig
+from .configfile import FORMAT, RunFile, read_run_file
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["RunFolder"]
 
-FORMAT = "narrows-finetune-run/1"
 _STEP = re.compile(r"step-(\d+)")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -153,22 +154,10 @@ class RunFolder:
 
     # --- settings ------------------------------------------------------------------------
 
-    def read_config(self) -> tuple[FinetuneConfig, list[dict]]:
-        try:
-            saved = json.loads(self.config.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise NarrowsError(f"{self.config}: unreadable ({e}); the run's settings are lost") from None
-        if saved.get("format") == FORMAT:
-            return FinetuneConfig.from_dict(saved["config"], str(self.config)), list(saved.get("history", []))
-        return FinetuneConfig.from_dict(saved, str(self.config)), []  # written before settings had a history
-
-    def read_inputs(self) -> dict | None:
-        """What the run trains on, by content (`finetune.inputs`); None for a run from
-        before narrows recorded it."""
-        try:
-            return json.loads(self.config.read_text()).get("inputs")
-        except (OSError, json.JSONDecodeError, AttributeError):
-            return None
+    def read_file(self) -> RunFile:
+        """``config.json``, checked field by field: settings, history, inputs, and the
+        settings the run last started with (`configfile.read_run_file`)."""
+        return read_run_file(self.config)
 
     def write_config(self, cfg: FinetuneConfig, history: list[dict], inputs: dict | None = None) -> None:
         import dataclasses
@@ -191,6 +180,7 @@ class RunFolder:
         return _step_of(saved[0]) if saved else 0
 
     def save_checkpoint(self, step: int, model: nn.Module, optimizer, scheduler) -> Path:
+        import torch
         from peft import get_peft_model_state_dict
 
         name = f"step-{step:06d}"
@@ -255,6 +245,8 @@ class RunFolder:
         A damaged checkpoint (a cut file, a changed byte) is named, set aside as
         ``step-N.damaged``, and the one before it is used.
         """
+        import torch
+
         for path in self.saved_steps():
             why = _damage(path)
             if why is None:
@@ -278,15 +270,24 @@ class RunFolder:
 
     # --- metrics -------------------------------------------------------------------------
 
-    def trim_metrics(self, step: int) -> list[dict]:
-        """Drop metrics logged after `step` (a resumed run logs them again)."""
+    def _rows(self) -> list[dict]:
         rows = []
         for line in self.metrics.read_text().splitlines() if self.metrics.exists() else []:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:  # the line a kill cut short
                 continue
-        rows = [r for r in rows if r.get("step", 0) <= step]
+            if isinstance(row, dict) and isinstance(row.get("step", 0), int):
+                rows.append(row)
+        return rows
+
+    def logged_step(self) -> int:
+        """The last step ``metrics.jsonl`` holds (0: none)."""
+        return max((r.get("step", 0) for r in self._rows()), default=0)
+
+    def trim_metrics(self, step: int) -> list[dict]:
+        """Drop metrics logged after `step` (a resumed run logs them again)."""
+        rows = [r for r in self._rows() if r.get("step", 0) <= step]
         text = "".join(json.dumps(r) + "\n" for r in rows)
         self.guard(self.metrics, lambda: atomic_write(self.metrics, lambda p: p.write_text(text)))
         return rows
@@ -329,6 +330,8 @@ class _Hashing:
 
 
 def _tensor_bytes(obj) -> int:
+    import torch
+
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
@@ -377,6 +380,7 @@ def _damage(path: Path) -> str | None:
 
 
 def _load_state(state: dict, model: nn.Module, optimizer, scheduler) -> None:
+    import torch
     from peft import set_peft_model_state_dict
 
     set_peft_model_state_dict(model, state["adapter"])

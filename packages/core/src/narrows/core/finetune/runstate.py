@@ -89,6 +89,18 @@ class RunState:
     adapter_step: int | None
     has_adapter: bool
     checkpoints: tuple[int, ...]
+    inputs: dict | None = None  # config.json's record of the model and data by content
+
+    def base_differences(self, path: str | os.PathLike) -> list[str] | None:
+        """How the model at `path` differs by content from the base this run trained on
+        (`narrows.core.fingerprint`): [] when it is the same, None when the run recorded no
+        base (it started before narrows recorded its inputs)."""
+        from ..fingerprint import differences, model_fingerprint
+
+        recorded = (self.inputs or {}).get("model")
+        if not isinstance(recorded, dict) or "fingerprint" not in recorded:
+            return None
+        return differences(recorded["fingerprint"], model_fingerprint(path))
 
     @property
     def steps(self) -> int:
@@ -173,17 +185,18 @@ class RunState:
 def run_state(folder: str | os.PathLike) -> RunState | None:
     """The state of the ``narrows finetune`` run in `folder`; None where `folder` holds no
     run (e.g. a folder PEFT's save_pretrained wrote)."""
-    from .rundir import FORMAT, RunFolder
+    from .configfile import FORMAT
+    from .rundir import RunFolder
 
     run = RunFolder(folder)
     try:
         written = json.loads(run.config.read_text()).get("format")
     except (OSError, ValueError, AttributeError):
-        return None
+        written = None
     # a model folder has a config.json too; runs from before the format field have checkpoints
     if written != FORMAT and not run.checkpoints.is_dir():
         return None
-    cfg, _ = run.read_config()
+    file = run.read_file()  # a run's damaged config.json is refused naming the file and the field
     has_adapter = (run.root / "adapter_config.json").is_file() and any(
         (run.root / f).is_file() for f in _ADAPTER_FILES
     )
@@ -196,4 +209,4 @@ def run_state(folder: str | os.PathLike) -> RunState | None:
         except (OSError, ValueError, KeyError, TypeError):
             adapter_step = None
     steps = tuple(int(p.name.split("-")[1]) for p in run.saved_steps())
-    return RunState(run.root, cfg, adapter_step, has_adapter, steps)
+    return RunState(run.root, file.config, adapter_step, has_adapter, steps, file.inputs)
