@@ -245,3 +245,7 @@ def test_the_jobs_flags_map_to_one_stream_config():
     assert (got.gpu_budget, got.seq_tile, got.graphs, got.host_state) == ("fit", 1024, False, "adapters")
     assert (got.grad_accum, got.step_mode, got.world_size) == (4, True, 2)
     assert stream_config(dataclasses.replace(told, offload_adapters=False), cpu).host_state == "optimizer"
+    # one vocabulary for the budget in Python and on the command line: "min" is the smallest footprint
+    smallest = dataclasses.replace(cfg, gpu_budget="min")
+    smallest.check()
+    assert stream_config(smallest, cpu).gpu_budget == "min" == ns.StreamConfig(gpu_budget="min").gpu_budget

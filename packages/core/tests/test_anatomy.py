@@ -31,8 +31,12 @@ def test_anatomy_finds_every_part(arch, kind):
         assert a.logit_math == LogitMath(softcap=30.0)
     # the parts really are what the model runs: embedding, every layer in order, final norm, head
     order: list[str] = []
-    parts = [("embed", a.embed), *((f"layer{i}", m) for i, m in enumerate(a.layers)), ("norm", a.norm),
-             ("head", a.head)]  # fmt: skip
+    parts = [
+        ("embed", a.embed),
+        *((f"layer{i}", m) for i, m in enumerate(a.layers)),
+        ("norm", a.norm),
+        ("head", a.head),
+    ]
     handles = [m.register_forward_hook(lambda *_, n=n: order.append(n)) for n, m in parts]
     with torch.no_grad():
         model(input_ids=torch.randint(3, 200, (1, 6)))

@@ -9,8 +9,12 @@ from narrows.core.optional import OPTIONAL
 
 
 def test_doctor_reports_versions_devices_and_backends():
-    out = subprocess.run([sys.executable, "-m", "narrows.core.cli", "doctor", "--json"],
-                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "narrows.core.cli", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     report = json.loads(out)
     assert report["packages"]["narrows-core"] == "0.1.0"
     assert report["dependencies"]["torch"] and report["dependencies"]["transformers"]
@@ -51,8 +55,10 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_the_parser_builds_without_torch():
     """`narrows --help` answers in a fraction of a second: building the whole parser, the
     sibling packages' subcommands included, imports neither torch nor transformers nor peft."""
-    code = ("import sys; from narrows.core.cli import build_parser; build_parser(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys; from narrows.core.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules))"
+    )
     r = _python(code)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
@@ -77,6 +83,10 @@ def test_third_party_notices_are_silenced_and_shown_by_doctor(source):
         pytest.skip(f"{source} does not raise {notice.pattern!r} on this machine")
     quiet = _python("import narrows.core; " + _RAISE[source])
     assert quiet.returncode == 0 and notice.pattern not in quiet.stderr, quiet.stderr
-    doctor = subprocess.run([sys.executable, "-m", "narrows.core.cli", "doctor", "--json"], capture_output=True,
-                            text=True, check=True).stdout  # fmt: skip
+    doctor = subprocess.run(
+        [sys.executable, "-m", "narrows.core.cli", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert any(n["message"].startswith(notice.pattern) for n in json.loads(doctor)["notices"])

@@ -128,8 +128,9 @@ def merging():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=700, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     rng = random.Random(0)
     corpus = [long_text(rng, 2000) for _ in range(40)] + ["a" * n for n in range(1, 300)]
     tok.train_from_iterator(corpus, trainer)
@@ -250,9 +251,13 @@ def test_a_multi_megabyte_row_is_never_given_to_the_tokenizer_whole(merging):
     most = {}
     for megabytes in (1, 4):
         big = long_text(__import__("random").Random(1), megabytes << 20)
-        for name, row in {"text": {"text": big}, "pair": {"prompt": "q", "response": big},
-                          "messages": {"messages": [{"role": "user", "content": "q"},
-                                                    {"role": "assistant", "content": big}]}}.items():  # fmt: skip
+        for name, row in {
+            "text": {"text": big},
+            "pair": {"prompt": "q", "response": big},
+            "messages": {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": big}]
+            },
+        }.items():
             spy = Spy(merging)
             ex = encode_row(row, spy, seq_len)
             assert len(ex.input_ids) == seq_len

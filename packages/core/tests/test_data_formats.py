@@ -15,8 +15,11 @@ from narrows.core.testing import tiny_tokenizer, write_jsonl
 
 datasets = pytest.importorskip("datasets")
 
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "4"}]  # fmt: skip
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +107,11 @@ def test_columns_rename_a_datasets_own_names(tok):
     )
     with pytest.raises(DataError, match=r"r: --columns names 'answer', which the row does not have"):
         encode_row({"question": "q"}, tok, 512, "r", parse_columns("prompt=question,response=answer"))
-    for bad, message in [("prompt", "is not FIELD=COLUMN"), ("query=question", "'query' is not a field narrows reads"),
-                         ("prompt=q,response=q", "column 'q' is given twice")]:  # fmt: skip
+    for bad, message in [
+        ("prompt", "is not FIELD=COLUMN"),
+        ("query=question", "'query' is not a field narrows reads"),
+        ("prompt=q,response=q", "column 'q' is given twice"),
+    ]:
         with pytest.raises(NarrowsError, match=message):
             parse_columns(bad)
 

@@ -22,7 +22,7 @@ from narrows.core.data import (
     collate,
     open_source,
     pack_bins,
-    tokenize,  # fmt: skip
+    tokenize,
     tokenize_rows,
 )
 from narrows.core.testing import mapped_file, tiny_model_folder, tiny_tokenizer, write_jsonl
@@ -92,8 +92,9 @@ def per_example_losses(model, examples, packed, call):
 
     def token_losses(batch, **kw):
         logits = model(input_ids=batch["input_ids"], **kw).logits[:, :-1]
-        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:], reduction="none",
-                                                 ignore_index=IGNORE)  # fmt: skip
+        return torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), batch["labels"][:, 1:], reduction="none", ignore_index=IGNORE
+        )
 
     alone = [float(token_losses(collate([e], 0), **TRAINING).sum()) for e in examples]
     inside = [0.0] * len(examples)
@@ -111,8 +112,9 @@ def per_example_losses(model, examples, packed, call):
 def test_each_example_keeps_its_loss_inside_a_packed_sequence(model, examples):
     packed = Packed(examples, 128)
     assert any(len(packed[b].segments) >= 3 for b in range(len(packed)))
-    alone, inside = per_example_losses(model, examples, packed, call=lambda b: {"position_ids": b["position_ids"],
-                                                                                 **TRAINING})  # fmt: skip
+    alone, inside = per_example_losses(
+        model, examples, packed, call=lambda b: {"position_ids": b["position_ids"], **TRAINING}
+    )
     torch.testing.assert_close(inside, alone, rtol=1e-5, atol=0)
     # twins: positions running on (one long sequence), or a KV cache, mix the examples
     for call in (lambda b: TRAINING, lambda b: {"position_ids": b["position_ids"]}):

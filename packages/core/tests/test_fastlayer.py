@@ -279,8 +279,14 @@ def test_stacked_groups_run_their_adapters_as_one_where_they_share_a_scale():
 
     torch.manual_seed(0)
     base = quantize_nf4(_sdpa(tiny_model("llama")))
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
-                     rank_pattern={"gate_proj": 2}, alpha_pattern={"gate_proj": 2}, task_type="CAUSAL_LM")  # fmt: skip
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj"],
+        rank_pattern={"gate_proj": 2},
+        alpha_pattern={"gate_proj": 2},
+        task_type="CAUSAL_LM",
+    )
     model = get_peft_model(base, cfg).train()
     model.config.use_cache = False
     with torch.no_grad():
@@ -498,8 +504,9 @@ def test_cuda_bf16_error_is_no_worse_than_pefts(arch):
     is measured in `benchmarks/fast_accuracy.py` (worst ratio 1.05)."""
 
     def error(fuse_it, seed):
-        ref = _steps(_model(arch, dtype=torch.bfloat16, seed=seed).to(torch.float64).cuda(), device="cuda",
-                     pad_last=0)  # fmt: skip
+        ref = _steps(
+            _model(arch, dtype=torch.bfloat16, seed=seed).to(torch.float64).cuda(), device="cuda", pad_last=0
+        )
         model = _model(arch, dtype=torch.bfloat16, adapter_dtype=torch.float32, device="cuda", seed=seed)
         if fuse_it:
             fuse_layers(model)
@@ -539,8 +546,17 @@ def test_cuda_library_kernels_match_the_references():
     rq64, rk64 = ops.rope(q.double(), c64, s64), ops.rope(k.double(), c64, s64)
     gq64, gk64 = ops.rope_backward(q.double(), c64, s64), ops.rope_backward(k.double(), c64, s64)
     assert used["rope"] == ("liger" if ops._liger() is not None else "torch")
-    for got, ref in ((y, y64), (dx, dx64), (a, a64), (da, da64), (du, du64), (rq, rq64), (rk, rk64),
-                     (gq, gq64), (gk, gk64)):  # fmt: skip
+    for got, ref in (
+        (y, y64),
+        (dx, dx64),
+        (a, a64),
+        (da, da64),
+        (du, du64),
+        (rq, rq64),
+        (rk, rk64),
+        (gq, gq64),
+        (gk, gk64),
+    ):
         assert ((got.double() - ref).abs() <= ref.abs() * 2**-7 + 1e-2).all()
     assert set(used.values()) <= {"liger", "torch", "narrows-triton"}
     assert used["swiglu_halves"] == "narrows-triton"  # our one kernel: Triton is on every CUDA machine
@@ -684,8 +700,13 @@ def test_the_halves_kernel_computes_the_reference_under_tritons_interpreter():
 
     from narrows.core.testing import child_env
 
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], capture_output=True, text=True,
-                          env=child_env(TRITON_INTERPRET="1"), timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED],
+        capture_output=True,
+        text=True,
+        env=child_env(TRITON_INTERPRET="1"),
+        timeout=300,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

@@ -34,9 +34,29 @@ def job(tmp_path_factory):
     model = tiny_model_folder(root / "model")
     data = write_jsonl(root / "train.jsonl", ROWS[:20])
     evals = write_jsonl(root / "eval.jsonl", ROWS[20:])
-    args = ["--model", str(model), "--data", str(data), "--eval-data", str(evals), "--rank", "4", "--dropout", "0.1",
-            "--batch", "2", "--grad-accum", "2", "--seq-len", "64", "--lr", "1e-2", "--save-every", "2",
-            "--no-progress"]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--eval-data",
+        str(evals),
+        "--rank",
+        "4",
+        "--dropout",
+        "0.1",
+        "--batch",
+        "2",
+        "--grad-accum",
+        "2",
+        "--seq-len",
+        "64",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "2",
+        "--no-progress",
+    ]
     return root, args
 
 
@@ -45,8 +65,9 @@ def cli(*args, wait=True):
     env = child_env()
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=interruptible)  # fmt: skip
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible
+    )
 
 
 def losses(out):
@@ -87,9 +108,16 @@ def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
     assert [tuple(p) for p in summary["eval_loss_by_step"]] == evaluated
     assert "eval_loss" in summary["measures"] and "eval loss by step" in r.stdout
     # every setup stage says what it does before it does it (--no-progress: plain lines)
-    for stage in ("checking its files", "loading the tokenizer", "reading and tokenising the data",
-                  "loading the model on cpu", "building the lora adapter", "held-out loss before training",
-                  "the first step takes longer", "saving the adapter"):  # fmt: skip
+    for stage in (
+        "checking its files",
+        "loading the tokenizer",
+        "reading and tokenising the data",
+        "loading the model on cpu",
+        "building the lora adapter",
+        "held-out loss before training",
+        "the first step takes longer",
+        "saving the adapter",
+    ):
         assert f"narrows: {stage}" in r.stderr or stage in r.stderr, stage
 
     # --resume of a finished run says so at once, loads nothing, and prints the summary again
@@ -105,8 +133,11 @@ def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
 
     base = AutoModelForCausalLM.from_pretrained(root / "model")
     tuned = PeftModel.from_pretrained(base, runs[0])
-    assert all(torch.equal(p, adapter(runs[0])[k.replace(".default", "")]) for k, p in tuned.named_parameters()
-               if "lora_" in k)  # fmt: skip
+    assert all(
+        torch.equal(p, adapter(runs[0])[k.replace(".default", "")])
+        for k, p in tuned.named_parameters()
+        if "lora_" in k
+    )
 
 
 @pytest.mark.parametrize("how,packing", [("kill", True), ("ctrl-c", False)])
@@ -171,22 +202,33 @@ def test_bad_input_is_refused_before_training(job, capsys, tmp_path):
     assert "--data-split chooses a split of a save_to_disk folder" in err
     err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--columns", "prompt", *out)
     assert "--columns 'prompt': 'prompt' is not FIELD=COLUMN" in err
-    assert "unknown part 'fast'" in refused(capsys, "--model", base["--model"], "--data", base["--data"],
-                                            "--lmhead", "mask,fast", *out) or not is_available("narrows.lmhead")  # fmt: skip
+    assert "unknown part 'fast'" in refused(
+        capsys, "--model", base["--model"], "--data", base["--data"], "--lmhead", "mask,fast", *out
+    ) or not is_available("narrows.lmhead")
     assert not (tmp_path / "run").exists()  # nothing was written for a refused run
     assert "no run there" in refused(capsys, "--resume", str(tmp_path / "nothing"))
     done = root / "a"
     if done.exists():
-        assert "already holds a run" in refused(capsys, "--model", base["--model"], "--data", base["--data"],
-                                                "--out", str(done))  # fmt: skip
+        assert "already holds a run" in refused(
+            capsys, "--model", base["--model"], "--data", base["--data"], "--out", str(done)
+        )
 
 
 @pytest.mark.skipif(is_available("narrows.dora"), reason="narrows-dora is installed here")
 def test_a_missing_sibling_package_is_named(job, capsys, tmp_path):
     _, args = job
     base = dict(zip(args[::2], args[1::2]))
-    err = refused(capsys, "--model", base["--model"], "--data", base["--data"], "--adapter", "dora",
-                  "--out", str(tmp_path / "run"))  # fmt: skip
+    err = refused(
+        capsys,
+        "--model",
+        base["--model"],
+        "--data",
+        base["--data"],
+        "--adapter",
+        "dora",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert "narrows-dora" in err and "pip install" in err
 
 

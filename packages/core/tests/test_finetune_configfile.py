@@ -115,8 +115,13 @@ def test_config_with_resume_or_a_missing_file_is_refused(tmp_path, capsys):
 
 def test_help_shows_the_common_flags_and_help_advanced_the_rest():
     def helped(flag: str) -> str:
-        r = subprocess.run([sys.executable, "-m", "narrows.core.cli", "finetune", flag], capture_output=True,
-                           text=True, env={**child_env(), "COLUMNS": "100"}, timeout=120)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "narrows.core.cli", "finetune", flag],
+            capture_output=True,
+            text=True,
+            env={**child_env(), "COLUMNS": "100"},
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 
@@ -140,9 +145,11 @@ def resume_rows() -> list[str]:
     def flag(name: str) -> str:
         return "the ranks (torchrun)" if name == "world_size" else f"`--{name.replace('_', '-')}`"
 
-    return [f"| {flag(name)} | {when} | {how} |"
-            for table, when in ((RESUMABLE, "freely"), (OVERRIDABLE, "`--override`"), (FIXED, "never"))
-            for name, how in table.items()]  # fmt: skip
+    return [
+        f"| {flag(name)} | {when} | {how} |"
+        for table, when in ((RESUMABLE, "freely"), (OVERRIDABLE, "`--override`"), (FIXED, "never"))
+        for name, how in table.items()
+    ]
 
 
 def test_every_setting_says_what_a_resume_does_with_it_and_the_readme_lists_them():

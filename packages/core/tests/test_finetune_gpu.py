@@ -38,9 +38,30 @@ def test_killed_and_resumed_on_cuda_ends_equal(tmp_path, stream):
     assert torch.cuda.is_available()
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    args = ["--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.2", "--batch", "2",
-            "--seq-len", "32", "--lr", "1e-2", "--save-every", "3", "--steps", "300", "--deterministic",
-            "--lmhead", "off", "--no-progress"]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--rank",
+        "4",
+        "--dropout",
+        "0.2",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "3",
+        "--steps",
+        "300",
+        "--deterministic",
+        "--lmhead",
+        "off",
+        "--no-progress",
+    ]
     if stream:
         pytest.importorskip("narrows.stream")
         args += ["--gpu-budget", "fit"]

@@ -272,8 +272,10 @@ def test_weights_rewritten_under_the_same_header_are_caught_by_their_sampled_con
         assert file_before["header_sha256"] == file_after["header_sha256"], name  # the same header
         said = differences(before, after)
         if caught:
-            assert said == ["model.safetensors has other weights under the same header (sampled: "
-                            f"{after['weights_sampled']})"], name  # fmt: skip
+            assert said == [
+                "model.safetensors has other weights under the same header (sampled: "
+                f"{after['weights_sampled']})"
+            ], name
         else:
             assert said == [], name
     # a record made before narrows sampled weights compares by size and header only

@@ -40,9 +40,19 @@ def _step_one(tmp_path, monkeypatch) -> tuple[FinetuneConfig, list[dict], dict, 
     micro-batches the model received, the initial adapter weights with the accumulated
     gradients at the first optimizer step, and the logged loss."""
     folder = tiny_model_folder(tmp_path / "model")
-    cfg = FinetuneConfig(model=str(folder), data=str(write_jsonl(tmp_path / "train.jsonl", ROWS)),
-                         rank=RANK, dropout=0.0, steps=1, batch=2, grad_accum=2, seq_len=64,
-                         lmhead="off", dtype="float32", out=str(tmp_path / "run"))  # fmt: skip
+    cfg = FinetuneConfig(
+        model=str(folder),
+        data=str(write_jsonl(tmp_path / "train.jsonl", ROWS)),
+        rank=RANK,
+        dropout=0.0,
+        steps=1,
+        batch=2,
+        grad_accum=2,
+        seq_len=64,
+        lmhead="off",
+        dtype="float32",
+        out=str(tmp_path / "run"),
+    )
     inputs: list[dict] = []
     at_step: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     built = {}
@@ -91,8 +101,12 @@ def test_accumulated_loss_is_one_mean_over_every_trainable_token_of_the_step(tmp
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-    ref = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0,
-                                          target_modules="all-linear", task_type="CAUSAL_LM"))  # fmt: skip
+    ref = get_peft_model(
+        base,
+        LoraConfig(
+            r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
+    )
     params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     assert params.keys() == at_step.keys()
     with torch.no_grad():
@@ -103,8 +117,9 @@ def test_accumulated_loss_is_one_mean_over_every_trainable_token_of_the_step(tmp
     for mb in inputs:
         logits = ref(input_ids=mb["input_ids"].cpu(), attention_mask=mb["attention_mask"].cpu()).logits
         labels = mb["labels"].cpu()[:, 1:]
-        total = total + F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
-                                        ignore_index=-100, reduction="sum")  # fmt: skip
+        total = total + F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
     loss = total / sum(counts)
     loss.backward()
 

@@ -27,8 +27,9 @@ def test_a_window_that_captured_graphs_counts_the_pool_once(monkeypatch):
     """A capture allocates the pool's blocks, which the allocated peak then holds."""
     monkeypatch.setattr(evaluate, "read_peaks", lambda device: MemoryPeaks(cuda_allocated=1000))
     stats = SimpleNamespace(captured=3)
-    model = SimpleNamespace(narrows_stream=SimpleNamespace(graphs=SimpleNamespace(pool_bytes=lambda: 24,
-                                                                                  stats=stats)))  # fmt: skip
+    model = SimpleNamespace(
+        narrows_stream=SimpleNamespace(graphs=SimpleNamespace(pool_bytes=lambda: 24, stats=stats))
+    )
     cuda = torch.device("cuda", 0)
     assert evaluate.graph_captures(model) == 3
     assert evaluate.measured_peak(model, cuda, captures=3) == 1024  # replays only

@@ -32,8 +32,27 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("ranks")
     model = tiny_model_folder(root / "model")
     data = write_jsonl(root / "train.jsonl", ROWS)
-    args = ["--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.1", "--batch", "2",
-            "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--save-every", "2", "--no-progress"]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--rank",
+        "4",
+        "--dropout",
+        "0.1",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--eval-rows",
+        "0",
+        "--save-every",
+        "2",
+        "--no-progress",
+    ]
     return root, args
 
 
@@ -43,8 +62,15 @@ def one(*args):
 
 
 def two(*args, fault=""):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(HERE / "finetune_rank.py"), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(HERE / "finetune_rank.py"),
+        *args,
+    ]
     return subprocess.run(
         cmd, capture_output=True, text=True, env={**ENV, "NARROWS_TEST_FAULT": fault}, timeout=600
     )

@@ -36,8 +36,16 @@ def job(tmp_path_factory):
     model = tiny_model_folder(root / "model")
     data = write_jsonl(root / "train.jsonl", ROWS[:20])
     evals = write_jsonl(root / "eval.jsonl", ROWS[20:])
-    settings = dict(model=str(model), data=str(data), eval_data=str(evals), rank=4, batch=2, seq_len=64,
-                    lmhead="off", save_every=2)  # fmt: skip
+    settings = dict(
+        model=str(model),
+        data=str(data),
+        eval_data=str(evals),
+        rank=4,
+        batch=2,
+        seq_len=64,
+        lmhead="off",
+        save_every=2,
+    )
     args = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()] + ["--no-progress"]
     return types.SimpleNamespace(root=root, args=args, settings=settings)
 
@@ -61,11 +69,18 @@ def scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 def expected(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """What TensorBoard should show for metrics.jsonl's rows: each number as the float32 it stores."""
-    shown = {"train/loss": ("loss", 1), "train/learning_rate": ("lr", 1), "eval/loss": ("eval_loss", 1),
-             "train/tokens_per_second": ("tokens_per_s", 1), "train/step_seconds": ("step_s", 1),
-             "train/peak_memory_gib": ("peak_bytes", 1024**3)}  # fmt: skip
-    return {tag: [(r["step"], float(np.float32(r[key] / div))) for r in rows if key in r]
-            for tag, (key, div) in shown.items()}  # fmt: skip
+    shown = {
+        "train/loss": ("loss", 1),
+        "train/learning_rate": ("lr", 1),
+        "eval/loss": ("eval_loss", 1),
+        "train/tokens_per_second": ("tokens_per_s", 1),
+        "train/step_seconds": ("step_s", 1),
+        "train/peak_memory_gib": ("peak_bytes", 1024**3),
+    }
+    return {
+        tag: [(r["step"], float(np.float32(r[key] / div))) for r in rows if key in r]
+        for tag, (key, div) in shown.items()
+    }
 
 
 def test_tensorboard_shows_every_row_of_metrics_jsonl_and_the_config(board):
@@ -99,8 +114,11 @@ def test_a_run_killed_after_its_checkpoint_and_resumed_shows_the_uninterrupted_c
     # the resumed writer tells every reader to drop the killed run's steps after the checkpoint
     files = sorted((run / "tensorboard").iterdir())
     assert len(files) == 2
-    starts = [e.step for e in EventFileLoader(str(files[1])).Load()
-              if e.HasField("session_log") and e.session_log.status == SessionLog.START]  # fmt: skip
+    starts = [
+        e.step
+        for e in EventFileLoader(str(files[1])).Load()
+        if e.HasField("session_log") and e.session_log.status == SessionLog.START
+    ]
     assert starts == [3]
 
 
@@ -175,8 +193,13 @@ def test_wandb_gets_the_config_and_every_row_and_a_resumed_run_continues_the_sam
 
 
 def board_row(row: dict) -> dict:
-    names = {"loss": "train/loss", "lr": "train/learning_rate", "tokens_per_s": "train/tokens_per_second",
-             "step_s": "train/step_seconds", "eval_loss": "eval/loss"}  # fmt: skip
+    names = {
+        "loss": "train/loss",
+        "lr": "train/learning_rate",
+        "tokens_per_s": "train/tokens_per_second",
+        "step_s": "train/step_seconds",
+        "eval_loss": "eval/loss",
+    }
     return {
         **{names[k]: row[k] for k in names if k in row},
         "train/peak_memory_gib": row["peak_bytes"] / 1024**3,
@@ -202,9 +225,12 @@ def test_a_missing_or_unknown_logger_is_refused_before_loading(job, monkeypatch,
         monkeypatch.setitem(sys.modules, name, None)  # not importable
     is_available.cache_clear()
     try:
-        for given, said in (("wandb", "pip install 'narrows-core[wandb]'"),
-                            ("tensorboard", "pip install 'narrows-core[tensorboard]'"),
-                            ("none,wandb", "unknown 'none'"), ("tensorbord", "unknown 'tensorbord'")):  # fmt: skip
+        for given, said in (
+            ("wandb", "pip install 'narrows-core[wandb]'"),
+            ("tensorboard", "pip install 'narrows-core[tensorboard]'"),
+            ("none,wandb", "unknown 'none'"),
+            ("tensorbord", "unknown 'tensorbord'"),
+        ):
             out = tmp_path / given
             assert main(["finetune", *job.args, "--report-to", given, "--out", str(out)]) == 2
             err = capsys.readouterr().err

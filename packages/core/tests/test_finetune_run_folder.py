@@ -89,8 +89,14 @@ def cli(*args, wait=True, script=None):
     head = ["-c", script] if script else ["-m", "narrows.core.cli"]
     cmd = [sys.executable, *head, "finetune", *map(str, args)]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                                preexec_fn=interruptible)  # fmt: skip
+        return subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            preexec_fn=interruptible,
+        )
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     r.seconds = time.perf_counter() - t0
@@ -181,8 +187,21 @@ def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("run-folder")
     model = tiny_model_folder(root / "model")
     data = write_jsonl(root / "train.jsonl", ROWS[:20])
-    args = ["--model", model, "--data", data, "--rank", "4", "--batch", "2", "--seq-len", "64", "--no-progress",
-            "--lmhead", "off"]  # fmt: skip
+    args = [
+        "--model",
+        model,
+        "--data",
+        data,
+        "--rank",
+        "4",
+        "--batch",
+        "2",
+        "--seq-len",
+        "64",
+        "--no-progress",
+        "--lmhead",
+        "off",
+    ]
     return SimpleNamespace(root=root, model=model, data=data, args=args)
 
 
@@ -191,8 +210,10 @@ def finished(job):
     """Two finished runs, never modified by a test (copy them): `six` (6 steps, checkpoints
     step-000004 and step-000006) and `four` (4 steps)."""
     six, four = job.root / "six", job.root / "four"
-    for r in cli_all([*job.args, "--steps", "6", "--save-every", "2", "--out", six],
-                     [*job.args, "--steps", "4", "--save-every", "2", "--out", four]):  # fmt: skip
+    for r in cli_all(
+        [*job.args, "--steps", "6", "--save-every", "2", "--out", six],
+        [*job.args, "--steps", "4", "--save-every", "2", "--out", four],
+    ):
         ok(r)
     assert sorted(p.name for p in (six / "checkpoints").iterdir()) == ["latest", "step-000004", "step-000006"]
     return SimpleNamespace(six=six, four=four)
@@ -583,9 +604,22 @@ sys.exit(narrows.core.cli.main(sys.argv[1:]))
 def rates_used(out: Path, *args) -> list[float]:
     """Resume `out` with ARGS; the rate the optimizer used at each step it took."""
     log = out.parent / f"{out.name}.rates"
-    r = subprocess.run([sys.executable, "-c", RECORD_RATES, "finetune", "--resume", str(out), "--no-progress",
-                        *map(str, args)], capture_output=True, text=True, timeout=600,
-                       env={**_env(), "NARROWS_TEST_RATES": str(log)})  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            RECORD_RATES,
+            "finetune",
+            "--resume",
+            str(out),
+            "--no-progress",
+            *map(str, args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**_env(), "NARROWS_TEST_RATES": str(log)},
+    )
     ok(r)
     return [json.loads(line)[0] for line in log.read_text().splitlines()]
 
@@ -639,9 +673,11 @@ def test_a_hand_edited_config_is_applied_and_recorded_or_refused_naming_the_fiel
     edit(faster, lr=1e-3, steps=6)
     edit(wider, rank=8)
     before = snapshot(faster)
-    r_faster, r_wider, r_wider_override = cli_all(["--resume", faster, "--no-progress"],
-                                                  ["--resume", wider, "--no-progress"],
-                                                  ["--resume", wider, "--override", "--no-progress"])  # fmt: skip
+    r_faster, r_wider, r_wider_override = cli_all(
+        ["--resume", faster, "--no-progress"],
+        ["--resume", wider, "--no-progress"],
+        ["--resume", wider, "--override", "--no-progress"],
+    )
     err = refused(r_faster)
     assert f"lr (edited in {faster / 'config.json'}) 0.0005 → 0.001 would change what the run trains" in err
     assert "put lr back" in err and "lr = 0.0005" in err and "--override" in err
@@ -684,8 +720,10 @@ def test_a_malformed_run_config_is_refused_naming_the_file_and_field_before_torc
     file = run / "config.json"
     file.write_bytes(content if isinstance(content, bytes) else json.dumps(content(config(run))).encode())
     before = snapshot(run)
-    script = ("import sys, narrows.core.cli as c; rc = c.main(sys.argv[1:]); "
-              "sys.exit(rc + 100 * ('torch' in sys.modules))")  # fmt: skip
+    script = (
+        "import sys, narrows.core.cli as c; rc = c.main(sys.argv[1:]); "
+        "sys.exit(rc + 100 * ('torch' in sys.modules))"
+    )
     r = cli("--resume", run, "--steps", "6", script=script)
     err = refused(r)
     assert f"narrows: error: {file}" in err and said in err, err
@@ -693,12 +731,16 @@ def test_a_malformed_run_config_is_refused_naming_the_file_and_field_before_torc
 
 
 def test_bad_flag_values_are_refused_before_torch_is_imported(job, finished, tmp_path):
-    script = ("import sys, narrows.core.cli as c; rc = c.main(sys.argv[1:]); "
-              "sys.exit(rc + 100 * ('torch' in sys.modules))")  # fmt: skip
-    for args, said in (([*job.args, "--rank", "0", "--out", tmp_path / "a"], "--rank must be at least 1"),
-                       ([*job.args, "--gpu-budget", "12XB", "--out", tmp_path / "b"], "--gpu-budget 12XB"),
-                       (["--resume", finished.four, "--save-every", "0"], "--save-every must be at least 1"),
-                       (["--resume", finished.four, "--steps", "2"], "the run is at step 4 already")):  # fmt: skip
+    script = (
+        "import sys, narrows.core.cli as c; rc = c.main(sys.argv[1:]); "
+        "sys.exit(rc + 100 * ('torch' in sys.modules))"
+    )
+    for args, said in (
+        ([*job.args, "--rank", "0", "--out", tmp_path / "a"], "--rank must be at least 1"),
+        ([*job.args, "--dropout", "1.5", "--out", tmp_path / "b"], "--dropout must be in [0, 1)"),
+        (["--resume", finished.four, "--save-every", "0"], "--save-every must be at least 1"),
+        (["--resume", finished.four, "--steps", "2"], "the run is at step 4 already"),
+    ):
         err = refused(cli(*args, script=script))
         assert said in err, (args, err)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -40,8 +40,25 @@ def runs(tmp_path_factory):
     tiny_model_folder(root / "model")
     write_jsonl(root / "train.jsonl", ROWS[:20])
     # --model as the user typed it, relative to where they ran it
-    args = ["--model", "model", "--data", "train.jsonl", "--rank", "4", "--batch", "2", "--seq-len", "64",
-            "--lr", "1e-2", "--save-every", "2", "--no-progress", "--lmhead", "off"]  # fmt: skip
+    args = [
+        "--model",
+        "model",
+        "--data",
+        "train.jsonl",
+        "--rank",
+        "4",
+        "--batch",
+        "2",
+        "--seq-len",
+        "64",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "2",
+        "--no-progress",
+        "--lmhead",
+        "off",
+    ]
     ok(finetune_cli(*args, "--steps", "4", "--out", "four", cwd=root))
     shutil.copytree(root / "four", root / "cut")
     r = finetune_cli("--resume", "cut", "--steps", "8", "--no-progress", stop_after=6, cwd=root)
@@ -129,8 +146,9 @@ def test_the_base_is_named_as_the_user_would_name_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert run_base(FinetuneConfig(model="m.gguf")) == RunBase(gguf, str(gguf), f"the GGUF file {gguf}, "
-                                                               "dequantised to float32 by narrows")  # fmt: skip
+    assert run_base(FinetuneConfig(model="m.gguf")) == RunBase(
+        gguf, str(gguf), f"the GGUF file {gguf}, dequantised to float32 by narrows"
+    )
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5B"}))

@@ -401,8 +401,15 @@ def test_header_dtype_disagreeing_with_the_data_size_is_refused(tmp_path, weight
     with pytest.raises(NarrowsError) as e:
         load_blockwise(tmp_path, dtype=BF16)
     said = str(e.value)
-    for part in (str(file), repr(key), "F16", str(shape), f"{2 * shape[0] * shape[1]} bytes",
-                 f"spans {4 * shape[0] * shape[1]} bytes", "re-download"):  # fmt: skip
+    for part in (
+        str(file),
+        repr(key),
+        "F16",
+        str(shape),
+        f"{2 * shape[0] * shape[1]} bytes",
+        f"spans {4 * shape[0] * shape[1]} bytes",
+        "re-download",
+    ):
         assert part in said, (part, said)
     assert weights_read == []
 

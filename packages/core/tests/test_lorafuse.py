@@ -237,8 +237,12 @@ def test_hooks_keep_peft_s_forward():
 
 @pytest.mark.parametrize("why", ["dropout", "dora", "autocast", "disabled", "two adapters"])
 def test_calls_the_node_does_not_cover_go_to_peft(why):
-    model = _model("llama", torch.float32, kind="dora" if why == "dora" else "lora",
-                   dropout=0.1 if why == "dropout" else 0.0)  # fmt: skip
+    model = _model(
+        "llama",
+        torch.float32,
+        kind="dora" if why == "dora" else "lora",
+        dropout=0.1 if why == "dropout" else 0.0,
+    )
     if why == "two adapters":
         from peft import LoraConfig
 

@@ -6,9 +6,16 @@ from narrows.core import format_bytes, measure_peaks, parse_bytes, read_peaks
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("12GiB", 12 * 2**30), ("800MiB", 800 * 2**20), ("16GB", 16 * 10**9), ("1.5 GiB", 3 * 2**29),
-     ("1073741824", 2**30), (4096, 4096), ("2kib", 2048)],
-)  # fmt: skip
+    [
+        ("12GiB", 12 * 2**30),
+        ("800MiB", 800 * 2**20),
+        ("16GB", 16 * 10**9),
+        ("1.5 GiB", 3 * 2**29),
+        ("1073741824", 2**30),
+        (4096, 4096),
+        ("2kib", 2048),
+    ],
+)
 def test_parse_bytes(text, expected):
     assert parse_bytes(text) == expected
 

@@ -28,9 +28,13 @@ def test_quantize_replaces_decoder_linears_only():
     assert qs.nested and qs.quant_type == "nf4" and qs.blocksize == 64
     slot_names = {s.name.split("down_proj.")[-1] for s in frozen_slots(layer.mlp.down_proj)}
     assert slot_names == {
-        "weight", "weight.quant_state.absmax", "weight.quant_state.code", "weight.quant_state.offset",
-        "weight.quant_state.state2.absmax", "weight.quant_state.state2.code",
-    }  # fmt: skip
+        "weight",
+        "weight.quant_state.absmax",
+        "weight.quant_state.code",
+        "weight.quant_state.offset",
+        "weight.quant_state.state2.absmax",
+        "weight.quant_state.state2.code",
+    }
     loss = model(**tiny_batch()).loss
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 0.05  # NF4 error is small
 

@@ -160,8 +160,11 @@ def test_dequantized_bytes_is_the_largest_weight_dequantised():
     """What one call's transient copy takes: the largest 4-bit weight in its compute
     dtype, as bitsandbytes' own dequantisation returns it (an independent measure)."""
     layer = _layers(_model("llama"))[0]
-    copies = [bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
-              for m in layer.modules() if is_nf4_linear(m)]  # fmt: skip
+    copies = [
+        bnb.functional.dequantize_4bit(m.weight.data, m.weight.quant_state)
+        for m in layer.modules()
+        if is_nf4_linear(m)
+    ]
     largest = max(c.numel() * c.element_size() for c in copies)
     assert dequantized_bytes(layer) == -(-largest // 512) * 512
     assert dequantized_bytes(layer) < held_bytes(layer)

@@ -81,8 +81,12 @@ def test_dispatch_picks_the_kernels_above_the_crossover_and_autograd_matches_eag
     assert ((e_grads[2].double() - ref).abs() <= bound * 1e-2).all()  # eager sums base and lora exactly
 
 
-MIXED = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32),
-         (torch.bfloat16, torch.float32)]  # fmt: skip
+MIXED = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+]
 
 
 @pytest.mark.parametrize("dtypes", MIXED)
@@ -219,8 +223,24 @@ def test_every_row_norm_config_is_right(split):
             out = torch.full((d_out,), float("nan"), device="cuda")
             base = base_row_norm_sq(w) if cached else out
             kernels._row_norm_kernel.fn[(triton.cdiv(d_out, cfg.kwargs["BLOCK_M"]),)](
-                w, parts, b, _gram(a), base, out, d_out, d_in, r, 512, w.stride(0), 3.0, 2.25, SPLIT=split,
-                NEED_BASE=not cached, num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+                w,
+                parts,
+                b,
+                _gram(a),
+                base,
+                out,
+                d_out,
+                d_in,
+                r,
+                512,
+                w.stride(0),
+                3.0,
+                2.25,
+                SPLIT=split,
+                NEED_BASE=not cached,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+                enable_fp_fusion=False,
                 **cfg.kwargs,
-            )  # fmt: skip
+            )
             torch.testing.assert_close(out.double(), ref, rtol=2e-6, atol=0, msg=f"{cfg} cached={cached}")

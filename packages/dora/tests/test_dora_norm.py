@@ -28,11 +28,16 @@ def test_matches_the_dense_fp64_norm(dtype, shape, budget):
 def test_rank_768_and_cached_base_and_zero_scale():
     w, a, b = mats(96, 1024, 768, torch.float32)
     base = base_row_norm_sq(w, chunk_budget=96 * 4 * 128)
-    torch.testing.assert_close(factored_row_norm(w, a, b, 2.0, base_sq=base).double(),
-                               dense_row_norm(w, a, b, 2.0), rtol=2e-6, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        factored_row_norm(w, a, b, 2.0, base_sq=base).double(),
+        dense_row_norm(w, a, b, 2.0),
+        rtol=2e-6,
+        atol=1e-6,
+    )
     assert torch.equal(factored_row_norm(w, a, b, 0.0, base_sq=base), base.double().sqrt().float())
-    torch.testing.assert_close(factored_row_norm(w, a, b, 0.0).double(), w.double().norm(dim=1),
-                               rtol=2e-6, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        factored_row_norm(w, a, b, 0.0).double(), w.double().norm(dim=1), rtol=2e-6, atol=1e-6
+    )
 
 
 def test_no_gradient_flows_through_the_norm():

@@ -29,8 +29,15 @@ def tiny_adapters(tiny_folder, tmp_path_factory):
 def tiny_tasks(tmp_path_factory):
     """A local task folder: multiple choice, rolling loglikelihood and generation on 6 rows."""
     folder = tmp_path_factory.mktemp("tasks")
-    rows = [{"question": f"What is {a} plus {b}?", "choices": [str(a + b), str(a + b + 1)], "label": 0,
-             "text": f"The sum of {a} and {b} is {a + b}."} for a, b in [(1, 2), (3, 4), (5, 6), (2, 2), (7, 1), (4, 4)]]  # fmt: skip
+    rows = [
+        {
+            "question": f"What is {a} plus {b}?",
+            "choices": [str(a + b), str(a + b + 1)],
+            "label": 0,
+            "text": f"The sum of {a} and {b} is {a + b}.",
+        }
+        for a, b in [(1, 2), (3, 4), (5, 6), (2, 2), (7, 1), (4, 4)]
+    ]
     (folder / "tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'tiny.jsonl'}\ntest_split: test\n"
     (folder / "tiny_mc.yaml").write_text(

@@ -14,8 +14,23 @@ def test_two_standard_error_flag():
 
 def test_narrows_eval_writes_the_report(tiny_folder, tiny_adapters, tiny_tasks, tmp_path, capsys):
     out = tmp_path / "report"
-    rc = main(["eval", "--model", str(tiny_folder), "--adapter", str(tiny_adapters["dora"]), "--tasks",
-               "tiny_mc,tiny_ppl,tiny_gen", "--include-path", str(tiny_tasks), "--device", "cpu", "--out", str(out)])  # fmt: skip
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_folder),
+            "--adapter",
+            str(tiny_adapters["dora"]),
+            "--tasks",
+            "tiny_mc,tiny_ppl,tiny_gen",
+            "--include-path",
+            str(tiny_tasks),
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     metrics = {(r["task"], r["metric"]) for r in report["rows"]}

@@ -34,9 +34,29 @@ def runs(tiny_folder, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     data = write_jsonl(root / "train.jsonl", ROWS[:20])
     four, cut = root / "four", root / "cut"
-    r = finetune_cli("--model", tiny_folder, "--data", data, "--rank", "4", "--batch", "2", "--seq-len", "64",
-                     "--lr", "1e-2", "--save-every", "2", "--steps", "4", "--no-progress", "--lmhead", "off",
-                     "--out", four)  # fmt: skip
+    r = finetune_cli(
+        "--model",
+        tiny_folder,
+        "--data",
+        data,
+        "--rank",
+        "4",
+        "--batch",
+        "2",
+        "--seq-len",
+        "64",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "2",
+        "--steps",
+        "4",
+        "--no-progress",
+        "--lmhead",
+        "off",
+        "--out",
+        four,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     shutil.copytree(four, cut)
     r = finetune_cli("--resume", cut, "--steps", "8", "--no-progress", stop_after=6)
@@ -182,8 +202,9 @@ def test_a_changed_or_moved_base_is_refused_and_one_given_explicitly_is_recorded
     err = capsys.readouterr().err
     assert f"narrows: --model {base} differs from the base {run} trained on" in err
     report = json.loads((run / "eval" / "report.json").read_text())
-    assert report["base_differs"] == ["model.safetensors has other weights under the same header (sampled: "
-                                      f"{SAMPLING})"]  # fmt: skip
+    assert report["base_differs"] == [
+        f"model.safetensors has other weights under the same header (sampled: {SAMPLING})"
+    ]
 
     shutil.rmtree(base)  # moved away: the way to name its new place
     assert main(["eval", str(run), *tiny(tiny_tasks)]) == 2

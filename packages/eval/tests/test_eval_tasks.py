@@ -22,8 +22,14 @@ def test_every_shipped_task_resolves_through_lm_eval():
     from narrows.eval import resolve_tasks
 
     _, names = resolve_tasks(["arc_easy", "piqa", "hellaswag", "mmlu", "lambada", "gsm8k"])
-    assert names == ["narrows_arc_easy", "narrows_piqa", "narrows_hellaswag", "narrows_mmlu", "narrows_lambada",
-                     "narrows_gsm8k"]  # fmt: skip
+    assert names == [
+        "narrows_arc_easy",
+        "narrows_piqa",
+        "narrows_hellaswag",
+        "narrows_mmlu",
+        "narrows_lambada",
+        "narrows_gsm8k",
+    ]
 
 
 def test_an_unknown_mmlu_subject_is_refused():

@@ -17,8 +17,14 @@ def test_cuda_chunked_matches_reference(dtype, softcap):
     weight = (torch.randn(5000, 256, generator=g) * 0.05).to("cuda", dtype)
     targets = torch.randint(0, 5000, (1000,), generator=g).cuda()
     w = torch.full((1000,), 1e-3, device="cuda")
-    ours = lmh.linear_cross_entropy(hidden, targets, ResidentHead(weight, math=LogitMath(softcap=softcap)), w, head_rows=1024,
-                                    tile_bytes=1 << 20)  # fmt: skip
+    ours = lmh.linear_cross_entropy(
+        hidden,
+        targets,
+        ResidentHead(weight, math=LogitMath(softcap=softcap)),
+        w,
+        head_rows=1024,
+        tile_bytes=1 << 20,
+    )
     ref = lmh.reference_cross_entropy(hidden, targets, weight, None, w, LogitMath(softcap=softcap))
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(ours, ref, **tol)

@@ -42,8 +42,12 @@ def micro_step(
 
 
 def record(params, opt, losses, grads) -> dict:
-    return {"loss": losses, "grad": grads, "weight": [p.detach().clone() for p in params],
-            "adam": [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]}  # fmt: skip
+    return {
+        "loss": losses,
+        "grad": grads,
+        "weight": [p.detach().clone() for p in params],
+        "adam": [v.clone() for st in opt.state.values() for v in st.values() if torch.is_tensor(v)],
+    }
 
 
 def sequential(m, world: int, device: torch.device | str = "cpu") -> dict:
@@ -126,10 +130,18 @@ def shared_copy(folder: str, cache: str, world: int, device: torch.device) -> di
         micro_step(ddp, step, dist.get_rank(), 1.0, device)
         opt.step()
         opt.zero_grad()
-    return {"shared": tiers.shared, "layers": len(tiers.homes), "homes": homes, "cache": str(tiers.cache.path),
-            "slab_bytes": sum(lay.nbytes for lay in tiers.layouts), "memory": memory, "notes": tiers.notes,
-            "embedding": embedding, "registered": [h.is_pinned() for h in tiers.homes] if device.type == "cuda" else [],
-            "weight": [p.detach().clone() for p in params]}  # fmt: skip
+    return {
+        "shared": tiers.shared,
+        "layers": len(tiers.homes),
+        "homes": homes,
+        "cache": str(tiers.cache.path),
+        "slab_bytes": sum(lay.nbytes for lay in tiers.layouts),
+        "memory": memory,
+        "notes": tiers.notes,
+        "embedding": embedding,
+        "registered": [h.is_pinned() for h in tiers.homes] if device.type == "cuda" else [],
+        "weight": [p.detach().clone() for p in params],
+    }
 
 
 def main(out: str, folder: str, cache: str, device: str = "cpu") -> None:

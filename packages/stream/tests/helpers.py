@@ -19,9 +19,14 @@ def build(arch="llama", *, base="float", kind="lora", dropout=0.0, dtype=torch.f
 
 
 def train(
-    model, *, steps: int = 3, grad_accum: int = 1, stream_kwargs: dict | None = None, device: str = "cpu",
+    model,
+    *,
+    steps: int = 3,
+    grad_accum: int = 1,
+    stream_kwargs: dict | None = None,
+    device: str = "cpu",
     widths: tuple[int, ...] = (12,),
-):  # fmt: skip
+):
     """Seeded AdamW loop. Returns per-micro-step losses, gradients before each step, final
     adapter weights and optimizer state — the tensors a parity gate compares. The
     micro-batches take their sequence lengths from `widths` in turn."""

@@ -72,8 +72,13 @@ def test_copies_that_hide_behind_compute_stay_sequential(on_cuda):
     ],
 )
 def test_what_keeps_accumulation_sequential(on_cuda, case, said):
-    model = streamed("fit") if case == "resident" else build(num_hidden_layers=3) if case == "not streamed" \
-        else streamed()  # fmt: skip
+    model = (
+        streamed("fit")
+        if case == "resident"
+        else build(num_hidden_layers=3)
+        if case == "not streamed"
+        else streamed()
+    )
     if case == "embedding":
         model.get_input_embeddings().weight.requires_grad_(True)
     if case not in ("cpu", "not streamed"):
@@ -90,8 +95,17 @@ def test_the_step_time_model_prices_block_major_copies_once_a_step():
     """One micro-batch: the two prices agree with each other and with the single-batch
     model; with G, sequential pays each exposed copy G times, block-major once (and hides
     it behind G micro-batches' compute) — never more, and less when copies are exposed."""
-    s = Shapes(layers=8, hidden=1024, intermediate=4096, heads=8, vocab=1000, act_bytes=2, batch=1, seq=64,
-               eager_attention=False)  # fmt: skip
+    s = Shapes(
+        layers=8,
+        hidden=1024,
+        intermediate=4096,
+        heads=8,
+        vocab=1000,
+        act_bytes=2,
+        batch=1,
+        seq=64,
+        eager_attention=False,
+    )
     layers = [40_000_000] * 8  # a copy well over the compute at 64 tokens
     one = step_seconds(layers, s, 2, 0)
     assert step_seconds(layers, s, 2, 0, micro_batches=1, block_major=True) == one
@@ -105,8 +119,17 @@ def test_the_step_time_model_prices_block_major_copies_once_a_step():
 
 
 def test_held_weights_price_two_dequantisations_a_step_not_four_per_micro_batch():
-    s = Shapes(layers=8, hidden=1024, intermediate=4096, heads=8, vocab=1000, act_bytes=2, batch=1, seq=512,
-               eager_attention=False)  # fmt: skip
+    s = Shapes(
+        layers=8,
+        hidden=1024,
+        intermediate=4096,
+        heads=8,
+        vocab=1000,
+        act_bytes=2,
+        batch=1,
+        seq=512,
+        eager_attention=False,
+    )
     nf4 = [4_000_000] * 8  # under a byte per parameter: dequantised on every use
     plain = step_seconds(nf4, s, 0, 0, micro_batches=G, block_major=True)
     held = step_seconds(nf4, s, 0, 0, micro_batches=G, block_major=True, held=True)
@@ -120,8 +143,19 @@ def test_held_weights_price_two_dequantisations_a_step_not_four_per_micro_batch(
 
 
 def _plan(**kw):
-    base = dict(device="cuda:0", budget=None, layer_bytes=(1,), resident=(), pool_slabs=1, prefetch=1,
-                fixed_bytes=0, activation_bytes=0, work_bytes=0, predicted_peak=1000, h2d_bytes_per_step=0)  # fmt: skip
+    base = dict(
+        device="cuda:0",
+        budget=None,
+        layer_bytes=(1,),
+        resident=(),
+        pool_slabs=1,
+        prefetch=1,
+        fixed_bytes=0,
+        activation_bytes=0,
+        work_bytes=0,
+        predicted_peak=1000,
+        h2d_bytes_per_step=0,
+    )
     return ns.Plan(**{**base, **kw})
 
 
@@ -195,8 +229,9 @@ def test_block_major_needs_room_for_the_layer_boundaries(on_cuda, monkeypatch):
     monkeypatch.setattr(handle, "plan", dataclasses.replace(full, reserved_bytes=boundaries - 1))
     assert not ns.choose_step_mode(model, G, host_available=1 << 40)[0]
     ahead = dataclasses.replace(full, device="cuda:0", reserved_bytes=boundaries)
-    use, why = ns.choose_step_mode(build(num_hidden_layers=3), G, host_available=1 << 40, plan=ahead,
-                                   batch_size=2, seq_len=12)  # fmt: skip
+    use, why = ns.choose_step_mode(
+        build(num_hidden_layers=3), G, host_available=1 << 40, plan=ahead, batch_size=2, seq_len=12
+    )
     assert use, why
 
 

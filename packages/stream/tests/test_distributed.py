@@ -33,8 +33,17 @@ def ranks(tmp_path_factory) -> Path:
     out = root / "run"
     tiny_model_folder(root / "model", num_hidden_layers=3)
     env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(HERE / "ddp_worker.py"), str(out), str(root / "model"), str(root / "cache")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        str(HERE / "ddp_worker.py"),
+        str(out),
+        str(root / "model"),
+        str(root / "cache"),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out

@@ -32,14 +32,32 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.mktemp("nccl")
     out = root / "run"
     tiny_model_folder(root / "model", num_hidden_layers=3)
-    env = child_env(CUBLAS_WORKSPACE_CONFIG=":4096:8", NCCL_NVLS_ENABLE="0",
-                    PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))  # fmt: skip
+    env = child_env(
+        CUBLAS_WORKSPACE_CONFIG=":4096:8",
+        NCCL_NVLS_ENABLE="0",
+        PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]),
+    )
     worker = str(HERE / "ddp_worker.py")
-    ref = subprocess.run([sys.executable, worker, "reference", str(out), str(root / "model")], env=env,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    ref = subprocess.run(
+        [sys.executable, worker, "reference", str(out), str(root / "model")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           worker, str(out), str(root / "model"), str(root / "cache"), "cuda"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={WORLD}",
+        worker,
+        str(out),
+        str(root / "model"),
+        str(root / "cache"),
+        "cuda",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, torch.load(f"{out}.reference.pt")

@@ -147,8 +147,13 @@ def test_a_tiled_mlp_streams_what_the_same_tiles_train_resident(stream_kwargs):
 
     tiled = resident(10)  # two rows a batch: five positions a tile, the last one shorter
     streamed = _build("qwen2")
-    got = train(streamed, steps=2, grad_accum=2, widths=(12, 9),
-                stream_kwargs={"kernels": "fast", "seq_tile": 10, **stream_kwargs})  # fmt: skip
+    got = train(
+        streamed,
+        steps=2,
+        grad_accum=2,
+        widths=(12, 9),
+        stream_kwargs={"kernels": "fast", "seq_tile": 10, **stream_kwargs},
+    )
     assert streamed.narrows_stream.plan.tile_tokens == 10 and not coverage(streamed).refused
     assert_identical(tiled, got)
     untiled = resident(None)
@@ -205,8 +210,10 @@ def test_float32_lora_streams_what_it_trains_resident():
     with pytest.raises(AssertionError):
         assert_identical(low, got)
     model = _bf16()
-    wide, fast = (ns.plan(model, "fit", device="cpu", batch_size=2, seq_len=64, **kw)
-                  for kw in ({"lora_dtype": "float32"}, {}))  # fmt: skip
+    wide, fast = (
+        ns.plan(model, "fit", device="cpu", batch_size=2, seq_len=64, **kw)
+        for kw in ({"lora_dtype": "float32"}, {})
+    )
     assert wide.work_bytes > fast.work_bytes  # its float32 temporaries
     with pytest.raises(StreamSetupError, match="the fast layers' option"):
         ns.stream(_bf16(), device="cpu", kernels="peft", lora_dtype="float32")
@@ -236,8 +243,13 @@ def test_cuda_streamed_fast_layers_train_what_resident_fast_layers_train(stream_
             tile_sequence(resident, tile)
         assert not fuse_layers(resident).refused
         reference = train(resident, steps=2, grad_accum=2, device="cuda")
-        got = train(model(), steps=2, grad_accum=2, device="cuda",
-                    stream_kwargs={"kernels": "fast", "deterministic": True, **stream_kwargs})  # fmt: skip
+        got = train(
+            model(),
+            steps=2,
+            grad_accum=2,
+            device="cuda",
+            stream_kwargs={"kernels": "fast", "deterministic": True, **stream_kwargs},
+        )
         assert_identical(reference, got)
     finally:
         deterministic(False)
@@ -271,8 +283,14 @@ def test_the_plan_prices_what_a_fast_layer_keeps(base):
     from narrows.core.fastlayer import compute, parts_of
     from narrows.stream.planning import Shapes, input_bytes, whole_bytes
 
-    model = _build(num_hidden_layers=2, hidden_size=256, intermediate_size=768, num_attention_heads=4,
-                   num_key_value_heads=2, base=base)  # fmt: skip
+    model = _build(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=768,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        base=base,
+    )
     anat = anatomy_of(model)
     batch, seq = 2, 64
     x = torch.randn(batch, seq, 256)
@@ -302,8 +320,20 @@ def test_a_tiled_fast_layer_is_priced_by_its_tile():
     from narrows.stream.planning import Shapes, layer_work_bytes
 
     # Qwen2.5-7B's shape, one sequence of 32K tokens
-    s = Shapes(layers=28, hidden=3584, intermediate=18944, heads=28, vocab=152064, act_bytes=2, batch=1,
-               seq=32768, eager_attention=False, dequant_bytes=2 * 18944 * 3584 * 2, fast=True, kv_width=512)  # fmt: skip
+    s = Shapes(
+        layers=28,
+        hidden=3584,
+        intermediate=18944,
+        heads=28,
+        vocab=152064,
+        act_bytes=2,
+        batch=1,
+        seq=32768,
+        eager_attention=False,
+        dequant_bytes=2 * 18944 * 3584 * 2,
+        fast=True,
+        kv_width=512,
+    )
     untiled, tiled, smaller = layer_work_bytes(s), layer_work_bytes(s, 2048), layer_work_bytes(s, 1024)
     assert smaller < tiled < untiled < layer_work_bytes(dataclasses.replace(s, fast=False))
     assert tiled < layer_work_bytes(dataclasses.replace(s, fast=False), 2048)

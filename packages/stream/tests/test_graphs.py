@@ -320,8 +320,9 @@ def test_cuda_graphs_with_peft_dora_and_tiles():
     from narrows.core import deterministic
 
     deterministic(True)
-    ref = train(build(num_hidden_layers=N, kind="dora", dropout=0.05).to("cuda"), steps=2, grad_accum=2,
-                device="cuda")  # fmt: skip
+    ref = train(
+        build(num_hidden_layers=N, kind="dora", dropout=0.05).to("cuda"), steps=2, grad_accum=2, device="cuda"
+    )
     model = build(num_hidden_layers=N, kind="dora", dropout=0.05)
     got = train(
         model, steps=2, grad_accum=2, device="cuda", stream_kwargs={"gpu_budget": None, "graphs": True}
@@ -330,8 +331,13 @@ def test_cuda_graphs_with_peft_dora_and_tiles():
     assert model.narrows_stream.graphs.stats.replays > 0
     ref = train(ns.tile_sequence(_model(), 5).to("cuda"), steps=2, grad_accum=2, device="cuda")
     model = _model()
-    got = train(model, steps=2, grad_accum=2, device="cuda",
-                stream_kwargs={"gpu_budget": None, "seq_tile": 5, "graphs": True})  # fmt: skip
+    got = train(
+        model,
+        steps=2,
+        grad_accum=2,
+        device="cuda",
+        stream_kwargs={"gpu_budget": None, "seq_tile": 5, "graphs": True},
+    )
     assert_identical(ref, got)
     assert model.narrows_stream.plan.tile_tokens == 5 and model.narrows_stream.graphs.stats.replays > 0
 

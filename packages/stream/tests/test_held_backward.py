@@ -103,8 +103,17 @@ def test_held_backward_is_priced_one_dequantisation_less_per_recomputed_layer():
     micro-batch; whole layers (no recompute) save none; a float base has none to save."""
     from narrows.stream.planning import Shapes, dequant_seconds, step_seconds
 
-    s = Shapes(layers=8, hidden=1024, intermediate=4096, heads=8, vocab=1000, act_bytes=2, batch=1, seq=512,
-               eager_attention=False)  # fmt: skip
+    s = Shapes(
+        layers=8,
+        hidden=1024,
+        intermediate=4096,
+        heads=8,
+        vocab=1000,
+        act_bytes=2,
+        batch=1,
+        seq=512,
+        eager_attention=False,
+    )
     nf4 = [4_000_000] * 8  # under a byte per parameter: dequantised on every use
     d = dequant_seconds(nf4[0], s)
     plain = step_seconds(nf4, s, 0, 2, micro_batches=3)

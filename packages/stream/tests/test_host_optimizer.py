@@ -31,8 +31,9 @@ def _trainer(clip, dropout, optimizer=_optimizer, device="cpu", adapters=False, 
     return model, params, opt, trainer
 
 
-def hosted(clip=0.5, dropout=0.05, steps=range(STEPS), trainer=None, device="cpu", adapters=False,
-           **stream_kwargs):  # fmt: skip
+def hosted(
+    clip=0.5, dropout=0.05, steps=range(STEPS), trainer=None, device="cpu", adapters=False, **stream_kwargs
+):
     _, params, opt, trainer = trainer or _trainer(
         clip, dropout, device=device, adapters=adapters, **stream_kwargs
     )
@@ -98,8 +99,11 @@ def test_state_waits_in_host_buffers_between_steps():
 def test_clipping_needs_every_gradient_first(monkeypatch):
     """Fault injection: updating each layer when its gradients are complete although
     clipping was asked for (the total norm is not known yet) changes training."""
-    monkeypatch.setattr(HostOptimizer, "ready", lambda self, params: HostOptimizer._update(
-        self, [p for p in params if p.grad is not None]))  # fmt: skip
+    monkeypatch.setattr(
+        HostOptimizer,
+        "ready",
+        lambda self, params: HostOptimizer._update(self, [p for p in params if p.grad is not None]),
+    )
     _, _, got = hosted(clip=0.5, dropout=0.0)
     with pytest.raises(AssertionError):
         assert_identical(_reference(0.5, 0.0), got)
@@ -164,8 +168,16 @@ def _off_home_while_each_layer_runs(trainer):
     for i, layer in enumerate(trainer.anat.layers):
 
         def hook(module, args, i=i):
-            seen.append((i, {j for j, ps in enumerate(trainer.layer_params)
-                             if any(not trainer.adapters.is_home(p) for p in ps)}))  # fmt: skip
+            seen.append(
+                (
+                    i,
+                    {
+                        j
+                        for j, ps in enumerate(trainer.layer_params)
+                        if any(not trainer.adapters.is_home(p) for p in ps)
+                    },
+                )
+            )
 
         layer.mlp.register_forward_pre_hook(hook)
     return seen

@@ -461,8 +461,12 @@ def test_too_small_budget_suggests_tiling_only_when_it_would_help():
     with pytest.raises(ns.BudgetTooSmallError, match="seq_tile='auto'"):
         ns.plan(model, budget, **LONG)
     with pytest.raises(ns.BudgetTooSmallError) as e:
-        ns.plan(model, ns.plan(model, None, prefetch=0, device="cpu", seq_len=256).predicted_peak - 1,
-                device="cpu", seq_len=256)  # fmt: skip
+        ns.plan(
+            model,
+            ns.plan(model, None, prefetch=0, device="cpu", seq_len=256).predicted_peak - 1,
+            device="cpu",
+            seq_len=256,
+        )
     assert "seq_tile" not in str(e.value)
 
 

@@ -31,8 +31,17 @@ SHAPE = {"batch_size": 2, "seq_len": 12, "device": "cuda:0"}  # planned for a GP
 
 
 def _qwen7b(seq: int) -> Shapes:
-    return Shapes(layers=28, hidden=3584, intermediate=18944, heads=28, vocab=152064, act_bytes=2, batch=1,
-                  seq=seq, eager_attention=False)  # fmt: skip
+    return Shapes(
+        layers=28,
+        hidden=3584,
+        intermediate=18944,
+        heads=28,
+        vocab=152064,
+        act_bytes=2,
+        batch=1,
+        seq=seq,
+        eager_attention=False,
+    )
 
 
 NF4_LAYER = 130_000_000  # about half a byte per parameter, with its quantisation state
@@ -40,8 +49,9 @@ BF16_LAYER = 466_000_000
 
 
 def _plan(seq: int, graphs: bool, layer: int = NF4_LAYER, budget: int = 70 * GiB):
-    return make_plan([layer] * 28, fixed_bytes=GiB, shapes=_qwen7b(seq), budget=budget, device="cuda",
-                     graphs=graphs)  # fmt: skip
+    return make_plan(
+        [layer] * 28, fixed_bytes=GiB, shapes=_qwen7b(seq), budget=budget, device="cuda", graphs=graphs
+    )
 
 
 def test_graphed_recompute_wins_at_short_sequences_and_whole_layers_at_long_ones():
@@ -95,9 +105,14 @@ def test_the_budget_holds_the_pool():
         p = ns.plan(model, budget, **SHAPE, recompute="all", graphs=True)
         assert p.graphs and p.graph_bytes == pool
         assert p.predicted_peak <= budget
-        assert p.predicted_peak == (p.fixed_bytes + p.activation_bytes + p.work_bytes + p.graph_bytes
-                                    + p.pool_slabs * max(p.layer_bytes)
-                                    + sum(p.layer_bytes[i] for i in p.resident))  # fmt: skip
+        assert p.predicted_peak == (
+            p.fixed_bytes
+            + p.activation_bytes
+            + p.work_bytes
+            + p.graph_bytes
+            + p.pool_slabs * max(p.layer_bytes)
+            + sum(p.layer_bytes[i] for i in p.resident)
+        )
 
 
 def test_stream_plans_with_its_graphs():
@@ -113,8 +128,14 @@ def test_auto_takes_graphs_where_the_model_predicts_them_faster():
     shapes = _qwen7b(512)
 
     def auto(budget, device="cuda", seq=512):
-        return make_plan([NF4_LAYER] * 28, fixed_bytes=GiB, shapes=_qwen7b(seq), budget=budget, device=device,
-                         graphs="auto")  # fmt: skip
+        return make_plan(
+            [NF4_LAYER] * 28,
+            fixed_bytes=GiB,
+            shapes=_qwen7b(seq),
+            budget=budget,
+            device=device,
+            graphs="auto",
+        )
 
     p = auto(12 * GiB)
     assert p.graphs and p.whole == () and "auto: predicted" in p.graphs_choice
@@ -173,8 +194,18 @@ def test_the_pool_estimate_bounds_the_measured_pools(dims):
     inside the graphs (counted unless step mode's reserve holds them) and with them held.
     Twin: leaving the dequantised copies out falls short at 72B."""
     hidden, inter, heads = dims
-    s = Shapes(layers=1, hidden=hidden, intermediate=inter, heads=heads, vocab=152064, act_bytes=2, batch=1,
-               seq=512, eager_attention=False, dequant_bytes=hidden * inter * 2)  # fmt: skip
+    s = Shapes(
+        layers=1,
+        hidden=hidden,
+        intermediate=inter,
+        heads=heads,
+        vocab=152064,
+        act_bytes=2,
+        batch=1,
+        seq=512,
+        eager_attention=False,
+        dequant_bytes=hidden * inter * 2,
+    )
     per_call, held = POOLS[dims]
     reserve = 7 * s.dequant_bytes  # step mode's held weights: every 4-bit weight of a layer
     assert _one_shape_pool(s) >= per_call

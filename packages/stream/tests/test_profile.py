@@ -77,8 +77,9 @@ def test_advice_says_what_the_planner_would_change():
     now, other = _plans_that_differ(wide_model())
     prof = Profile(torch.device("cpu"), now, replan=lambda rates: other)
     streamed = now.streamed[0]
-    prof.layers[streamed] = ns.LayerTimes(streamed, forward=0.004, copy=0.001, copied_bytes=10**6, uses=2,
-                                          forward_uses=2)  # fmt: skip
+    prof.layers[streamed] = ns.LayerTimes(
+        streamed, forward=0.004, copy=0.001, copied_bytes=10**6, uses=2, forward_uses=2
+    )
     assert prof.rates() == ns.Rates(h2d=1e9, forward_s=0.002)
     assert f"would keep {len(other.resident)} layers resident (now {len(now.resident)})" in prof.advice()
     prof.replan = lambda rates: now

@@ -42,8 +42,17 @@ def _record(params, opt, losses):
 
 
 @functools.cache
-def resident(arch="llama", dropout=0.05, clip=0.5, base="float", g=G, device="cpu", seeded=False,
-             dtype=torch.float32, fast=False):  # fmt: skip
+def resident(
+    arch="llama",
+    dropout=0.05,
+    clip=0.5,
+    base="float",
+    g=G,
+    device="cpu",
+    seeded=False,
+    dtype=torch.float32,
+    fast=False,
+):
     """Plain sequential accumulation on the resident model (PEFT's own LoRA forwards; with
     `fast`, SDPA attention and narrows.core's fast layers): the reference."""
     model = _build(arch, dropout=dropout, base=base, dtype=dtype, fast=fast).to(device)
@@ -105,8 +114,15 @@ def stepped(
     ns.stream(model, device=device, **stream_kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = _optimizer(params)
-    trainer = ns.StepTrainer(model, opt, grad_accum=g, max_grad_norm=clip, scheduler=_scheduler(opt),
-                             loss_fn=lambda out, batch: _keep(out.loss), **(trainer or {}))  # fmt: skip
+    trainer = ns.StepTrainer(
+        model,
+        opt,
+        grad_accum=g,
+        max_grad_norm=clip,
+        scheduler=_scheduler(opt),
+        loss_fn=lambda out, batch: _keep(out.loss),
+        **(trainer or {}),
+    )
     losses, grads, stats = [], [], []
     real_step = opt.step
 
@@ -406,13 +422,19 @@ def test_nf4_weights_held_on_cuda_are_exact(graphs):
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     deterministic(True)
-    model, stats, got = stepped(dropout=0.05, device="cuda", base="nf4", graphs=graphs,
-                                hold_weights=True)  # fmt: skip
+    model, stats, got = stepped(dropout=0.05, device="cuda", base="nf4", graphs=graphs, hold_weights=True)
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=0.05, device="cuda", base="nf4"), got)
     # fused LoRA branches (bf16 model, float32 adapters: the shared cast), same gates
-    _, _, fused = stepped(dropout=0.0, device="cuda", base="nf4", graphs=graphs, dtype=torch.bfloat16, fuse=True,
-                          hold_weights=True)  # fmt: skip
+    _, _, fused = stepped(
+        dropout=0.0,
+        device="cuda",
+        base="nf4",
+        graphs=graphs,
+        dtype=torch.bfloat16,
+        fuse=True,
+        hold_weights=True,
+    )
     assert_identical(resident(dropout=0.0, device="cuda", base="nf4", dtype=torch.bfloat16), fused)
     if graphs:
         assert model.narrows_stream.graphs.stats.replays > 0
@@ -449,8 +471,9 @@ def test_resident_nf4_layers_step_block_major_with_their_weights_held(dropout):
     two dequantisations per linear a step instead of three per micro-batch — and trains
     the same numbers (with dropout, after the first step learns the RNG draws)."""
     pytest.importorskip("bitsandbytes")
-    model, stats, got = stepped(dropout=dropout, base="nf4", gpu_budget="fit", recompute="all",
-                                hold_weights=True)  # fmt: skip
+    model, stats, got = stepped(
+        dropout=dropout, base="nf4", gpu_budget="fit", recompute="all", hold_weights=True
+    )
     assert not model.narrows_stream.plan.streamed
     assert [s.mode for s in stats][1:] == ["block-major"] * (STEPS - 1)
     assert_identical(resident(dropout=dropout, base="nf4"), got)
@@ -468,8 +491,11 @@ def test_step_mode_plans_no_whole_layers(caplog, monkeypatch):
 
     real = planning.step_seconds
     fast = ns.Rates(h2d=1e18)  # copies free: whole layers pay, streaming costs nothing
-    monkeypatch.setattr(planning, "step_seconds", lambda lb, s, r, w, rates=None, graphs=False, **k:
-                        real(lb, s, r, w, fast, graphs, **k))  # fmt: skip
+    monkeypatch.setattr(
+        planning,
+        "step_seconds",
+        lambda lb, s, r, w, rates=None, graphs=False, **k: real(lb, s, r, w, fast, graphs, **k),
+    )
     kw = dict(device="cpu", batch_size=1, seq_len=64, offload="off")
     budget = 2 * ns.plan(build(num_hidden_layers=6), None, **kw).predicted_peak
     own = build(num_hidden_layers=6)

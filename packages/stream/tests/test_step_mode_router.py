@@ -83,5 +83,6 @@ def test_step_mode_is_not_chosen_for_router_logits(arch):
         plan = ns.plan(model, None, device="cuda:0", batch_size=2, seq_len=12)
         use, why = ns.choose_step_mode(model, 4, plan=plan, host_available=1 << 40, batch_size=2, seq_len=12)
         assert use is chosen, why
-    assert why.startswith("sequential (step mode refuses this model: MoE router logits are on "
-                          "(config.output_router_logits=True")  # fmt: skip
+    assert why.startswith(
+        "sequential (step mode refuses this model: MoE router logits are on (config.output_router_logits=True"
+    )

@@ -82,8 +82,15 @@ def test_a_streamed_layer_runs_without_a_cache_where_the_config_asks_for_one():
 
 
 def _xglm(layerdrop: float):
-    cfg = tf.XGLMConfig(vocab_size=256, d_model=64, ffn_dim=128, num_layers=3, attention_heads=4,
-                        max_position_embeddings=128, layerdrop=layerdrop)  # fmt: skip
+    cfg = tf.XGLMConfig(
+        vocab_size=256,
+        d_model=64,
+        ffn_dim=128,
+        num_layers=3,
+        attention_heads=4,
+        max_position_embeddings=128,
+        layerdrop=layerdrop,
+    )
     torch.manual_seed(0)
     return with_adapter(tf.XGLMForCausalLM(cfg), "lora").train()
 
@@ -109,9 +116,16 @@ def test_alora_is_refused(inference):
     """aLoRA's per-call offsets reach the adapters through hooks that live only inside
     PeftModel.forward: a recomputed layer would run with its adapter off (its gradients
     silently zero). Refused, and the model is left as it was."""
-    model = get_peft_model(tiny_model("llama", num_hidden_layers=2), LoraConfig(
-        r=4, lora_alpha=8, alora_invocation_tokens=[5, 6], target_modules=["q_proj", "v_proj"],
-        task_type="CAUSAL_LM"))  # fmt: skip
+    model = get_peft_model(
+        tiny_model("llama", num_hidden_layers=2),
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            alora_invocation_tokens=[5, 6],
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        ),
+    )
     with pytest.raises(ns.StreamSetupError, match="aLoRA adapter"):
         ns.stream(model, device="cpu", inference=inference)
     assert getattr(model, "narrows_stream", None) is None

@@ -11,8 +11,14 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("base", ["bf16", pytest.param("nf4", marks=pytest.mark.bnb)])
 @pytest.mark.parametrize("kind", ["lora", "dora"])
 def test_cuda_parity(arch, base, kind):
-    cfg = dict(arch=arch, base=base if base == "nf4" else "float", kind=kind, dropout=0.05, dtype=torch.bfloat16,
-               num_hidden_layers=6)  # fmt: skip
+    cfg = dict(
+        arch=arch,
+        base=base if base == "nf4" else "float",
+        kind=kind,
+        dropout=0.05,
+        dtype=torch.bfloat16,
+        num_hidden_layers=6,
+    )
     resident_model = build(**cfg).cuda()
     resident = train(resident_model, grad_accum=2, device="cuda")
     streamed_model = build(**cfg)

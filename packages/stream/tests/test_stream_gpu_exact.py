@@ -32,11 +32,27 @@ pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
 VOCAB = 1024
 _IDS = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.02)
-LLAMA = dict(_IDS, hidden_size=2048, intermediate_size=5504, num_hidden_layers=6, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+LLAMA = dict(
+    _IDS,
+    hidden_size=2048,
+    intermediate_size=5504,
+    num_hidden_layers=6,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 LLAMA_SEQ = 1024
-QWEN2 = dict(_IDS, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
-             num_key_value_heads=8, max_position_embeddings=8192, tie_word_embeddings=True)  # fmt: skip
+QWEN2 = dict(
+    _IDS,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -78,8 +94,9 @@ def _drop_pristine_models():
     _pristine.cache_clear()
 
 
-def _train(model, *, seq: int, steps: int = 2, grad_accum: int = 2, stream_kwargs: dict | None = None,
-           tamper=None) -> dict[str, list[torch.Tensor]]:  # fmt: skip
+def _train(
+    model, *, seq: int, steps: int = 2, grad_accum: int = 2, stream_kwargs: dict | None = None, tamper=None
+) -> dict[str, list[torch.Tensor]]:
     """Seeded AdamW loop, resident (``model.to(DEVICE)``) or streamed (`stream_kwargs`), under
     deterministic kernels. Returns on the CPU: per-micro-step losses, gradients before each
     step, final adapter weights and AdamW state. `tamper(model)` runs after `stream`."""

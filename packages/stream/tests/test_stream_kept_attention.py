@@ -57,8 +57,12 @@ class _Sdpa:
 )
 def test_kept_attention_trains_what_resident_fast_layers_train(arch, kw, stream_kwargs, monkeypatch):
     if "seq_tile" in stream_kwargs:  # tiles sum in another order than untiled: the twin is tiled too
-        reference = train(_build(arch, **kw), steps=2, grad_accum=2,
-                          stream_kwargs={"kernels": "fast", "keep_attention": False, **stream_kwargs})  # fmt: skip
+        reference = train(
+            _build(arch, **kw),
+            steps=2,
+            grad_accum=2,
+            stream_kwargs={"kernels": "fast", "keep_attention": False, **stream_kwargs},
+        )
     else:
         reference = _resident_fast(arch, **kw)
     streamed = _build(arch, **kw)
@@ -67,8 +71,12 @@ def test_kept_attention_trains_what_resident_fast_layers_train(arch, kw, stream_
     fetched = []
     real_get = keptattn._Packed.get
     monkeypatch.setattr(keptattn._Packed, "get", lambda self: fetched.append(1) or real_get(self))
-    got = train(streamed, steps=2, grad_accum=2,
-                stream_kwargs={"kernels": "fast", "keep_attention": True, "check": False, **stream_kwargs})  # fmt: skip
+    got = train(
+        streamed,
+        steps=2,
+        grad_accum=2,
+        stream_kwargs={"kernels": "fast", "keep_attention": True, "check": False, **stream_kwargs},
+    )
     handle = streamed.narrows_stream
     layers = len(handle.plan.layer_bytes)
     assert handle.plan.kept_attention == tuple(range(layers))
@@ -95,8 +103,13 @@ def test_each_backward_reads_its_own_calls_attention(monkeypatch):
     reference = _build()
     fuse_layers(reference)
     want = train(reference, steps=2, grad_accum=3, widths=(12, 7, 9))
-    got = train(_build(), steps=2, grad_accum=3, widths=(12, 7, 9),
-                stream_kwargs={"kernels": "fast", "keep_attention": True, "offload": "all"})  # fmt: skip
+    got = train(
+        _build(),
+        steps=2,
+        grad_accum=3,
+        widths=(12, 7, 9),
+        stream_kwargs={"kernels": "fast", "keep_attention": True, "offload": "all"},
+    )
     assert_identical(want, got)
 
 
@@ -121,8 +134,10 @@ def test_the_planner_keeps_attention_at_long_context_only():
     # no room beside a plan with every layer resident: the same plan with the room reserved,
     # one layer fewer resident (asked for at a short sequence, whose attention is smaller than a layer)
     full = plan(model, device="cpu", seq_len=64, gpu_budget=8 << 30, keep_attention=False)
-    per_call = plan(model, device="cpu", seq_len=64, gpu_budget=8 << 30, keep_attention=True).predicted_peak - \
-        full.predicted_peak  # fmt: skip
+    per_call = (
+        plan(model, device="cpu", seq_len=64, gpu_budget=8 << 30, keep_attention=True).predicted_peak
+        - full.predicted_peak
+    )
     assert 0 < per_call < min(full.layer_bytes) and len(full.resident) == len(full.layer_bytes)
     snug = plan(
         model, device="cpu", seq_len=64, gpu_budget=full.predicted_peak + per_call // 2, keep_attention=True

@@ -73,8 +73,9 @@ def test_config_and_keywords_plan_alike():
     the keywords change (offloading) changes it, so the comparison can fail."""
     model = build(num_hidden_layers=5)
     kw = dict(device="cpu", batch_size=2, seq_len=12, prefetch=2, offload="off", recompute="all")
-    cfg = StreamConfig(device="cpu", batch_size=2, seq_len=12, prefetch_depth=2, offload_inputs="off",
-                       recompute="all")  # fmt: skip
+    cfg = StreamConfig(
+        device="cpu", batch_size=2, seq_len=12, prefetch_depth=2, offload_inputs="off", recompute="all"
+    )
     assert ns.plan(model, None, **kw) == ns.plan(model, cfg)
     assert ns.plan(model, cfg) != ns.plan(model, cfg.replace(offload_inputs="all"))
 

@@ -610,8 +610,12 @@ def test_prequantized_checkpoint_streams_from_disk_tier(checkpoint, tmp_path, mo
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=F32)  # fmt: skip
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=F32,
+    )
     folder, cache = tmp_path / "prequantized", tmp_path / "cache"
     AutoModelForCausalLM.from_pretrained(
         checkpoint("llama"), quantization_config=config, dtype=F32, device_map="cpu"

@@ -190,8 +190,14 @@ def test_disk_tier_layers_and_whole_layers_never_collide():
     shapes = Shapes.of(anatomy_of(model), 2, 12)
     seen_whole_disk = False
     for p in _budgets(model):
-        q = make_plan(base.layer_bytes, fixed_bytes=base.fixed_bytes, shapes=shapes, budget=p.budget,
-                      device="cpu", disk=(1, N - 1))  # fmt: skip
+        q = make_plan(
+            base.layer_bytes,
+            fixed_bytes=base.fixed_bytes,
+            shapes=shapes,
+            budget=p.budget,
+            device="cpu",
+            disk=(1, N - 1),
+        )
         assert len(set(q.resident)) == len(q.resident) and set(q.whole) <= set(q.resident)
         assert q.predicted_peak <= q.budget
         seen_whole_disk |= N - 1 in q.whole and len(q.resident) < N

@@ -28,9 +28,24 @@ BNB_STATS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
 _BNB_STATE = ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
 # bytes per element of each safetensors dtype code whose elements are whole bytes
 _ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8,
-}  # fmt: skip
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 
 @dataclass(frozen=True)
@@ -61,8 +76,10 @@ def _read_header(path: Path) -> _Shard:
             raise NarrowsError(f"{path} is not a safetensors file (only {size} bytes); re-download it")
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, 100 << 20):
-            raise NarrowsError(f"{path} is truncated or not a safetensors file (header of {n} bytes "
-                               f"declared, file is {size} bytes); re-download it")  # fmt: skip
+            raise NarrowsError(
+                f"{path} is truncated or not a safetensors file (header of {n} bytes "
+                f"declared, file is {size} bytes); re-download it"
+            )
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -196,11 +213,15 @@ class CheckpointFolder:
                 )
             missing = [s for s in ("absmax", "quant_map") if f"{weight}.{s}" not in self.tensors]
             if missing:
-                raise NarrowsError(f"{self.path}: 4-bit tensor {weight!r} has no {missing[0]!r} beside it; "
-                                   "the checkpoint is incomplete")  # fmt: skip
+                raise NarrowsError(
+                    f"{self.path}: 4-bit tensor {weight!r} has no {missing[0]!r} beside it; "
+                    "the checkpoint is incomplete"
+                )
         if q is not None and q.get("bnb_4bit_quant_type", "nf4") != "nf4":
-            raise NarrowsError(f"{self.path}: config.json asks for bitsandbytes {q['bnb_4bit_quant_type']!r}; "
-                               "narrows loads NF4 (bnb_4bit_quant_type='nf4') or float checkpoints.")  # fmt: skip
+            raise NarrowsError(
+                f"{self.path}: config.json asks for bitsandbytes {q['bnb_4bit_quant_type']!r}; "
+                "narrows loads NF4 (bnb_4bit_quant_type='nf4') or float checkpoints."
+            )
         return "nf4" if self.prequantized else None
 
     # --- identity ------------------------------------------------------------------------

@@ -29,8 +29,10 @@ def deterministic(enabled: bool = True) -> None:
     """Make every kernel this process runs reproducible run to run (or stop insisting)."""
     if enabled and os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            log.warning("narrows: CUBLAS_WORKSPACE_CONFIG set after CUDA started; export "
-                        "CUBLAS_WORKSPACE_CONFIG=:4096:8 before launching for cuBLAS to honour it")  # fmt: skip
+            log.warning(
+                "narrows: CUBLAS_WORKSPACE_CONFIG set after CUDA started; export "
+                "CUBLAS_WORKSPACE_CONFIG=:4096:8 before launching for cuBLAS to honour it"
+            )
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.deterministic = enabled

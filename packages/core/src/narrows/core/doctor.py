@@ -96,8 +96,14 @@ def collect() -> DoctorReport:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            devices.append({"name": f"cuda:{i}", "model": p.name, "memory": p.total_memory,
-                            "capability": f"{p.major}.{p.minor}"})  # fmt: skip
+            devices.append(
+                {
+                    "name": f"cuda:{i}",
+                    "model": p.name,
+                    "memory": p.total_memory,
+                    "capability": f"{p.major}.{p.minor}",
+                }
+            )
 
     host: dict[str, object] = {"rss": host_rss_bytes()}
     try:

@@ -115,8 +115,11 @@ def _safetensors_header(path: Path) -> str:
 
 
 def _files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.rglob("*") if p.is_file() and not any(
-        part.startswith(".") for part in p.relative_to(folder).parts))  # fmt: skip
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+    )
 
 
 def model_fingerprint(path: str | os.PathLike) -> dict:
@@ -133,8 +136,11 @@ def model_fingerprint(path: str | os.PathLike) -> dict:
     for p in _files(path):
         name, size = str(p.relative_to(path)), p.stat().st_size
         if p.suffix == ".safetensors":
-            files[name] = {"size": size, "header_sha256": _safetensors_header(p),
-                           "weights_sample_sha256": weights_sample_sha256(p)}  # fmt: skip
+            files[name] = {
+                "size": size,
+                "header_sha256": _safetensors_header(p),
+                "weights_sample_sha256": weights_sample_sha256(p),
+            }
         elif size > _WHOLE:
             files[name] = {"size": size, "head_sha256": _head_sha256(p, _WHOLE)}
         else:

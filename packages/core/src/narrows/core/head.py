@@ -176,8 +176,13 @@ class HeadSweep:
     def __len__(self) -> int:
         return len(self._filed)
 
-    def file(self, key: Hashable, inputs: Any, compute: Callable[[list[Any]], list[Tensor]],
-             finish: Callable[[Tensor], Tensor] | None = None) -> None:  # fmt: skip
+    def file(
+        self,
+        key: Hashable,
+        inputs: Any,
+        compute: Callable[[list[Any]], list[Tensor]],
+        finish: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         self._filed.append(_Filed(key, inputs, compute, finish))
 
     def losses(self) -> list[Tensor]:

@@ -49,8 +49,10 @@ class AdapterChoice:
         if self.run is None:
             return f"adapter {self.folder} (a PEFT folder: its training step is not recorded)"
         if self.checkpoint is not None:
-            return (f"run {self.folder} at step {self.step}: checkpoint step-{self.step:06d} of "
-                    f"{self.run.steps} steps ({self.run.unfinished() or 'the run finished'})")  # fmt: skip
+            return (
+                f"run {self.folder} at step {self.step}: checkpoint step-{self.step:06d} of "
+                f"{self.run.steps} steps ({self.run.unfinished() or 'the run finished'})"
+            )
         return f"run {self.folder} at step {self.step} (its final adapter)"
 
 
@@ -80,38 +82,51 @@ def check_run_base(
 
     where = Path(path)
     if not where.exists():
-        raise NarrowsError(f"{run.root}: the base it trained on, {where}, is not there any more; if it moved, "
-                           f"give its new place: {how.format('NEW_PATH')} (its content is checked against the "
-                           "run's record)")  # fmt: skip
+        raise NarrowsError(
+            f"{run.root}: the base it trained on, {where}, is not there any more; if it moved, "
+            f"give its new place: {how.format('NEW_PATH')} (its content is checked against the "
+            "run's record)"
+        )
     differs = run.base_differences(where)
     if not differs:  # the same content, or a run from before narrows recorded it
         return []
     said = "; ".join(differs)
     if not explicit:
-        raise NarrowsError(f"{run.root}: its base {where} changed since the run trained on it ({said}): the scores "
-                           "would be of another model than the one trained. Put the original back, or give a base "
-                           f"explicitly with {how.format(where)} to score on it anyway (the difference is recorded "
-                           "with the scores)")  # fmt: skip
-    print(f"narrows: {how.format(where)} differs from the base {run.root} trained on ({said}); scoring on it as "
-          "asked (recorded with the scores)", file=sys.stderr, flush=True)  # fmt: skip
+        raise NarrowsError(
+            f"{run.root}: its base {where} changed since the run trained on it ({said}): the scores "
+            "would be of another model than the one trained. Put the original back, or give a base "
+            f"explicitly with {how.format(where)} to score on it anyway (the difference is recorded "
+            "with the scores)"
+        )
+    print(
+        f"narrows: {how.format(where)} differs from the base {run.root} trained on ({said}); scoring on it as "
+        "asked (recorded with the scores)",
+        file=sys.stderr,
+        flush=True,
+    )
     return differs
 
 
-def choose_adapter(path: str | os.PathLike, checkpoint: int | str | None = None, *,
-                   how: str = "--checkpoint {}") -> AdapterChoice:  # fmt: skip
+def choose_adapter(
+    path: str | os.PathLike, checkpoint: int | str | None = None, *, how: str = "--checkpoint {}"
+) -> AdapterChoice:
     """The adapter in `path`: a `narrows finetune` run folder or a PEFT folder. A run is
     scored only at its newest state: its final adapter when it finished, else refused with
     the choices (finish it, or a `checkpoint` — a step or "latest" — asked for explicitly,
     `how` the way to ask). Errors name the path and what to do."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise NarrowsError(f"adapter path {str(p)!r} does not exist: give a run folder of `narrows finetune` or a "
-                           "folder written by PEFT's save_pretrained")  # fmt: skip
+        raise NarrowsError(
+            f"adapter path {str(p)!r} does not exist: give a run folder of `narrows finetune` or a "
+            "folder written by PEFT's save_pretrained"
+        )
     run = run_state(p)
     if run is None:
         if checkpoint is not None:
-            raise NarrowsError(f"{how.format(checkpoint)} picks a checkpoint of a `narrows finetune` run; {str(p)!r} "
-                               "is not one (no config.json)")  # fmt: skip
+            raise NarrowsError(
+                f"{how.format(checkpoint)} picks a checkpoint of a `narrows finetune` run; {str(p)!r} "
+                "is not one (no config.json)"
+            )
         if (p / "adapter_config.json").is_file():
             return AdapterChoice(p)
         raise NarrowsError(f"{str(p)!r} holds no adapter_config.json: it is not a PEFT adapter folder")
@@ -121,15 +136,27 @@ def choose_adapter(path: str | os.PathLike, checkpoint: int | str | None = None,
     if why is None:
         return AdapterChoice(p, run, run.adapter_step)
     finish = f"finish it (narrows finetune --resume {p})"
-    pick = (f", or evaluate a checkpoint explicitly ({how.format(run.newest)}, or {how.format('latest')})"
-            if run.checkpoints else "")  # fmt: skip
-    raise NarrowsError(f"{str(p)!r} is a `narrows finetune` run whose newest state is not its final adapter "
-                       f"({why}): {finish}{pick}")  # fmt: skip
+    pick = (
+        f", or evaluate a checkpoint explicitly ({how.format(run.newest)}, or {how.format('latest')})"
+        if run.checkpoints
+        else ""
+    )
+    raise NarrowsError(
+        f"{str(p)!r} is a `narrows finetune` run whose newest state is not its final adapter "
+        f"({why}): {finish}{pick}"
+    )
 
 
-def load_base(path: str | os.PathLike, *, dtype: torch.dtype, quant: str | None, device: torch.device,
-              streamed: bool = False, host_budget: str | int | None = None,
-              cache: str | os.PathLike | bool = True) -> tuple[nn.Module, object]:  # fmt: skip
+def load_base(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype,
+    quant: str | None,
+    device: torch.device,
+    streamed: bool = False,
+    host_budget: str | int | None = None,
+    cache: str | os.PathLike | bool = True,
+) -> tuple[nn.Module, object]:
     """The frozen base and its tokenizer, as the main job loads them: resident on `device`,
     or (`streamed`) straight into narrows-stream's host tiers (pinned RAM within
     `host_budget`, the rest on disk in the prepared-slab `cache`)."""
@@ -138,8 +165,12 @@ def load_base(path: str | os.PathLike, *, dtype: torch.dtype, quant: str | None,
     if not streamed:
         return load_causal_lm(path, dtype=dtype, quant=quant, device=device)
     stream = require("narrows.stream", "streaming the base (a GPU budget)")
-    return load_causal_lm(path, load=lambda folder: stream.from_pretrained(
-        folder, quant=quant, dtype=dtype, host_budget=host_budget, cache=cache, device=device))  # fmt: skip
+    return load_causal_lm(
+        path,
+        load=lambda folder: stream.from_pretrained(
+            folder, quant=quant, dtype=dtype, host_budget=host_budget, cache=cache, device=device
+        ),
+    )
 
 
 def load_for_inference(
@@ -194,8 +225,10 @@ def load_for_inference(
     explicit = pretrained is not None
     if pretrained is None:
         if choice is None or choice.run is None:
-            raise NarrowsError("no base model given (pretrained): give a model folder or .gguf file, or a "
-                               "`narrows finetune` run folder as the adapter, whose base it then is")  # fmt: skip
+            raise NarrowsError(
+                "no base model given (pretrained): give a model folder or .gguf file, or a "
+                "`narrows finetune` run folder as the adapter, whose base it then is"
+            )
         pretrained = run_base(choice.run.config).path
     differs = None
     if choice is not None and choice.run is not None and not chosen and not isinstance(pretrained, nn.Module):
@@ -211,8 +244,14 @@ def load_for_inference(
             )
         model = pretrained
     else:
-        model, tokenizer = load_base(pretrained, dtype=_dtype(dtype, dev), quant=quant, device=dev,
-                                     streamed=gpu_budget is not None, host_budget=host_budget)  # fmt: skip
+        model, tokenizer = load_base(
+            pretrained,
+            dtype=_dtype(dtype, dev),
+            quant=quant,
+            device=dev,
+            streamed=gpu_budget is not None,
+            host_budget=host_budget,
+        )
     if quant == "nf4" and not getattr(model, "is_loaded_in_4bit", False):  # a model passed in memory
         from .nf4 import quantize_nf4
 

@@ -44,10 +44,17 @@ __all__ = ["LayerCallback", "load_blockwise", "map_tensor", "read_tensor"]
 LayerCallback = Callable[[int, str, nn.Module], None]
 
 _DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
     "BOOL": torch.bool,
-}  # fmt: skip
+}
 
 
 def read_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor:
@@ -174,14 +181,18 @@ def _plan_groups(model: nn.Module, folder: CheckpointFolder, mapping: _Mapping):
     for target, keys in fused.items():
         gap = _missing_sibling(keys, experts)
         if gap is not None:
-            raise NarrowsError(f"{folder.path}: tensor {gap!r} is missing (the checkpoint has its siblings, "
-                               f"which together make {target!r}); the folder is incomplete: fetch it again.")  # fmt: skip
+            raise NarrowsError(
+                f"{folder.path}: tensor {gap!r} is missing (the checkpoint has its siblings, "
+                f"which together make {target!r}); the folder is incomplete: fetch it again."
+            )
     for weight in folder.prequantized:
         state = _bnb_state(folder, weight)
         for stat in ("nested_absmax", "nested_quant_map"):
             if "nested_blocksize" in state and f"{weight}.{stat}" not in folder.tensors:
-                raise NarrowsError(f"{folder.path}: 4-bit tensor {weight!r} is double-quantised but has no "
-                                   f"{stat!r} beside it; the checkpoint is incomplete")  # fmt: skip
+                raise NarrowsError(
+                    f"{folder.path}: 4-bit tensor {weight!r} is double-quantised but has no "
+                    f"{stat!r} beside it; the checkpoint is incomplete"
+                )
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     buffers = {n for n, b in model.named_buffers() if b.device.type != "meta"}
     missing = sorted(set(mapping.meta) - covered - tied - buffers)
@@ -220,8 +231,14 @@ def _bnb_state(folder: CheckpointFolder, weight: str) -> dict:
     return json.loads(bytes(raw.numpy()).decode())
 
 
-def _load_float(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str], mapping: _Mapping,
-                dtype: torch.dtype, read: Callable[[str], torch.Tensor]) -> None:  # fmt: skip
+def _load_float(
+    model: nn.Module,
+    folder: CheckpointFolder,
+    keys: dict[str, str],
+    mapping: _Mapping,
+    dtype: torch.dtype,
+    read: Callable[[str], torch.Tensor],
+) -> None:
     if not keys:
         return
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
@@ -254,8 +271,13 @@ def _bnb_keys(folder: CheckpointFolder, weight: str) -> list[str]:
     return [weight, *extra, folder.prequantized[weight]]
 
 
-def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[str, str],
-                       compute_dtype: torch.dtype, read: Callable[[str], torch.Tensor]) -> None:  # fmt: skip
+def _load_prequantized(
+    model: nn.Module,
+    folder: CheckpointFolder,
+    keys: dict[str, str],
+    compute_dtype: torch.dtype,
+    read: Callable[[str], torch.Tensor],
+) -> None:
     """Linear4bit modules built from the packed weights and their stored quantisation state."""
     if not keys:
         return
@@ -278,9 +300,15 @@ def _load_prequantized(model: nn.Module, folder: CheckpointFolder, keys: dict[st
         parent_path, _, attr = module_path.rpartition(".")
         parent = model.get_submodule(parent_path)
         old = getattr(parent, attr)
-        q = bnb.nn.Linear4bit(d_in, d_out, bias=old.bias is not None, compute_dtype=compute_dtype,
-                              compress_statistics="nested_absmax" in stats, quant_type="nf4",
-                              device="meta")  # fmt: skip
+        q = bnb.nn.Linear4bit(
+            d_in,
+            d_out,
+            bias=old.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics="nested_absmax" in stats,
+            quant_type="nf4",
+            device="meta",
+        )
         q.weight = bnb.nn.Params4bit.from_prequantized(
             data, stats, requires_grad=False, device="cpu", module=q
         )

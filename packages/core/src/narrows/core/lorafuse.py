@@ -131,15 +131,22 @@ def _plain(module: nn.Module) -> bool:
     """No hooks and no replaced forward (accelerate's offload hooks replace it): the node
     would skip them."""
     return not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-        or module._backward_pre_hooks or "forward" in module.__dict__
-    )  # fmt: skip
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or "forward" in module.__dict__
+    )
 
 
 def _no_global_hooks() -> bool:
     m = nn.modules.module
-    return not (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)  # fmt: skip
+    return not (
+        m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+    )
 
 
 def _covered(self: nn.Module, x: Tensor, args: tuple, kwargs: dict) -> str | None:

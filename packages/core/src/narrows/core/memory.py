@@ -92,8 +92,11 @@ class MemoryPeaks:
     def __str__(self) -> str:
         parts = [f"host RSS {format_bytes(self.host_rss)}"]
         if self.device != "cpu":
-            parts.insert(0, f"{self.device} allocated {format_bytes(self.cuda_allocated)}, "
-                            f"reserved {format_bytes(self.cuda_reserved)}")  # fmt: skip
+            parts.insert(
+                0,
+                f"{self.device} allocated {format_bytes(self.cuda_allocated)}, "
+                f"reserved {format_bytes(self.cuda_reserved)}",
+            )
         return "peak " + ", ".join(parts)
 
 

@@ -41,8 +41,10 @@ def gguf_as_folder(path: str | os.PathLike) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(path.parent, **kw)
             model = AutoModelForCausalLM.from_pretrained(path.parent, dtype=torch.float32, **kw)
         except (ValueError, KeyError, IndexError) as e:  # UnicodeDecodeError is a ValueError
-            raise NarrowsError(f"{path}: transformers cannot read this GGUF file ({type(e).__name__}: "
-                               f"{_first_line(e)}); re-export it, or give the model's HF folder") from None  # fmt: skip
+            raise NarrowsError(
+                f"{path}: transformers cannot read this GGUF file ({type(e).__name__}: "
+                f"{_first_line(e)}); re-export it, or give the model's HF folder"
+            ) from None
         # transformers refuses to save a GGUF-loaded model while it is marked quantised;
         # the weights are plain float tensors by now
         model.hf_quantizer = None
@@ -66,11 +68,15 @@ def _check_gguf(path: Path) -> None:
     try:
         reader = GGUFReader(path)
     except Exception as e:  # the reader raises whatever its parse meets first
-        raise NarrowsError(f"{path} starts like a GGUF file but its header does not parse ({type(e).__name__}: "
-                           f"{_first_line(e)}); the file is damaged or not GGUF: re-download or re-export it") from None  # fmt: skip
+        raise NarrowsError(
+            f"{path} starts like a GGUF file but its header does not parse ({type(e).__name__}: "
+            f"{_first_line(e)}); the file is damaged or not GGUF: re-download or re-export it"
+        ) from None
     if "general.architecture" not in reader.fields or not reader.tensors:
-        raise NarrowsError(f"{path} is a GGUF file without a model (no general.architecture or no tensors); "
-                           "give the GGUF file of a model")  # fmt: skip
+        raise NarrowsError(
+            f"{path} is a GGUF file without a model (no general.architecture or no tensors); "
+            "give the GGUF file of a model"
+        )
 
 
 def resolve_model_path(path: str | os.PathLike) -> Path:
@@ -89,8 +95,10 @@ def resolve_model_path(path: str | os.PathLike) -> Path:
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
-            raise NarrowsError(f"{str(path)!r} is named .gguf but is not a GGUF file (it starts with {magic!r}, "
-                               "not b'GGUF'); re-download or re-export it")  # fmt: skip
+            raise NarrowsError(
+                f"{str(path)!r} is named .gguf but is not a GGUF file (it starts with {magic!r}, "
+                "not b'GGUF'); re-download or re-export it"
+            )
         path = gguf_as_folder(path)
     elif not (path / "config.json").is_file():
         raise NarrowsError(f"{str(path)!r} has no config.json; it is not a Hugging Face model folder.")

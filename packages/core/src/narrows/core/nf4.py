@@ -102,8 +102,16 @@ def quantize_nf4(
         compute_dtype = next(p.dtype for p in anat.layers.parameters() if p.is_floating_point())
     n = 0
     for lpath, layer in zip(anat.layer_paths, anat.layers):
-        n += quantize_layer_nf4(layer, lpath, compute_dtype=compute_dtype, double_quant=double_quant,
-                                blocksize=blocksize, filter_fn=filter_fn, device=device, park=park)  # fmt: skip
+        n += quantize_layer_nf4(
+            layer,
+            lpath,
+            compute_dtype=compute_dtype,
+            double_quant=double_quant,
+            blocksize=blocksize,
+            filter_fn=filter_fn,
+            device=device,
+            park=park,
+        )
     if n == 0:
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
     anat.model.is_loaded_in_4bit = True

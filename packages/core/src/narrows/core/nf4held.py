@@ -75,8 +75,10 @@ def dequantized_bytes(layer: nn.Module) -> int:
     """The largest of `layer`'s 4-bit weights dequantised (0 without any): the transient
     copy a call makes when its weights are not held, which a CUDA graph's private pool
     keeps among the layer's activations."""
-    return max((_size(m) for m in layer.modules() if is_nf4_linear(m) and m.weight.quant_state is not None),
-               default=0)  # fmt: skip
+    return max(
+        (_size(m) for m in layer.modules() if is_nf4_linear(m) and m.weight.quant_state is not None),
+        default=0,
+    )
 
 
 def held_token(layer: nn.Module) -> int:

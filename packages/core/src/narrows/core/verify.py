@@ -101,8 +101,11 @@ def ensure_architecture(model: nn.Module, *checks: str) -> None:
     wanted = [c for c in checks if c in _CHECKS]
     if all((model_type, c) in _PASSED for c in wanted) and wanted:
         return
-    log.warning("narrows: model_type=%r is not announced; checking it on a shrunk twin (%s)",
-                model_type, ", ".join(wanted))  # fmt: skip
+    log.warning(
+        "narrows: model_type=%r is not announced; checking it on a shrunk twin (%s)",
+        model_type,
+        ", ".join(wanted),
+    )
     verify_architecture(model, *wanted)
     log.warning("narrows: model_type=%r passed %s on its twin; proceeding", model_type, ", ".join(wanted))
 
@@ -129,9 +132,12 @@ def check_head(model: nn.Module) -> None:
             torch.manual_seed(0)
             logits = twin(input_ids=ids).logits
         raw = nn.functional.linear(hidden, *next((w, b) for _, w, b in source.chunks(vocab)))
-        _close(source.math(raw.float()), logits.float(),
-               f"the head hook's logits differ from the model's own in {mode} mode: the model does something "
-               "between its last hidden state and its logits that narrows does not declare")  # fmt: skip
+        _close(
+            source.math(raw.float()),
+            logits.float(),
+            f"the head hook's logits differ from the model's own in {mode} mode: the model does something "
+            "between its last hidden state and its logits that narrows does not declare",
+        )
 
 
 register_architecture_check("head", check_head)

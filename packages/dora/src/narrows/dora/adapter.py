@@ -40,9 +40,10 @@ def _targets(model: nn.Module, target_modules: str | Iterable[str]) -> list[str]
     components of a module's path."""
     inside = {n for n, m in model.named_modules() if isinstance(m, DoraLinear)}
     linears = [
-        n for n, m in model.named_modules()
+        n
+        for n, m in model.named_modules()
         if _is_linear(m) and not any(n.startswith(d + ".") for d in inside)
-    ]  # fmt: skip
+    ]
     if target_modules == "all-linear":
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return [n for n in linears if model.get_submodule(n) is not head]
@@ -59,7 +60,12 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def _freeze_base(model: nn.Module) -> None:
     """Freeze every parameter but the adapter weights of DoRA layers already there."""
-    adapter = {id(p) for m in model.modules() if isinstance(m, DoraLinear) for p in (m.lora_A.weight, m.lora_B.weight, m.magnitude)}  # fmt: skip
+    adapter = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, DoraLinear)
+        for p in (m.lora_A.weight, m.lora_B.weight, m.magnitude)
+    }
     for p in model.parameters():
         if id(p) not in adapter:
             p.requires_grad_(False)
@@ -93,9 +99,13 @@ def add_dora(
     _freeze_base(model)
     for name in names:
         layer = DoraLinear(
-            model.get_submodule(name), r=r, alpha=alpha, dropout=dropout, use_rslora=use_rslora,
+            model.get_submodule(name),
+            r=r,
+            alpha=alpha,
+            dropout=dropout,
+            use_rslora=use_rslora,
             adapter_dtype=adapter_dtype,
-        )  # fmt: skip
+        )
         _replace(model, name, layer)
     return model
 
@@ -206,11 +216,21 @@ def load_dora(
             raise NarrowsError(f"{path}: {name} lacks {sorted({'A', 'B', 'm'} - set(t))} of its DoRA tensors")
         target = model.get_submodule(name)
         if not isinstance(target, DoraLinear):
-            target = DoraLinear(target, r=t["A"].shape[0], alpha=alpha, dropout=p, use_rslora=rslora,
-                                adapter_dtype=t["A"].dtype)  # fmt: skip
+            target = DoraLinear(
+                target,
+                r=t["A"].shape[0],
+                alpha=alpha,
+                dropout=p,
+                use_rslora=rslora,
+                adapter_dtype=t["A"].dtype,
+            )
             _replace(model, name, target)
         with torch.no_grad():
-            for param, saved in ((target.lora_A.weight, t["A"]), (target.lora_B.weight, t["B"]), (target.magnitude, t["m"])):  # fmt: skip
+            for param, saved in (
+                (target.lora_A.weight, t["A"]),
+                (target.lora_B.weight, t["B"]),
+                (target.magnitude, t["m"]),
+            ):
                 if param.shape != saved.shape:
                     raise NarrowsError(
                         f"{path}: {name} holds {tuple(saved.shape)}, the layer {tuple(param.shape)}"

@@ -2,7 +2,7 @@
 
     out = (g - 1) ⊙ base + g ⊙ (s · lora),   g = m / max(||W + sBA||_row, ε)
 
-in this order (the stable form of seed 002 §3.1: the small correction g - 1 stays
+in this order (the stable form of Scaling DoRA §3.1: the small correction g - 1 stays
 explicit) with fp32 intermediates, cast to the activation dtype at the end. `base` has the
 bias already removed (the caller adds it back). The eager formula here is the reference;
 `kernels.py` holds the Triton versions, dispatched through one custom op.

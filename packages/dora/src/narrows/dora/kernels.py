@@ -70,8 +70,9 @@ def _tile(g_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @_autotune
 @triton.jit
-def _forward_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, M, N, M_CLASS, scale,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _forward_kernel(
+    base_ptr, lora_ptr, g_ptr, out_ptr, M, N, M_CLASS, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     _, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     b = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lo = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -81,8 +82,21 @@ def _forward_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, M, N, M_CLASS, scale,
 
 @_autotune
 @triton.jit
-def _backward_kernel(go_ptr, base_ptr, lora_ptr, g_ptr, dbase_ptr, dlora_ptr, partial_ptr, M, N, M_CLASS, scale,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _backward_kernel(
+    go_ptr,
+    base_ptr,
+    lora_ptr,
+    g_ptr,
+    dbase_ptr,
+    dlora_ptr,
+    partial_ptr,
+    M,
+    N,
+    M_CLASS,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     rn, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -96,8 +110,19 @@ def _backward_kernel(go_ptr, base_ptr, lora_ptr, g_ptr, dbase_ptr, dlora_ptr, pa
 
 @_autotune
 @triton.jit
-def _dual_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr, M, N, M_CLASS, scale,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _dual_kernel(
+    base_ptr,
+    lora_ptr,
+    g_ptr,
+    out_ptr,
+    inner_ptr,
+    M,
+    N,
+    M_CLASS,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     _, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     b = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lo = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -108,8 +133,20 @@ def _dual_kernel(base_ptr, lora_ptr, g_ptr, out_ptr, inner_ptr, M, N, M_CLASS, s
 
 @_autotune
 @triton.jit
-def _backward_inner_kernel(go_ptr, inner_ptr, g_ptr, dbase_ptr, dlora_ptr, partial_ptr, M, N, M_CLASS, scale,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _backward_inner_kernel(
+    go_ptr,
+    inner_ptr,
+    g_ptr,
+    dbase_ptr,
+    dlora_ptr,
+    partial_ptr,
+    M,
+    N,
+    M_CLASS,
+    scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     rn, mask, offs, g = _tile(g_ptr, M, N, BLOCK_M, BLOCK_N)
     go = tl.load(go_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -164,20 +201,28 @@ def compose_forward(base: Tensor, lora: Tensor, g: Tensor, scale: float, out: Te
     return out
 
 
-def compose_backward(grad: Tensor, base: Tensor, lora: Tensor, g: Tensor, scale: float,
-                     outs: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def compose_backward(
+    grad: Tensor,
+    base: Tensor,
+    lora: Tensor,
+    g: Tensor,
+    scale: float,
+    outs: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(d_base, d_lora, d_g); `grad` is made contiguous here."""
     grad = grad.contiguous()
     m, n = _shape(base)
     d_base, d_lora = outs if outs is not None else (torch.empty_like(base), torch.empty_like(lora))
     partial = _partials(m, n, base.device)
-    _backward_kernel[_grid(m, n)](grad, base, lora, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale),
-                                  enable_fp_fusion=False)  # fmt: skip
+    _backward_kernel[_grid(m, n)](
+        grad, base, lora, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale), enable_fp_fusion=False
+    )
     return d_base, d_lora, _stage_two(_backward_kernel, partial, m)
 
 
-def compose_forward_dual(base: Tensor, lora: Tensor, g: Tensor, scale: float,
-                         outs: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
+def compose_forward_dual(
+    base: Tensor, lora: Tensor, g: Tensor, scale: float, outs: tuple[Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
     """(out, inner) for training: `inner = s·lora + base` is what `compose_backward_inner` reads."""
     m, n = _shape(base)
     out, inner = outs if outs is not None else (torch.empty_like(base), torch.empty_like(base))
@@ -187,8 +232,14 @@ def compose_forward_dual(base: Tensor, lora: Tensor, g: Tensor, scale: float,
     return out, inner
 
 
-def compose_backward_inner(grad: Tensor, inner: Tensor, g: Tensor, scale: float, lora_dtype: torch.dtype,
-                           outs: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def compose_backward_inner(
+    grad: Tensor,
+    inner: Tensor,
+    g: Tensor,
+    scale: float,
+    lora_dtype: torch.dtype,
+    outs: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(d_base, d_lora, d_g) from the saved `inner`: d_base in its dtype, d_lora in lora's."""
     grad = grad.contiguous()
     m, n = _shape(inner)
@@ -196,12 +247,13 @@ def compose_backward_inner(grad: Tensor, inner: Tensor, g: Tensor, scale: float,
         outs = torch.empty_like(inner), torch.empty_like(inner, dtype=lora_dtype)
     d_base, d_lora = outs
     partial = _partials(m, n, inner.device)
-    _backward_inner_kernel[_grid(m, n)](grad, inner, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale),
-                                        enable_fp_fusion=False)  # fmt: skip
+    _backward_inner_kernel[_grid(m, n)](
+        grad, inner, g, d_base, d_lora, partial, m, n, _m_class(m), float(scale), enable_fp_fusion=False
+    )
     return d_base, d_lora, _stage_two(_backward_inner_kernel, partial, m)
 
 
-_NORM_BLOCK = 256  # launch-bound: one fixed size (seed 002 App. B)
+_NORM_BLOCK = 256  # launch-bound: one fixed size (Scaling DoRA, arXiv:2603.22276, App. B)
 
 
 def assemble_norm(
@@ -218,9 +270,14 @@ def assemble_norm(
 
 _ROW_NORM_CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-    for bm, bn, bk, w, st in [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 4), (32, 128, 64, 4, 3),
-                              (128, 256, 32, 8, 3)]
-]  # fmt: skip
+    for bm, bn, bk, w, st in [
+        (64, 128, 64, 4, 3),
+        (128, 128, 64, 8, 3),
+        (64, 64, 64, 4, 4),
+        (32, 128, 64, 4, 3),
+        (128, 256, 32, 8, 3),
+    ]
+]
 
 
 def _autotune_norm(fn):
@@ -233,9 +290,26 @@ def _autotune_norm(fn):
 
 @_autotune_norm
 @triton.jit
-def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_IN, R, D_OUT_CLASS, stride_w, two_s, s2,
-                     SPLIT: tl.constexpr, NEED_BASE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _row_norm_kernel(
+    w_ptr,
+    a_ptr,
+    b_ptr,
+    gram_ptr,
+    base_ptr,
+    out_ptr,
+    D_OUT,
+    D_IN,
+    R,
+    D_OUT_CLASS,
+    stride_w,
+    two_s,
+    s2,
+    SPLIT: tl.constexpr,
+    NEED_BASE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rm < D_OUT
     rows64 = rm.to(tl.int64)
@@ -245,8 +319,11 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
         base = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, D_IN, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rows64[:, None] * stride_w + rk[None, :], mask=row_ok[:, None] & (rk[None, :] < D_IN),
-                        other=0.0).to(tl.float32)  # fmt: skip
+            w = tl.load(
+                w_ptr + rows64[:, None] * stride_w + rk[None, :],
+                mask=row_ok[:, None] & (rk[None, :] < D_IN),
+                other=0.0,
+            ).to(tl.float32)
             base += tl.sum(w * w, axis=1)
     else:
         base = tl.load(base_ptr + rm, mask=row_ok, other=0.0)
@@ -257,8 +334,11 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
         for k0 in range(0, D_IN, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             k_ok = rk < D_IN
-            w = tl.load(w_ptr + rows64[:, None] * stride_w + rk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)  # fmt: skip
+            w = tl.load(
+                w_ptr + rows64[:, None] * stride_w + rk[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
             a_offs = rn[None, :].to(tl.int64) * D_IN + rk[:, None]
             a_mask = k_ok[:, None] & n_ok[None, :]
             if SPLIT:  # fp32 A given as hi, mid, lo bf16 blocks of R rows each: three tensor-core products
@@ -295,8 +375,15 @@ def _row_norm_kernel(w_ptr, a_ptr, b_ptr, gram_ptr, base_ptr, out_ptr, D_OUT, D_
     tl.store(out_ptr + rm, tl.sqrt_rn(total), mask=row_ok)
 
 
-def row_norm(weight: Tensor, a_parts: Tensor, lora_b: Tensor, gram: Tensor, scale: float,
-             base_sq: Tensor | None, out: Tensor) -> Tensor:  # fmt: skip
+def row_norm(
+    weight: Tensor,
+    a_parts: Tensor,
+    lora_b: Tensor,
+    gram: Tensor,
+    scale: float,
+    base_sq: Tensor | None,
+    out: Tensor,
+) -> Tensor:
     """||W + s·B·A||_row of `weight`'s rows into `out` (fp32). `weight` [rows, d_in] bf16/fp16
     with unit column stride; `a_parts` A in W's dtype, [r, d_in], or an fp32 A split for a
     bf16 W (`narrows.dora.norm.split_bf16x3`, [3r, d_in]); `lora_b` [rows, r] contiguous;
@@ -305,8 +392,21 @@ def row_norm(weight: Tensor, a_parts: Tensor, lora_b: Tensor, gram: Tensor, scal
     r = lora_b.shape[1]
     grid = lambda meta: (triton.cdiv(d_out, meta["BLOCK_M"]),)  # noqa: E731
     _row_norm_kernel[grid](
-        weight, a_parts, lora_b, gram, out if base_sq is None else base_sq, out, d_out, d_in, r, _m_class(d_out),
-        weight.stride(0), 2 * scale, scale * scale, SPLIT=a_parts.shape[0] == 3 * r, NEED_BASE=base_sq is None,
+        weight,
+        a_parts,
+        lora_b,
+        gram,
+        out if base_sq is None else base_sq,
+        out,
+        d_out,
+        d_in,
+        r,
+        _m_class(d_out),
+        weight.stride(0),
+        2 * scale,
+        scale * scale,
+        SPLIT=a_parts.shape[0] == 3 * r,
+        NEED_BASE=base_sq is None,
         enable_fp_fusion=False,
-    )  # fmt: skip
+    )
     return out

@@ -173,9 +173,16 @@ class DoraLinear(nn.Module):
             x = self.lora_dropout(x)
             base_result = None
         result = result + dora_delta(
-            self, x, lora_A=self.lora_A, lora_B=self.lora_B, scaling=self.scaling, magnitude=self.magnitude,
-            base_layer=self.base_layer, base_result=base_result, full_weight=lambda: _dequantized(self.base_layer),
-        )  # fmt: skip
+            self,
+            x,
+            lora_A=self.lora_A,
+            lora_B=self.lora_B,
+            scaling=self.scaling,
+            magnitude=self.magnitude,
+            base_layer=self.base_layer,
+            base_result=base_result,
+            full_weight=lambda: _dequantized(self.base_layer),
+        )
         return result.to(dtype) if cast else result
 
     def extra_repr(self) -> str:

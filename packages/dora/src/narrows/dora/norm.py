@@ -1,4 +1,5 @@
-"""DoRA's row norm ||W + s·B·A||_row without the dense B·A (seed 002 §2, Algorithm 1).
+"""DoRA's row norm ||W + s·B·A||_row without the dense B·A (Scaling DoRA,
+arXiv:2603.22276, §2, Algorithm 1).
 
     ||W + sBA||²_row = ||W||²_row + 2s·<W, BA>_row + s²·||BA||²_row
                      = base_sq     + 2s·rowsum(B ⊙ (W Aᵀ)) + s²·rowsum((B G) ⊙ B),  G = A Aᵀ
@@ -124,8 +125,9 @@ def _kernel_reason(w_dtype: torch.dtype, lora_a: Tensor, lora_b: Tensor) -> str 
 _NF4_MIN_SLICE_ROWS = 8192  # 128 blocks of 64 rows: about one per SM of an H100
 
 
-def _norm_by_kernel(weight: Weight, lora_a: Tensor, lora_b: Tensor, scale: float, base_sq: Tensor | None,
-                    chunk_budget: int) -> Tensor:  # fmt: skip
+def _norm_by_kernel(
+    weight: Weight, lora_a: Tensor, lora_b: Tensor, scale: float, base_sq: Tensor | None, chunk_budget: int
+) -> Tensor:
     """The Triton path: one launch for a float W; for a 4-bit W one per dequantised row slice
     (the slice, in the compute dtype, is then the largest intermediate: still well under
     PEFT's full fp32 copy of W plus its dense B·A)."""
@@ -171,7 +173,7 @@ def sqrt_rn(x: Tensor) -> Tensor:
 
 
 def assemble_norm(base_sq: Tensor, cross: Tensor, ba_sq: Tensor, scale: float) -> Tensor:
-    """sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)) over fp32 [d_out] (seed 002 eq. 5): the
+    """sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0)) over fp32 [d_out] (Scaling DoRA eq. 5): the
     Triton kernel on CUDA, this expression elsewhere; the two round identically (2s and s²
     are Python floats in both, the sum is fp32 in both, the kernel is compiled without FMA
     contraction, and both take the IEEE square root: the kernel's ``sqrt_rn``, `sqrt_rn`

@@ -23,13 +23,27 @@ def _forward(layer: nn.Module):
     from peft.utils.integrations import dequantize_module_weight
     from peft.utils.other import transpose
 
-    def forward(x: torch.Tensor, *, lora_A: nn.Module, lora_B: nn.Module, scaling: float, base_layer: nn.Module,
-                base_result: torch.Tensor | None = None, adapter_name: str = "default") -> torch.Tensor:  # fmt: skip
+    def forward(
+        x: torch.Tensor,
+        *,
+        lora_A: nn.Module,
+        lora_B: nn.Module,
+        scaling: float,
+        base_layer: nn.Module,
+        base_result: torch.Tensor | None = None,
+        adapter_name: str = "default",
+    ) -> torch.Tensor:
         return dora_delta(
-            layer, x, lora_A=lora_A, lora_B=lora_B, scaling=scaling, magnitude=layer.weight, base_layer=base_layer,
+            layer,
+            x,
+            lora_A=lora_A,
+            lora_B=lora_B,
+            scaling=scaling,
+            magnitude=layer.weight,
+            base_layer=base_layer,
             base_result=base_result,
             full_weight=lambda: transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out),
-        )  # fmt: skip
+        )
 
     return forward
 

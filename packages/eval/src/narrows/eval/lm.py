@@ -36,10 +36,21 @@ class NarrowsLM(HFLM):
     ``quant`` (``nf4``), ``dtype`` (``auto``: bf16 on CUDA, fp32 on CPU), ``device``,
     ``batch_size``, ``max_length`` and the rest of HFLM's own arguments."""
 
-    def __init__(self, pretrained=None, tokenizer=None, adapter: str | AdapterChoice | None = None,
-                 checkpoint: str | int | None = None, gpu_budget: str | None = None, host_budget: str | None = None,
-                 quant: str | None = None, dtype: str = "auto", device: str | None = None,
-                 batch_size: int | str = 1, max_length: int | None = None, **kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pretrained=None,
+        tokenizer=None,
+        adapter: str | AdapterChoice | None = None,
+        checkpoint: str | int | None = None,
+        gpu_budget: str | None = None,
+        host_budget: str | None = None,
+        quant: str | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        batch_size: int | str = 1,
+        max_length: int | None = None,
+        **kwargs,
+    ) -> None:
         device = _none(device)
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's CLI passes --device cuda by default
@@ -59,19 +70,28 @@ class NarrowsLM(HFLM):
         self.narrows = loaded
         if loaded.choice is not None and not isinstance(adapter, AdapterChoice):  # (narrows eval said it)
             print(f"narrows: scoring {loaded.choice.describe()}", file=sys.stderr, flush=True)
-        super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, backend="causal",
-                         batch_size=batch_size, max_length=max_length, **kwargs)  # fmt: skip
+        super().__init__(
+            pretrained=loaded.model,
+            tokenizer=loaded.tokenizer,
+            backend="causal",
+            batch_size=batch_size,
+            max_length=max_length,
+            **kwargs,
+        )
         # a streamed model's parameters stay in host memory; its inputs and logits live on the device
         self._device = loaded.device
 
     def get_model_info(self) -> dict:
         """What lm-eval records under ``config`` in its results: adapter and streaming plan."""
         choice = self.narrows.choice
-        info = {"narrows_adapter": self.narrows.adapter, "narrows_streamed": self.narrows.streamed,
-                "narrows_adapter_step": choice.step if choice else None,
-                "narrows_checkpoint": choice.checkpoint if choice else None,
-                "narrows_base_differs": self.narrows.base_differs,
-                "model_dtype": str(next(self.narrows.model.parameters()).dtype)}  # fmt: skip
+        info = {
+            "narrows_adapter": self.narrows.adapter,
+            "narrows_streamed": self.narrows.streamed,
+            "narrows_adapter_step": choice.step if choice else None,
+            "narrows_checkpoint": choice.checkpoint if choice else None,
+            "narrows_base_differs": self.narrows.base_differs,
+            "model_dtype": str(next(self.narrows.model.parameters()).dtype),
+        }
         handle = getattr(self.narrows.model, "narrows_stream", None)
         if handle is not None:
             info["narrows_stream_plan"] = str(handle.plan)

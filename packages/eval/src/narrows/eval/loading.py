@@ -53,10 +53,27 @@ def load_for_eval(
     """Load `pretrained` (+ `adapter`) for forward-only evaluation: core's
     `narrows.core.inference.load_for_inference` (which says what each argument does),
     returned as an `EvalModel` that names the adapter scored."""
-    loaded = load_for_inference(pretrained, tokenizer=tokenizer, adapter=adapter, checkpoint=checkpoint,
-                                dtype=dtype, quant=quant, gpu_budget=gpu_budget, host_budget=host_budget,
-                                device=device, seq_len=seq_len, batch_size=batch_size,
-                                caller="load_for_eval")  # fmt: skip
+    loaded = load_for_inference(
+        pretrained,
+        tokenizer=tokenizer,
+        adapter=adapter,
+        checkpoint=checkpoint,
+        dtype=dtype,
+        quant=quant,
+        gpu_budget=gpu_budget,
+        host_budget=host_budget,
+        device=device,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        caller="load_for_eval",
+    )
     choice = loaded.choice
-    return EvalModel(loaded.model, loaded.tokenizer, loaded.device, loaded.streamed,
-                     str(choice.folder) if choice else None, choice, loaded.base_differs)  # fmt: skip
+    return EvalModel(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.device,
+        loaded.streamed,
+        str(choice.folder) if choice else None,
+        choice,
+        loaded.base_differs,
+    )

@@ -106,8 +106,13 @@ def _chart(rows: list[Row], path: Path, title: str) -> None:
         yerr=[r.base_stderr or 0 for r in shown],
         label="base",
     )
-    ax.bar([x + 0.2 for x in xs], [r.adapted for r in shown], 0.4, yerr=[r.adapted_stderr or 0 for r in shown],
-           label="adapted")  # fmt: skip
+    ax.bar(
+        [x + 0.2 for x in xs],
+        [r.adapted for r in shown],
+        0.4,
+        yerr=[r.adapted_stderr or 0 for r in shown],
+        label="adapted",
+    )
     ax.set_xticks(
         list(xs), [f"{r.task}\n{r.metric}{' *' if r.significant else ''}" for r in shown], fontsize=7
     )
@@ -122,9 +127,19 @@ def write_report(rows: list[Row], folder: str | Path, *, title: str, meta: dict)
     """report.json, report.md and report.png in `folder` (each written atomically)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    data = {"title": title, **meta,
-            "rows": [{**asdict(r), "difference": r.difference, "stderr_difference": r.stderr,
-                      "beyond_two_stderr": r.significant} for r in rows]}  # fmt: skip
+    data = {
+        "title": title,
+        **meta,
+        "rows": [
+            {
+                **asdict(r),
+                "difference": r.difference,
+                "stderr_difference": r.stderr,
+                "beyond_two_stderr": r.significant,
+            }
+            for r in rows
+        ],
+    }
     paths = {"json": folder / "report.json", "markdown": folder / "report.md", "chart": folder / "report.png"}
     atomic_write(paths["json"], lambda tmp: tmp.write_text(json.dumps(data, indent=2) + "\n"))
     atomic_write(paths["markdown"], lambda tmp: tmp.write_text(markdown(rows, title)))

@@ -39,18 +39,36 @@ def resolve_tasks(names: list[str], include_path: list[str] | None = None):
             out.append(f"narrows_{name}")
         else:
             ours = sorted(t for t in known if t.startswith("narrows_") and not t.startswith("narrows_mmlu_"))
-            raise NarrowsError(f"no task named {name!r}; narrows ships {', '.join(ours)} (and each narrows_mmlu_"
-                               "<subject>); add your own task files with --include-path")  # fmt: skip
+            raise NarrowsError(
+                f"no task named {name!r}; narrows ships {', '.join(ours)} (and each narrows_mmlu_"
+                "<subject>); add your own task files with --include-path"
+            )
     return manager, out
 
 
-def run_tasks(lm, tasks: list[str], manager, *, limit: int | float | None = None, num_fewshot: int | None = None,
-              seed: int = 1234) -> dict:  # fmt: skip
+def run_tasks(
+    lm,
+    tasks: list[str],
+    manager,
+    *,
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    seed: int = 1234,
+) -> dict:
     from lm_eval import simple_evaluate
 
-    return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                           fewshot_random_seed=seed, log_samples=False)  # fmt: skip
+    return simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        log_samples=False,
+    )
 
 
 @dataclass(frozen=True)
@@ -68,9 +86,17 @@ class EvalPlan:
     base_differs: list[str] | None = None  # how a base given with --model differs from the run's own
 
 
-def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike, tasks: list[str] | None = None,
-                    out: str | os.PathLike | None = None, *, checkpoint: int | str | None = None,
-                    quant: str | None = None, dtype: str | None = None, how: str = "--checkpoint {}") -> EvalPlan:  # fmt: skip
+def plan_evaluation(
+    model: str | os.PathLike | None,
+    adapter: str | os.PathLike,
+    tasks: list[str] | None = None,
+    out: str | os.PathLike | None = None,
+    *,
+    checkpoint: int | str | None = None,
+    quant: str | None = None,
+    dtype: str | None = None,
+    how: str = "--checkpoint {}",
+) -> EvalPlan:
     """The settings of `evaluate`, checked before anything slow (see there)."""
     choice = choose_adapter(adapter, checkpoint, how=how)  # a wrong path or an unfinished run fails first
     run = choice.run
@@ -79,8 +105,10 @@ def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike,
     explicit = model is not None
     if model is None:
         if base is None:
-            raise NarrowsError(f"{choice.folder} is not a `narrows finetune` run (no config.json), so its base model "
-                               "is unknown: give --model (the HF folder or .gguf file it was trained on)")  # fmt: skip
+            raise NarrowsError(
+                f"{choice.folder} is not a `narrows finetune` run (no config.json), so its base model "
+                "is unknown: give --model (the HF folder or .gguf file it was trained on)"
+            )
         model = base.path
         said.append(f"base: {model} ({base.origin})")
     differs = check_run_base(run, model, explicit=explicit) if run is not None else None
@@ -94,16 +122,26 @@ def plan_evaluation(model: str | os.PathLike | None, adapter: str | os.PathLike,
                 if run
                 else "a PEFT folder's training"
             )
-            raise NarrowsError(f"--tasks is needed: narrows has no task that matches {of}; give e.g. --tasks "
-                               "arc_easy,hellaswag (narrows eval --print-task-dir lists them), or your own task files "
-                               "with --include-path")  # fmt: skip
+            raise NarrowsError(
+                f"--tasks is needed: narrows has no task that matches {of}; give e.g. --tasks "
+                "arc_easy,hellaswag (narrows eval --print-task-dir lists them), or your own task files "
+                "with --include-path"
+            )
         tasks = ["gsm8k"]
         said.append("tasks: gsm8k (the GSM8K problems the embedded default held out of its training)")
     if out is None:
         out = choice.folder / ("eval" if choice.checkpoint is None else f"eval-step-{choice.checkpoint}")
     said.append(f"scoring {choice.describe()}")
-    return EvalPlan(choice, Path(model), list(tasks), Path(out), None if quant in (None, "none") else quant,
-                    dtype or "auto", said, differs or None)  # fmt: skip
+    return EvalPlan(
+        choice,
+        Path(model),
+        list(tasks),
+        Path(out),
+        None if quant in (None, "none") else quant,
+        dtype or "auto",
+        said,
+        differs or None,
+    )
 
 
 def evaluate(
@@ -148,20 +186,43 @@ def evaluate(
         start = time.perf_counter()
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        lm = NarrowsLM(pretrained=str(model), adapter=choice if adp else None,
-                       gpu_budget=gpu_budget, host_budget=host_budget, quant=quant, dtype=dtype,
-                       device=device, batch_size=batch_size)  # fmt: skip
+        lm = NarrowsLM(
+            pretrained=str(model),
+            adapter=choice if adp else None,
+            gpu_budget=gpu_budget,
+            host_budget=host_budget,
+            quant=quant,
+            dtype=dtype,
+            device=device,
+            batch_size=batch_size,
+        )
         results[which] = run_tasks(lm, names, manager, limit=limit, num_fewshot=num_fewshot)
-        runs[which] = {"seconds": round(time.perf_counter() - start, 1),
-                       "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None}  # fmt: skip
+        runs[which] = {
+            "seconds": round(time.perf_counter() - start, 1),
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        }
         del lm
         gc.collect()
     rows = compare(results["base"], results["adapted"])
-    meta = {"model": str(model), "adapter": str(choice.folder), "adapter_step": choice.step,
-            "checkpoint": choice.checkpoint, "scored": choice.describe(), "tasks": names, "limit": limit,
-            "gpu_budget": gpu_budget, "quant": quant, "dtype": dtype, "runs": runs,
-            "base_differs": plan.base_differs}  # fmt: skip
+    meta = {
+        "model": str(model),
+        "adapter": str(choice.folder),
+        "adapter_step": choice.step,
+        "checkpoint": choice.checkpoint,
+        "scored": choice.describe(),
+        "tasks": names,
+        "limit": limit,
+        "gpu_budget": gpu_budget,
+        "quant": quant,
+        "dtype": dtype,
+        "runs": runs,
+        "base_differs": plan.base_differs,
+    }
     step = f" (step {choice.step})" if choice.step is not None else ""
     title = f"{Path(model).name}: base vs {choice.folder.name}{step}"
-    return {"paths": write_report(rows, plan.out, title=title, meta=meta), "rows": rows, "results": results,
-            "choice": choice}  # fmt: skip
+    return {
+        "paths": write_report(rows, plan.out, title=title, meta=meta),
+        "rows": rows,
+        "results": results,
+        "choice": choice,
+    }

@@ -82,8 +82,11 @@ def _hellaswag_text(text: str) -> str:
 
 def _hellaswag_doc(doc: dict) -> dict:
     ctx = doc["ctx_a"] + " " + doc["ctx_b"].capitalize()
-    return {"query": _hellaswag_text(doc["activity_label"] + ": " + ctx),
-            "choices": [_hellaswag_text(e) for e in doc["endings"]], "gold": int(doc["label"])}  # fmt: skip
+    return {
+        "query": _hellaswag_text(doc["activity_label"] + ": " + ctx),
+        "choices": [_hellaswag_text(e) for e in doc["endings"]],
+        "gold": int(doc["label"]),
+    }
 
 
 def hellaswag(**_):

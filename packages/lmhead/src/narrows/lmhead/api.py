@@ -85,8 +85,11 @@ def apply(
         if weight.requires_grad:
             raise ValueError("topk needs a frozen LM head: the neighbour table is built from its weight once")
         neighbours = neighbour_table(weight, topk, cache_dir=neighbour_cache)
-        log.warning("narrows.lmhead: top-%d softmax is an APPROXIMATION of the training loss "
-                    "(evaluation uses the full softmax)", topk)  # fmt: skip
+        log.warning(
+            "narrows.lmhead: top-%d softmax is an APPROXIMATION of the training loss "
+            "(evaluation uses the full softmax)",
+            topk,
+        )
     original = lm.forward
     exact = replace(options, topk=None)
 
@@ -99,9 +102,16 @@ def apply(
         decoder_kwargs = {k: v for k, v in kwargs.items() if k not in _LOSS_ONLY}
         out = anat.decoder(input_ids=input_ids, **decoder_kwargs)
         used = options if training else exact
-        rows = loss_rows(out.last_hidden_state, labels, head_source(model), used, num_items_in_batch=num_items,
-                         shift_labels=shift_labels, neighbours=neighbours if training else None,
-                         stats=handle.subset_sizes if training else None)  # fmt: skip
+        rows = loss_rows(
+            out.last_hidden_state,
+            labels,
+            head_source(model),
+            used,
+            num_items_in_batch=num_items,
+            shift_labels=shift_labels,
+            neighbours=neighbours if training else None,
+            stats=handle.subset_sizes if training else None,
+        )
         aux = router_aux_loss(lm, out, kwargs.get("output_router_logits"), kwargs.get("attention_mask"))
 
         def finish(loss: Tensor) -> Tensor:  # as the model's own forward adds the aux loss

@@ -23,8 +23,9 @@ from narrows.core import NarrowsError
 __all__ = ["router_aux_loss"]
 
 
-def router_aux_loss(lm: nn.Module, out: Any, output_router_logits: bool | None,
-                    attention_mask: Tensor | None) -> Tensor | None:  # fmt: skip
+def router_aux_loss(
+    lm: nn.Module, out: Any, output_router_logits: bool | None, attention_mask: Tensor | None
+) -> Tensor | None:
     """The load-balancing loss `lm`'s own forward would compute for decoder output `out`
     (unweighted), or None when it would compute none."""
     wanted = (

@@ -92,8 +92,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     over the head; every item's numbers are those it would get alone."""
 
     @staticmethod
-    def forward(ctx, source: HeadSource, math: LogitMath, head_rows: int | None, tile_bytes: int,  # type: ignore[override]
-                weight: Tensor | None, *items: Tensor) -> tuple[Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx,
+        source: HeadSource,
+        math: LogitMath,
+        head_rows: int | None,
+        tile_bytes: int,  # type: ignore[override]
+        weight: Tensor | None,
+        *items: Tensor,
+    ) -> tuple[Tensor, ...]:
         hiddens, targets, token_weights = items[0::3], items[1::3], items[2::3]
         dev = hiddens[0].device
         sizes = [h.shape[0] for h in hiddens]
@@ -117,7 +124,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, *grads: Tensor):  # type: ignore[override]
         saved = ctx.saved_tensors
         count = len(grads)
-        hiddens, targets, token_weights, lse = saved[0:3 * count:3], saved[1:3 * count:3], saved[2:3 * count:3], saved[3 * count:]  # fmt: skip
+        hiddens, targets, token_weights, lse = (
+            saved[0 : 3 * count : 3],
+            saved[1 : 3 * count : 3],
+            saved[2 : 3 * count : 3],
+            saved[3 * count :],
+        )
         source, math = ctx.source, ctx.math
         resident = isinstance(source, ResidentHead)
         want_h = [ctx.needs_input_grad[5 + 3 * k] for k in range(count)]
@@ -191,8 +203,9 @@ def linear_cross_entropy(
     trainable positions first); `token_weights` [N] fp32 carries the reduction (1/count for
     a mean). The head's weight gradient flows when ``source.trainable_weight`` is set.
     """
-    return linear_cross_entropies([(hidden, targets, token_weights)], source, head_rows=head_rows,
-                                  tile_bytes=tile_bytes)[0]  # fmt: skip
+    return linear_cross_entropies(
+        [(hidden, targets, token_weights)], source, head_rows=head_rows, tile_bytes=tile_bytes
+    )[0]
 
 
 def linear_cross_entropies(
@@ -222,15 +235,22 @@ def linear_cross_entropies(
     return list(_LinearCrossEntropy.apply(source, source.math, head_rows, tile_bytes, weight, *flat))
 
 
-def cross_entropy_from_logits(logits: Tensor, targets: Tensor, token_weights: Tensor,
-                              math: LogitMath | None = None) -> Tensor:  # fmt: skip
+def cross_entropy_from_logits(
+    logits: Tensor, targets: Tensor, token_weights: Tensor, math: LogitMath | None = None
+) -> Tensor:
     """``sum_i w_i * CE(logits_i, y_i)`` from materialised raw head outputs, upcast to fp32
     first, then the architecture's `LogitMath`."""
     z = (math or LogitMath())(logits.float())
     return (nn.functional.cross_entropy(z, targets, reduction="none") * token_weights.float()).sum()
 
 
-def reference_cross_entropy(hidden: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None,
-                            token_weights: Tensor, math: LogitMath | None = None) -> Tensor:  # fmt: skip
+def reference_cross_entropy(
+    hidden: Tensor,
+    targets: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    token_weights: Tensor,
+    math: LogitMath | None = None,
+) -> Tensor:
     """The full-logits computation (what HF's loss does): what the chunked one is held to."""
     return cross_entropy_from_logits(nn.functional.linear(hidden, weight, bias), targets, token_weights, math)

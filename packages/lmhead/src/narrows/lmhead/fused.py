@@ -46,6 +46,7 @@ def fused_cross_entropy(
 ) -> Tensor:
     """``sum_i w_i * CE(head(hidden_i), targets_i)`` through Cut Cross-Entropy's kernels."""
     cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")
-    nll = cce.linear_cross_entropy(hidden, source.weight, targets, softcap=source.math.softcap, reduction="none",
-                                   filter_eps=None)  # fmt: skip
+    nll = cce.linear_cross_entropy(
+        hidden, source.weight, targets, softcap=source.math.softcap, reduction="none", filter_eps=None
+    )
     return (nll.float() * token_weights).sum()

@@ -86,8 +86,16 @@ def causal_lm_loss(
     `neighbours` is the top-k table (`neighbour_table`) when ``options.topk`` is set;
     `stats`, when given, receives the size of each batch's vocabulary subset.
     """
-    rows = loss_rows(hidden, labels, source, options, num_items_in_batch=num_items_in_batch,
-                     shift_labels=shift_labels, neighbours=neighbours, stats=stats)  # fmt: skip
+    rows = loss_rows(
+        hidden,
+        labels,
+        source,
+        options,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+        neighbours=neighbours,
+        stats=stats,
+    )
     return rows_loss(rows, options)
 
 
@@ -125,8 +133,11 @@ def loss_rows(
             "what position t predicts). Check the prompt masking and truncation — a response cut off by "
             "--seq-len / max_length leaves nothing to learn — or drop such rows from the data."
         )
-    denominator = torch.as_tensor(num_items_in_batch if num_items_in_batch is not None else count,
-                                  dtype=torch.float32, device=hidden.device)  # fmt: skip
+    denominator = torch.as_tensor(
+        num_items_in_batch if num_items_in_batch is not None else count,
+        dtype=torch.float32,
+        device=hidden.device,
+    )
     # gather the trainable rows unless nearly all train: then the gathered copy (and its
     # gradient) would cost more memory than the few wasted rows cost compute
     if options.mask and count < 0.9 * valid.numel():
@@ -161,8 +172,9 @@ def rows_loss(rows: LossRows, options: LossOptions) -> Tensor:
         if options.fused == "cce":
             raise NarrowsError(f"fused='cce' cannot run here: {why_not}; use fused='auto' to fall back")
     if options.chunked:
-        return linear_cross_entropy(flat, targets, source, weights, head_rows=options.head_rows,
-                                    tile_bytes=options.tile_bytes)  # fmt: skip
+        return linear_cross_entropy(
+            flat, targets, source, weights, head_rows=options.head_rows, tile_bytes=options.tile_bytes
+        )
     weight = source.trainable_weight
     if weight is None:  # frozen (maybe streamed) head: logits for the kept positions, chunk by chunk
         logits = chunked_logits(flat, source, options.head_rows)

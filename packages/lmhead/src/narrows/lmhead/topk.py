@@ -1,4 +1,5 @@
-"""Top-k softmax approximation (seed 003 §4.3): the loss over a vocabulary subset made of
+"""Top-k softmax approximation ("Techniques for Peak Memory Reduction for LoRA
+Fine-tuning of LLMs on Edge Devices", §4.3): the loss over a vocabulary subset made of
 the targets' nearest neighbours in the frozen head (or embedding) matrix.
 
 `neighbour_table` precomputes, for every token, its k nearest tokens by cosine
@@ -52,8 +53,14 @@ def _compute(matrix: Tensor, k: int, budget_bytes: int, device: torch.device) ->
     return out
 
 
-def neighbour_table(matrix: Tensor, k: int, *, cache_dir: str | os.PathLike | None = None,
-                    budget_bytes: int = DEFAULT_TABLE_BUDGET, device: torch.device | str | None = None) -> Tensor:  # fmt: skip
+def neighbour_table(
+    matrix: Tensor,
+    k: int,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    budget_bytes: int = DEFAULT_TABLE_BUDGET,
+    device: torch.device | str | None = None,
+) -> Tensor:
     """int32 [V, k]: row i holds token i, then its k-1 nearest tokens by cosine similarity.
 
     Computed on `device` (default: CUDA when available — on a CPU a 150K vocabulary takes

@@ -125,8 +125,11 @@ def _park(anat: Anatomy, tiers: Tiers | None, pin: bool) -> list[LayerStore]:
             i, layer, path, pin=pin, home=tiers.homes[i], layout=tiers.layouts[i], on_disk=on_disk
         )
         if on_disk and not store.on_disk:
-            log.warning("narrows.stream: layer %d was changed after loading; its disk-tier copy was read into "
-                        "host memory", i)  # fmt: skip
+            log.warning(
+                "narrows.stream: layer %d was changed after loading; its disk-tier copy was read into "
+                "host memory",
+                i,
+            )
         stores.append(store)
     return stores
 
@@ -153,13 +156,17 @@ def _no_checkpointing(model: nn.Module) -> None:
     if on is None:
         on = getattr(lm, "is_gradient_checkpointing", False)
     if on:
-        log.warning("narrows.stream: HF gradient checkpointing is redundant with streaming "
-                    "(every layer is already recomputed in backward); turning it off.")  # fmt: skip
+        log.warning(
+            "narrows.stream: HF gradient checkpointing is redundant with streaming "
+            "(every layer is already recomputed in backward); turning it off."
+        )
         lm.gradient_checkpointing_disable()
 
     def refuse(*args: Any, **kwargs: Any) -> None:
-        log.warning("narrows.stream: gradient_checkpointing_enable() ignored — streaming already "
-                    "recomputes every layer in backward, so checkpointing would only add a second recompute.")  # fmt: skip
+        log.warning(
+            "narrows.stream: gradient_checkpointing_enable() ignored — streaming already "
+            "recomputes every layer in backward, so checkpointing would only add a second recompute."
+        )
 
     for m in {id(model): model, id(lm): lm}.values():
         m.gradient_checkpointing_enable = refuse
@@ -249,8 +256,12 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
             "model = peft.get_peft_model(model, LoraConfig(...)), then call narrows.stream.stream(model); "
             "to evaluate without training, pass inference=True"
         )
-    on_device = [s.name for layer, p in zip(anat.layers, anat.layer_paths) for s in frozen_slots(layer, prefix=p)
-                 if s.tensor.device.type == "cuda"]  # fmt: skip
+    on_device = [
+        s.name
+        for layer, p in zip(anat.layers, anat.layer_paths)
+        for s in frozen_slots(layer, prefix=p)
+        if s.tensor.device.type == "cuda"
+    ]
     if dev.type == "cuda" and on_device:
         raise StreamSetupError(
             f"the model's decoder layers are already on the GPU ({on_device[0]!r}, …): streaming needs them in host "
@@ -277,15 +288,17 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     stores = _park(anat, tiers, pin)
     disk = [s.index for s in stores if s.on_disk]
     reader = DiskReader(tiers.cache, disk, ring=tiers.ring_slabs, pin=pin) if disk else None
-    engine = TransferEngine(stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident),
-                            reader=reader)  # fmt: skip
+    engine = TransferEngine(
+        stores, dev, pool_size=the_plan.pool_slabs, resident=set(the_plan.resident), reader=reader
+    )
 
     acts = ActivationOffload(dev, set(the_plan.offloaded), copy_stream=engine.copy_stream, stats=engine.stats)
     attention = None
     if the_plan.kept_attention:  # the fast layers' attention in host memory from forward to backward
         kept = set(the_plan.kept_attention)
-        attention = HostAttention(kept, ActivationOffload(dev, kept, copy_stream=engine.copy_stream,
-                                                          stats=engine.stats))  # fmt: skip
+        attention = HostAttention(
+            kept, ActivationOffload(dev, kept, copy_stream=engine.copy_stream, stats=engine.stats)
+        )
     executor = executor_for(the_plan, dev, cfg.kernels, attention)
     layer_graphs = executor if isinstance(executor, LayerGraphs) else None
     kernels_said = "PEFT's modules (kernels='peft')"
@@ -295,9 +308,15 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         (log.warning if fused.refused else log.info)("narrows.stream: %s", kernels_said)
     streamed_head = None
     if stream_head:
-        streamed_head = StreamedHead(anat.head.weight, anat.head.bias, dev, stats=engine.stats,
-                                     copy_stream=engine.copy_stream, rows=head_rows(anat, cfg.head_rows),
-                                     math=anat.logit_math)  # fmt: skip
+        streamed_head = StreamedHead(
+            anat.head.weight,
+            anat.head.bias,
+            dev,
+            stats=engine.stats,
+            copy_stream=engine.copy_stream,
+            rows=head_rows(anat, cfg.head_rows),
+            math=anat.logit_math,
+        )
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
     held = HeldWeights(anat.layers, dev) if the_plan.held_weights else None
@@ -319,8 +338,22 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
             n for n, _ in m.named_buffers()
         ]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, frozen)
-        m.narrows_stream = StreamHandle(the_plan, engine, stores, dev, on_host_embedding, streamed_head, acts,
-                                        layer_graphs, replan, shapes, cfg, executor, held, kernels_said)  # fmt: skip
+        m.narrows_stream = StreamHandle(
+            the_plan,
+            engine,
+            stores,
+            dev,
+            on_host_embedding,
+            streamed_head,
+            acts,
+            layer_graphs,
+            replan,
+            shapes,
+            cfg,
+            executor,
+            held,
+            kernels_said,
+        )
     if cfg.check and not cfg.inference:
         self_check(model, anat, engine, acts)
     log.info("narrows.stream plan:\n%s", the_plan)

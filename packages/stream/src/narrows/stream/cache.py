@@ -63,13 +63,18 @@ def layer_recipe(layer: nn.Module) -> dict[str, dict[str, Any]]:
             continue
         qs = m.weight.quant_state
         out[name] = {
-            "in": m.in_features, "out": m.out_features, "bias": m.bias is not None,
-            "shape": list(qs.shape), "blocksize": qs.blocksize, "quant_type": qs.quant_type,
-            "dtype": _dtype_name(qs.dtype), "compute_dtype": _dtype_name(m.compute_dtype),
+            "in": m.in_features,
+            "out": m.out_features,
+            "bias": m.bias is not None,
+            "shape": list(qs.shape),
+            "blocksize": qs.blocksize,
+            "quant_type": qs.quant_type,
+            "dtype": _dtype_name(qs.dtype),
+            "compute_dtype": _dtype_name(m.compute_dtype),
             "nested": bool(qs.nested),
             "nested_blocksize": qs.state2.blocksize if qs.nested else None,
             "nested_dtype": _dtype_name(qs.state2.dtype) if qs.nested else None,
-        }  # fmt: skip
+        }
     return out
 
 
@@ -86,10 +91,18 @@ class CacheLayer:
     parts: tuple[tuple[int, str | None, int], ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        entries = [[e.name, e.offset, e.nbytes, list(e.shape), list(e.stride), _dtype_name(e.dtype)]
-                   for e in self.layout.entries]  # fmt: skip
-        return {"offset": self.offset, "nbytes": self.layout.nbytes, "crc32": self.crc, "entries": entries,
-                "recipe": self.recipe, "parts": [list(p) for p in self.parts] if self.parts else None}  # fmt: skip
+        entries = [
+            [e.name, e.offset, e.nbytes, list(e.shape), list(e.stride), _dtype_name(e.dtype)]
+            for e in self.layout.entries
+        ]
+        return {
+            "offset": self.offset,
+            "nbytes": self.layout.nbytes,
+            "crc32": self.crc,
+            "entries": entries,
+            "recipe": self.recipe,
+            "parts": [list(p) for p in self.parts] if self.parts else None,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CacheLayer:
@@ -168,8 +181,10 @@ class SlabCacheWriter:
             self.tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             self.file = open(self.tmp, "wb")  # noqa: SIM115 (kept open across add() calls; commit/abort close it)
         except OSError as e:
-            raise NarrowsError(f"cannot write the prepared cache in {self.path.parent}: {e.strerror}. "
-                               "Give a writable --cache folder.") from None  # fmt: skip
+            raise NarrowsError(
+                f"cannot write the prepared cache in {self.path.parent}: {e.strerror}. "
+                "Give a writable --cache folder."
+            ) from None
 
     def check_space(self, expected_bytes: int) -> None:
         free = shutil.disk_usage(self.path.parent).free
@@ -180,8 +195,13 @@ class SlabCacheWriter:
                 f"{format_bytes(free)} free. Free space there, or point --cache at a larger disk."
             )
 
-    def add(self, layer: nn.Module, layout: SlabLayout, slab: Tensor,
-            sources: dict[int, tuple[str, int]] | None = None) -> CacheLayer:  # fmt: skip
+    def add(
+        self,
+        layer: nn.Module,
+        layout: SlabLayout,
+        slab: Tensor,
+        sources: dict[int, tuple[str, int]] | None = None,
+    ) -> CacheLayer:
         """Append a layer's slab. `sources` (entry index -> file, offset) names entries
         whose bytes already lie verbatim in the user's checkpoint: only the others are
         written, and the layer is recorded in parts."""
@@ -202,10 +222,17 @@ class SlabCacheWriter:
             self.file.write(b"\0" * (_align(end) - end))
         except OSError as e:
             self.abort()
-            raise NarrowsError(f"writing the prepared cache {self.path} failed after {format_bytes(offset)}: "
-                               f"{e.strerror}. Free space there or use another --cache folder.") from None  # fmt: skip
-        entry = CacheLayer(offset if parts is None else -1, layout, crc32(slab[: layout.nbytes]), layer_recipe(layer),
-                           tuple(parts) if parts is not None else None)  # fmt: skip
+            raise NarrowsError(
+                f"writing the prepared cache {self.path} failed after {format_bytes(offset)}: "
+                f"{e.strerror}. Free space there or use another --cache folder."
+            ) from None
+        entry = CacheLayer(
+            offset if parts is None else -1,
+            layout,
+            crc32(slab[: layout.nbytes]),
+            layer_recipe(layer),
+            tuple(parts) if parts is not None else None,
+        )
         self.layers.append(entry)
         return entry
 

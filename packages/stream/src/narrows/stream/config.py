@@ -214,32 +214,59 @@ def _check(c: StreamConfig) -> None:
             f"head_rows={c.head_rows!r}: give a whole number of vocabulary rows ≥ 1, or None"
         )
     _choice(c, "head", HEADS, "'resident' is bit-exact; 'stream' serves a frozen head in vocabulary chunks")
-    _choice(c, "offload_inputs", OFFLOAD_INPUTS, "'auto', the default, moves saved layer inputs to host memory "
-            "only when the budget needs it")  # fmt: skip
-    _choice(c, "recompute", RECOMPUTE, "'auto', the default: resident layers run without recompute while the "
-            "budget holds their activations")  # fmt: skip
+    _choice(
+        c,
+        "offload_inputs",
+        OFFLOAD_INPUTS,
+        "'auto', the default, moves saved layer inputs to host memory only when the budget needs it",
+    )
+    _choice(
+        c,
+        "recompute",
+        RECOMPUTE,
+        "'auto', the default: resident layers run without recompute while the budget holds their activations",
+    )
     if not (c.seq_tile is None or c.seq_tile in ("off", "auto") or _whole(c.seq_tile, 1)):
-        raise StreamSetupError(f"seq_tile={c.seq_tile!r}: use None (default: never tile), 'auto' (tile the MLP over "
-                               "the sequence only when the budget needs it) or a tile size in tokens, e.g. 4096")  # fmt: skip
-    _choice(c, "kernels", KERNELS, "'peft' trains PEFT's bits; 'fast' the bits of narrows.core.fuse_layers on a "
-            "resident model (Llama-family layers; others run PEFT's)")  # fmt: skip
+        raise StreamSetupError(
+            f"seq_tile={c.seq_tile!r}: use None (default: never tile), 'auto' (tile the MLP over "
+            "the sequence only when the budget needs it) or a tile size in tokens, e.g. 4096"
+        )
+    _choice(
+        c,
+        "kernels",
+        KERNELS,
+        "'peft' trains PEFT's bits; 'fast' the bits of narrows.core.fuse_layers on a "
+        "resident model (Llama-family layers; others run PEFT's)",
+    )
     if c.lora_dtype not in (None, "float32"):
-        raise StreamSetupError(f"lora_dtype={c.lora_dtype!r}: use None (the fast layers' adapters compute in the "
-                               "activations' dtype, bf16 on tensor cores) or 'float32' (PEFT's arithmetic for them)")  # fmt: skip
+        raise StreamSetupError(
+            f"lora_dtype={c.lora_dtype!r}: use None (the fast layers' adapters compute in the "
+            "activations' dtype, bf16 on tensor cores) or 'float32' (PEFT's arithmetic for them)"
+        )
     if c.lora_dtype is not None and c.kernels != "fast":
-        raise StreamSetupError(f"lora_dtype={c.lora_dtype!r} is the fast layers' option; with kernels='peft' PEFT "
-                               "computes the adapters in their own dtype already: leave lora_dtype None")  # fmt: skip
+        raise StreamSetupError(
+            f"lora_dtype={c.lora_dtype!r} is the fast layers' option; with kernels='peft' PEFT "
+            "computes the adapters in their own dtype already: leave lora_dtype None"
+        )
     if not (isinstance(c.graphs, bool) or c.graphs == "auto"):
-        raise StreamSetupError(f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
-                               "(default: graphs where the planner predicts them faster)")  # fmt: skip
+        raise StreamSetupError(
+            f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
+            "(default: graphs where the planner predicts them faster)"
+        )
     for name in ("grad_accum", "world_size"):
         if not _whole(getattr(c, name), 1):
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: give a whole number ≥ 1")
-    for name, meaning in (("step_mode", "block-major accumulation; 'auto' where predicted faster"),
-                          ("hold_weights", "4-bit weights dequantised once per pass in step mode; 'auto' where "
-                                           "the plan has the room"),
-                          ("keep_attention", "the fast layers' attention kept in host memory for the backward; "
-                                             "'auto' at long context")):  # fmt: skip
+    for name, meaning in (
+        ("step_mode", "block-major accumulation; 'auto' where predicted faster"),
+        (
+            "hold_weights",
+            "4-bit weights dequantised once per pass in step mode; 'auto' where the plan has the room",
+        ),
+        (
+            "keep_attention",
+            "the fast layers' attention kept in host memory for the backward; 'auto' at long context",
+        ),
+    ):
         if not (isinstance(getattr(c, name), bool) or getattr(c, name) == "auto"):
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True, False or 'auto' ({meaning})")
     if not _whole(c.reserve, 0):

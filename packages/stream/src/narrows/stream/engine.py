@@ -77,9 +77,16 @@ class TransferStats:
     act_waits: int = 0  # saved inputs fetched without a prefetch
 
     def as_dict(self) -> dict[str, object]:
-        return {"loads": self.loads, "hits": self.hits, "waits": self.waits, "bytes_h2d": self.bytes_h2d,
-                "bytes_disk": self.bytes_disk, "act_d2h": self.act_d2h, "act_h2d": self.act_h2d,
-                "act_waits": self.act_waits}  # fmt: skip
+        return {
+            "loads": self.loads,
+            "hits": self.hits,
+            "waits": self.waits,
+            "bytes_h2d": self.bytes_h2d,
+            "bytes_disk": self.bytes_disk,
+            "act_d2h": self.act_d2h,
+            "act_h2d": self.act_h2d,
+            "act_waits": self.act_waits,
+        }
 
 
 def _already_in(slots: list[FrozenSlot], layout: SlabLayout, home: Tensor) -> bool:
@@ -101,8 +108,16 @@ def _laid_out_as(slots: list[FrozenSlot], layout: SlabLayout) -> bool:
     )
 
 
-def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool, home: Tensor | None = None,
-               layout: SlabLayout | None = None, on_disk: bool = False) -> LayerStore:  # fmt: skip
+def park_layer(
+    index: int,
+    layer: nn.Module,
+    prefix: str,
+    *,
+    pin: bool,
+    home: Tensor | None = None,
+    layout: SlabLayout | None = None,
+    on_disk: bool = False,
+) -> LayerStore:
     """Move every frozen tensor of `layer` into one host slab and point the slots at it.
 
     A layer the loader already placed (`home`: its pinned slab or the cache file's map,
@@ -124,8 +139,15 @@ def park_layer(index: int, layer: nn.Module, prefix: str, *, pin: bool, home: Te
 class TransferEngine:
     """Brings layers to the device on demand, prefetches ahead, and hands slabs back."""
 
-    def __init__(self, stores: list[LayerStore], device: torch.device, *, pool_size: int, resident: set[int],
-                 reader: DiskReader | None = None):  # fmt: skip
+    def __init__(
+        self,
+        stores: list[LayerStore],
+        device: torch.device,
+        *,
+        pool_size: int,
+        resident: set[int],
+        reader: DiskReader | None = None,
+    ):
         self.stores = stores
         self.device = device
         self.cuda = device.type == "cuda"
@@ -143,8 +165,10 @@ class TransferEngine:
             self.stats.bytes_h2d += s.nbytes
         streamed = [s for s in stores if s.resident_views is None]
         slab_bytes = max((s.nbytes for s in streamed), default=0)
-        self.pool = [DeviceSlab(torch.empty(slab_bytes, dtype=torch.uint8, device=device))
-                     for _ in range(pool_size if streamed else 0)]  # fmt: skip
+        self.pool = [
+            DeviceSlab(torch.empty(slab_bytes, dtype=torch.uint8, device=device))
+            for _ in range(pool_size if streamed else 0)
+        ]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.profiler: Profile | None = None  # set while `StreamHandle.profiling` runs
 

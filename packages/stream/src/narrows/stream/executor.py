@@ -68,8 +68,15 @@ def eager_forward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: d
     return out.detach()
 
 
-def eager_backward(fn: Callable[..., Any], hidden: Tensor, args: tuple, kwargs: dict, grad_out: Tensor | None,
-                   params: Sequence[Tensor], side: SideGrads | None = None) -> list[Tensor | None]:  # fmt: skip
+def eager_backward(
+    fn: Callable[..., Any],
+    hidden: Tensor,
+    args: tuple,
+    kwargs: dict,
+    grad_out: Tensor | None,
+    params: Sequence[Tensor],
+    side: SideGrads | None = None,
+) -> list[Tensor | None]:
     """Recompute the layer and differentiate it: gradients of `hidden` (when it requires
     grad) and of `params`, in that order. With `side`, the side outputs' gradients join the
     output's, and an output without a gradient (None) is left out."""
@@ -88,15 +95,33 @@ class LayerExecutor(Protocol):
     """Runs one decoder layer: `fn` is the layer's own forward, called as
     ``fn(hidden, *args, **kwargs)``; `layer` the module (whose parameters it may read)."""
 
-    def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        state: CallState | None = None,
+    ) -> Tensor:
         """The layer's output, detached, computed as resident training computes it (grad
         on, the same kernels)."""
         ...
 
-    def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                 kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
+    def backward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        grad_out: Tensor | None,
+        params: Sequence[Tensor],
+        side: SideGrads | None = None,
+        state: CallState | None = None,
+    ) -> list[Tensor | None]:
         """Recompute the layer and differentiate it: the gradient of `hidden` when it
         requires grad, then one per parameter of `params` (None where unused)."""
         ...
@@ -105,11 +130,29 @@ class LayerExecutor(Protocol):
 class EagerExecutor(LayerExecutor):
     """Each call runs the layer's kernels one by one, as resident training does."""
 
-    def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        state: CallState | None = None,
+    ) -> Tensor:
         return eager_forward(fn, hidden, args, kwargs)
 
-    def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                 kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
+    def backward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        grad_out: Tensor | None,
+        params: Sequence[Tensor],
+        side: SideGrads | None = None,
+        state: CallState | None = None,
+    ) -> list[Tensor | None]:
         return eager_backward(fn, hidden, args, kwargs, grad_out, params, side)

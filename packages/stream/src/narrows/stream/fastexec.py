@@ -50,8 +50,16 @@ class FastExecutor(LayerExecutor):
         self.fallback = fallback
         self.attention = attention  # where the plan keeps attention, and for which layers
 
-    def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        state: CallState | None = None,
+    ) -> Tensor:
         parts = parts_or_none(layer)
         inputs = None if parts is None else _inputs(args, kwargs)
         if inputs is None:
@@ -63,9 +71,19 @@ class FastExecutor(LayerExecutor):
             return out
         return compute.forward(parts, hidden, *inputs)
 
-    def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                 kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
+    def backward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        grad_out: Tensor | None,
+        params: Sequence[Tensor],
+        side: SideGrads | None = None,
+        state: CallState | None = None,
+    ) -> list[Tensor | None]:
         parts = parts_or_none(layer)
         inputs = None if parts is None else _inputs(args, kwargs)
         if inputs is None or (side is not None and side.grads) or grad_out is None:

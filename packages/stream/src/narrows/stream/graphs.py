@@ -75,9 +75,14 @@ class GraphStats:
     refused: dict[int, str] = field(default_factory=dict)  # layer → why it runs eagerly
 
     def as_dict(self) -> dict[str, object]:
-        return {"captured": self.captured, "replays": self.replays, "eager": self.eager,
-                "first_seen": self.first_seen, "evicted": self.evicted,
-                "refused": {str(k): v for k, v in self.refused.items()}}  # fmt: skip
+        return {
+            "captured": self.captured,
+            "replays": self.replays,
+            "eager": self.eager,
+            "first_seen": self.first_seen,
+            "evicted": self.evicted,
+            "refused": {str(k): v for k, v in self.refused.items()},
+        }
 
 
 @dataclass
@@ -165,8 +170,16 @@ class LayerGraphs(LayerExecutor):
             self._paused = False
 
     # ---- what the layers call ---------------------------------------------------------
-    def forward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                kwargs: dict, state: CallState | None = None) -> Tensor:  # fmt: skip
+    def forward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        state: CallState | None = None,
+    ) -> Tensor:
         """`eager_forward`, through a graph when the layer can be captured."""
         leaves = [hidden, *pytree.tree_leaves((args, kwargs))]
         key = self._key("fwd", index, layer, leaves, args, kwargs, hidden.requires_grad)
@@ -179,9 +192,19 @@ class LayerGraphs(LayerExecutor):
 
         return self._run(key, index, body, leaves)[0]
 
-    def backward(self, index: int, layer: nn.Module, fn: Callable[..., Any], hidden: Tensor, args: tuple,
-                 kwargs: dict, grad_out: Tensor | None, params: Sequence[Tensor],
-                 side: SideGrads | None = None, state: CallState | None = None) -> list[Tensor | None]:  # fmt: skip
+    def backward(
+        self,
+        index: int,
+        layer: nn.Module,
+        fn: Callable[..., Any],
+        hidden: Tensor,
+        args: tuple,
+        kwargs: dict,
+        grad_out: Tensor | None,
+        params: Sequence[Tensor],
+        side: SideGrads | None = None,
+        state: CallState | None = None,
+    ) -> list[Tensor | None]:
         """`eager_backward`, through a graph when the layer can be captured. A call whose
         output has no gradient or whose side outputs have one runs eagerly, uncounted."""
         leaves = [hidden, *pytree.tree_leaves((args, kwargs)), grad_out]
@@ -211,8 +234,16 @@ class LayerGraphs(LayerExecutor):
         a, k = pytree.tree_map(lambda x: next(rest) if isinstance(x, Tensor) else x, (args, kwargs))
         return ins[0].detach().requires_grad_(requires_grad), a, k
 
-    def _key(self, kind: str, index: int, layer: nn.Module, leaves: list[Any], args: tuple, kwargs: dict,
-             extra: object) -> tuple | None:  # fmt: skip
+    def _key(
+        self,
+        kind: str,
+        index: int,
+        layer: nn.Module,
+        leaves: list[Any],
+        args: tuple,
+        kwargs: dict,
+        extra: object,
+    ) -> tuple | None:
         if self._paused:
             return None
         if index in self.stats.refused:
@@ -297,8 +328,9 @@ class LayerGraphs(LayerExecutor):
             log.warning("narrows.stream: layer %d runs without CUDA graphs: %s", index, why)
         self.stats.refused[index] = why
 
-    def _run(self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]],
-             leaves: list[Any]) -> list[Tensor | None]:  # fmt: skip
+    def _run(
+        self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]], leaves: list[Any]
+    ) -> list[Tensor | None]:
         live = [x for x in leaves if isinstance(x, Tensor)]
         graph = self._graphs.get(key)
         if graph is None:
@@ -322,12 +354,16 @@ class LayerGraphs(LayerExecutor):
             bufs.append(self._buffers[k] if k is not None else None)
         return bufs
 
-    def _capture(self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]],
-                 live: list[Tensor]) -> _Graph | None:  # fmt: skip
+    def _capture(
+        self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]], live: list[Tensor]
+    ) -> _Graph | None:
         ins = self._static("in", live)
         # the warm-up and the capture draw random numbers too: the global RNG must not move
-        devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()] \
-            if not self.emulate else []  # fmt: skip
+        devices = (
+            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
+            if not self.emulate
+            else []
+        )
         with _fork(devices=devices, device_type="cuda"):
             if self.emulate:
                 _fill(ins, live)
@@ -341,8 +377,13 @@ class LayerGraphs(LayerExecutor):
             self.stats.captured += 1
         return graph
 
-    def _cuda_capture(self, index: int, body: Callable[[list[Tensor]], list[Tensor | None]], live: list[Tensor],
-                      ins: list[Tensor]) -> _Graph | None:  # fmt: skip
+    def _cuda_capture(
+        self,
+        index: int,
+        body: Callable[[list[Tensor]], list[Tensor | None]],
+        live: list[Tensor],
+        ins: list[Tensor],
+    ) -> _Graph | None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         try:
@@ -382,5 +423,8 @@ class LayerGraphs(LayerExecutor):
         if self.emulate:
             return 0
         pool = tuple(self.pool)
-        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                   if tuple(s.get("segment_pool_id", ())) == pool)  # fmt: skip
+        return sum(
+            s["total_size"]
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", ())) == pool
+        )

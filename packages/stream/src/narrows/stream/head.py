@@ -26,8 +26,17 @@ class StreamedHead:
 
     trainable_weight = None
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, device: torch.device, *, stats: TransferStats,
-                 copy_stream: object | None, rows: int = DEFAULT_HEAD_ROWS, math: LogitMath | None = None):  # fmt: skip
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        device: torch.device,
+        *,
+        stats: TransferStats,
+        copy_stream: object | None,
+        rows: int = DEFAULT_HEAD_ROWS,
+        math: LogitMath | None = None,
+    ):
         self.vocab_size, self.hidden_size = weight.shape
         self.dtype, self.device, self.math = weight.dtype, device, math or LogitMath()
         self.rows = min(rows, self.vocab_size)

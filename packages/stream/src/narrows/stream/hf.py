@@ -50,14 +50,17 @@ class StepModeTrainer(Trainer):
         elif self.args.world_size > 1:
             why = "several processes (data parallel step mode is not built yet)"
         if why is not None:
-            raise StreamSetupError(f"StepModeTrainer cannot run this configuration exactly: {why}. "
-                                   "Use transformers.Trainer on the streamed model (sequential accumulation).")  # fmt: skip
+            raise StreamSetupError(
+                f"StepModeTrainer cannot run this configuration exactly: {why}. "
+                "Use transformers.Trainer on the streamed model (sequential accumulation)."
+            )
         self._step_mode = StepTrainer(self.model, None, grad_accum=self.args.gradient_accumulation_steps)
         self._waiting: list[dict[str, Any]] = []
         self.step_modes: list[str] = []  # how each optimizer step ran: "block-major", or sequential and why
 
-    def training_step(self, model: nn.Module, inputs: dict[str, Any],
-                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:  # fmt: skip
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         inputs = dict(self._prepare_inputs(inputs))
         if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
             inputs["num_items_in_batch"] = num_items_in_batch  # as compute_loss passes it

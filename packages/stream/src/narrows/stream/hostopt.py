@@ -66,8 +66,13 @@ class HostOptimizer:
     kept in host memory between updates. `groups` partitions the trainable parameters in
     the order `clip_grad_norm_` would see them (`params`)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: Sequence[Tensor], device: torch.device,
-                 max_grad_norm: float | None):  # fmt: skip
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[Tensor],
+        device: torch.device,
+        max_grad_norm: float | None,
+    ):
         name = type(optimizer).__name__
         if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or name not in SUPPORTED:
             raise StreamSetupError(

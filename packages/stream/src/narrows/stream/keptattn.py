@@ -75,8 +75,11 @@ class _Call:
 
         def pack(t: Tensor) -> object:
             order = _dense_order(t) if t.device == self.store.offload.device else None
-            if (order is None or t.numel() * t.element_size() < MIN_BYTES
-                    or t.untyped_storage().data_ptr() == keep_ptr):  # fmt: skip
+            if (
+                order is None
+                or t.numel() * t.element_size() < MIN_BYTES
+                or t.untyped_storage().data_ptr() == keep_ptr
+            ):
                 return t
             saved = self.store.offload.save(self.index, t.permute(order))
             if saved is None:

@@ -63,8 +63,9 @@ class Offloaded:
 class ActivationOffload:
     """Moves the saved inputs of the layers in `offloaded` to host memory and back."""
 
-    def __init__(self, device: torch.device, offloaded: set[int], *, copy_stream: object | None,
-                 stats: TransferStats):  # fmt: skip
+    def __init__(
+        self, device: torch.device, offloaded: set[int], *, copy_stream: object | None, stats: TransferStats
+    ):
         self.device = device
         self.cuda = device.type == "cuda"
         self.offloaded = set(offloaded)

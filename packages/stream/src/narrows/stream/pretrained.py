@@ -62,9 +62,14 @@ def _expect(folder: CheckpointFolder, dtype: torch.dtype, quant: str | None) -> 
         "narrows": __version__,
         "transformers": transformers.__version__,  # it names and shapes the modules a slab fills
         "source": folder.identity(),
-        "settings": {"dtype": str(dtype), "quant": "nf4" if (quant == "nf4" or stored) else "none",
-                     "prequantized": stored is not None, "blocksize": 64, "double_quant": True},
-    }  # fmt: skip
+        "settings": {
+            "dtype": str(dtype),
+            "quant": "nf4" if (quant == "nf4" or stored) else "none",
+            "prequantized": stored is not None,
+            "blocksize": 64,
+            "double_quant": True,
+        },
+    }
 
 
 def cache_path(folder: CheckpointFolder, expect: dict, cache: str | os.PathLike | None) -> Path:
@@ -94,17 +99,22 @@ class _Placer:
                     count = min(self.n, max(0, (allow - self.ring * slab_bytes) // slab_bytes))
                 minimum = self.fixed + HOST_MARGIN + (self.ring + 2) * slab_bytes
                 if count < self.n and (not self.can_spill or self.budget < minimum):
-                    why = ("no prepared cache to hold a disk tier (cache=False)" if not self.can_spill
-                           else f"the minimum is {format_bytes(minimum)}: what is loaded outside the layers and the "
-                           f"process itself ({format_bytes(self.fixed)}), a margin of {format_bytes(HOST_MARGIN)}, "
-                           f"{self.ring} disk read buffers and two slabs in flight while loading")  # fmt: skip
+                    why = (
+                        "no prepared cache to hold a disk tier (cache=False)"
+                        if not self.can_spill
+                        else f"the minimum is {format_bytes(minimum)}: what is loaded outside the layers and the "
+                        f"process itself ({format_bytes(self.fixed)}), a margin of {format_bytes(HOST_MARGIN)}, "
+                        f"{self.ring} disk read buffers and two slabs in flight while loading"
+                    )
                     fix = (
                         "enable the cache so layers can spill to disk"
                         if not self.can_spill
                         else "free memory"
                     )
-                    raise NarrowsError(f"a host budget of {format_bytes(self.budget)} is too small: {why}. Raise "
-                                       f"--host-budget, or {fix}.")  # fmt: skip
+                    raise NarrowsError(
+                        f"a host budget of {format_bytes(self.budget)} is too small: {why}. Raise "
+                        f"--host-budget, or {fix}."
+                    )
                 self.pinned = set(spread(count, self.n))
         return index in self.pinned
 
@@ -148,8 +158,9 @@ def from_pretrained(
     if share is None:
         share = target is not None and local > 1
     elif share and target is None:
-        raise NarrowsError("share=True maps the prepared cache file: give a cache (cache=True or a folder), "
-                           "or share=False")  # fmt: skip
+        raise NarrowsError(
+            "share=True maps the prepared cache file: give a cache (cache=True or a folder), or share=False"
+        )
     if share:
         return _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring)
     if host_budget is None and local > 1:  # each rank of this machine holds its own copy
@@ -187,14 +198,38 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
                         f"narrows: prepared cache {target} is not usable ({why}); rebuilding it", flush=True
                     )
                     target.unlink()
-                _load(folder, expect, dtype, quant, device, None, target, None, pin, ring, keep=False,
-                      share=True)  # fmt: skip
+                _load(
+                    folder,
+                    expect,
+                    dtype,
+                    quant,
+                    device,
+                    None,
+                    target,
+                    None,
+                    pin,
+                    ring,
+                    keep=False,
+                    share=True,
+                )
                 prepared, why = PreparedCache.open(target, expect)
                 if prepared is None:
                     raise NarrowsError(f"prepared cache {target}: {why} right after it was written")
         try:
-            model = _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, keep=True,
-                          share=True)  # fmt: skip
+            model = _load(
+                folder,
+                expect,
+                dtype,
+                quant,
+                device,
+                budget,
+                target,
+                prepared,
+                pin,
+                ring,
+                keep=True,
+                share=True,
+            )
             if built:
                 model.narrows_tiers.notes.insert(0, f"this process built {target}")
             mapped = _map_outside_layers(model, folder)
@@ -226,8 +261,21 @@ def _map_outside_layers(model: nn.Module, folder: CheckpointFolder) -> list[str]
     return mapped
 
 
-def _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, ring, *, keep: bool,
-          share: bool = False) -> nn.Module:  # fmt: skip
+def _load(
+    folder,
+    expect,
+    dtype,
+    quant,
+    device,
+    budget,
+    target,
+    prepared,
+    pin,
+    ring,
+    *,
+    keep: bool,
+    share: bool = False,
+) -> nn.Module:
     from transformers import AutoConfig
 
     n = AutoConfig.from_pretrained(folder.path).get_text_config().num_hidden_layers
@@ -285,8 +333,9 @@ def _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, r
         homes[i], layouts[i] = slab, layout
 
     try:
-        model = load_blockwise(folder.path, dtype=dtype, quant=quant, device=device, on_layer=place,
-                               fill_layer=fill)  # fmt: skip
+        model = load_blockwise(
+            folder.path, dtype=dtype, quant=quant, device=device, on_layer=place, fill_layer=fill
+        )
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -298,13 +347,17 @@ def _load(folder, expect, dtype, quant, device, budget, target, prepared, pin, r
     if warm is not None and share:
         tiers.shared = tuple(sorted(warm.shared))
         unshared = n - len(tiers.disk) - len(tiers.shared)
-        tiers.notes.append(f"{len(tiers.shared)} of {n} layers mapped from {prepared.path}, one host copy for every "
-                           "process of this machine"
-                           + (f"; {unshared} in a copy of this process's own ({warm.why_not})" if unshared else ""))  # fmt: skip
+        tiers.notes.append(
+            f"{len(tiers.shared)} of {n} layers mapped from {prepared.path}, one host copy for every "
+            "process of this machine"
+            + (f"; {unshared} in a copy of this process's own ({warm.why_not})" if unshared else "")
+        )
         print(f"narrows: {tiers.notes[-1]}", flush=True)
     if tiers.disk and keep:
-        tiers.notes.append(f"{len(tiers.disk)} of {n} layers on disk ({prepared.path}), "
-                           f"{n - len(tiers.disk)} pinned in host RAM")  # fmt: skip
+        tiers.notes.append(
+            f"{len(tiers.disk)} of {n} layers on disk ({prepared.path}), "
+            f"{n - len(tiers.disk)} pinned in host RAM"
+        )
         print(f"narrows: host budget {format_bytes(budget)}: {tiers.notes[-1]}", flush=True)
     model.narrows_tiers = tiers
     return model
@@ -327,8 +380,15 @@ class _WarmReader:
     """Reads and checks the cached slabs a few layers ahead on worker threads (zlib and
     file reads release the GIL), so a warm start is bound by the disk, not by one core."""
 
-    def __init__(self, prepared: PreparedCache, placer: _Placer, pin: bool, depth: int, share: bool = False,
-                 gpu: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        prepared: PreparedCache,
+        placer: _Placer,
+        pin: bool,
+        depth: int,
+        share: bool = False,
+        gpu: int | None = None,
+    ):
         self.prepared, self.placer, self.pin, self.depth = prepared, placer, pin, depth
         self.pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="narrows-warm")
         self.jobs: dict[int, Future] = {}

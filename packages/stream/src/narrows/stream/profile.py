@@ -202,12 +202,16 @@ class Profile:
         ]
         for t in sorted(self.layers.values(), key=lambda x: x.layer):
             where = "whole" if t.layer in whole else "resident" if t.layer in resident else "streamed"
-            rows.append(f"{t.layer:>5}  {where:<8} {t.forward * 1e3:>10.2f} {t.backward * 1e3:>11.2f} "
-                        f"{t.copy * 1e3:>8.2f} {t.exposed * 1e3:>10.2f}")  # fmt: skip
+            rows.append(
+                f"{t.layer:>5}  {where:<8} {t.forward * 1e3:>10.2f} {t.backward * 1e3:>11.2f} "
+                f"{t.copy * 1e3:>8.2f} {t.exposed * 1e3:>10.2f}"
+            )
         t = self.totals
         share = f"{100 * t.exposed / self.seconds:.1f}%" if self.seconds else "n/a"
-        rows.append(f"{'all':>5}  {'':<8} {t.forward * 1e3:>10.2f} {t.backward * 1e3:>11.2f} {t.copy * 1e3:>8.2f} "
-                    f"{t.exposed * 1e3:>10.2f}   exposed copy {share} of {self.seconds * 1e3:.1f} ms")  # fmt: skip
+        rows.append(
+            f"{'all':>5}  {'':<8} {t.forward * 1e3:>10.2f} {t.backward * 1e3:>11.2f} {t.copy * 1e3:>8.2f} "
+            f"{t.exposed * 1e3:>10.2f}   exposed copy {share} of {self.seconds * 1e3:.1f} ms"
+        )
         if whole:
             rows.append(f"layers run whole ({len(whole)}) are not timed one by one")
         rows.append(self.advice())

@@ -85,11 +85,15 @@ class StreamedLayer(torch.autograd.Function):
         # the input goes to host memory while the layer computes (when the plan says so)
         saved = call.offload.save(call.index, hidden) if call.offload is not None else None
         # resident training runs the layer with grad on: same mode, same kernels
-        with call.engine.using(call.index, then=call.index + 1), torch.enable_grad(), \
-                call.side.collecting(forward=True):  # fmt: skip
+        with (
+            call.engine.using(call.index, then=call.index + 1),
+            torch.enable_grad(),
+            call.side.collecting(forward=True),
+        ):
             h = hidden.detach().requires_grad_(hidden.requires_grad)
-            out = call.executor.forward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
-                                        call.executor_state)  # fmt: skip
+            out = call.executor.forward(
+                call.index, call.side.layer, call.run, h, call.args, call.kwargs, call.executor_state
+            )
         side = call.side.take_stand_ins()
         ctx.call, ctx.offloaded = call, saved
         ctx.save_for_backward(hidden if saved is None else None)
@@ -104,14 +108,30 @@ class StreamedLayer(torch.autograd.Function):
         need_p = ctx.needs_input_grad[2:]
         if ctx.offloaded is not None:
             hidden = call.offload.fetch(ctx.offloaded)
-        with call.engine.using(call.index, then=call.index - 1), call.holding(), rng.replay(call.state), \
-                torch.enable_grad(), ambient_as(call.ambient), call.side.collecting(forward=False):  # fmt: skip
+        with (
+            call.engine.using(call.index, then=call.index - 1),
+            call.holding(),
+            rng.replay(call.state),
+            torch.enable_grad(),
+            ambient_as(call.ambient),
+            call.side.collecting(forward=False),
+        ):
             if call.offload is not None:
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)
             params = [p for p, n in zip(call.params, need_p) if n]
-            grads = call.executor.backward(call.index, call.side.layer, call.run, h, call.args, call.kwargs,
-                                           grad_out, params, SideGrads(call.side, grad_side), call.executor_state)  # fmt: skip
+            grads = call.executor.backward(
+                call.index,
+                call.side.layer,
+                call.run,
+                h,
+                call.args,
+                call.kwargs,
+                grad_out,
+                params,
+                SideGrads(call.side, grad_side),
+                call.executor_state,
+            )
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)

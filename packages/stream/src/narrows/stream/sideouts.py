@@ -46,9 +46,12 @@ def router_logits_refusal(config: Any, batches: Sequence[dict[str, Any]] = ()) -
         return None
     coef = getattr(config, "router_aux_loss_coef", None)
     where = "a batch passes output_router_logits=True" if any(asked) else "config.output_router_logits=True"
-    return (f"MoE router logits are on ({where}" + (f", router_aux_loss_coef={coef}" if coef is not None else "")
-            + "): step mode computes the loss in a forward whose decoder layers are replaced by their outputs, "
-            "where no router runs, so the router's auxiliary loss could not be computed")  # fmt: skip
+    return (
+        f"MoE router logits are on ({where}"
+        + (f", router_aux_loss_coef={coef}" if coef is not None else "")
+        + "): step mode computes the loss in a forward whose decoder layers are replaced by their outputs, "
+        "where no router runs, so the router's auxiliary loss could not be computed"
+    )
 
 
 def _carries_grad(x: Any) -> bool:

@@ -68,17 +68,43 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
             w = f"{name}.weight"
             state2 = None
             if r["nested"]:
-                state2 = QuantState(absmax=views[f"{w}.quant_state.state2.absmax"], blocksize=r["nested_blocksize"],
-                                    code=views[f"{w}.quant_state.state2.code"], dtype=getattr(torch, r["nested_dtype"]))  # fmt: skip
-            qs = QuantState(absmax=views[f"{w}.quant_state.absmax"], shape=torch.Size(r["shape"]),
-                            code=views[f"{w}.quant_state.code"], blocksize=r["blocksize"], quant_type=r["quant_type"],
-                            dtype=getattr(torch, r["dtype"]), offset=views.get(f"{w}.quant_state.offset"), state2=state2)  # fmt: skip
+                state2 = QuantState(
+                    absmax=views[f"{w}.quant_state.state2.absmax"],
+                    blocksize=r["nested_blocksize"],
+                    code=views[f"{w}.quant_state.state2.code"],
+                    dtype=getattr(torch, r["nested_dtype"]),
+                )
+            qs = QuantState(
+                absmax=views[f"{w}.quant_state.absmax"],
+                shape=torch.Size(r["shape"]),
+                code=views[f"{w}.quant_state.code"],
+                blocksize=r["blocksize"],
+                quant_type=r["quant_type"],
+                dtype=getattr(torch, r["dtype"]),
+                offset=views.get(f"{w}.quant_state.offset"),
+                state2=state2,
+            )
             old = layer.get_submodule(name)
-            q = bnb.nn.Linear4bit(r["in"], r["out"], bias=r["bias"], compute_dtype=getattr(torch, r["compute_dtype"]),
-                                  compress_statistics=r["nested"], quant_type=r["quant_type"], device="meta")  # fmt: skip
-            q.weight = bnb.nn.Params4bit(views[w], requires_grad=False, quant_state=qs, blocksize=r["blocksize"],
-                                         compress_statistics=r["nested"], quant_type=r["quant_type"],
-                                         quant_storage=torch.uint8, module=q, bnb_quantized=True)  # fmt: skip
+            q = bnb.nn.Linear4bit(
+                r["in"],
+                r["out"],
+                bias=r["bias"],
+                compute_dtype=getattr(torch, r["compute_dtype"]),
+                compress_statistics=r["nested"],
+                quant_type=r["quant_type"],
+                device="meta",
+            )
+            q.weight = bnb.nn.Params4bit(
+                views[w],
+                requires_grad=False,
+                quant_state=qs,
+                blocksize=r["blocksize"],
+                compress_statistics=r["nested"],
+                quant_type=r["quant_type"],
+                quant_storage=torch.uint8,
+                module=q,
+                bnb_quantized=True,
+            )
             q.quant_state = qs
             if r["bias"]:
                 q.bias = old.bias
@@ -94,8 +120,10 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
     slots = frozen_layer_slots(layer)
     names = [s.name for s in slots]
     if names != list(views):
-        raise NarrowsError("the prepared cache does not match this model's layers (another narrows or transformers "
-                           "version wrote it); it will be rebuilt")  # fmt: skip
+        raise NarrowsError(
+            "the prepared cache does not match this model's layers (another narrows or transformers "
+            "version wrote it); it will be rebuilt"
+        )
     assign(slots, [views[n] for n in names])
 
 

@@ -87,8 +87,11 @@ class _TiledMLP(torch.autograd.Function):
             with rng.replay(state), torch.enable_grad(), ambient_as(ctx.ambient):
                 xt = _tile(x, s).requires_grad_(need_x)
                 y = tiles.fn(xt)
-                grads = list(torch.autograd.grad(y, ([xt] if need_x else []) + wanted, _tile(grad_out, s),
-                                                 allow_unused=True))  # fmt: skip
+                grads = list(
+                    torch.autograd.grad(
+                        y, ([xt] if need_x else []) + wanted, _tile(grad_out, s), allow_unused=True
+                    )
+                )
             if need_x:
                 grad_x[:, s] = grads.pop(0)
             for j, n in enumerate(need_p):

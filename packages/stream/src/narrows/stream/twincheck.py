@@ -71,8 +71,11 @@ def check_stream(model: nn.Module) -> None:
     for key, a in resident.items():
         b = streamed[key]
         if not torch.equal(a, b):
-            hint = ("; on CUDA, turn on deterministic kernels (deterministic=True / --deterministic)"
-                    if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled() else "")  # fmt: skip
+            hint = (
+                "; on CUDA, turn on deterministic kernels (deterministic=True / --deterministic)"
+                if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+                else ""
+            )
             raise ArchitectureCheckError(
                 f"streamed and resident training differ in the {key} "
                 f"(max {(a.double() - b.double()).abs().max().item():.3g}){hint}"

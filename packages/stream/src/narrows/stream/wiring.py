@@ -47,8 +47,9 @@ from .tiling import tile_sequence
 __all__ = ["executor_for", "install_forwards", "tile_mlps"]
 
 
-def executor_for(plan: Plan, device: torch.device, kernels: str = "peft",
-                 attention: HostAttention | None = None) -> LayerExecutor:  # fmt: skip
+def executor_for(
+    plan: Plan, device: torch.device, kernels: str = "peft", attention: HostAttention | None = None
+) -> LayerExecutor:
     """The layer executor the plan asks for: CUDA graphs (emulated off CUDA) or eager;
     eager with ``kernels="fast"``: the fast layer's entry points where it covers the layer,
     keeping the attention of the plan's `kept_attention` layers in `attention`.
@@ -65,9 +66,17 @@ def tile_mlps(model: nn.Module, plan: Plan) -> None:
         tile_sequence(model, plan.tile_tokens)
 
 
-def install_forwards(anat: Anatomy, plan: Plan, engine: TransferEngine, offload: ActivationOffload,
-                     executor: LayerExecutor, head: StreamedHead | None, host_embedding: bool,
-                     device: torch.device, held: HeldWeights | None = None) -> None:  # fmt: skip
+def install_forwards(
+    anat: Anatomy,
+    plan: Plan,
+    engine: TransferEngine,
+    offload: ActivationOffload,
+    executor: LayerExecutor,
+    head: StreamedHead | None,
+    host_embedding: bool,
+    device: torch.device,
+    held: HeldWeights | None = None,
+) -> None:
     """Steps 2-4: the streamed layers' forwards (their 4-bit weights held through each
     backward in `held`, when given), the streamed head's (when `head` is given) and the
     host embedding's (its rows then go to `device`)."""
@@ -80,8 +89,14 @@ def install_forwards(anat: Anatomy, plan: Plan, engine: TransferEngine, offload:
         anat.embed.forward = _host_embedding_forward(anat.embed.forward, device)
 
 
-def _layer_forward(index: int, layer: nn.Module, engine: TransferEngine, offload: ActivationOffload | None,
-                   executor: LayerExecutor, held: HeldWeights | None = None) -> Callable[..., Any]:  # fmt: skip
+def _layer_forward(
+    index: int,
+    layer: nn.Module,
+    engine: TransferEngine,
+    offload: ActivationOffload | None,
+    executor: LayerExecutor,
+    held: HeldWeights | None = None,
+) -> Callable[..., Any]:
     """The streamed layer's forward: each call runs through `remat.streamed_call`."""
     original = layer.forward
     params = tuple(p for p in layer.parameters() if p.requires_grad)

@@ -23,8 +23,12 @@ if TYPE_CHECKING:
     from .store import Tokenized, tokenize, tokenize_rows, tokenizer_digest
 
 # the modules that need torch, imported on first use (PEP 562): the CLI's checks load without it
-_LAZY = {**dict.fromkeys(("TRAINING", "Packed", "check_packing", "collate", "micro_batches", "pack_bins"), "batches"),
-         **dict.fromkeys(("Tokenized", "tokenize", "tokenize_rows", "tokenizer_digest"), "store")}  # fmt: skip
+_LAZY = {
+    **dict.fromkeys(
+        ("TRAINING", "Packed", "check_packing", "collate", "micro_batches", "pack_bins"), "batches"
+    ),
+    **dict.fromkeys(("Tokenized", "tokenize", "tokenize_rows", "tokenizer_digest"), "store"),
+}
 __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
 

@@ -78,9 +78,11 @@ def check_packing(model, device: torch.device, vocab: int) -> None:
     scale = float(logits.abs().max())
     if not torch.allclose(logits[0], logits[1], rtol=1e-2, atol=1e-2 * scale):
         name = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise DataError(f"--packing: this model ({name}) lets packed examples attend to each other: its attention "
-                        "does not restart at position 0 as transformers' packed-sequence masks do. Drop --packing "
-                        "(each example is then padded to its batch)")  # fmt: skip
+        raise DataError(
+            f"--packing: this model ({name}) lets packed examples attend to each other: its attention "
+            "does not restart at position 0 as transformers' packed-sequence masks do. Drop --packing "
+            "(each example is then padded to its batch)"
+        )
 
 
 def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -38,8 +38,10 @@ def _ids(tokenizer, text: str) -> list[int]:
 def _chat(tokenizer, chat: Chat, where: str) -> tuple[list[int], list[int]]:
     messages = chat.messages
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{where}: a chat row needs a tokenizer with a chat template; this one has none "
-                        "(use 'prompt'/'response' rows instead)")  # fmt: skip
+        raise DataError(
+            f"{where}: a chat row needs a tokenizer with a chat template; this one has none "
+            "(use 'prompt'/'response' rows instead)"
+        )
     if not any(m["role"] == "assistant" for m in messages[chat.train_from :]):
         what = "its completion" if chat.train_from else "the chat"
         raise DataError(f"{where}: {what} has no assistant turn, so nothing would train")
@@ -51,8 +53,10 @@ def _chat(tokenizer, chat: Chat, where: str) -> tuple[list[int], list[int]]:
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (before.startswith(done) and through.startswith(before)):
-            raise DataError(f"{where}: the chat template does not render turns as a growing prefix; "
-                            "narrows cannot tell which tokens belong to the assistant")  # fmt: skip
+            raise DataError(
+                f"{where}: the chat template does not render turns as a growing prefix; "
+                "narrows cannot tell which tokens belong to the assistant"
+            )
         prompt, answer = _ids(tokenizer, before[len(done) :]), _ids(tokenizer, through[len(before) :])
         ids += prompt + answer
         labels += [IGNORE] * len(prompt) + answer
@@ -80,8 +84,10 @@ def _encode(shape: Chat | Pair | Text, tokenizer, where: str) -> tuple[list[int]
 def _cut(shape: Chat | Pair | Text, chars: int) -> tuple[Chat | Pair | Text, bool]:
     """`shape` with every text cut to its first `chars` characters; True if any was cut."""
     if isinstance(shape, Chat):
-        messages = [{**m, "content": m["content"][:chars]} if isinstance(m.get("content"), str) else m
-                    for m in shape.messages]  # fmt: skip
+        messages = [
+            {**m, "content": m["content"][:chars]} if isinstance(m.get("content"), str) else m
+            for m in shape.messages
+        ]
         cut = any(m is not n and len(n["content"]) > chars for m, n in zip(messages, shape.messages))
         return Chat(messages, shape.train_from), cut
     if isinstance(shape, Pair):
@@ -136,7 +142,10 @@ def encode_row(
     ex = Example(tuple(ids[:seq_len]), tuple(labels[:seq_len]), where)
     if ex.trainable == 0:
         size = f"{len(ids)} tokens" if whole else f"more than {seq_len} tokens"
-        why = (f"truncation to --seq-len {seq_len} cut every trainable token (the row has {size})"
-               if len(ids) > seq_len else "no token after the first is trainable")  # fmt: skip
+        why = (
+            f"truncation to --seq-len {seq_len} cut every trainable token (the row has {size})"
+            if len(ids) > seq_len
+            else "no token after the first is trainable"
+        )
         raise DataError(f"{where}: no trainable token: {why}")
     return name, ex

@@ -25,8 +25,18 @@ from ..errors import NarrowsError
 __all__ = ["FIELDS", "Chat", "Pair", "Text", "normalize", "parse_columns"]
 
 # every field a row format reads, for --columns
-FIELDS = ("messages", "conversations", "prompt", "response", "completion", "instruction", "input", "output",
-          "system", "text")  # fmt: skip
+FIELDS = (
+    "messages",
+    "conversations",
+    "prompt",
+    "response",
+    "completion",
+    "instruction",
+    "input",
+    "output",
+    "system",
+    "text",
+)
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
@@ -120,8 +130,10 @@ def _sharegpt(value, where: str) -> list:
             raise DataError(f"{where}: conversations[{i}] must be an object with string 'from' and 'value'")
         role = SHAREGPT_ROLES.get(m["from"])
         if role is None:
-            raise DataError(f"{where}: conversations[{i}] is from {m['from']!r}; narrows reads "
-                            f"{'/'.join(SHAREGPT_ROLES)} turns")  # fmt: skip
+            raise DataError(
+                f"{where}: conversations[{i}] is from {m['from']!r}; narrows reads "
+                f"{'/'.join(SHAREGPT_ROLES)} turns"
+            )
         messages.append({"role": role, "content": m["value"]})
     return messages
 
@@ -139,8 +151,9 @@ def _alpaca(row: dict, where: str, chat: bool) -> tuple[str, Chat | Pair]:
     if chat:
         messages = [{"role": "system", "content": _string(row, "system", where)}] if row.get("system") else []
         user = f"{instruction}\n\n{extra}" if extra else instruction
-        return "alpaca (chat template)", Chat([*messages, {"role": "user", "content": user},
-                                               {"role": "assistant", "content": output}])  # fmt: skip
+        return "alpaca (chat template)", Chat(
+            [*messages, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+        )
     if row.get("system"):
         raise DataError(f"{where}: an Alpaca 'system' field needs a tokenizer with a chat template")
     prompt = ALPACA.format(
@@ -175,7 +188,8 @@ def normalize(
         return _alpaca(row, where, chat)
     if "text" in row:
         return "text", Text(_string(row, "text", where))
-    raise DataError(f"{where}: the row fits no format narrows reads (it has {sorted(row)}): give 'messages', "
-                    "ShareGPT 'conversations', 'prompt' with 'response' or 'completion', Alpaca 'instruction'/"
-                    "'output', or 'text'; or map your columns with --columns, e.g. prompt=question,response=answer"
-                    )  # fmt: skip
+    raise DataError(
+        f"{where}: the row fits no format narrows reads (it has {sorted(row)}): give 'messages', "
+        "ShareGPT 'conversations', 'prompt' with 'response' or 'completion', Alpaca 'instruction'/"
+        "'output', or 'text'; or map your columns with --columns, e.g. prompt=question,response=answer"
+    )

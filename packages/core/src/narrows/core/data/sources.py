@@ -72,15 +72,19 @@ def _not_utf8(path: Path) -> str | None:
             try:
                 raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                return (f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
-                        f"of the file, {e.reason}); {_resave(path)}")  # fmt: skip
+                return (
+                    f"{path}:{n}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte offset {offset + e.start} "
+                    f"of the file, {e.reason}); {_resave(path)}"
+                )
             offset += len(raw)
     return None
 
 
 def _resave(path: Path) -> str:
-    return (f"narrows reads text data as UTF-8: re-save the file as UTF-8, e.g. for Latin-1 text "
-            f"iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8' + path.suffix)}")  # fmt: skip
+    return (
+        f"narrows reads text data as UTF-8: re-save the file as UTF-8, e.g. for Latin-1 text "
+        f"iconv -f latin1 -t utf-8 {path} > {path.with_suffix('.utf8' + path.suffix)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -127,8 +131,10 @@ def _datasets(path: Path):
     try:
         import datasets
     except ImportError:
-        raise DataError(f"reading {path} needs the datasets library: pip install 'narrows-core[data]' "
-                        "(or give a JSONL file)") from None  # fmt: skip
+        raise DataError(
+            f"reading {path} needs the datasets library: pip install 'narrows-core[data]' "
+            "(or give a JSONL file)"
+        ) from None
     return datasets
 
 
@@ -147,14 +153,18 @@ def open_source(text: str, split: str | None = None, flag: str = "--data") -> So
     split_flag = "--data-split" if flag == "--data" else "--eval-split"
     path = Path(text).expanduser()
     if not path.exists():
-        raise DataError(f"{flag} {text}: no such local file or folder. narrows reads local data only and never "
-                        "downloads one: save a hub dataset once with datasets.load_dataset(NAME).save_to_disk(FOLDER) "
-                        "where it can be reached, then give the folder")  # fmt: skip
+        raise DataError(
+            f"{flag} {text}: no such local file or folder. narrows reads local data only and never "
+            "downloads one: save a hub dataset once with datasets.load_dataset(NAME).save_to_disk(FOLDER) "
+            "where it can be reached, then give the folder"
+        )
     if path.is_dir():
         splits = _saved_splits(path)
         if splits is None:
-            raise DataError(f"{flag} {text}: a folder must be one written by datasets' save_to_disk (it has no "
-                            "dataset_dict.json or state.json); give a data file instead")  # fmt: skip
+            raise DataError(
+                f"{flag} {text}: a folder must be one written by datasets' save_to_disk (it has no "
+                "dataset_dict.json or state.json); give a data file instead"
+            )
         if not splits:
             if split is not None:
                 raise DataError(f"{flag} {text} holds one dataset, not several splits: drop {split_flag}")
@@ -171,7 +181,9 @@ def open_source(text: str, split: str | None = None, flag: str = "--data") -> So
     if suffix == ".jsonl":
         return Source(path, "jsonl")
     if suffix not in BUILDERS:
-        raise DataError(f"{flag} {text}: narrows reads .jsonl, {', '.join(BUILDERS)} files or a save_to_disk "
-                        f"folder, not {suffix or 'a file without an extension'}")  # fmt: skip
+        raise DataError(
+            f"{flag} {text}: narrows reads .jsonl, {', '.join(BUILDERS)} files or a save_to_disk "
+            f"folder, not {suffix or 'a file without an extension'}"
+        )
     _datasets(path)
     return Source(path, BUILDERS[suffix])

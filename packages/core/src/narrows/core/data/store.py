@@ -50,8 +50,13 @@ class Tokenized(Sequence[Example]):
             wheres.append(ex.where)
             formats[name] += 1
         as_tensor = lambda a, dt: torch.frombuffer(a, dtype=dt) if len(a) else torch.zeros(0, dtype=dt)  # noqa: E731
-        return cls(as_tensor(ids, torch.int32), as_tensor(labels, torch.int32), as_tensor(starts, torch.int64),
-                   wheres, dict(formats))  # fmt: skip
+        return cls(
+            as_tensor(ids, torch.int32),
+            as_tensor(labels, torch.int32),
+            as_tensor(starts, torch.int64),
+            wheres,
+            dict(formats),
+        )
 
     def __len__(self) -> int:
         return len(self.wheres)
@@ -117,8 +122,17 @@ def tokenize(
     Returns (examples, how: "cached" or "tokenised")."""
     if not cache:
         return _read(source, tokenizer, seq_len, renames), "tokenised"
-    key = hashlib.sha256(json.dumps([VERSION, source.identity(), tokenizer_digest(tokenizer), seq_len,
-                                     sorted((renames or {}).items())]).encode()).hexdigest()[:24]  # fmt: skip
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                VERSION,
+                source.identity(),
+                tokenizer_digest(tokenizer),
+                seq_len,
+                sorted((renames or {}).items()),
+            ]
+        ).encode()
+    ).hexdigest()[:24]
     folder = cache_dir("data") / key
     with build_lock(folder):  # one rank tokenises; the others wait, then map its arrays
         if (folder / "rows.json").is_file():
@@ -139,8 +153,11 @@ def _ticking(rows: Iterable[tuple[str, dict]], what: str, every: float = 10.0) -
         now = time.monotonic()
         if now - last >= every:
             last = now
-            print(f"narrows: tokenising {what}: {n} rows in {now - start:.0f} s ({n / (now - start):.0f} rows/s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"narrows: tokenising {what}: {n} rows in {now - start:.0f} s ({n / (now - start):.0f} rows/s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _read(source: Source, tokenizer, seq_len: int, renames: dict[str, str] | None) -> Tokenized:

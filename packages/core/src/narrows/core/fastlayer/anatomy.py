@@ -75,10 +75,12 @@ def _hooked(module: nn.Module) -> bool:
     says how many tokens a tile, `_tile_of`)."""
     forward = module.__dict__.get("forward")
     return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
         or module._backward_pre_hooks
         or (forward is not None and not isinstance(forward, _FusedForward) and _tile_of(module) is None)
-    )  # fmt: skip
+    )
 
 
 def _tile_of(mlp: nn.Module) -> int | None:
@@ -262,8 +264,15 @@ def _parts(layer: nn.Module) -> LayerParts | str:
     for name in ("q_norm", "k_norm"):
         norms.append(_norm(getattr(attn, name)) if hasattr(attn, name) else None)
     linears = {}
-    for name, module in (("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj), ("o", attn.o_proj),
-                         ("gate", mlp.gate_proj), ("up", mlp.up_proj), ("down", mlp.down_proj)):  # fmt: skip
+    for name, module in (
+        ("q", attn.q_proj),
+        ("k", attn.k_proj),
+        ("v", attn.v_proj),
+        ("o", attn.o_proj),
+        ("gate", mlp.gate_proj),
+        ("up", mlp.up_proj),
+        ("down", mlp.down_proj),
+    ):
         linears[name] = _linear(name, module)
     bad = next((r for r in (*norms, *linears.values()) if isinstance(r, str)), None)
     if bad is not None:
@@ -279,8 +288,17 @@ def _parts(layer: nn.Module) -> LayerParts | str:
         return LinearGroup(group, lora_dtype)
 
     return LayerParts(
-        norms[0], norms[1], norms[2], norms[3],
-        g([linears["q"], linears["k"], linears["v"]]), g([linears["o"]]),
-        g([linears["gate"], linears["up"]]), g([linears["down"]]),
-        config.num_attention_heads, config.num_key_value_heads, attn.head_dim, float(attn.scaling), tile,
-    )  # fmt: skip
+        norms[0],
+        norms[1],
+        norms[2],
+        norms[3],
+        g([linears["q"], linears["k"], linears["v"]]),
+        g([linears["o"]]),
+        g([linears["gate"], linears["up"]]),
+        g([linears["down"]]),
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attn.head_dim,
+        float(attn.scaling),
+        tile,
+    )

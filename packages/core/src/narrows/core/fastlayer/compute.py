@@ -57,8 +57,17 @@ from .ops import (
     swiglu_backward,
 )
 
-__all__ = ["AttentionStore", "KeptAttention", "OnDevice", "Saved", "backward", "forward", "forward_keeping",
-           "forward_keeping_attention", "recompute"]  # fmt: skip
+__all__ = [
+    "AttentionStore",
+    "KeptAttention",
+    "OnDevice",
+    "Saved",
+    "backward",
+    "forward",
+    "forward_keeping",
+    "forward_keeping_attention",
+    "recompute",
+]
 
 
 class AttentionStore(Protocol):
@@ -139,9 +148,14 @@ def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
         mask = mask[:, :, :, : k.shape[-2]]
     causal = q.shape[2] > 1 and mask is None
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=parts.scaling,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=parts.scaling,
         enable_gqa=parts.kv_heads != parts.heads,
-    )  # fmt: skip
+    )
 
 
 KVSink = Callable[[Tensor, Tensor], object]  # takes the keys and values (a KV cache's update)
@@ -160,10 +174,20 @@ class _Front:
     sin: Tensor
 
 
-def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-         cache: dict[str, Tensor] | None, *, output: bool, keep: bool, kv: KVSink | None = None,
-         store: AttentionStore | None = None, kept: KeptAttention | None = None,
-         ) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:  # fmt: skip
+def _run(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None,
+    *,
+    output: bool,
+    keep: bool,
+    kv: KVSink | None = None,
+    store: AttentionStore | None = None,
+    kept: KeptAttention | None = None,
+) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:
     """The layer's output (`output`), what its backward needs (`keep`) and, with `store`,
     its attention kept there; with `kept`, the attention a forward kept is read instead
     of run (and Q/K/V's base matmul skipped where nothing else reads its output)."""
@@ -209,9 +233,17 @@ def _run(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | 
     return _rest(parts, front, attn, leaves, new_kept, cache, output=output, keep=keep)
 
 
-def _rest(parts: LayerParts, f: _Front, attn: Tensor, leaves: tuple[Tensor, Tensor, Tensor] | None,
-          kept: KeptAttention | None, cache: dict[str, Tensor] | None, *, output: bool, keep: bool,
-          ) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:  # fmt: skip
+def _rest(
+    parts: LayerParts,
+    f: _Front,
+    attn: Tensor,
+    leaves: tuple[Tensor, Tensor, Tensor] | None,
+    kept: KeptAttention | None,
+    cache: dict[str, Tensor] | None,
+    *,
+    output: bool,
+    keep: bool,
+) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:
     """`_run` from the attention's output on: o, the MLP, and what is kept."""
     batch, seq, hidden = f.x.shape
     o_in = attn.detach().transpose(1, 2).reshape(-1, parts.heads * parts.head_dim)
@@ -227,13 +259,31 @@ def _rest(parts: LayerParts, f: _Front, attn: Tensor, leaves: tuple[Tensor, Tens
         mlp = (st_gu, gate, up, st_d, None)
     if not keep:
         return out, None, kept  # the attention's graph goes with `attn` unless kept
-    saved = Saved(f.x.shape, f.x2, f.rstd1, f.qkv, f.heads_pre, f.cos, f.sin, leaves, attn, st_o, h1, rstd2,
-                  *mlp, kept=kept)  # fmt: skip
+    saved = Saved(
+        f.x.shape,
+        f.x2,
+        f.rstd1,
+        f.qkv,
+        f.heads_pre,
+        f.cos,
+        f.sin,
+        leaves,
+        attn,
+        st_o,
+        h1,
+        rstd2,
+        *mlp,
+        kept=kept,
+    )
     return out, saved, kept
 
 
-def _mlp(parts: LayerParts, n: Tensor, cache: dict[str, Tensor] | None, residual: Tensor | None,
-         ) -> tuple[Tensor | None, Tensor, Tensor, GroupState, GroupState]:  # fmt: skip
+def _mlp(
+    parts: LayerParts,
+    n: Tensor,
+    cache: dict[str, Tensor] | None,
+    residual: Tensor | None,
+) -> tuple[Tensor | None, Tensor, Tensor, GroupState, GroupState]:
     """The MLP on `n` (all tokens, or one tile's): ``residual + down(swiglu(gate, up))``
     when `residual` is given, else no down_proj output (a backward's recompute); gate, up
     and both groups' states beside it."""
@@ -249,8 +299,14 @@ def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:
     return t.view(*bs, -1)[:, tile].reshape(-1, t.shape[-1])
 
 
-def _tiled_mlp(parts: LayerParts, n2: Tensor, h1: Tensor, bs: tuple[int, int], tiles: list[slice],
-               cache: dict[str, Tensor] | None) -> Tensor:  # fmt: skip
+def _tiled_mlp(
+    parts: LayerParts,
+    n2: Tensor,
+    h1: Tensor,
+    bs: tuple[int, int],
+    tiles: list[slice],
+    cache: dict[str, Tensor] | None,
+) -> Tensor:
     """``h1 + down(swiglu(gate_up(n2)))`` tile by tile (no dropout: `why_not` refuses it)."""
     cache = {} if cache is None else cache  # the MLP's weights dequantised once for every tile
     out = torch.empty(*bs, h1.shape[-1], dtype=h1.dtype, device=h1.device)
@@ -260,8 +316,9 @@ def _tiled_mlp(parts: LayerParts, n2: Tensor, h1: Tensor, bs: tuple[int, int], t
     return out
 
 
-def _tiled_mlp_backward(parts: LayerParts, saved: Saved, g_out: Tensor, tiles: list[slice],
-                        cache: dict[str, Tensor] | None) -> tuple[Tensor, list[Tensor], list[Tensor]]:  # fmt: skip
+def _tiled_mlp_backward(
+    parts: LayerParts, saved: Saved, g_out: Tensor, tiles: list[slice], cache: dict[str, Tensor] | None
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """The MLP input's gradient and gate/up's and down's adapter gradients, one tile at a
     time: each tile's forward recomputed, differentiated, its gradients summed in order."""
     cache = {} if cache is None else cache
@@ -280,15 +337,23 @@ def _tiled_mlp_backward(parts: LayerParts, saved: Saved, g_out: Tensor, tiles: l
     return g_n2, sums[:n_gu], sums[n_gu:]
 
 
-def forward(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-            cache: dict[str, Tensor] | None = None, kv: KVSink | None = None) -> Tensor:  # fmt: skip
+def forward(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None = None,
+    kv: KVSink | None = None,
+) -> Tensor:
     """The layer's output; nothing kept. `kv` receives the keys and values (rotated)."""
     with torch.no_grad():
         return _run(parts, x, cos, sin, mask, cache, output=True, keep=False, kv=kv)[0]
 
 
-def forward_keeping_attention(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                              store: AttentionStore) -> tuple[Tensor, KeptAttention | None]:  # fmt: skip
+def forward_keeping_attention(
+    parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, store: AttentionStore
+) -> tuple[Tensor, KeptAttention | None]:
     """The layer's output and its attention kept in `store` for `recompute` (None where
     SDPA recorded more than one node: its math fallback, which the recompute runs again)."""
     with torch.no_grad():
@@ -296,9 +361,15 @@ def forward_keeping_attention(parts: LayerParts, x: Tensor, cos: Tensor, sin: Te
     return out, kept
 
 
-def forward_keeping(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-                    cache: dict[str, Tensor] | None = None, kv: KVSink | None = None,
-                    ) -> tuple[Tensor, Saved]:  # fmt: skip
+def forward_keeping(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None = None,
+    kv: KVSink | None = None,
+) -> tuple[Tensor, Saved]:
     """The output and what the backward needs (resident training without recompute)."""
     with torch.no_grad():
         out, saved, _ = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
@@ -308,8 +379,15 @@ def forward_keeping(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask
     return out, saved
 
 
-def recompute(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None,
-              cache: dict[str, Tensor] | None = None, kept: KeptAttention | None = None) -> Saved:  # fmt: skip
+def recompute(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None = None,
+    kept: KeptAttention | None = None,
+) -> Saved:
     """What the backward needs, recomputed from the layer's input (the RNG replayed by
     the caller when an adapter drops out); down_proj's output is not computed, nor the
     attention where the forward `kept` it."""
@@ -317,8 +395,9 @@ def recompute(parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tens
         return _run(parts, x, cos, sin, mask, cache, output=False, keep=True, kept=kept)[1]
 
 
-def backward(parts: LayerParts, saved: Saved, grad: Tensor,
-             cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+def backward(
+    parts: LayerParts, saved: Saved, grad: Tensor, cache: dict[str, Tensor] | None = None
+) -> tuple[Tensor, list[Tensor]]:
     """The input's gradient and the adapters' (in `parts.params()` order, float32)."""
     batch, seq, hidden = saved.shape
     with torch.no_grad():

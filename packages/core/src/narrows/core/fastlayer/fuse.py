@@ -55,8 +55,17 @@ class FastLayerFunction(torch.autograd.Function):
     *parts.params())`` (`kv`: where the keys and values go, or None)."""
 
     @staticmethod
-    def forward(ctx, parts: LayerParts, recompute: bool, x: Tensor, cos: Tensor, sin: Tensor,  # type: ignore[override]
-                mask: Tensor | None, kv, *params: Tensor) -> Tensor:  # fmt: skip
+    def forward(
+        ctx,
+        parts: LayerParts,
+        recompute: bool,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,  # type: ignore[override]
+        mask: Tensor | None,
+        kv,
+        *params: Tensor,
+    ) -> Tensor:
         ctx.parts, ctx.recompute = parts, recompute
         dropout = any(g.dropout for g in parts.groups)
         ctx.rng = _Rng(x.device) if recompute and dropout else None
@@ -97,8 +106,10 @@ class FuseReport:
         if not self.refused:
             return f"fast layers: all {len(self.fused)} decoder layers{lora}"
         reasons = sorted(set(self.refused.values()))
-        return (f"fast layers: {len(self.fused)} of {len(self.fused) + len(self.refused)} decoder layers{lora}; "
-                f"the others run as before: {'; '.join(reasons)}")  # fmt: skip
+        return (
+            f"fast layers: {len(self.fused)} of {len(self.fused) + len(self.refused)} decoder layers{lora}; "
+            f"the others run as before: {'; '.join(reasons)}"
+        )
 
 
 def coverage(model: nn.Module) -> FuseReport:
@@ -124,17 +135,32 @@ class _FastForward:
     def __reduce__(self):
         return _FastForward, (self.layer(), self.recompute)
 
-    def __call__(self, hidden_states: Tensor, attention_mask: Tensor | None = None, position_ids=None,
-                 past_key_values=None, use_cache: bool | None = False,
-                 position_embeddings: tuple[Tensor, Tensor] | None = None, **kwargs) -> Tensor:  # fmt: skip
+    def __call__(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[Tensor, Tensor] | None = None,
+        **kwargs,
+    ) -> Tensor:
         layer = self.layer()
         parts, kv = None, _kv_sink(layer, past_key_values)
         # a call asking for bidirectional attention runs the layer's own forward
         if kv is not False and position_embeddings is not None and kwargs.get("is_causal") is not False:
             parts = parts_or_none(layer)
         if parts is None:
-            return type(layer).forward(layer, hidden_states, attention_mask, position_ids, past_key_values,
-                                       use_cache, position_embeddings, **kwargs)  # fmt: skip
+            return type(layer).forward(
+                layer,
+                hidden_states,
+                attention_mask,
+                position_ids,
+                past_key_values,
+                use_cache,
+                position_embeddings,
+                **kwargs,
+            )
         cos, sin = position_embeddings
         params = parts.params()
         if torch.is_grad_enabled() and (hidden_states.requires_grad or any(p.requires_grad for p in params)):
@@ -164,8 +190,9 @@ def is_fused(layer: nn.Module) -> bool:
     return isinstance(layer.__dict__.get("forward"), _FastForward)
 
 
-def fuse_layers(model: nn.Module, *, recompute: bool | None = None,
-                lora_dtype: torch.dtype | None = None) -> FuseReport:  # fmt: skip
+def fuse_layers(
+    model: nn.Module, *, recompute: bool | None = None, lora_dtype: torch.dtype | None = None
+) -> FuseReport:
     """Run `model`'s covered decoder layers as fast layers (see the module doc). With
     `recompute` None, a layer recomputes in backward where the model's gradient
     checkpointing was on when this ran. `lora_dtype`: the adapters' arithmetic — None, the
@@ -173,8 +200,9 @@ def fuse_layers(model: nn.Module, *, recompute: bool | None = None,
     for them (slower; `lora.py` says how it rounds). Patches instances; `unfuse_layers`
     undoes it."""
     if lora_dtype not in (None, torch.float32):
-        raise ValueError(f"fuse_layers: lora_dtype={lora_dtype!r}: give None (the activations' dtype) or "
-                         "torch.float32")  # fmt: skip
+        raise ValueError(
+            f"fuse_layers: lora_dtype={lora_dtype!r}: give None (the activations' dtype) or torch.float32"
+        )
     report = coverage(model)
     report.lora_dtype = lora_dtype
     layers = anatomy_of(model).layers

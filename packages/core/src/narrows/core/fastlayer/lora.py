@@ -145,9 +145,12 @@ class LinearGroup:
         # The zeros add nothing; the host launches 8 matmuls fewer per Q/K/V forward and
         # backward (4 per gate/up), each about 80 µs of its time on the H100 machine.
         self.blocked = (
-            self.stacked and not self.dropout and len(self.adapted) > 1 and lora_dtype is None
+            self.stacked
+            and not self.dropout
+            and len(self.adapted) > 1
+            and lora_dtype is None
             and len({p.scaling for p in self.adapted}) == 1
-        )  # fmt: skip
+        )
 
     def stacked_weight(self, like: Tensor, cache: dict[str, Tensor] | None) -> Tensor:
         """The group's weights stacked, (Σ out, in) in `like`'s dtype: a view where they lie
@@ -158,8 +161,9 @@ class LinearGroup:
             return w
         w = side_by_side([p.weight.ready(like) for p in self.linears], dim=0)
         if w is None:
-            w = torch.empty(sum(self.widths), self.linears[0].weight.shape[1], dtype=like.dtype,
-                            device=like.device)  # fmt: skip
+            w = torch.empty(
+                sum(self.widths), self.linears[0].weight.shape[1], dtype=like.dtype, device=like.device
+            )
             for p, rows in zip(self.linears, w.split(self.widths)):
                 p.weight.into(rows)
         if cache is not None:
@@ -212,8 +216,9 @@ class LinearGroup:
             col += p.b.shape[1]
         return _Low(a, blocks, a_all, b_all)
 
-    def _h(self, n: Tensor, masks: list[Tensor | None], low: _Low,
-           outs: list[Tensor | None] | None = None) -> list[Tensor | None]:  # fmt: skip
+    def _h(
+        self, n: Tensor, masks: list[Tensor | None], low: _Low, outs: list[Tensor | None] | None = None
+    ) -> list[Tensor | None]:
         """Each adapter's ``n @ Aᵀ`` (dropped out: `outs`' where given), in the activation dtype."""
         if not self.adapted:
             return [None] * len(self.linears)
@@ -227,9 +232,15 @@ class LinearGroup:
             for p, a, m, o in zip(self.linears, low.a, masks, outs)
         ]
 
-    def forward(self, n: Tensor, masks: list[Tensor | None], cache: dict[str, Tensor] | None = None, *,
-                skip: Sequence[str] = (), residual: Tensor | None = None,
-                ) -> tuple[list[Tensor | None], GroupState]:  # fmt: skip
+    def forward(
+        self,
+        n: Tensor,
+        masks: list[Tensor | None],
+        cache: dict[str, Tensor] | None = None,
+        *,
+        skip: Sequence[str] = (),
+        residual: Tensor | None = None,
+    ) -> tuple[list[Tensor | None], GroupState]:
         """Each linear's output (None for those in `skip`: the backward does not need
         them), and what the backward needs. With `residual` (one linear only) the output
         is ``residual + linear(n)``: the linear (base and adapter) is rounded at its own
@@ -249,8 +260,14 @@ class LinearGroup:
                     [n.new_zeros(o) if b is None else b.to(n.dtype) for b, o in zip(biases, self.widths)]
                 )
             if low.b_all is not None:  # every adapter in one matmul; h's blocks lie side by side
-                base = adapter_then_base(n, w, joined([hp for hp in h if hp is not None], dim=1), low.b_all,
-                                         self.adapted[0].scaling, bias)  # fmt: skip
+                base = adapter_then_base(
+                    n,
+                    w,
+                    joined([hp for hp in h if hp is not None], dim=1),
+                    low.b_all,
+                    self.adapted[0].scaling,
+                    bias,
+                )
             else:
                 base = n.mm(w.t()) if bias is None else torch.addmm(bias, n, w.t())
             outs: list[Tensor | None] = list(base.split(self.widths, dim=1))
@@ -285,8 +302,9 @@ class LinearGroup:
             masks.outs = None  # read once, here: the state keeps the masks alone
         return GroupState(n, self._h(self._wide(n), masks, low, outs), list(masks), low)
 
-    def backward(self, grads: Sequence[Tensor], state: GroupState,
-                 cache: dict[str, Tensor] | None = None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    def backward(
+        self, grads: Sequence[Tensor], state: GroupState, cache: dict[str, Tensor] | None = None
+    ) -> tuple[Tensor, list[Tensor]]:
         """The input's gradient and the adapters' (float32, ``a`` then ``b`` per adapter,
         in `params` order), from each linear's output gradient."""
         n = state.n
@@ -313,8 +331,13 @@ class LinearGroup:
             g_n.add_(dropped(gh.mm(a), m, p))
         return g_n, param_grads
 
-    def _adapter_grads(self, grads: Sequence[Tensor], state: GroupState, low: _Low, n: Tensor,
-                       ) -> tuple[list[Tensor], tuple[Tensor, Tensor] | None, list[tuple]]:  # fmt: skip
+    def _adapter_grads(
+        self,
+        grads: Sequence[Tensor],
+        state: GroupState,
+        low: _Low,
+        n: Tensor,
+    ) -> tuple[list[Tensor], tuple[Tensor, Tensor] | None, list[tuple]]:
         """The adapters' gradients, one adapter at a time, and their branches of the
         input's gradient: as one ``(ghs side by side) @ A_all`` where nothing drops out,
         else one ``(gh_p @ A_p)`` per adapter, to be dropped out (``(linear, gh, mask, A)``)."""
@@ -336,8 +359,13 @@ class LinearGroup:
         branch = (torch.cat(gh_all, dim=1), low.a_all) if gh_all else None
         return param_grads, branch, dropped_out
 
-    def _blocked_backward(self, g_joined: Tensor, state: GroupState, low: _Low, n: Tensor,
-                          ) -> tuple[list[Tensor], tuple[Tensor, Tensor], list[tuple]]:  # fmt: skip
+    def _blocked_backward(
+        self,
+        g_joined: Tensor,
+        state: GroupState,
+        low: _Low,
+        n: Tensor,
+    ) -> tuple[list[Tensor], tuple[Tensor, Tensor], list[tuple]]:
         """`_adapter_grads` of a `blocked` group: ``gh = s · [g_q g_k g_v] @ B_all`` (every
         adapter's branch gradient side by side), A's gradients as one ``ghᵀ @ n``, B's as
         one ``s · [g_q g_k g_v]ᵀ @ h_all`` whose diagonal blocks they are (copied out: a

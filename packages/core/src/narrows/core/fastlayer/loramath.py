@@ -43,8 +43,9 @@ def _unread(device: torch.device, dtype: torch.dtype) -> Tensor:
     return torch.empty((), device=device, dtype=dtype)
 
 
-def adapter_then_base(n: Tensor, w: Tensor, h: Tensor, b: Tensor, scaling: float,
-                      bias: Tensor | None = None) -> Tensor:  # fmt: skip
+def adapter_then_base(
+    n: Tensor, w: Tensor, h: Tensor, b: Tensor, scaling: float, bias: Tensor | None = None
+) -> Tensor:
     """``bias + n @ wᵀ + scaling · h @ bᵀ`` for `h` in `n`'s dtype: the adapter's product
     (with the bias) written first, rounded once, and the base matmul accumulated onto it
     in its epilogue, rounded once. Adding the adapter after the base reads and writes the

@@ -69,15 +69,25 @@ def _liger():
 @functools.cache
 def _liger_norm():
     """Liger-Kernel's RMSNorm module (0.8.5's forward and backward)."""
-    return _library("rms_norm", lambda m: _params(m.rms_norm_forward) == ["X", "W", "eps", "offset", "casting_mode",
-                    "row_mode"] and "needs_dw" in _params(m.rms_norm_backward))  # fmt: skip
+    return _library(
+        "rms_norm",
+        lambda m: (
+            _params(m.rms_norm_forward) == ["X", "W", "eps", "offset", "casting_mode", "row_mode"]
+            and "needs_dw" in _params(m.rms_norm_backward)
+        ),
+    )
 
 
 @functools.cache
 def _liger_rope():
     """Liger-Kernel's RoPE module (forward and backward taking q, k, cos, sin first)."""
-    return _library("rope", lambda m: _params(m.rope_forward)[:4] == ["q", "k", "cos", "sin"]
-                    and _params(m.rope_backward)[:4] == ["dq", "dk", "cos", "sin"])  # fmt: skip
+    return _library(
+        "rope",
+        lambda m: (
+            _params(m.rope_forward)[:4] == ["q", "k", "cos", "sin"]
+            and _params(m.rope_backward)[:4] == ["dq", "dk", "cos", "sin"]
+        ),
+    )
 
 
 @functools.cache
@@ -128,10 +138,12 @@ def kernels_in_use(device: torch.device | str) -> dict[str, str]:
     """Which implementation each op runs on `device` ("liger" or "torch"); the per-head
     norms of Qwen3 always run the reference."""
     cuda = torch.device(device).type == "cuda"
-    return {"rms_norm": "liger" if cuda and _liger_norm() is not None else "torch",
-            "rope": "liger" if cuda and _liger_rope() is not None else "torch",
-            "swiglu": "liger" if cuda and _liger() is not None else "torch",
-            "swiglu_halves": "narrows-triton" if cuda and _triton_halves() is not None else "torch"}  # fmt: skip
+    return {
+        "rms_norm": "liger" if cuda and _liger_norm() is not None else "torch",
+        "rope": "liger" if cuda and _liger_rope() is not None else "torch",
+        "swiglu": "liger" if cuda and _liger() is not None else "torch",
+        "swiglu_halves": "narrows-triton" if cuda and _triton_halves() is not None else "torch",
+    }
 
 
 def _wide(t: Tensor) -> Tensor:
@@ -171,8 +183,19 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: NormState) 
     ``g = grad * weight`` and ``y = x * rstd``, all in float32."""
     if isinstance(rstd, _LigerNormState):
         st = rstd
-        d_x, _ = _liger_norm().rms_norm_backward(grad.contiguous(), x, weight, st.rstd, 0.0, st.mode, st.block,
-                                                 st.warps, False, False, needs_dw=False)  # fmt: skip
+        d_x, _ = _liger_norm().rms_norm_backward(
+            grad.contiguous(),
+            x,
+            weight,
+            st.rstd,
+            0.0,
+            st.mode,
+            st.block,
+            st.warps,
+            False,
+            False,
+            needs_dw=False,
+        )
         return d_x
     y = _wide(x) * rstd
     g = _wide(grad) * weight.to(y.dtype)

@@ -21,10 +21,22 @@ if TYPE_CHECKING:
     from .runstate import RunBase, RunState, run_base, run_state
 
 # imported on first use (PEP 562): the CLI's flags (`command`) load without torch
-_LAZY = {"RESUMABLE": "config", "FinetuneConfig": "config", "LMHeadSpec": "config", "parse_lmhead": "config",
-         "eval_loss": "evaluate", "exact_match": "evaluate", "finetune": "job", "resume": "job",
-         "format_summary": "report", "RunFolder": "rundir", "RunBase": "runstate", "RunState": "runstate",
-         "run_base": "runstate", "run_state": "runstate"}  # fmt: skip
+_LAZY = {
+    "RESUMABLE": "config",
+    "FinetuneConfig": "config",
+    "LMHeadSpec": "config",
+    "parse_lmhead": "config",
+    "eval_loss": "evaluate",
+    "exact_match": "evaluate",
+    "finetune": "job",
+    "resume": "job",
+    "format_summary": "report",
+    "RunFolder": "rundir",
+    "RunBase": "runstate",
+    "RunState": "runstate",
+    "run_base": "runstate",
+    "run_state": "runstate",
+}
 __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 
 

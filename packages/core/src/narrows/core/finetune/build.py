@@ -77,8 +77,11 @@ def load_data(
         train = tokenize_rows(
             ((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, cfg.seq_len
         )
-        evals = tokenize_rows(((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])),
-                              tokenizer, cfg.seq_len)  # fmt: skip
+        evals = tokenize_rows(
+            ((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])),
+            tokenizer,
+            cfg.seq_len,
+        )
         said = [f"data: GSM8K worked answers, {train.describe()}"]
         return (
             _packed(cfg, train, said),
@@ -91,8 +94,9 @@ def load_data(
     said = [f"data {cfg.data}: {train.describe()} ({how})"]
     evals: Sequence[Example] = []
     if cfg.eval_data:
-        evals, how = tokenize(open_source(cfg.eval_data, cfg.eval_split, "--eval-data"), tokenizer, cfg.seq_len,
-                              renames)  # fmt: skip
+        evals, how = tokenize(
+            open_source(cfg.eval_data, cfg.eval_split, "--eval-data"), tokenizer, cfg.seq_len, renames
+        )
         said.append(
             f"eval data {cfg.eval_data}: {evals.describe()} ({how}); the first {cfg.eval_rows} evaluated"
         )
@@ -104,8 +108,10 @@ def _packed(cfg: FinetuneConfig, train: Tokenized, said: list[str]) -> Sequence[
     if not cfg.packing:
         return train
     packed = Packed(train, cfg.seq_len)
-    said.append(f"packing: {len(train)} examples in {len(packed)} sequences of {cfg.seq_len} tokens, "
-                f"{packed.fill():.1%} of them real tokens")  # fmt: skip
+    said.append(
+        f"packing: {len(train)} examples in {len(packed)} sequences of {cfg.seq_len} tokens, "
+        f"{packed.fill():.1%} of them real tokens"
+    )
     return packed
 
 
@@ -116,8 +122,15 @@ def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: to
     from ..inference import load_base
 
     cache = False if cfg.cache == "off" else (cfg.cache or True)
-    return load_base(folder, dtype=dtype, quant=cfg.quant, device=device, streamed=cfg.gpu_budget != "off",
-                     host_budget=cfg.host_budget, cache=cache)[0]  # fmt: skip
+    return load_base(
+        folder,
+        dtype=dtype,
+        quant=cfg.quant,
+        device=device,
+        streamed=cfg.gpu_budget != "off",
+        host_budget=cfg.host_budget,
+        cache=cache,
+    )[0]
 
 
 def _targets(model: nn.Module, targets: str) -> str | list[str]:
@@ -127,8 +140,10 @@ def _targets(model: nn.Module, targets: str) -> str | list[str]:
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = [t for t in wanted if t not in linear]
     if missing or not wanted:
-        raise NarrowsError(f"--targets {targets!r}: no linear module named {missing or targets!r} in this model; "
-                           f"it has {sorted(linear)} (or use all-linear)")  # fmt: skip
+        raise NarrowsError(
+            f"--targets {targets!r}: no linear module named {missing or targets!r} in this model; "
+            f"it has {sorted(linear)} (or use all-linear)"
+        )
     return wanted
 
 
@@ -142,12 +157,14 @@ def apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
         spec = parse_lmhead(lmhead)
         # evaluation through the exact chunked loss too: the full logits of an eval batch
         # would take more than the budget the training fits (2.56 GB at 1900 MiB, 7B on the H100)
-        narrows.lmhead.apply(model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused,
-                             eval_logits=False)  # fmt: skip
+        narrows.lmhead.apply(
+            model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused, eval_logits=False
+        )
 
 
-def build_model(cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype,
-                world_size: int = 1) -> nn.Module:  # fmt: skip
+def build_model(
+    cfg: FinetuneConfig, model: nn.Module, device: torch.device, dtype: torch.dtype, world_size: int = 1
+) -> nn.Module:
     """The PEFT model that trains: adapter (initialised from the run's seed), then DoRA,
     streaming and the LM-head savings as asked."""
     from peft import get_peft_model
@@ -198,7 +215,7 @@ def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1
 
     host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
     return narrows.stream.StreamConfig(
-        gpu_budget=cfg.gpu_budget if cfg.gpu_budget == "fit" else parse_bytes(cfg.gpu_budget),
+        gpu_budget=cfg.gpu_budget if cfg.gpu_budget in ("fit", "min") else parse_bytes(cfg.gpu_budget),
         device=device,
         batch_size=cfg.batch,
         seq_len=cfg.seq_len,
@@ -220,8 +237,11 @@ def choose_accumulation(cfg: FinetuneConfig, model: nn.Module) -> tuple[bool, st
     if cfg.gpu_budget == "off":
         return False, ""
     if cfg.step_mode is not None:  # given, or the settings a resumed run started with
-        return cfg.step_mode, ("block-major (asked for: --step-mode, --offload-optimizer or --offload-adapters)" if cfg.step_mode
-                               else "sequential (step mode off: --no-step-mode, or the settings this run started with)")  # fmt: skip
+        return cfg.step_mode, (
+            "block-major (asked for: --step-mode, --offload-optimizer or --offload-adapters)"
+            if cfg.step_mode
+            else "sequential (step mode off: --no-step-mode, or the settings this run started with)"
+        )
     if cfg.grad_accum < 2:
         return False, ""
     plan = model.narrows_stream.plan  # the planner decided when it planned the stream

@@ -111,7 +111,7 @@ class FinetuneConfig:
     dropout: float = 0.0
     targets: str = "all-linear"
     quant: str = "none"
-    gpu_budget: str = "off"  # off | fit | a size such as 12GiB
+    gpu_budget: str = "off"  # off | fit | min (the smallest footprint) | a size such as 12GiB
     host_budget: str | None = (
         None  # host RAM for a streamed base (default: 85% of available); the rest on disk
     )
@@ -178,8 +178,9 @@ class FinetuneConfig:
             if getattr(self, name) < 1:
                 raise NarrowsError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         if self.eval_every is not None and self.eval_every < 1:
-            raise NarrowsError(f"--eval-every must be at least 1 (steps between held-out evaluations), "
-                               f"got {self.eval_every}")  # fmt: skip
+            raise NarrowsError(
+                f"--eval-every must be at least 1 (steps between held-out evaluations), got {self.eval_every}"
+            )
         for name in ("eval_rows", "exact_match", "seed"):
             if getattr(self, name) < 0:
                 raise NarrowsError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
@@ -198,10 +199,14 @@ class FinetuneConfig:
                 "--data needs --model too (the embedded default model comes with its own data)"
             )
         if self.model is not None and self.data is None:
-            raise NarrowsError("--model needs --data (a local JSONL, parquet, arrow, csv or json file, or a "
-                               "save_to_disk folder)")  # fmt: skip
-        for flag, split, of, source in (("--data-split", self.data_split, "--data", self.data),
-                                        ("--eval-split", self.eval_split, "--eval-data", self.eval_data)):  # fmt: skip
+            raise NarrowsError(
+                "--model needs --data (a local JSONL, parquet, arrow, csv or json file, or a "
+                "save_to_disk folder)"
+            )
+        for flag, split, of, source in (
+            ("--data-split", self.data_split, "--data", self.data),
+            ("--eval-split", self.eval_split, "--eval-data", self.eval_data),
+        ):
             if split is not None and source is None:
                 raise NarrowsError(f"{flag} chooses a split of {of}: give {of} too, or drop {flag}")
         if self.columns is not None:
@@ -217,43 +222,59 @@ class FinetuneConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise NarrowsError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.kernels not in ("fast", "peft"):
-            raise NarrowsError(f"--kernels must be fast (narrows' fast decoder layers where they cover the model) "
-                               f"or peft (PEFT's modules, PEFT's bits), got {self.kernels!r}")  # fmt: skip
+            raise NarrowsError(
+                f"--kernels must be fast (narrows' fast decoder layers where they cover the model) "
+                f"or peft (PEFT's modules, PEFT's bits), got {self.kernels!r}"
+            )
         if self.lora_dtype not in ("auto", "float32"):
-            raise NarrowsError(f"--lora-dtype must be auto (the fast layers' adapters compute in the activations' "
-                               f"dtype) or float32 (PEFT's arithmetic for them), got {self.lora_dtype!r}")  # fmt: skip
+            raise NarrowsError(
+                f"--lora-dtype must be auto (the fast layers' adapters compute in the activations' "
+                f"dtype) or float32 (PEFT's arithmetic for them), got {self.lora_dtype!r}"
+            )
         if self.lora_dtype == "float32" and self.kernels != "fast":
-            raise NarrowsError("--lora-dtype float32 is the fast layers' option; with --kernels peft PEFT computes "
-                               "the adapters in their own dtype already: give --lora-dtype auto (or leave it out)")  # fmt: skip
+            raise NarrowsError(
+                "--lora-dtype float32 is the fast layers' option; with --kernels peft PEFT computes "
+                "the adapters in their own dtype already: give --lora-dtype auto (or leave it out)"
+            )
         if self.adapter == "dora":
             require("narrows.dora", "--adapter dora")
         if self.quant == "nf4":
             require("bitsandbytes", "--quant nf4")
         if self.gpu_budget != "off":
             require("narrows.stream", "--gpu-budget")
-            if self.gpu_budget != "fit":
+            if self.gpu_budget not in ("fit", "min"):
                 size("--gpu-budget", self.gpu_budget)
         if self.host_budget is not None:
             if self.gpu_budget == "off":
-                raise NarrowsError("--host-budget bounds the host copy of a streamed base: add --gpu-budget "
-                                   "(e.g. --gpu-budget 12GiB), or drop --host-budget")  # fmt: skip
+                raise NarrowsError(
+                    "--host-budget bounds the host copy of a streamed base: add --gpu-budget "
+                    "(e.g. --gpu-budget 12GiB), or drop --host-budget"
+                )
             size("--host-budget", self.host_budget)
         if self.cache is not None and self.gpu_budget == "off":
             raise NarrowsError(
                 "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
             )
-        for flag, on in (("step-mode", self.step_mode), ("offload-optimizer", self.offload_optimizer),
-                         ("offload-adapters", self.offload_adapters), ("cuda-graphs", self.cuda_graphs)):  # fmt: skip
+        for flag, on in (
+            ("step-mode", self.step_mode),
+            ("offload-optimizer", self.offload_optimizer),
+            ("offload-adapters", self.offload_adapters),
+            ("cuda-graphs", self.cuda_graphs),
+        ):
             if on and self.gpu_budget == "off":
-                raise NarrowsError(f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
-                                   f"(e.g. --gpu-budget 12GiB), or drop --{flag}")  # fmt: skip
+                raise NarrowsError(
+                    f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
+                    f"(e.g. --gpu-budget 12GiB), or drop --{flag}"
+                )
         flag = "--step-mode"
         hosted = "--offload-adapters" if self.offload_adapters else "--offload-optimizer"
         if self.offload_adapters:
             if self.grad_accum < 2:
-                raise NarrowsError("--offload-adapters keeps one layer's adapters on the GPU at a time, which a "
-                                   "block-major step of several micro-batches does: add --grad-accum N (N ≥ 2), "
-                                   "or use --offload-optimizer alone")  # fmt: skip
+                raise NarrowsError(
+                    "--offload-adapters keeps one layer's adapters on the GPU at a time, which a "
+                    "block-major step of several micro-batches does: add --grad-accum N (N ≥ 2), "
+                    "or use --offload-optimizer alone"
+                )
             self.offload_optimizer = True  # each layer's adapters go back to host memory after its update
         if self.offload_optimizer and self.step_mode is None:
             self.step_mode = True  # the optimizer state waits in host memory between a step's layer updates
@@ -265,9 +286,11 @@ class FinetuneConfig:
                 "or run it in one process"
             )
         if self.offload_optimizer and self.step_mode is False:
-            raise NarrowsError(f"{hosted} updates each layer inside a step-mode step, and step mode is off "
-                               "(--no-step-mode, or the settings a resumed run started with): add --step-mode, or "
-                               f"drop {hosted}")  # fmt: skip
+            raise NarrowsError(
+                f"{hosted} updates each layer inside a step-mode step, and step mode is off "
+                "(--no-step-mode, or the settings a resumed run started with): add --step-mode, or "
+                f"drop {hosted}"
+            )
         if self.lmhead not in ("auto", "off"):
             require("narrows.lmhead", "--lmhead")
             parse_lmhead(self.lmhead)
@@ -281,8 +304,10 @@ class FinetuneConfig:
             return None
         if value == "auto":
             if self.gpu_budget == "off":
-                raise NarrowsError("--seq-tile auto lets the planner of a streamed base decide: add --gpu-budget "
-                                   "(e.g. --gpu-budget 6GiB), or give a tile size such as --seq-tile 2048")  # fmt: skip
+                raise NarrowsError(
+                    "--seq-tile auto lets the planner of a streamed base decide: add --gpu-budget "
+                    "(e.g. --gpu-budget 6GiB), or give a tile size such as --seq-tile 2048"
+                )
             require("narrows.stream", "--seq-tile")
             return value
         if not value.isdigit() or int(value) < 1:
@@ -355,6 +380,8 @@ def parse_lmhead(text: str) -> LMHeadSpec:
         elif part.startswith("fused=") and part[6:] in ("auto", "off", "cce"):
             spec["fused"] = part[6:]
         else:
-            raise NarrowsError(f"--lmhead {text!r}: unknown part {part!r}; use mask, chunked, topk=K and/or "
-                               "fused=auto|off|cce")  # fmt: skip
+            raise NarrowsError(
+                f"--lmhead {text!r}: unknown part {part!r}; use mask, chunked, topk=K and/or "
+                "fused=auto|off|cce"
+            )
     return LMHeadSpec(**spec)  # type: ignore[arg-type]

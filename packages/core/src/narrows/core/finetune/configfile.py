@@ -46,8 +46,10 @@ def check_settings(saved: object, where: str) -> dict[str, Any]:
     """`saved` checked to be FinetuneConfig's fields by name and JSON type; `where` (a file,
     or a flag and a file) begins every refusal."""
     if not isinstance(saved, dict):
-        raise NarrowsError(f'{where}: expected a JSON object of settings, e.g. {{"steps": 200}}, '
-                           f"found a JSON {type(saved).__name__}")  # fmt: skip
+        raise NarrowsError(
+            f'{where}: expected a JSON object of settings, e.g. {{"steps": 200}}, '
+            f"found a JSON {type(saved).__name__}"
+        )
     fields = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
     unknown = sorted(k for k in saved if k not in fields)
     if unknown:
@@ -116,8 +118,10 @@ def read_run_file(file: Path) -> RunFile:
         settings = check_settings(saved, where)
         return RunFile(FinetuneConfig.from_dict(settings, where), [], None, None)
     if "config" not in saved:
-        raise NarrowsError(f'{where}: no "config" (the run\'s settings); the file is damaged: put back the run\'s '
-                           "own config.json, or start a new run with --out")  # fmt: skip
+        raise NarrowsError(
+            f"{where}: no \"config\" (the run's settings); the file is damaged: put back the run's "
+            "own config.json, or start a new run with --out"
+        )
     config = FinetuneConfig.from_dict(check_settings(saved["config"], f"{where}: config"), where)
     history = saved.get("history", [])
     if not (isinstance(history, list) and all(isinstance(e, dict) for e in history)):

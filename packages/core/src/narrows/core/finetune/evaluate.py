@@ -16,8 +16,16 @@ from torch import nn
 from ..data import TRAINING, Example, collate
 from ..memory import read_peaks, reset_peaks
 
-__all__ = ["answer_scores", "eval_loss", "eval_row", "exact_match", "generate_answers", "graph_captures",
-           "measured_peak", "to_device"]  # fmt: skip
+__all__ = [
+    "answer_scores",
+    "eval_loss",
+    "eval_row",
+    "exact_match",
+    "generate_answers",
+    "graph_captures",
+    "measured_peak",
+    "to_device",
+]
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -40,8 +48,14 @@ def progress_bar(total: float, desc: str, unit: str, show: bool | None):
 
 
 @torch.no_grad()
-def eval_loss(model: nn.Module, examples: list[Example], batch: int, pad_id: int, device: torch.device,
-              show: bool | None = None) -> float:  # fmt: skip
+def eval_loss(
+    model: nn.Module,
+    examples: list[Example],
+    batch: int,
+    pad_id: int,
+    device: torch.device,
+    show: bool | None = None,
+) -> float:
     """Mean cross-entropy per trainable token over `examples`, full softmax, eval mode.
     `show`: a bar over the batches (True), a line (False) or nothing (None)."""
     if not examples:
@@ -69,8 +83,14 @@ def eval_loss(model: nn.Module, examples: list[Example], batch: int, pad_id: int
     return total / count
 
 
-def eval_row(model: nn.Module, examples: list[Example], batch: int, pad_id: int, device: torch.device,
-             show: bool | None = None) -> dict:  # fmt: skip
+def eval_row(
+    model: nn.Module,
+    examples: list[Example],
+    batch: int,
+    pad_id: int,
+    device: torch.device,
+    show: bool | None = None,
+) -> dict:
     """`eval_loss` and, on a CUDA device, the evaluation's own peak of allocated bytes
     (``eval_peak_bytes``): an evaluation runs outside the steps' peaks, and a budget
     holds for it too."""
@@ -119,8 +139,15 @@ def _answer_done(text: str) -> int | None:
 
 
 @torch.no_grad()
-def generate_answers(model: nn.Module, tokenizer, rows: list[dict], device: torch.device, max_new_tokens: int = 200,
-                     bar=None, label: str = "") -> list[str]:  # fmt: skip
+def generate_answers(
+    model: nn.Module,
+    tokenizer,
+    rows: list[dict],
+    device: torch.device,
+    max_new_tokens: int = 200,
+    bar=None,
+    label: str = "",
+) -> list[str]:
     """Greedy answers to `rows`' questions, one problem at a time: each stops at the end of
     its sequence or once its final ``#### N`` line is complete (then cut there), instead of
     always running `max_new_tokens`. `bar` (tqdm) advances by a fraction per token and a
@@ -152,16 +179,23 @@ def generate_answers(model: nn.Module, tokenizer, rows: list[dict], device: torc
             enc = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(device)
             start = enc["input_ids"].shape[1]
             stop = AnswerGiven(start)
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                 stopping_criteria=StoppingCriteriaList([stop]))  # fmt: skip
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList([stop]),
+            )
             text = tokenizer.decode(out[0, start:], skip_special_tokens=True)
             end = _answer_done(text)
             texts.append(text if end is None else text[:end])
             if bar is not None:
                 bar.update(1 - stop.moved)
             elif label:
-                say(f"{label}: problem {k + 1}/{len(rows)}, {out.shape[1] - start} tokens "
-                    f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+                say(
+                    f"{label}: problem {k + 1}/{len(rows)}, {out.shape[1] - start} tokens "
+                    f"({time.perf_counter() - t0:.0f} s)"
+                )
     finally:
         model.train(was_training)
     return texts

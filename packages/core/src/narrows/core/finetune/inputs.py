@@ -75,8 +75,11 @@ def _size(path: Path) -> int:
 def _fingerprint(name: str, path: Path, loud: bool) -> dict:
     size = _size(path)
     if loud and size > _LOUD:
-        print(f"narrows: hashing {INPUTS[name][1]} {path} ({format_bytes(size)}) to record what the run trains on",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"narrows: hashing {INPUTS[name][1]} {path} ({format_bytes(size)}) to record what the run trains on",
+            file=sys.stderr,
+            flush=True,
+        )
     return INPUTS[name][2](path)
 
 
@@ -111,7 +114,9 @@ def require_inputs(folder: Path, cfg: FinetuneConfig) -> None:
         hint = f"if it moved, name its new place: narrows finetune --resume {folder} {flag} NEW_PATH"
         if getattr(cfg, name) is None:
             hint = "the embedded default's package is missing or was reinstalled elsewhere: pip install 'narrows-core[default]'"
-        raise NarrowsError(f"--resume {folder}: the {what} the run trained on, {path}, is not there any more; {hint}")  # fmt: skip
+        raise NarrowsError(
+            f"--resume {folder}: the {what} the run trained on, {path}, is not there any more; {hint}"
+        )
 
 
 def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, override: bool) -> InputCheck:
@@ -133,15 +138,19 @@ def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, overr
         if old is None:
             if recorded is not None:
                 continue
-            check.notes.append(f"{flag} {path}: this run started before narrows recorded its inputs' content, so "
-                               "it cannot tell whether they changed; recorded now")  # fmt: skip
+            check.notes.append(
+                f"{flag} {path}: this run started before narrows recorded its inputs' content, so "
+                "it cannot tell whether they changed; recorded now"
+            )
             continue
         diffs = differences(old["fingerprint"], fingerprint)
         headers_only = unsampled(old["fingerprint"])
         if headers_only and not diffs:
-            check.notes.append(f"{flag} {path}: recorded before narrows sampled the weights' content, so only the "
-                               f"size and header of {', '.join(headers_only)} could be compared; sampled and "
-                               "recorded now")  # fmt: skip
+            check.notes.append(
+                f"{flag} {path}: recorded before narrows sampled the weights' content, so only the "
+                f"size and header of {', '.join(headers_only)} could be compared; sampled and "
+                "recorded now"
+            )
         if diffs:
             if not override:
                 raise NarrowsError(
@@ -151,8 +160,10 @@ def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, overr
                     "as it is (recorded in the run's history)"
                 )
             check.changed[name] = diffs
-            check.notes.append(f"{flag} {path} differs from what the run started with ({'; '.join(diffs)}); "
-                               "continuing on it (--override, recorded in the run's history)")  # fmt: skip
+            check.notes.append(
+                f"{flag} {path} differs from what the run started with ({'; '.join(diffs)}); "
+                "continuing on it (--override, recorded in the run's history)"
+            )
         if getattr(cfg, name) is not None and os.path.normpath(old["path"]) != os.path.normpath(path):
             check.moved[name] = [old["path"], str(path)]
             if not diffs:

@@ -65,9 +65,18 @@ def resume(
     with ranks.joined(device):
         file = ranks.first(lambda: (run.claim_existing(), run.read_file())[1])
         try:
-            settled = ranks.first(lambda: plan_resume(run.root, file, changes or {}, ranks.world, override,
-                                                      newest=run.newest_step(), logged=run.logged_step(),
-                                                      summarized=(run.root / "summary.json").is_file()))  # fmt: skip
+            settled = ranks.first(
+                lambda: plan_resume(
+                    run.root,
+                    file,
+                    changes or {},
+                    ranks.world,
+                    override,
+                    newest=run.newest_step(),
+                    logged=run.logged_step(),
+                    summarized=(run.root / "summary.json").is_file(),
+                )
+            )
             done = _finished(run, settled)
             if done is not None:
                 return done if ranks.main else None
@@ -76,8 +85,15 @@ def resume(
             run.release()
 
 
-def _resume(run: RunFolder, ranks: Ranks, device: torch.device, settled: Resumption, file: RunFile,
-            override: bool, progress: bool) -> dict | None:  # fmt: skip
+def _resume(
+    run: RunFolder,
+    ranks: Ranks,
+    device: torch.device,
+    settled: Resumption,
+    file: RunFile,
+    override: bool,
+    progress: bool,
+) -> dict | None:
     cfg = settled.cfg
     found = check_inputs(run.root, cfg, file.inputs, override)
     cfg.check()  # settled already, unless the run had ended (then nothing was left to check)
@@ -91,11 +107,24 @@ def _resume(run: RunFolder, ranks: Ranks, device: torch.device, settled: Resumpt
         for line in [*found.notes, *settled.said(run.root)]:
             print(f"narrows: {line}", file=sys.stderr, flush=True)
         if run.newest_step() == 0:
-            print(f"narrows: {run.root} has no checkpoint"
-                  + (" left" if settled.restart else f" yet (the first is written at step {cfg.save_every})")
-                  + ": the run starts from step 0", file=sys.stderr, flush=True)  # fmt: skip
-    return _run(cfg, run, ranks, device, resuming=True, entry=entry, progress=progress, history=file.history,
-                inputs=found.inputs)  # fmt: skip
+            print(
+                f"narrows: {run.root} has no checkpoint"
+                + (" left" if settled.restart else f" yet (the first is written at step {cfg.save_every})")
+                + ": the run starts from step 0",
+                file=sys.stderr,
+                flush=True,
+            )
+    return _run(
+        cfg,
+        run,
+        ranks,
+        device,
+        resuming=True,
+        entry=entry,
+        progress=progress,
+        history=file.history,
+        inputs=found.inputs,
+    )
 
 
 def _finished(run: RunFolder, settled: Resumption) -> dict | None:
@@ -111,8 +140,10 @@ def _finished(run: RunFolder, settled: Resumption) -> dict | None:
         summary = json.loads(summary_path.read_text())
     except (OSError, ValueError):
         return None  # damaged: the resumed run writes it again
-    say(f"{run.root} finished at step {steps}; nothing to resume. To train further, extend it: "
-        f"narrows finetune --resume {run.root} --steps {2 * steps}")  # fmt: skip
+    say(
+        f"{run.root} finished at step {steps}; nothing to resume. To train further, extend it: "
+        f"narrows finetune --resume {run.root} --steps {2 * steps}"
+    )
     return summary
 
 
@@ -136,8 +167,18 @@ def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device, *, resuming: bool, entry: dict,
-         progress: bool, history: list[dict] | None = None, inputs: dict | None = None) -> dict | None:  # fmt: skip
+def _run(
+    cfg: FinetuneConfig,
+    run: RunFolder,
+    ranks: Ranks,
+    device: torch.device,
+    *,
+    resuming: bool,
+    entry: dict,
+    progress: bool,
+    history: list[dict] | None = None,
+    inputs: dict | None = None,
+) -> dict | None:
     """`inputs`: what a resumed run found (`check_inputs`); a new run records its own."""
     from .. import __version__
 
@@ -159,8 +200,12 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
 
     if inputs is None:  # the model and data by content, before either is read
         inputs = record_inputs(cfg, loud=ranks.main)
-    stage("model: checking its files (the embedded default: its GGUF converted to a float folder once, "
-          "cached under $NARROWS_CACHE/gguf)" if cfg.model is None else f"model {cfg.model}: checking its files")  # fmt: skip
+    stage(
+        "model: checking its files (the embedded default: its GGUF converted to a float folder once, "
+        "cached under $NARROWS_CACHE/gguf)"
+        if cfg.model is None
+        else f"model {cfg.model}: checking its files"
+    )
     folder = check_model_files(cfg)  # headers, before any weight
     stage("loading the tokenizer")
     from transformers import AutoTokenizer
@@ -176,8 +221,11 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         ranks.agree(
             narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
         )  # the tokenised (or packed) data
-    stage(f"loading the model on {device} ({str(dtype).removeprefix('torch.')}"
-          + (", streamed within --gpu-budget" if cfg.gpu_budget != "off" else "") + ")")  # fmt: skip
+    stage(
+        f"loading the model on {device} ({str(dtype).removeprefix('torch.')}"
+        + (", streamed within --gpu-budget" if cfg.gpu_budget != "off" else "")
+        + ")"
+    )
     loaded = load_model(cfg, folder, dtype, device)
     stage(f"building the {cfg.adapter} adapter (rank {cfg.rank}, {cfg.targets})")
     model = build_model(cfg, loaded, device, dtype, ranks.world)
@@ -219,13 +267,38 @@ def _run(cfg: FinetuneConfig, run: RunFolder, ranks: Ranks, device: torch.device
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
-    train(cfg, run, model, optimizer, scheduler, train_set, evals, pad_id, device, state, bar, ranks, net,
-          step_mode=step_mode)  # fmt: skip
+    train(
+        cfg,
+        run,
+        model,
+        optimizer,
+        scheduler,
+        train_set,
+        evals,
+        pad_id,
+        device,
+        state,
+        bar,
+        ranks,
+        net,
+        step_mode=step_mode,
+    )
     if not ranks.main:
         return None
 
-    summary = summarize(cfg, model, tokenizer, state.history, em_rows, device, dtype, state.tokens, setup_s,
-                        state.seconds, show=progress)  # fmt: skip
+    summary = summarize(
+        cfg,
+        model,
+        tokenizer,
+        state.history,
+        em_rows,
+        device,
+        dtype,
+        state.tokens,
+        setup_s,
+        state.seconds,
+        show=progress,
+    )
     summary["eval_rows"] = len(evals)  # what was evaluated: --eval-rows, or fewer held-out rows
     say("saving the adapter, summary.json and loss.png")
     if accumulation and "stream" in summary:

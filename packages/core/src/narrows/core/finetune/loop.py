@@ -68,9 +68,22 @@ class Progress:
     seconds: float = 0.0
 
 
-def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, scheduler, train_set: list[Example],
-          evals: list[Example], pad_id: int, device: torch.device, progress: Progress, bar,
-          ranks: Ranks | None = None, net: nn.Module | None = None, step_mode: bool = False) -> None:  # fmt: skip
+def train(
+    cfg: FinetuneConfig,
+    run: RunFolder,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    train_set: list[Example],
+    evals: list[Example],
+    pad_id: int,
+    device: torch.device,
+    progress: Progress,
+    bar,
+    ranks: Ranks | None = None,
+    net: nn.Module | None = None,
+    step_mode: bool = False,
+) -> None:
     """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes
     (rank 0 only, on several ranks). `net`: what the forward runs through (the
     data-parallel model; default `model`). `step_mode`: block-major accumulation
@@ -87,8 +100,9 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
         import narrows.stream
 
         try:  # the loss is already normalised over the step's tokens (num_items_in_batch)
-            stepper = narrows.stream.StepTrainer(model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler,
-                                                 scale_loss=False)  # host state and held weights: the plan's  # fmt: skip
+            stepper = narrows.stream.StepTrainer(
+                model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler, scale_loss=False
+            )  # host state and held weights: the plan's
         except narrows.stream.StreamSetupError as e:
             stepper = _sequential_instead(cfg, model, e)
         else:
@@ -96,11 +110,16 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 hosted = (
                     "; adapters and optimizer state in host memory between uses" if stepper.adapters else ""
                 )
-                print(f"narrows: step mode: held 4-bit weights {stepper.held_choice}{hosted}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"narrows: step mode: held 4-bit weights {stepper.held_choice}{hosted}",
+                    file=sys.stderr,
+                    flush=True,
+                )
     if ranks.main and progress.step < cfg.steps:
-        first = (f"step {progress.step + 1} of {cfg.steps}: the first step takes longer (memory allocated, "
-                 "kernels chosen and cached)")  # fmt: skip
+        first = (
+            f"step {progress.step + 1} of {cfg.steps}: the first step takes longer (memory allocated, "
+            "kernels chosen and cached)"
+        )
         if bar is not None:  # above the bar, which stays the last line
             bar.write(f"narrows: {first}", file=sys.stderr)
         else:
@@ -122,8 +141,17 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             stats = None
             if stepper is not None:
                 try:
-                    stats = stepper.step([{**to_device(collate(mb, pad_id, width), device), **TRAINING, "num_items_in_batch": n_items}
-                                          for mb in micro], seeds=seeds)  # fmt: skip
+                    stats = stepper.step(
+                        [
+                            {
+                                **to_device(collate(mb, pad_id, width), device),
+                                **TRAINING,
+                                "num_items_in_batch": n_items,
+                            }
+                            for mb in micro
+                        ],
+                        seeds=seeds,
+                    )
                 except narrows.stream.StreamSetupError as e:
                     stepper = _sequential_instead(cfg, model, e)  # refused before any gradient: in sequence
             if stats is not None:
@@ -155,8 +183,14 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
             peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
             if not ranks.main:  # rank 0 writes the run folder
                 continue
-            row = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens / dt,
-                   "step_s": dt, "peak_bytes": peak}  # fmt: skip
+            row = {
+                "step": step,
+                "loss": loss_sum,
+                "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": tokens / dt,
+                "step_s": dt,
+                "peak_bytes": peak,
+            }
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
             if evals and (step == cfg.steps or step % cfg.eval_interval == 0):
@@ -170,8 +204,10 @@ def train(cfg: FinetuneConfig, run: RunFolder, model: nn.Module, optimizer, sche
                 bar.update(1)
             else:
                 held = f" eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
-                print(f"step {step}/{cfg.steps} loss {loss_sum:.4f}{held} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
-                      flush=True)  # fmt: skip
+                print(
+                    f"step {step}/{cfg.steps} loss {loss_sum:.4f}{held} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
+                    flush=True,
+                )
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()

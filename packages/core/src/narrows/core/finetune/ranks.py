@@ -78,8 +78,10 @@ class Ranks:
             return torch.device("cuda")
         count = torch.cuda.device_count()
         if self.local >= count:
-            raise NarrowsError(f"local rank {self.local} has no GPU of its own: this machine shows {count}; start "
-                               f"at most {count} ranks per machine (torchrun --nproc-per-node {count})")  # fmt: skip
+            raise NarrowsError(
+                f"local rank {self.local} has no GPU of its own: this machine shows {count}; start "
+                f"at most {count} ranks per machine (torchrun --nproc-per-node {count})"
+            )
         return torch.device("cuda", self.local)
 
     @contextlib.contextmanager

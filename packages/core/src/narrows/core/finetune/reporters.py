@@ -45,8 +45,10 @@ def parse_report_to(text: str) -> list[str]:
         return [name for name, module in REPORTERS.items() if is_available(module)]
     unknown = [n for n in names if n not in REPORTERS]
     if unknown:
-        raise NarrowsError(f"--report-to {text}: unknown {', '.join(map(repr, unknown))}; give "
-                           f"{', '.join(REPORTERS)} (comma-separated), all (every one installed) or none")  # fmt: skip
+        raise NarrowsError(
+            f"--report-to {text}: unknown {', '.join(map(repr, unknown))}; give "
+            f"{', '.join(REPORTERS)} (comma-separated), all (every one installed) or none"
+        )
     for name in names:
         if not is_available(REPORTERS[name]):  # found, not imported: the check stays light
             require(REPORTERS[name], f"--report-to {name}")
@@ -80,9 +82,11 @@ def wandb_can_log() -> None:
             continue
         if entry and entry[2]:
             return
-    raise NarrowsError(f"--report-to wandb: W&B has no credentials here (no WANDB_API_KEY, no entry for {host} in "
-                       f"{files[0]}), so it would stop the run once the model is loaded: run `wandb login`, set "
-                       "WANDB_API_KEY, or set WANDB_MODE=offline to log into RUN/wandb and `wandb sync` it later")  # fmt: skip
+    raise NarrowsError(
+        f"--report-to wandb: W&B has no credentials here (no WANDB_API_KEY, no entry for {host} in "
+        f"{files[0]}), so it would stop the run once the model is loaded: run `wandb login`, set "
+        "WANDB_API_KEY, or set WANDB_MODE=offline to log into RUN/wandb and `wandb sync` it later"
+    )
 
 
 def open_reporters(config: dict, root: Path, step: int) -> list:
@@ -159,12 +163,21 @@ class WandB:
         else:
             run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
         try:
-            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "narrows", name=root.resolve().name,
-                                  id=run_id, resume="allow", dir=str(root), config=config, allow_val_change=True)  # fmt: skip
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT") or "narrows",
+                name=root.resolve().name,
+                id=run_id,
+                resume="allow",
+                dir=str(root),
+                config=config,
+                allow_val_change=True,
+            )
         except Exception as e:  # a key W&B's server refuses, no network: said, not a traceback
-            raise NarrowsError(f"--report-to wandb: W&B did not start a run ({type(e).__name__}: {e}); fix its "
-                               "login (wandb login), or set WANDB_MODE=offline to log into RUN/wandb and `wandb "
-                               "sync` it later") from None  # fmt: skip
+            raise NarrowsError(
+                f"--report-to wandb: W&B did not start a run ({type(e).__name__}: {e}); fix its "
+                "login (wandb login), or set WANDB_MODE=offline to log into RUN/wandb and `wandb "
+                "sync` it later"
+            ) from None
         if not path.is_file():  # kept once W&B has the run, so that a resumed run continues it
             path.write_text(run_id + "\n")
 

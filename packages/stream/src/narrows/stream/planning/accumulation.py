@@ -55,15 +55,25 @@ def holds_weights(plan: Plan, need: int, grad_accum: int, hold: bool | str = "au
             if plan.budget is None:
                 return False, f"off (no budget: the smallest footprint; holding takes {format_bytes(need)})"
             if plan.predicted_peak - plan.reserved_bytes + need > plan.budget:
-                return False, (f"off (the plan's {format_bytes(plan.predicted_peak)} and the {format_bytes(need)} "
-                               f"it takes exceed the {format_bytes(plan.budget)} budget; stream with "
-                               "grad_accum=G to plan the room for step mode)")  # fmt: skip
+                return False, (
+                    f"off (the plan's {format_bytes(plan.predicted_peak)} and the {format_bytes(need)} "
+                    f"it takes exceed the {format_bytes(plan.budget)} budget; stream with "
+                    "grad_accum=G to plan the room for step mode)"
+                )
     return True, f"on: each layer's 4-bit weights dequantised once per pass into {format_bytes(need)}"
 
 
-def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, host_available: int | None = None,
-                     rates: Rates | None = None, plan: Plan | None = None, batch_size: int = 1,
-                     seq_len: int = 512) -> tuple[bool, str]:  # fmt: skip
+def choose_step_mode(
+    model: nn.Module,
+    grad_accum: int,
+    *,
+    world_size: int = 1,
+    host_available: int | None = None,
+    rates: Rates | None = None,
+    plan: Plan | None = None,
+    batch_size: int = 1,
+    seq_len: int = 512,
+) -> tuple[bool, str]:
     """``(use_step_mode, why)`` for `model`, streamed by `narrows.stream.stream`, trained
     with `grad_accum` micro-batches a step on `world_size` data-parallel ranks.
     `host_available`: bytes the step's saved layer inputs may take at most twice over
@@ -85,13 +95,17 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
     if refusal:
         return False, f"sequential (step mode refuses this model: {refusal})"
     if world_size > 1:
-        return False, ("sequential (several ranks: DistributedDataParallel all-reduces the gradients of the "
-                       "backward, which step mode would write past)")  # fmt: skip
+        return False, (
+            "sequential (several ranks: DistributedDataParallel all-reduces the gradients of the "
+            "backward, which step mode would write past)"
+        )
     if device.type != "cuda":
         return False, f"sequential ({device.type} device: no host→device link to spare)"
     if not plan.streamed and plan.whole:
-        return False, (f"sequential (every layer resident, {len(plan.whole)} of them kept whole: block-major "
-                       "would recompute them)")  # fmt: skip
+        return False, (
+            f"sequential (every layer resident, {len(plan.whole)} of them kept whole: block-major "
+            "would recompute them)"
+        )
     if any(p.requires_grad for p in anatomy_of(model).embed.parameters()):
         return False, "sequential (the embedding trains; step mode starts from a frozen one)"
     boundaries = (grad_accum + 1) * input_bytes(shapes)
@@ -99,15 +113,19 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
         plan.budget is not None
         and plan.predicted_peak - min(plan.reserved_bytes, boundaries) + boundaries > plan.budget
     ):
-        return False, (f"sequential (step mode keeps {grad_accum + 1} layer boundaries on the device, "
-                       f"{format_bytes(boundaries)}, which the plan's {format_bytes(plan.predicted_peak)} leaves no "
-                       f"room for in the {format_bytes(plan.budget)} budget; stream with "
-                       f"grad_accum={grad_accum} to plan that room)")  # fmt: skip
+        return False, (
+            f"sequential (step mode keeps {grad_accum + 1} layer boundaries on the device, "
+            f"{format_bytes(boundaries)}, which the plan's {format_bytes(plan.predicted_peak)} leaves no "
+            f"room for in the {format_bytes(plan.budget)} budget; stream with "
+            f"grad_accum={grad_accum} to plan that room)"
+        )
     kept = grad_accum * shapes.layers * input_bytes(shapes)  # every layer's input, every micro-batch
     available = default_host_budget() if host_available is None else host_available
     if 2 * kept > available:
-        return False, (f"sequential (step mode would keep the layer inputs of {grad_accum} micro-batches, "
-                       f"{format_bytes(kept)}, in host memory; {format_bytes(available)} available)")  # fmt: skip
+        return False, (
+            f"sequential (step mode would keep the layer inputs of {grad_accum} micro-batches, "
+            f"{format_bytes(kept)}, in host memory; {format_bytes(available)} available)"
+        )
     args = (plan.layer_bytes, shapes, len(plan.resident), len(plan.whole), rates, plan.graphs)
     held, _ = holds_weights(plan, held_weight_bytes(model), grad_accum)
     sequential = step_seconds(*args, micro_batches=grad_accum)
@@ -128,8 +146,10 @@ def choose_step_mode(model: nn.Module, grad_accum: int, *, world_size: int = 1, 
         gains.append("each layer's 4-bit weights dequantised once per pass")
     if plan.head_h2d_bytes and group > 1:
         gains.append(f"the streamed head read once for every {group} micro-batches")
-    return True, (f"block-major (step mode: {', '.join(gains if plan.streamed else gains[1:])}; {said}; "
-                  f"{format_bytes(kept)} of layer inputs in host memory)")  # fmt: skip
+    return True, (
+        f"block-major (step mode: {', '.join(gains if plan.streamed else gains[1:])}; {said}; "
+        f"{format_bytes(kept)} of layer inputs in host memory)"
+    )
 
 
 def _head_group(model: nn.Module, plan: Plan, shapes: Shapes, grad_accum: int) -> int:

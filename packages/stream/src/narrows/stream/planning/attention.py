@@ -55,8 +55,14 @@ def attention_share(anat: Anatomy, seq: int) -> float:
     return attn / (matmuls + attn)
 
 
-def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], cfg: StreamConfig, shapes: Shapes,
-                   host_available: int | None = None) -> Plan:  # fmt: skip
+def keep_attention(
+    anat: Anatomy,
+    plan: Plan,
+    replan: Callable[[int], Plan],
+    cfg: StreamConfig,
+    shapes: Shapes,
+    host_available: int | None = None,
+) -> Plan:
     """`plan` with the recomputed layers' attention kept in host memory, or its reason not.
     Where the plan leaves no room for one more layer's attention in flight, ``replan(bytes)``
     makes the same plan with that much more reserved (fewer resident layers, more inputs
@@ -104,14 +110,20 @@ def keep_attention(anat: Anatomy, plan: Plan, replan: Callable[[int], Plan], cfg
     elif why is None:
         available = default_host_budget() if host_available is None else host_available
         if plan.host_activation_bytes + host > available:
-            why = (f"host memory: {format_bytes(host)} beside the offloaded inputs' "
-                   f"{format_bytes(plan.host_activation_bytes)}; {format_bytes(available)} available")  # fmt: skip
+            why = (
+                f"host memory: {format_bytes(host)} beside the offloaded inputs' "
+                f"{format_bytes(plan.host_activation_bytes)}; {format_bytes(available)} available"
+            )
     if why is not None:
         return replace(given, attention_choice=f"off ({why})")
     return replace(  # out in the forward and back in the backward, as offloaded inputs are counted
-        plan, kept_attention=recomputed, attention_host_bytes=host, predicted_peak=peak,
-        d2h_bytes_per_step=plan.d2h_bytes_per_step + host, h2d_bytes_per_step=plan.h2d_bytes_per_step + host,
+        plan,
+        kept_attention=recomputed,
+        attention_host_bytes=host,
+        predicted_peak=peak,
+        d2h_bytes_per_step=plan.d2h_bytes_per_step + host,
+        h2d_bytes_per_step=plan.h2d_bytes_per_step + host,
         predicted_host_bytes=None if plan.predicted_host_bytes is None else plan.predicted_host_bytes + host,
         attention_choice=f"on: {len(recomputed)} layers' attention in host memory ({format_bytes(host)}); attention "
-                         f"is {share:.0%} of a layer's recompute at {seq} tokens",
-    )  # fmt: skip
+        f"is {share:.0%} of a layer's recompute at {seq} tokens",
+    )

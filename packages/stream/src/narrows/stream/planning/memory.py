@@ -60,8 +60,16 @@ class Shapes:
     dropout: bool = False  # the fast layers' adapters drop out (each keeps its mask for the backward)
 
     @classmethod
-    def of(cls, anat: Anatomy, batch_size: int, seq_len: int, *, fast: bool = False,
-           lora_float32: bool = False, dropout: bool = False) -> Shapes:  # fmt: skip
+    def of(
+        cls,
+        anat: Anatomy,
+        batch_size: int,
+        seq_len: int,
+        *,
+        fast: bool = False,
+        lora_float32: bool = False,
+        dropout: bool = False,
+    ) -> Shapes:
         """A model's shapes (from its anatomy) and a batch of `batch_size` × `seq_len` tokens;
         `fast`: every decoder layer runs as a fast layer; `lora_float32`: with float32 LoRA;
         `dropout`: the fast layers' adapters drop out."""

@@ -59,19 +59,34 @@ def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
 def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes:
     """The shapes a plan sizes: the model's, the batch's, and which layers' arithmetic
     (fast layers, with float32 LoRA or not, with dropout or not)."""
-    return Shapes.of(anat, cfg.batch_size, cfg.seq_len, fast=runs_fast(model, cfg),
-                     lora_float32=cfg.lora_dtype == "float32", dropout=lora_dropout(model))  # fmt: skip
+    return Shapes.of(
+        anat,
+        cfg.batch_size,
+        cfg.seq_len,
+        fast=runs_fast(model, cfg),
+        lora_float32=cfg.lora_dtype == "float32",
+        dropout=lora_dropout(model),
+    )
 
 
 def lora_dropout(model: nn.Module) -> bool:
     """Whether any LoRA adapter drops out (PEFT's ``lora_dropout`` modules; in train mode
     or not: a model is often planned before ``.train()``)."""
-    return any(isinstance(m, nn.Dropout) and m.p > 0 for name, m in model.named_modules()
-               if ".lora_dropout." in f".{name}.")  # fmt: skip
+    return any(
+        isinstance(m, nn.Dropout) and m.p > 0
+        for name, m in model.named_modules()
+        if ".lora_dropout." in f".{name}."
+    )
 
 
-def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *, rates: Rates | None = None,
-         **options: Any) -> Plan:  # fmt: skip
+def plan(
+    model: nn.Module,
+    config: StreamConfig | int | str | None = None,
+    /,
+    *,
+    rates: Rates | None = None,
+    **options: Any,
+) -> Plan:
     """What `stream` would do with this config, without moving anything. `config`: a
     `StreamConfig`, or its budget with any other fields as keywords (`options`).
     `rates`: what the step-time model takes for the machine (default: fitted to the H100)."""
@@ -100,12 +115,25 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
     def residency(reserve: int, recompute: str, held: bool = False) -> Plan:
         """A residency plan with `reserve` bytes left free; `held`: its step time priced with
         each recomputed layer's 4-bit weights held through its backward."""
-        plan = make_plan(layer_bytes, fixed_bytes=fixed + reserve, shapes=shapes, budget=budget, device=str(dev),
-                         prefetch=cfg.prefetch_depth, head_h2d_bytes=head_h2d, disk=tiers.disk if tiers else (),
-                         host_bytes=tiers.predicted_host_bytes() if tiers else None,
-                         host_budget=tiers.host_budget if tiers else None, offload=cfg.offload_inputs,
-                         tile=tile_option(cfg), recompute=recompute, rates=rates, graphs=cfg.graphs,
-                         reserved=reserve, host_state=cfg.host_state)  # fmt: skip
+        plan = make_plan(
+            layer_bytes,
+            fixed_bytes=fixed + reserve,
+            shapes=shapes,
+            budget=budget,
+            device=str(dev),
+            prefetch=cfg.prefetch_depth,
+            head_h2d_bytes=head_h2d,
+            disk=tiers.disk if tiers else (),
+            host_bytes=tiers.predicted_host_bytes() if tiers else None,
+            host_budget=tiers.host_budget if tiers else None,
+            offload=cfg.offload_inputs,
+            tile=tile_option(cfg),
+            recompute=recompute,
+            rates=rates,
+            graphs=cfg.graphs,
+            reserved=reserve,
+            host_state=cfg.host_state,
+        )
         if not held:
             return plan
         t = step_seconds(
@@ -117,21 +145,30 @@ def plan(model: nn.Module, config: StreamConfig | int | str | None = None, /, *,
 
     def with_room(extra: int) -> Plan:  # the chosen sequential plan with `extra` more reserved
         again = residency(chosen.reserved_bytes + extra, cfg.recompute, held=chosen.held_weights)
-        return replace(again, held_weights=chosen.held_weights, held_choice=chosen.held_choice,
-                       grad_accum=chosen.grad_accum, accumulation_choice=chosen.accumulation_choice)  # fmt: skip
+        return replace(
+            again,
+            held_weights=chosen.held_weights,
+            held_choice=chosen.held_choice,
+            grad_accum=chosen.grad_accum,
+            accumulation_choice=chosen.accumulation_choice,
+        )
 
     return keep_attention(anat, chosen, with_room, cfg, shapes)
 
 
-def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[..., Plan],
-                       rates: Rates | None) -> Plan:  # fmt: skip
+def _with_accumulation(
+    model: nn.Module, cfg: StreamConfig, cuda: bool, residency: Callable[..., Plan], rates: Rates | None
+) -> Plan:
     """The residency plan for the accumulation the config asks for or the planner picks."""
     g = cfg.grad_accum
     if g < 2 or cfg.inference:
         return _held_in_backward(model, cfg, residency)
     if cfg.step_mode is False:
-        return replace(_held_in_backward(model, cfg, residency), grad_accum=g,
-                       accumulation_choice="sequential (step mode off: step_mode=False)")  # fmt: skip
+        return replace(
+            _held_in_backward(model, cfg, residency),
+            grad_accum=g,
+            accumulation_choice="sequential (step mode off: step_mode=False)",
+        )
     # step mode's plan: room for its held weights and layer boundaries (on a CUDA device,
     # where the budget is real), and no layer whole (block-major recomputes every one)
     room = step_mode_reserve(model, g, batch_size=cfg.batch_size, seq_len=cfg.seq_len) if cuda else 0
@@ -144,14 +181,27 @@ def _with_accumulation(model: nn.Module, cfg: StreamConfig, cuda: bool, residenc
         except BudgetTooSmallError:
             why = "sequential (the room a block-major step keeps beyond the plan does not fit the budget)"
             return replace(_held_in_backward(model, cfg, residency), grad_accum=g, accumulation_choice=why)
-        use, why = accumulation.choose_step_mode(model, g, world_size=cfg.world_size, rates=rates, plan=candidate,
-                                                 batch_size=cfg.batch_size, seq_len=cfg.seq_len)  # fmt: skip
+        use, why = accumulation.choose_step_mode(
+            model,
+            g,
+            world_size=cfg.world_size,
+            rates=rates,
+            plan=candidate,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+        )
         if not use:
             return replace(_held_in_backward(model, cfg, residency), grad_accum=g, accumulation_choice=why)
         chosen = candidate
     held, held_why = accumulation.holds_weights(chosen, held_weight_bytes(model), g, cfg.hold_weights)
-    return replace(chosen, grad_accum=g, accumulation="block-major", accumulation_choice=why, held_weights=held,
-                   held_choice=held_why)  # fmt: skip
+    return replace(
+        chosen,
+        grad_accum=g,
+        accumulation="block-major",
+        accumulation_choice=why,
+        held_weights=held,
+        held_choice=held_why,
+    )
 
 
 def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[..., Plan]) -> Plan:
@@ -181,7 +231,14 @@ def _held_in_backward(model: nn.Module, cfg: StreamConfig, residency: Callable[.
     except BudgetTooSmallError:
         return replace(plan, held_choice=f"off (the {size} buffer does not fit the budget)")
     if held.step_seconds >= plan.step_seconds:
-        return replace(plan, held_choice=f"off (predicted {held.step_seconds:.3g} s of layer time a step held, "
-                                         f"{plan.step_seconds:.3g} s not)")  # fmt: skip
-    return replace(held, held_weights=True, held_choice=f"{on} (predicted {held.step_seconds:.3g} s of layer time "
-                                                        f"a step, {plan.step_seconds:.3g} s not)")  # fmt: skip
+        return replace(
+            plan,
+            held_choice=f"off (predicted {held.step_seconds:.3g} s of layer time a step held, "
+            f"{plan.step_seconds:.3g} s not)",
+        )
+    return replace(
+        held,
+        held_weights=True,
+        held_choice=f"{on} (predicted {held.step_seconds:.3g} s of layer time "
+        f"a step, {plan.step_seconds:.3g} s not)",
+    )

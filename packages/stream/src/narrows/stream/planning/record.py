@@ -75,27 +75,61 @@ class Plan:
         rows = [
             ("device", self.device),
             ("budget", "none (smallest footprint)" if self.budget is None else format_bytes(self.budget)),
-            ("layers", f"{n} ({format_bytes(sum(self.layer_bytes))} frozen, largest {format_bytes(max(self.layer_bytes))})"),
-            ("resident layers", f"{len(self.resident)} of {n}" + (f": {list(self.resident)}" if 0 < len(self.resident) < n else "")),
-            ("kept whole", f"{len(self.whole)} of {n} layers run without recompute" + (
-                f": {list(self.whole)}" if 0 < len(self.whole) < n else "")),
+            (
+                "layers",
+                f"{n} ({format_bytes(sum(self.layer_bytes))} frozen, largest {format_bytes(max(self.layer_bytes))})",
+            ),
+            (
+                "resident layers",
+                f"{len(self.resident)} of {n}"
+                + (f": {list(self.resident)}" if 0 < len(self.resident) < n else ""),
+            ),
+            (
+                "kept whole",
+                f"{len(self.whole)} of {n} layers run without recompute"
+                + (f": {list(self.whole)}" if 0 < len(self.whole) < n else ""),
+            ),
             ("device slabs", f"{self.pool_slabs} (prefetch depth {self.prefetch})"),
-            ("fixed on device", format_bytes(self.fixed_bytes) + (
-                f" (of which {format_bytes(self.reserved_bytes)} reserved: held weights, kept attention in flight, step mode's room, or the caller's)"
-                if self.reserved_bytes else "") + HOST_STATE_NOTES[self.host_state]),
-            ("saved activations", f"{format_bytes(self.activation_bytes)} on the device" + (
-                f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
-                if self.offloaded else "")),
-            ("sequence tiling", "off" if self.tile_tokens is None else
-             f"MLP in tiles of {self.tile_tokens} tokens (equal to untiled training up to summation order)"),
+            (
+                "fixed on device",
+                format_bytes(self.fixed_bytes)
+                + (
+                    f" (of which {format_bytes(self.reserved_bytes)} reserved: held weights, kept attention in flight, step mode's room, or the caller's)"
+                    if self.reserved_bytes
+                    else ""
+                )
+                + HOST_STATE_NOTES[self.host_state],
+            ),
+            (
+                "saved activations",
+                f"{format_bytes(self.activation_bytes)} on the device"
+                + (
+                    f"; inputs of {len(self.offloaded)} of {n} layers offloaded to host ({format_bytes(self.host_activation_bytes)})"
+                    if self.offloaded
+                    else ""
+                ),
+            ),
+            (
+                "sequence tiling",
+                "off"
+                if self.tile_tokens is None
+                else f"MLP in tiles of {self.tile_tokens} tokens (equal to untiled training up to summation order)",
+            ),
             ("layer + loss working set", format_bytes(self.work_bytes)),
-            ("CUDA graphs", ("off" if not self.graphs else
-             f"on: the layers narrows runs replay as graphs (pool {format_bytes(self.graph_bytes)})"
-             if len(self.whole) < len(self.layer_bytes) else "on, but every layer runs whole (eager): no graphs")
-             + (f" ({self.graphs_choice})" if self.graphs_choice else "")),
+            (
+                "CUDA graphs",
+                (
+                    "off"
+                    if not self.graphs
+                    else f"on: the layers narrows runs replay as graphs (pool {format_bytes(self.graph_bytes)})"
+                    if len(self.whole) < len(self.layer_bytes)
+                    else "on, but every layer runs whole (eager): no graphs"
+                )
+                + (f" ({self.graphs_choice})" if self.graphs_choice else ""),
+            ),
             ("predicted peak", format_bytes(self.predicted_peak)),
             ("host→device per step", format_bytes(self.h2d_bytes_per_step)),
-        ]  # fmt: skip
+        ]
         if self.grad_accum > 1:
             rows.append(("accumulation", self.accumulation_choice or self.accumulation))
         if self.held_choice:
@@ -107,7 +141,13 @@ class Plan:
         if self.predicted_host_bytes is not None:
             budget = "" if self.host_budget is None else f" (budget {format_bytes(self.host_budget)})"
             rows.append(("predicted host RSS", format_bytes(self.predicted_host_bytes) + budget))
-            rows.append(("disk tier", f"{len(self.disk)} of {n} layers, {format_bytes(self.disk_bytes_per_step)} read per step"
-                         if self.disk else "none: every layer pinned in host RAM"))  # fmt: skip
+            rows.append(
+                (
+                    "disk tier",
+                    f"{len(self.disk)} of {n} layers, {format_bytes(self.disk_bytes_per_step)} read per step"
+                    if self.disk
+                    else "none: every layer pinned in host RAM",
+                )
+            )
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

@@ -14,8 +14,8 @@ and, only when that is still too much and tiling was asked for, the MLP run in s
 tiles (the largest tile that fits). What the budget has beyond it buys, in this order:
 device slabs for prefetch, saved inputs kept on the device (the last layers first: their
 backward comes first), then resident layers — spread evenly through the stack, so every
-streamed layer's copy can hide behind the compute of its neighbours (seed 004's partial
-residency) — or resident layers kept *whole*: run as resident training runs them, every
+streamed layer's copy can hide behind the compute of its neighbours (partial residency, as in
+"NVMe Weight Streaming: Partial-Resident QLoRA Training") — or resident layers kept *whole*: run as resident training runs them, every
 activation saved, no recompute. A whole layer saves a quarter of its step time (the
 recompute forward) for the memory of its activations; a resident layer saves the copy
 time its neighbours' compute cannot hide. The step-time model (`steptime.step_seconds`)
@@ -199,8 +199,9 @@ class _Footprint:
         )
 
 
-def _floor(cost: _Footprint, budget: int, prefetch: int, offload: str, tile: int | str | None,
-           host_state: str) -> tuple[tuple[int, ...], int, int, int | None]:  # fmt: skip
+def _floor(
+    cost: _Footprint, budget: int, prefetch: int, offload: str, tile: int | str | None, host_state: str
+) -> tuple[tuple[int, ...], int, int, int | None]:
     """``(resident, prefetch depth, kept inputs, tile)`` before the residency mix: every layer
     resident if all fits; else the minimum (one slab, the inputs offloaded as allowed, the
     largest tile that fits), then prefetch slabs and kept inputs as the budget allows.
@@ -213,10 +214,20 @@ def _floor(cost: _Footprint, budget: int, prefetch: int, offload: str, tile: int
         return tuple(range(n)), prefetch, 0 if offload == "all" else n, choices[0]
     fitting = [c for c in choices if cost.peak((), 1, least_kept, c) <= budget]
     if not fitting:
-        raise BudgetTooSmallError(_too_small(budget, cost.peak((), 1, least_kept, choices[-1]), cost.slab, cost.fixed,
-                                             cost.saved(least_kept), work_bytes(shapes, choices[-1]), offload, tile,
-                                             cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
-                                             host_state))  # fmt: skip
+        raise BudgetTooSmallError(
+            _too_small(
+                budget,
+                cost.peak((), 1, least_kept, choices[-1]),
+                cost.slab,
+                cost.fixed,
+                cost.saved(least_kept),
+                work_bytes(shapes, choices[-1]),
+                offload,
+                tile,
+                cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
+                host_state,
+            )
+        )
     t = fitting[0]
     while prefetch > 0 and cost.peak((), prefetch + 1, least_kept, t) > budget:
         prefetch -= 1
@@ -227,9 +238,18 @@ def _floor(cost: _Footprint, budget: int, prefetch: int, offload: str, tile: int
     return (), prefetch, kept, t
 
 
-def _mix(cost: _Footprint, budget: int, resident: tuple[int, ...], depth: int, kept: int, t: int | None,
-         recompute: str, disk: Sequence[int], rates: Rates | None,
-         graphs: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:  # fmt: skip
+def _mix(
+    cost: _Footprint,
+    budget: int,
+    resident: tuple[int, ...],
+    depth: int,
+    kept: int,
+    t: int | None,
+    recompute: str,
+    disk: Sequence[int],
+    rates: Rates | None,
+    graphs: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(resident, whole)``: residency against whole layers. Each of the w whole layers (the
     last ones) is resident too; the rest of the budget buys resident layers, spread. The
     mix with the least predicted step time wins (ties: more resident)."""
@@ -237,8 +257,9 @@ def _mix(cost: _Footprint, budget: int, resident: tuple[int, ...], depth: int, k
     allow = recompute == "auto" and t is None and kept == n
     best = None
     for w in range(n + 1 if allow else 1):
-        mix = most_resident(w, n, disk, lambda r, w=w: cost.peak(r, depth + 1 if len(r) < n else 0,
-                                                                   kept, t, w) <= budget)  # fmt: skip
+        mix = most_resident(
+            w, n, disk, lambda r, w=w: cost.peak(r, depth + 1 if len(r) < n else 0, kept, t, w) <= budget
+        )
         if mix is None:
             break
         key = (step_seconds(cost.layer_bytes, cost.shapes, len(mix), w, rates, graphs), -len(mix))
@@ -256,8 +277,9 @@ class _Moved:
     d2h: int  # saved inputs offloaded to host memory (and copied back: counted in h2d too)
 
 
-def _transfers(layer_bytes: tuple[int, ...], streamed: list[int], slabs: int, disk: Sequence[int],
-               moved_out: int) -> _Moved:  # fmt: skip
+def _transfers(
+    layer_bytes: tuple[int, ...], streamed: list[int], slabs: int, disk: Sequence[int], moved_out: int
+) -> _Moved:
     """Each streamed layer is loaded for forward and again for backward, except the ones
     the pool still holds at the turns: the last layers at forward→backward, the first
     layers at backward→next forward (steady state of a training loop)."""
@@ -288,22 +310,39 @@ def _either(args: dict) -> Plan:
             eager, graphs_choice="auto: their pool would need sequence tiles the eager plan does not"
         )
     pick = graphed if graphed.step_seconds < eager.step_seconds else eager
-    return replace(pick, graphs_choice=f"auto: predicted {graphed.step_seconds:.3g} s of layer time a step with "
-                                       f"graphs, {eager.step_seconds:.3g} s without")  # fmt: skip
+    return replace(
+        pick,
+        graphs_choice=f"auto: predicted {graphed.step_seconds:.3g} s of layer time a step with "
+        f"graphs, {eager.step_seconds:.3g} s without",
+    )
 
 
-def _too_small(budget: int, minimum: int, slab: int, fixed: int, saved: int, work: int, offload: str,
-               tile: int | str | None, tiled_minimum: int | None, host_state: str) -> str:  # fmt: skip
+def _too_small(
+    budget: int,
+    minimum: int,
+    slab: int,
+    fixed: int,
+    saved: int,
+    work: int,
+    offload: str,
+    tile: int | str | None,
+    tiled_minimum: int | None,
+    host_state: str,
+) -> str:
     hints = []
     if host_state != "adapters":
-        hints.append("in step mode, keep the optimizer state (host_state='optimizer'; narrows finetune "
-                     "--offload-optimizer) or the adapters too (host_state='adapters'; --offload-adapters) in host "
-                     "memory")  # fmt: skip
+        hints.append(
+            "in step mode, keep the optimizer state (host_state='optimizer'; narrows finetune "
+            "--offload-optimizer) or the adapters too (host_state='adapters'; --offload-adapters) in host "
+            "memory"
+        )
     if offload == "off":
         hints.append("allow offloading the saved layer inputs to host memory (offload_inputs='auto')")
     if tile is None and tiled_minimum is not None and tiled_minimum < minimum:
-        hints.append(f"tile the MLP over the sequence (seq_tile='auto'; equal to untiled training up to summation "
-                     f"order), which needs {format_bytes(tiled_minimum)}")  # fmt: skip
+        hints.append(
+            f"tile the MLP over the sequence (seq_tile='auto'; equal to untiled training up to summation "
+            f"order), which needs {format_bytes(tiled_minimum)}"
+        )
     hints.append("shorten the sequence / batch (activations scale with both)")
     return (
         f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "

@@ -98,9 +98,18 @@ def dequant_seconds(nbytes: int, s: Shapes) -> float:
     return params / DEQUANT_RATE if nbytes < params else 0.0
 
 
-def step_seconds(layer_bytes: Sequence[int], s: Shapes, resident: int, whole: int,
-                 rates: Rates | None = None, graphs: bool = False, *, micro_batches: int = 1,
-                 block_major: bool = False, held: bool = False) -> float:  # fmt: skip
+def step_seconds(
+    layer_bytes: Sequence[int],
+    s: Shapes,
+    resident: int,
+    whole: int,
+    rates: Rates | None = None,
+    graphs: bool = False,
+    *,
+    micro_batches: int = 1,
+    block_major: bool = False,
+    held: bool = False,
+) -> float:
     """Predicted time of one step's layers with `resident` resident layers of which
     `whole` run without recompute: forward, backward, the recompute of every other layer
     (`passes`), and what a streamed layer's copies cannot hide — behind the

@@ -60,7 +60,8 @@ class BlockMajor:
                 if index > 0 and hidden is not prev[0]:
                     raise StreamSetupError(
                         f"step mode: the model changes the hidden states between layers {index - 1} and {index}; "
-                        "block-major accumulation needs layers chained directly — train it with loss.backward()")  # fmt: skip
+                        "block-major accumulation needs layers chained directly — train it with loss.backward()"
+                    )
                 if index == 0:
                     micro.saved.append(hidden)
                 drop_cache(kwargs)
@@ -237,11 +238,13 @@ class BlockMajor:
         """Layer `i` of one micro-batch, through the layer executor (`executor.py`)."""
         return self.handle.executor.forward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i])
 
-    def _backward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro,
-                  params: Sequence[Tensor]) -> list[Tensor | None]:  # fmt: skip
+    def _backward(
+        self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro, params: Sequence[Tensor]
+    ) -> list[Tensor | None]:
         """Layer `i` of one micro-batch recomputed and differentiated by the layer executor."""
-        return self.handle.executor.backward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i],
-                                             micro.grad, params)  # fmt: skip
+        return self.handle.executor.backward(
+            i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i], micro.grad, params
+        )
 
     def _prefetch_next_input(self, micros: list[_Micro], i: int, k: int) -> None:
         """Start bringing back the saved input the backward needs after layer `i` of

@@ -25,8 +25,10 @@ class HostState:
         and with it the adapters (`HostAdapters`)."""
         state = self.handle.plan.host_state
         if state != "none" and self.optimizer is None:
-            raise StreamSetupError(f"the plan keeps the optimizer's state in host memory (host_state={state!r}), "
-                                   "which StepTrainer updates itself: pass it the optimizer")  # fmt: skip
+            raise StreamSetupError(
+                f"the plan keeps the optimizer's state in host memory (host_state={state!r}), "
+                "which StepTrainer updates itself: pass it the optimizer"
+            )
         self.host_optimizer = (
             HostOptimizer(self.optimizer, self.params, self.device, max_grad_norm)
             if state != "none"

@@ -63,8 +63,11 @@ class StepOrder:
         known = [s for s in sigs if s in self.random_ops]
         self.unpredictable.update(known)
         self._sequential_over_budget("RNG draws not predictable")
-        log.warning("narrows.stream step mode: the RNG draws of a micro-batch were not predictable; this shape now "
-                    "runs in sequential order (exact, %d× the weight transfer)", len(batches))  # fmt: skip
+        log.warning(
+            "narrows.stream step mode: the RNG draws of a micro-batch were not predictable; this shape now "
+            "runs in sequential order (exact, %d× the weight transfer)",
+            len(batches),
+        )
         return "sequential (RNG draws not predictable)", self._sequential(batches, sigs)
 
     def _seeded(self, seed: int) -> RngState:
@@ -73,11 +76,16 @@ class StepOrder:
 
     def _draws_random(self) -> bool:
         """Whether any module that draws random numbers in training is active (dropout)."""
-        return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in self.model.modules()) \
-            or any(getattr(self.anat.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "embd_pdrop"))  # fmt: skip
+        return any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+            for m in self.model.modules()
+        ) or any(
+            getattr(self.anat.config, k, 0) for k in ("attention_dropout", "hidden_dropout", "embd_pdrop")
+        )
 
-    def _sequential(self, batches: list[dict[str, Any]], sigs: list[tuple],
-                    seeds: Sequence[int] | None = None) -> list[Tensor]:  # fmt: skip
+    def _sequential(
+        self, batches: list[dict[str, Any]], sigs: list[tuple], seeds: Sequence[int] | None = None
+    ) -> list[Tensor]:
         losses = []
         # block-major can follow, once it knows each shape's draws
         learn = len(batches) > 1 and not self.resident_why and seeds is None

@@ -117,10 +117,18 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         clip_grad_norm_(params, max_grad_norm); optimizer.step(); scheduler.step(); optimizer.zero_grad()
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None, *,
-                 grad_accum: int | None = None, max_grad_norm: float | None = None, scheduler: Any = None,
-                 loss_fn: Callable[[Any, dict], Tensor] | None = None, scale_loss: bool = True,
-                 **stream_options: Any):  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None,
+        *,
+        grad_accum: int | None = None,
+        max_grad_norm: float | None = None,
+        scheduler: Any = None,
+        loss_fn: Callable[[Any, dict], Tensor] | None = None,
+        scale_loss: bool = True,
+        **stream_options: Any,
+    ):
         handle = getattr(model, "narrows_stream", None)
         if grad_accum is None:
             grad_accum = handle.plan.grad_accum if handle is not None else stream_options.get("grad_accum", 1)
@@ -149,11 +157,16 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         self.anat = anatomy_of(model)
         self.params = list(trainable_parameters(model).values())
         if any(p.requires_grad for p in self.anat.embed.parameters()):
-            raise StreamSetupError("step mode needs a frozen embedding (it differentiates from the first layer's "
-                                   "input); train the embedding with the transparent mode (a plain loss.backward())")  # fmt: skip
+            raise StreamSetupError(
+                "step mode needs a frozen embedding (it differentiates from the first layer's "
+                "input); train the embedding with the transparent mode (a plain loss.backward())"
+            )
         # None: only `accumulate` (a caller that steps the optimizer itself, as transformers.Trainer does)
-        self.optimizer = optimizer if optimizer is None or isinstance(optimizer, torch.optim.Optimizer) \
-            else optimizer(self.params)  # fmt: skip
+        self.optimizer = (
+            optimizer
+            if optimizer is None or isinstance(optimizer, torch.optim.Optimizer)
+            else optimizer(self.params)
+        )
         self.grad_accum = grad_accum
         self.divisor = grad_accum if scale_loss else 1  # what each micro-batch's loss is divided by
         self.max_grad_norm = max_grad_norm
@@ -164,8 +177,9 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         self.device = self.handle.device
         self.engine = self.handle.engine
         n = self.anat.num_layers
-        self.offload = ActivationOffload(self.device, set(range(n)), copy_stream=self.engine.copy_stream,
-                                         stats=self.engine.stats)  # fmt: skip
+        self.offload = ActivationOffload(
+            self.device, set(range(n)), copy_stream=self.engine.copy_stream, stats=self.engine.stats
+        )
         self.layer_params = [
             tuple(p for p in layer.parameters() if p.requires_grad) for layer in self.anat.layers
         ]
@@ -179,9 +193,12 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         self._check_host_state()
         plan = self.handle.plan
         if grad_accum > 1 and plan.whole and not self.resident_why:
-            log.warning("narrows.stream step mode: the plan keeps %d layers whole (every activation saved), but "
-                        "block-major steps recompute every layer, so that memory lies unused; stream with "
-                        "recompute='all' to spend it on resident layers", len(plan.whole))  # fmt: skip
+            log.warning(
+                "narrows.stream step mode: the plan keeps %d layers whole (every activation saved), but "
+                "block-major steps recompute every layer, so that memory lies unused; stream with "
+                "recompute='all' to spend it on resident layers",
+                len(plan.whole),
+            )
         self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
         self.unpredictable: set[tuple] = set()
 
@@ -269,11 +286,18 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         tokens = sum(int(b["input_ids"].numel()) for b in batches if "input_ids" in b)
         values = [float(v) for v in losses]
         group = self.head_group if mode == "block-major" else 1
-        return StepStats(loss=sum(values) / len(values), losses=values, grad_norm=grad_norm, mode=mode,
-                         micro_batches=len(batches), tokens=tokens, seconds=time.perf_counter() - t0,
-                         peak_allocated=getattr(peaks, "cuda_allocated", None),
-                         bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d,
-                         head_group=group)  # fmt: skip
+        return StepStats(
+            loss=sum(values) / len(values),
+            losses=values,
+            grad_norm=grad_norm,
+            mode=mode,
+            micro_batches=len(batches),
+            tokens=tokens,
+            seconds=time.perf_counter() - t0,
+            peak_allocated=getattr(peaks, "cuda_allocated", None),
+            bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d,
+            head_group=group,
+        )
 
     def accumulate(
         self,
