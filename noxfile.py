@@ -30,10 +30,16 @@ def _sync(session: nox.Session, *args: str) -> None:
     """Install from uv.lock into the session's venv (exact versions, no editable installs)."""
     venv = session.virtualenv.location
     session.run_install(
-        "uv", "sync", "--locked", "--no-dev", "--no-editable", "--quiet", *args,
+        "uv",
+        "sync",
+        "--locked",
+        "--no-dev",
+        "--no-editable",
+        "--quiet",
+        *args,
         env={"UV_PROJECT_ENVIRONMENT": venv, "VIRTUAL_ENV": venv},
         external=True,
-    )  # fmt: skip
+    )
     session.install(*TEST_TOOLS)
 
 

@@ -53,8 +53,12 @@ def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: s
     for path, layer in zip(anat.layer_paths, anat.layers):
         layer.to_empty(device=work_device)
         init_(layer)
-        quantize_nf4(model, compute_dtype=torch.bfloat16, device=work_device,
-                     filter_fn=lambda name, _, p=path + ".": name.startswith(p))  # fmt: skip
+        quantize_nf4(
+            model,
+            compute_dtype=torch.bfloat16,
+            device=work_device,
+            filter_fn=lambda name, _, p=path + ".": name.startswith(p),
+        )
         layer.to("cpu")
     return model.eval()
 

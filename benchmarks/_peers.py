@@ -1,4 +1,4 @@
-"""The two peers issue 18 names, set up as their users would on one GPU, over the same
+"""The two offloading peers, set up as their users would on one GPU, over the same
 random NF4 model and LoRA adapters as every other mode of `stream_qlora.py`:
 
 - ``fsdp-offload``: answer.ai's FSDP+QLoRA recipe: the 4-bit weights stored as bf16
@@ -32,8 +32,14 @@ def _one_process_group(cuda: bool) -> None:
     with socket.socket() as s:  # a free port: modes run one after the other
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
-                      WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+    )
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
 
 
@@ -48,9 +54,17 @@ def bf16_storage(model: torch.nn.Module) -> int:
             continue
         w = m.weight
         data = w.data.reshape(-1).view(torch.bfloat16).reshape(-1, 1)
-        m.weight = bnb.nn.Params4bit(data, requires_grad=False, quant_state=w.quant_state, blocksize=w.blocksize,
-                                     compress_statistics=w.compress_statistics, quant_type=w.quant_type,
-                                     quant_storage=torch.bfloat16, module=m, bnb_quantized=True)  # fmt: skip
+        m.weight = bnb.nn.Params4bit(
+            data,
+            requires_grad=False,
+            quant_state=w.quant_state,
+            blocksize=w.blocksize,
+            compress_statistics=w.compress_statistics,
+            quant_type=w.quant_type,
+            quant_storage=torch.bfloat16,
+            module=m,
+            bnb_quantized=True,
+        )
         m.quant_state, m.quant_storage = w.quant_state, torch.bfloat16
         n += 1
     return n
@@ -75,13 +89,23 @@ def fsdp_offload(model: torch.nn.Module, layer_cls: type, cuda: bool) -> torch.n
         w = getattr(m, "weight", None)
         return not list(m.children()) and w is not None and w.requires_grad
 
-    policy = functools.partial(_or_policy, policies=[
-        functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf),
-        functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
-    ])  # fmt: skip
-    wrapped = FSDP(model, auto_wrap_policy=policy, sharding_strategy=ShardingStrategy.FULL_SHARD,
-                   cpu_offload=CPUOffload(offload_params=True), use_orig_params=False, limit_all_gathers=True,
-                   device_id=torch.cuda.current_device() if cuda else None, sync_module_states=False)  # fmt: skip
+    policy = functools.partial(
+        _or_policy,
+        policies=[
+            functools.partial(lambda_auto_wrap_policy, lambda_fn=trainable_leaf),
+            functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer_cls}),
+        ],
+    )
+    wrapped = FSDP(
+        model,
+        auto_wrap_policy=policy,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        cpu_offload=CPUOffload(offload_params=True),
+        use_orig_params=False,
+        limit_all_gathers=True,
+        device_id=torch.cuda.current_device() if cuda else None,
+        sync_module_states=False,
+    )
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(
         wrapped, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, layer_cls)
@@ -119,8 +143,9 @@ def deepspeed_zero3(
         "steps_per_print": 1 << 30,
     }
     if lean:
-        config["zero_optimization"].update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0,
-                                           stage3_max_live_parameters=int(1e8))  # fmt: skip
+        config["zero_optimization"].update(
+            stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0, stage3_max_live_parameters=int(1e8)
+        )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config, model_parameters=params)

@@ -1,4 +1,4 @@
-"""The held-out exactness probe over announced architectures (issue 14's method): tiny
+"""The held-out exactness probe over announced architectures: tiny
 random models on the CPU, PEFT LoRA r8 on all linear layers with dropout 0.05 (where PEFT
 allows it), gradient accumulation 2, 5 AdamW steps; streamed vs resident compared with
 `torch.equal` on every loss, gradient and final weight; narrows-lmhead's training loss
@@ -31,8 +31,14 @@ NEW = [a for a in TINY_ARCHITECTURES if a not in TINY_ARCHITECTURES[:6]]
 
 def build(arch: str, dora: bool, dropout: float):
     model = tiny_model(arch, **({"output_router_logits": True} if "moe" in arch or arch == "mixtral" else {}))
-    cfg = LoraConfig(r=8, lora_alpha=16, lora_dropout=dropout, target_modules="all-linear", use_dora=dora,
-                     exclude_modules=r".*(\.router|vision_tower\..*|multi_modal_projector\..*)")  # fmt: skip
+    cfg = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=dropout,
+        target_modules="all-linear",
+        use_dora=dora,
+        exclude_modules=r".*(\.router|vision_tower\..*|multi_modal_projector\..*)",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = get_peft_model(model, cfg)
@@ -121,8 +127,14 @@ def main() -> None:
     for arch in args.arch.split(","):
         t = time.perf_counter()
         anat = nc.anatomy_of(build(arch, False, 0.0))
-        row = {"arch": arch, "layers": anat.num_layers, "tied": anat.tied, "logit_math": str(anat.logit_math),
-               "lora": parity(arch, False), "lmhead": lmhead_vs_model(arch)}  # fmt: skip
+        row = {
+            "arch": arch,
+            "layers": anat.num_layers,
+            "tied": anat.tied,
+            "logit_math": str(anat.logit_math),
+            "lora": parity(arch, False),
+            "lmhead": lmhead_vs_model(arch),
+        }
         if arch in args.dora.split(","):
             row["dora"] = parity(arch, True)
         row["seconds"] = round(time.perf_counter() - t, 1)
@@ -130,13 +142,18 @@ def main() -> None:
         lo, lm = row["lora"], row["lmhead"]
         dora = row.get("dora")
         graphed = lo.get("graphs")
-        print(f"{arch:12} layers {anat.num_layers} tied {anat.tied!s:5} | LoRA dropout {lo['dropout']}: "
-              f"{lo['tensors'] - lo['differing']}/{lo['tensors']} equal | lmhead {lm['lmhead_loss']:.6f} vs model "
-              f"{lm['model_loss']:.6f} (rel {lm['rel_diff']:.1e}), eval {lm['eval_loss']:.6f}"
-              + (f" | DoRA {dora['tensors'] - dora['differing']}/{dora['tensors']} equal" if dora else "")
-              + (f" | graphs {graphed['captured']} captured, eager layers {graphed['refused'] or 'none'}"
-                 if graphed else ""),
-              flush=True)  # fmt: skip
+        print(
+            f"{arch:12} layers {anat.num_layers} tied {anat.tied!s:5} | LoRA dropout {lo['dropout']}: "
+            f"{lo['tensors'] - lo['differing']}/{lo['tensors']} equal | lmhead {lm['lmhead_loss']:.6f} vs model "
+            f"{lm['model_loss']:.6f} (rel {lm['rel_diff']:.1e}), eval {lm['eval_loss']:.6f}"
+            + (f" | DoRA {dora['tensors'] - dora['differing']}/{dora['tensors']} equal" if dora else "")
+            + (
+                f" | graphs {graphed['captured']} captured, eager layers {graphed['refused'] or 'none'}"
+                if graphed
+                else ""
+            ),
+            flush=True,
+        )
     with open(args.out, "w") as f:
         json.dump({"torch": torch.__version__, "device": DEVICE, "graphs": GRAPHS, "rows": rows}, f, indent=1)
 

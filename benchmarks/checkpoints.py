@@ -89,8 +89,12 @@ def write_bnb4(config_name: str, folder: Path, layers: int | None = None) -> Pat
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                           bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+    q = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
     config.quantization_config = q.to_dict()
     config.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
@@ -121,10 +125,15 @@ def child(args: argparse.Namespace) -> dict:
         else:
             from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-            q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
-            model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.bfloat16, quantization_config=q,
-                                                         device_map={"": 0})  # fmt: skip
+            q = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                args.folder, dtype=torch.bfloat16, quantization_config=q, device_map={"": 0}
+            )
             if args.child == "identical":
                 ref = model.state_dict()
                 del model
@@ -133,8 +142,12 @@ def child(args: argparse.Namespace) -> dict:
                     args.folder, dtype=torch.bfloat16, quant="nf4", device="cuda"
                 ).state_dict()
                 same = [k for k in ref if k in ours and torch.equal(ref[k].cpu(), ours[k].cpu())]
-                out.update(tensors=len(ref), identical=len(same), keys_match=set(ref) == set(ours),
-                           first_difference=next((k for k in ref if k not in same), None))  # fmt: skip
+                out.update(
+                    tensors=len(ref),
+                    identical=len(same),
+                    keys_match=set(ref) == set(ours),
+                    first_difference=next((k for k in ref if k not in same), None),
+                )
                 return out
         out["load_s"] = time.perf_counter() - t0
     else:  # ready / disk: from_pretrained + LoRA + stream + training steps
@@ -143,8 +156,13 @@ def child(args: argparse.Namespace) -> dict:
         import narrows.stream as ns
 
         def load():
-            return ns.from_pretrained(args.folder, quant="nf4", dtype=torch.bfloat16, cache=args.cache,
-                                      host_budget=None if args.host_budget == "all" else args.host_budget)  # fmt: skip
+            return ns.from_pretrained(
+                args.folder,
+                quant="nf4",
+                dtype=torch.bfloat16,
+                cache=args.cache,
+                host_budget=None if args.host_budget == "all" else args.host_budget,
+            )
 
         if args.profile:  # where a load's time goes
             import cProfile
@@ -182,11 +200,15 @@ def child(args: argparse.Namespace) -> dict:
         steady = sorted(times[1:])
         stats = model.narrows_stream.stats
         out.update(
-            s_per_step=steady[len(steady) // 2], disk_bytes_per_step=(stats.bytes_disk - disk0) / args.steps,
-            h2d_bytes_per_step=plan.h2d_bytes_per_step, disk_layers=len(plan.disk), layers=len(plan.layer_bytes),
-            resident_layers=len(plan.resident), predicted_host_bytes=plan.predicted_host_bytes,
+            s_per_step=steady[len(steady) // 2],
+            disk_bytes_per_step=(stats.bytes_disk - disk0) / args.steps,
+            h2d_bytes_per_step=plan.h2d_bytes_per_step,
+            disk_layers=len(plan.disk),
+            layers=len(plan.layer_bytes),
+            resident_layers=len(plan.resident),
+            predicted_host_bytes=plan.predicted_host_bytes,
             predicted_peak=plan.predicted_peak,
-        )  # fmt: skip
+        )
     out["wall_s"] = time.perf_counter() - t0
     out["peak_vram"] = torch.cuda.max_memory_allocated()
     return out
@@ -199,8 +221,13 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
     import threading
 
     t = time.perf_counter()
-    proc = subprocess.Popen(["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env or os.environ.copy())  # fmt: skip
+    proc = subprocess.Popen(
+        ["/usr/bin/time", "-v", *cmd],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or os.environ.copy(),
+    )
     sampled = [0]
 
     def tree_rss(pid: int) -> int:
@@ -237,8 +264,22 @@ def measured(cmd: list[str], env: dict | None = None) -> dict:
 
 
 def me(args: argparse.Namespace, case: str, folder: Path, **kw: str) -> list[str]:
-    cmd = [sys.executable, __file__, "--child", case, "--folder", str(folder), "--cache", str(args.work / "cache"),
-           "--seq", str(args.seq), "--steps", str(args.steps), "--gpu-budget", args.gpu_budget]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        case,
+        "--folder",
+        str(folder),
+        "--cache",
+        str(args.work / "cache"),
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--gpu-budget",
+        args.gpu_budget,
+    ]
     cmd[cmd.index("--seq") + 1] = str(kw.pop("seq", args.seq))
     if kw.pop("profile", None) and args.profile:
         cmd += ["--profile", str(Path(args.profile) / f"profile_{case}_{folder.name}.txt")]
@@ -369,15 +410,51 @@ def main() -> None:
     if "finetune" in parts:
         train, held = args.work / "train.jsonl", args.work / "held.jsonl"
         for path, n in ((train, 64), (held, 8)):  # the weights are random: any text will do
-            path.write_text("".join(json.dumps({"prompt": f"Question {i}: what is {i} + {i}?",
-                                                "response": f"{i} + {i} = {2 * i}. " * 20}) + "\n"
-                                    for i in range(n)))  # fmt: skip
+            path.write_text(
+                "".join(
+                    json.dumps(
+                        {
+                            "prompt": f"Question {i}: what is {i} + {i}?",
+                            "response": f"{i} + {i} = {2 * i}. " * 20,
+                        }
+                    )
+                    + "\n"
+                    for i in range(n)
+                )
+            )
         hosts = (args.finetune_hosts or f"all,{args.host_budgets.split(',')[0]}").split(",")
         for (kind, folder), hb in ((f, hb) for f in folders for hb in hosts):
-            cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
-                   "--eval-data", str(held), "--eval-rows", "4", "--quant", "nf4", "--gpu-budget", args.finetune_gpu_budget or args.gpu_budget,
-                   "--steps", "3", "--batch", "1", "--seq-len", str(args.seq), "--no-progress", "--exact-match", "0",
-                   "--cache", str(args.work / "cache"), "--out", str(args.work / f"run-{kind}-{hb}")]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "narrows.core.cli",
+                "finetune",
+                "--model",
+                str(folder),
+                "--data",
+                str(train),
+                "--eval-data",
+                str(held),
+                "--eval-rows",
+                "4",
+                "--quant",
+                "nf4",
+                "--gpu-budget",
+                args.finetune_gpu_budget or args.gpu_budget,
+                "--steps",
+                "3",
+                "--batch",
+                "1",
+                "--seq-len",
+                str(args.seq),
+                "--no-progress",
+                "--exact-match",
+                "0",
+                "--cache",
+                str(args.work / "cache"),
+                "--out",
+                str(args.work / f"run-{kind}-{hb}"),
+            ]
             if hb != "all":
                 cmd += ["--host-budget", hb]
             shutil.rmtree(args.work / f"run-{kind}-{hb}", ignore_errors=True)
@@ -403,10 +480,14 @@ def table(result: dict) -> None:
     def s(v: float | None) -> str:
         return "–" if v is None else f"{v:.2f}"
 
-    print(f"\n{result['device']}; disk read {result['disk_read_bw'] / 1e9:.2f} GB/s (O_DIRECT, sequential), "
-          f"pinned host→device {result['pinned_h2d_bw'] / 1e9:.1f} GB/s")  # fmt: skip
-    print(f"{'part':<9}{'case':<28}{'RSS GiB':>9}{'time -v':>9}{'VRAM GiB':>10}{'load s':>8}{'1st step s':>11}"
-          f"{'s/step':>8}{'floor s':>8}{'disk/step GiB':>14}{'disk layers':>12}")  # fmt: skip
+    print(
+        f"\n{result['device']}; disk read {result['disk_read_bw'] / 1e9:.2f} GB/s (O_DIRECT, sequential), "
+        f"pinned host→device {result['pinned_h2d_bw'] / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'part':<9}{'case':<28}{'RSS GiB':>9}{'time -v':>9}{'VRAM GiB':>10}{'load s':>8}{'1st step s':>11}"
+        f"{'s/step':>8}{'floor s':>8}{'disk/step GiB':>14}{'disk layers':>12}"
+    )
     for r in result["rows"]:
         if r.get("error"):
             print(f"{r['part']:<9}{r['label']:<28}failed: {r['error'].strip().splitlines()[-1][:80]}")
@@ -417,9 +498,11 @@ def table(result: dict) -> None:
                 disk / result["disk_read_bw"], r["h2d_bytes_per_step"] / result["pinned_h2d_bw"]
             )
         layers = f"{r['disk_layers']}/{r['layers']}" if "layers" in r else "–"
-        print(f"{r['part']:<9}{r['label']:<28}{g(r['peak_rss_sampled']):>9}{g(r['peak_rss_time_v']):>9}"
-              f"{g(r.get('peak_vram')):>10}{s(r.get('load_s')):>8}{s(r.get('first_step_at_s')):>11}"
-              f"{s(r.get('s_per_step')):>8}{s(r.get('floor_s')):>8}{g(disk):>14}{layers:>12}")  # fmt: skip
+        print(
+            f"{r['part']:<9}{r['label']:<28}{g(r['peak_rss_sampled']):>9}{g(r['peak_rss_time_v']):>9}"
+            f"{g(r.get('peak_vram')):>10}{s(r.get('load_s')):>8}{s(r.get('first_step_at_s')):>11}"
+            f"{s(r.get('s_per_step')):>8}{s(r.get('floor_s')):>8}{g(disk):>14}{layers:>12}"
+        )
 
 
 if __name__ == "__main__":

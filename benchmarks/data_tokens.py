@@ -6,7 +6,8 @@ against the floor of the imports alone.
 Writes N Alpaca rows (GSM8K problems, repeated with an index) as parquet, then runs each
 case in its own process and reads its peak RSS. CPU only.
 
-    python benchmarks/data_tokens.py --rows 50000 --tokenizer DIR --out benchmarks/cpu/data_tokens.json
+    python benchmarks/data_tokens.py --rows 50000 --tokenizer DIR --out /tmp/data_tokens.json
+    python benchmarks/results.py add cpu /tmp/data_tokens.json
 """
 
 from __future__ import annotations
@@ -56,8 +57,13 @@ def case(name: str, data: str, tokenizer: str, seq_len: int) -> dict:
             packed = Packed(tokens, seq_len)
             how = f"{len(packed)} sequences, fill {packed.fill():.4f}"
     seconds = time.perf_counter() - t
-    return {"case": name, "rows": n, "seconds": seconds, "how": how,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # fmt: skip
+    return {
+        "case": name,
+        "rows": n,
+        "seconds": seconds,
+        "how": how,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def main() -> None:
@@ -80,14 +86,26 @@ def main() -> None:
     env = dict(os.environ, NARROWS_CACHE=str(work / "cache"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     rows = []
     for name in ("imports", "python-objects", "first-run", "cached", "packed"):
-        cmd = [sys.executable, __file__, "--case", name, "--data", str(data), "--tokenizer", args.tokenizer,
-               "--seq-len", str(args.seq_len)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--case",
+            name,
+            "--data",
+            str(data),
+            "--tokenizer",
+            args.tokenizer,
+            "--seq-len",
+            str(args.seq_len),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     tokens = sum(p.stat().st_size for p in (work / "cache").rglob("tokens.pt"))
-    print(f"\n{args.rows} Alpaca rows (parquet {data.stat().st_size / 2**20:.1f} MiB), seq {args.seq_len}; "
-          f"cached tokens {tokens / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"\n{args.rows} Alpaca rows (parquet {data.stat().st_size / 2**20:.1f} MiB), seq {args.seq_len}; "
+        f"cached tokens {tokens / 2**20:.1f} MiB"
+    )
     print(f"{'case':<16} {'seconds':>8} {'peak RSS MiB':>13}  how")
     for r in rows:
         print(f"{r['case']:<16} {r['seconds']:>8.2f} {r['peak_rss_bytes'] / 2**20:>13.0f}  {r['how']}")

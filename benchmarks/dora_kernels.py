@@ -124,8 +124,11 @@ def norm_rows(reps: int) -> list[dict]:
                 return layer.get_weight_norm(w.to(dtype), lora_weight, 2.0)
 
             r = {"adapter_dtype": adapter, "rank": rank, "shape": [d, d]}
-            fns = (("peft", peft_norm), ("narrows", lambda a=a, b=b: factored_row_norm(w, a, b, 2.0)),
-                   ("narrows_cached", lambda a=a, b=b: factored_row_norm(w, a, b, 2.0, base_sq=base_sq)))  # fmt: skip
+            fns = (
+                ("peft", peft_norm),
+                ("narrows", lambda a=a, b=b: factored_row_norm(w, a, b, 2.0)),
+                ("narrows_cached", lambda a=a, b=b: factored_row_norm(w, a, b, 2.0, base_sq=base_sq)),
+            )
             for name, fn in fns:
                 fn()  # compile and autotune first: the tuner's own buffers are not the norm's
                 torch.cuda.synchronize()
@@ -154,33 +157,54 @@ def main() -> None:
     print(f"device copy bandwidth {bandwidth / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})")
     compose = [] if args.skip_compose else compose_rows(args.dtypes.split(","), args.reps, bandwidth)
     norms = norm_rows(args.reps)
-    print(f"\n{'dtype':<6}{'rows':>7}{'d_out':>7}{'fwd eager':>11}{'fused':>8}{'x':>6}{'%copy':>7}"
-          f"{'bwd eager':>11}{'fused':>8}{'x':>6}{'%copy':>7}")  # fmt: skip
+    print(
+        f"\n{'dtype':<6}{'rows':>7}{'d_out':>7}{'fwd eager':>11}{'fused':>8}{'x':>6}{'%copy':>7}"
+        f"{'bwd eager':>11}{'fused':>8}{'x':>6}{'%copy':>7}"
+    )
     for r in compose:
-        print(f"{r['dtype']:<6}{r['rows']:>7}{r['d_out']:>7}{r['fwd_eager_ms']:>11.3f}{r['fwd_fused_ms']:>8.3f}"
-              f"{r['fwd_speedup']:>6.2f}{100 * r['fwd_fused_bw_frac']:>6.0f}%{r['bwd_eager_ms']:>11.3f}"
-              f"{r['bwd_fused_ms']:>8.3f}{r['bwd_speedup']:>6.2f}{100 * r['bwd_fused_bw_frac']:>6.0f}%")  # fmt: skip
+        print(
+            f"{r['dtype']:<6}{r['rows']:>7}{r['d_out']:>7}{r['fwd_eager_ms']:>11.3f}{r['fwd_fused_ms']:>8.3f}"
+            f"{r['fwd_speedup']:>6.2f}{100 * r['fwd_fused_bw_frac']:>6.0f}%{r['bwd_eager_ms']:>11.3f}"
+            f"{r['bwd_fused_ms']:>8.3f}{r['bwd_speedup']:>6.2f}{100 * r['bwd_fused_bw_frac']:>6.0f}%"
+        )
     for dname in [] if args.skip_compose else args.dtypes.split(","):
         sel = [r for r in compose if r["dtype"] == dname]
         fwd, bwd = geomean(r["fwd_speedup"] for r in sel), geomean(r["bwd_speedup"] for r in sel)
-        print(f"{dname}: geometric mean speedup fwd {fwd:.2f}x, bwd {bwd:.2f}x; "
-              f"largest shape fwd {100 * sel[-1]['fwd_fused_bw_frac']:.0f}% of copy bandwidth")  # fmt: skip
+        print(
+            f"{dname}: geometric mean speedup fwd {fwd:.2f}x, bwd {bwd:.2f}x; "
+            f"largest shape fwd {100 * sel[-1]['fwd_fused_bw_frac']:.0f}% of copy bandwidth"
+        )
         fwd, bwd = geomean(r["train_fwd_speedup"] for r in sel), geomean(r["train_bwd_speedup"] for r in sel)
-        print(f"{dname} training tier (dual forward, backward from inner): geometric mean speedup fwd {fwd:.2f}x, "
-              f"bwd {bwd:.2f}x; largest shape fwd {100 * sel[-1]['train_fwd_fused_bw_frac']:.0f}%, "
-              f"bwd {100 * sel[-1]['train_bwd_fused_bw_frac']:.0f}% of copy bandwidth")  # fmt: skip
-    print(f"\n{'A,B':>5}{'rank':>5}{'PEFT ms':>9}{'ours ms':>9}{'x':>6}{'cached':>8}{'x':>6}"
-          f"{'PEFT MiB':>10}{'ours MiB':>10}{'ratio':>7}{'cached':>8}{'ratio':>7}")  # fmt: skip
+        print(
+            f"{dname} training tier (dual forward, backward from inner): geometric mean speedup fwd {fwd:.2f}x, "
+            f"bwd {bwd:.2f}x; largest shape fwd {100 * sel[-1]['train_fwd_fused_bw_frac']:.0f}%, "
+            f"bwd {100 * sel[-1]['train_bwd_fused_bw_frac']:.0f}% of copy bandwidth"
+        )
+    print(
+        f"\n{'A,B':>5}{'rank':>5}{'PEFT ms':>9}{'ours ms':>9}{'x':>6}{'cached':>8}{'x':>6}"
+        f"{'PEFT MiB':>10}{'ours MiB':>10}{'ratio':>7}{'cached':>8}{'ratio':>7}"
+    )
     for r in norms:
-        print(f"{r['adapter_dtype']:>5}{r['rank']:>5}{r['peft_ms']:>9.3f}{r['narrows_ms']:>9.3f}"
-              f"{r['narrows_speedup']:>6.2f}{r['narrows_cached_ms']:>8.3f}{r['narrows_cached_speedup']:>6.2f}"
-              f"{r['peft_work_bytes'] / 2**20:>10.1f}{r['narrows_work_bytes'] / 2**20:>10.1f}"
-              f"{r['narrows_work_ratio']:>7.1f}{r['narrows_cached_work_bytes'] / 2**20:>8.1f}"
-              f"{r['narrows_cached_work_ratio']:>7.1f}")  # fmt: skip
+        print(
+            f"{r['adapter_dtype']:>5}{r['rank']:>5}{r['peft_ms']:>9.3f}{r['narrows_ms']:>9.3f}"
+            f"{r['narrows_speedup']:>6.2f}{r['narrows_cached_ms']:>8.3f}{r['narrows_cached_speedup']:>6.2f}"
+            f"{r['peft_work_bytes'] / 2**20:>10.1f}{r['narrows_work_bytes'] / 2**20:>10.1f}"
+            f"{r['narrows_work_ratio']:>7.1f}{r['narrows_cached_work_bytes'] / 2**20:>8.1f}"
+            f"{r['narrows_cached_work_ratio']:>7.1f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bandwidth": bandwidth,
-                               "compose": compose, "norm": norms}, indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(),
+                "copy_bandwidth": bandwidth,
+                "compose": compose,
+                "norm": norms,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -105,8 +105,12 @@ def measure(model, ids, args, device) -> dict:
             host.append(issued)
     with torch.no_grad(), autocast(args):
         logits = model(input_ids=ids, logits_to_keep=16).logits[0].double()
-    return {"s_per_step": statistics.median(times), "host_s": statistics.median(host), "peak_allocated": read_peaks(device).cuda_allocated,
-            "logits": logits}  # fmt: skip
+    return {
+        "s_per_step": statistics.median(times),
+        "host_s": statistics.median(host),
+        "peak_allocated": read_peaks(device).cuda_allocated,
+        "logits": logits,
+    }
 
 
 def profile(model, ids, args, mode: str) -> None:
@@ -164,18 +168,26 @@ def main() -> None:
     def cos(x, y):
         return torch.nn.functional.cosine_similarity(x, y, dim=-1).min().item()  # the worst of 16 positions
 
-    print(f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, {base} base, "
-          f"{args.precision}, {torch.cuda.get_device_name()}")  # fmt: skip
+    print(
+        f"\n{args.model} x{args.layers} layers, DoRA r{args.rank}, seq {args.seq}, {base} base, "
+        f"{args.precision}, {torch.cuda.get_device_name()}"
+    )
     print(
         f"{'mode':<15}{'s/step':>9}{'host s':>8}{'vs PEFT':>9}{'peak GiB':>10}{'vs PEFT GiB':>13}{'cos PEFT':>10}{'cos fp64':>10}"
     )
     out = []
     for mode, r in rows.items():
         dora = mode != "peft-lora"
-        row = {"mode": mode, "s_per_step": r["s_per_step"], "host_s": r["host_s"], "speedup_vs_peft": ref["s_per_step"] / r["s_per_step"],
-               "peak_allocated": r["peak_allocated"], "peak_delta_vs_peft": r["peak_allocated"] - ref["peak_allocated"],
-               "logit_cosine_vs_peft": cos(r["logits"], ref["logits"]) if dora else None,
-               "logit_cosine_vs_fp64": cos(r["logits"], ref64) if dora and ref64 is not None else None}  # fmt: skip
+        row = {
+            "mode": mode,
+            "s_per_step": r["s_per_step"],
+            "host_s": r["host_s"],
+            "speedup_vs_peft": ref["s_per_step"] / r["s_per_step"],
+            "peak_allocated": r["peak_allocated"],
+            "peak_delta_vs_peft": r["peak_allocated"] - ref["peak_allocated"],
+            "logit_cosine_vs_peft": cos(r["logits"], ref["logits"]) if dora else None,
+            "logit_cosine_vs_fp64": cos(r["logits"], ref64) if dora and ref64 is not None else None,
+        }
         out.append(row)
         c1 = f"{row['logit_cosine_vs_peft']:>10.6f}" if dora else f"{'-':>10}"
         c2 = (
@@ -183,8 +195,10 @@ def main() -> None:
             if row["logit_cosine_vs_fp64"] is not None
             else f"{'-':>10}"
         )
-        print(f"{mode:<15}{row['s_per_step']:>9.3f}{row['host_s']:>8.3f}{row['speedup_vs_peft']:>9.2f}{r['peak_allocated'] / gib:>10.2f}"
-              f"{row['peak_delta_vs_peft'] / gib:>13.2f}{c1}{c2}")  # fmt: skip
+        print(
+            f"{mode:<15}{row['s_per_step']:>9.3f}{row['host_s']:>8.3f}{row['speedup_vs_peft']:>9.2f}{r['peak_allocated'] / gib:>10.2f}"
+            f"{row['peak_delta_vs_peft'] / gib:>13.2f}{c1}{c2}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(
         json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(), "rows": out}, indent=2)

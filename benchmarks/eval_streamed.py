@@ -95,8 +95,12 @@ def float64_loglikelihoods(lm, reqs) -> tuple[list[float], list[str]]:
 def compare(streamed: list[float], resident: list[float]) -> dict:
     """Per-request float64 comparison of the two modes' log-likelihoods."""
     diffs = [abs(a - b) for a, b in zip(streamed, resident, strict=True)]
-    return {"requests": len(diffs), "max_abs_diff": max(diffs), "exactly_equal": streamed == resident,
-            "requests_equal": sum(a == b for a, b in zip(streamed, resident, strict=True))}  # fmt: skip
+    return {
+        "requests": len(diffs),
+        "max_abs_diff": max(diffs),
+        "exactly_equal": streamed == resident,
+        "requests_equal": sum(a == b for a, b in zip(streamed, resident, strict=True)),
+    }
 
 
 def run(mode: str, args) -> dict:
@@ -111,8 +115,14 @@ def run(mode: str, args) -> dict:
     build = time.perf_counter() - build
     torch.cuda.empty_cache()
     reset_peaks("cuda")
-    lm = NarrowsLM(pretrained=model, tokenizer=tiny_tokenizer(), device="cuda", batch_size=args.batch,
-                   gpu_budget=args.gpu_budget if mode == "streamed" else None, max_length=args.context + 64)  # fmt: skip
+    lm = NarrowsLM(
+        pretrained=model,
+        tokenizer=tiny_tokenizer(),
+        device="cuda",
+        batch_size=args.batch,
+        gpu_budget=args.gpu_budget if mode == "streamed" else None,
+        max_length=args.context + 64,
+    )
     reqs = make_requests(args.requests, args.context)
     lm.loglikelihood(reqs[: args.batch], disable_tqdm=True)  # warm-up (kernels, allocator)
     torch.cuda.synchronize()
@@ -124,10 +134,18 @@ def run(mode: str, args) -> dict:
     tokens = sum(len(lm.tok_encode(r.arguments[0] + r.arguments[1])) for r in reqs)
     handle = getattr(lm.narrows.model, "narrows_stream", None)
     precise, logits_dtypes = float64_loglikelihoods(lm, reqs)
-    row = {"mode": mode, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-           "peak_allocated": peak, "build_seconds": build, "plan": str(handle.plan) if handle else None,
-           "logits_dtype": logits_dtypes, "loglikelihoods": precise,
-           "loglikelihoods_model_dtype": [float(x[0]) for x in out]}  # fmt: skip
+    row = {
+        "mode": mode,
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "peak_allocated": peak,
+        "build_seconds": build,
+        "plan": str(handle.plan) if handle else None,
+        "logits_dtype": logits_dtypes,
+        "loglikelihoods": precise,
+        "loglikelihoods_model_dtype": [float(x[0]) for x in out],
+    }
     del lm, model
     torch.cuda.empty_cache()
     return row
@@ -156,22 +174,35 @@ def main() -> None:
         rows[0]["loglikelihoods_model_dtype"], rows[1]["loglikelihoods_model_dtype"]
     )["max_abs_diff"]
     gib = 2**30
-    print(f"\n{args.model} NF4 (random weights), lm-eval loglikelihood, {args.requests} requests x ~{args.context} "
-          f"tokens, batch {args.batch}, {torch.cuda.get_device_name()}")  # fmt: skip
+    print(
+        f"\n{args.model} NF4 (random weights), lm-eval loglikelihood, {args.requests} requests x ~{args.context} "
+        f"tokens, batch {args.batch}, {torch.cuda.get_device_name()}"
+    )
     print(f"{'mode':<10}{'tokens/s':>10}{'vs resident':>13}{'peak GiB':>10}")
     for r in rows:
         r["speed_vs_resident"] = r["tokens_per_s"] / rows[1]["tokens_per_s"]
         print(
             f"{r['mode']:<10}{r['tokens_per_s']:>10.0f}{r['speed_vs_resident']:>13.2f}{r['peak_allocated'] / gib:>10.2f}"
         )
-    print(f"float64 log-likelihoods, streamed vs resident: {comparison['requests_equal']} of "
-          f"{comparison['requests']} requests equal, max |difference| {comparison['max_abs_diff']:.3e} "
-          f"(model dtype {rows[0]['logits_dtype']}: {comparison['max_abs_diff_model_dtype']:.3e})")  # fmt: skip
+    print(
+        f"float64 log-likelihoods, streamed vs resident: {comparison['requests_equal']} of "
+        f"{comparison['requests']} requests equal, max |difference| {comparison['max_abs_diff']:.3e} "
+        f"(model dtype {rows[0]['logits_dtype']}: {comparison['max_abs_diff_model_dtype']:.3e})"
+    )
     if rows[0]["plan"]:
         print(rows[0]["plan"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "device": torch.cuda.get_device_name(),
-                                          "comparison": comparison, "rows": rows}, indent=2))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "device": torch.cuda.get_device_name(),
+                "comparison": comparison,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

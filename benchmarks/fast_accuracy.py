@@ -1,5 +1,5 @@
 """Fast decoder layers (`narrows.core.fuse_layers`) in bf16 against a float64 reference,
-beside PEFT's own bf16 path (issue 45, requirement 5a).
+beside PEFT's own bf16 path.
 
 One decoder layer of a real shape (default Qwen2.5-7B's, `configs/`), seeded random bf16
 weights (linears ~ N(0, 0.02) as `_models.py` draws them; RMSNorm weights ~ 1 + N(0, 0.1),
@@ -82,16 +82,31 @@ from _models import add_lora, load_config
 from narrows.core import anatomy_of, fuse_layers, quantize_nf4
 from narrows.core.fastlayer import ops, parts_of
 
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-          "down": ("down_proj",)}  # fmt: skip
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 # Qwen3-8B's published shape (configs/ holds no Qwen3): per-head Q/K norms, head_dim 128
 QWEN3_8B = dict(
-    model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-    hidden_act="silu", attention_bias=False, attention_dropout=0.0,
-)  # fmt: skip
+    model_type="qwen3",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    attention_bias=False,
+    attention_dropout=0.0,
+)
 
 
 # the layer ------------------------------------------------------------------------------
@@ -266,8 +281,17 @@ def op_rows(model, x: Tensor, gen: torch.Generator) -> list[dict]:
         kernel = used.get(op, "torch")
         for i, q in enumerate(names):
             e_hf, e_use, e_torch = (rel(t[i], ref64[i]) for t in (hf, ours["in use"], ours["torch"]))
-            rows.append({"op": op, "quantity": q, "hf_bf16": e_hf, "narrows_torch": e_torch,
-                         "narrows_in_use": e_use, "kernel": kernel, "ratio": e_use / e_hf if e_hf else None})  # fmt: skip
+            rows.append(
+                {
+                    "op": op,
+                    "quantity": q,
+                    "hf_bf16": e_hf,
+                    "narrows_torch": e_torch,
+                    "narrows_in_use": e_use,
+                    "kernel": kernel,
+                    "ratio": e_use / e_hf if e_hf else None,
+                }
+            )
 
     # RMSNorm over (tokens, hidden), the layer's input norm; the weight is frozen
     norm = layer.input_layernorm
@@ -306,8 +330,13 @@ def op_rows(model, x: Tensor, gen: torch.Generator) -> list[dict]:
     gate, up, ga = randn(tokens, inter), randn(tokens, inter), randn(tokens, inter)
     ref64 = _autograd(lambda a, b: F.silu(a) * b, [gate.double(), up.double()], ga.double())
     hf = _autograd(lambda a, b: act(a) * b, [gate, up], ga)
-    add("swiglu", ("y", "d_gate", "d_up"), ref64, hf,
-        _ours(lambda: [ops.swiglu(gate, up), *ops.swiglu_backward(ga, gate, up)]))  # fmt: skip
+    add(
+        "swiglu",
+        ("y", "d_gate", "d_up"),
+        ref64,
+        hf,
+        _ours(lambda: [ops.swiglu(gate, up), *ops.swiglu_backward(ga, gate, up)]),
+    )
     return rows
 
 
@@ -353,8 +382,15 @@ def lora_rows(model, ref, x: Tensor, gen: torch.Generator) -> list[dict]:
         fast = {"out": outs, "d_in": [d_n], "d_A": pg[0::2], "d_B": pg[1::2]}
         for q in ("out", "d_in", "d_A", "d_B"):
             e_p, e_f = rel(peft[q], ref64[q]), rel(fast[q], ref64[q])
-            rows.append({"op": f"lora {group}", "quantity": q, "peft_bf16": e_p, "fast": e_f,
-                         "ratio": e_f / e_p if e_p else None})  # fmt: skip
+            rows.append(
+                {
+                    "op": f"lora {group}",
+                    "quantity": q,
+                    "peft_bf16": e_p,
+                    "fast": e_f,
+                    "ratio": e_f / e_p if e_p else None,
+                }
+            )
     return rows
 
 
@@ -363,16 +399,23 @@ def lora_rows(model, ref, x: Tensor, gen: torch.Generator) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-7b",
-                    help="a file of benchmarks/configs (qwen2.5-7b, llama-3.2-3b, ...), a .json path, qwen3-8b, "
-                         "or tiny-<arch> (llama, qwen2, qwen3, mistral: narrows.core.testing)")  # fmt: skip
+    ap.add_argument(
+        "--model",
+        default="qwen2.5-7b",
+        help="a file of benchmarks/configs (qwen2.5-7b, llama-3.2-3b, ...), a .json path, qwen3-8b, "
+        "or tiny-<arch> (llama, qwen2, qwen3, mistral: narrows.core.testing)",
+    )
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--b-std", type=float, default=0.02, help="lora_B ~ N(0, b_std)")
-    ap.add_argument("--x-std", type=float, default=1.0,
-                    help="the input's scale: a trained model's residual stream is larger than each layer's "
-                         "update (e.g. 16), which weighs the roundings of the residual sums")  # fmt: skip
+    ap.add_argument(
+        "--x-std",
+        type=float,
+        default=1.0,
+        help="the input's scale: a trained model's residual stream is larger than each layer's "
+        "update (e.g. 16), which weighs the roundings of the residual sums",
+    )
     ap.add_argument("--nf4", action="store_true", help="NF4 base; the reference uses the dequantised weights")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -420,17 +463,23 @@ def main() -> None:
     seconds = time.perf_counter() - t0
 
     device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
-    title = (f"{args.model}{' NF4' if args.nf4 else ''} decoder layer, hidden {cfg.hidden_size}, "
-             f"intermediate {cfg.intermediate_size}, {args.batch} x {args.seq} tokens (x ~ N(0, {args.x_std}²)), LoRA r{args.rank} on all "
-             f"seven projections, on {device}; ops: {used}")  # fmt: skip
+    title = (
+        f"{args.model}{' NF4' if args.nf4 else ''} decoder layer, hidden {cfg.hidden_size}, "
+        f"intermediate {cfg.intermediate_size}, {args.batch} x {args.seq} tokens (x ~ N(0, {args.x_std}²)), LoRA r{args.rank} on all "
+        f"seven projections, on {device}; ops: {used}"
+    )
     print(f"\n{title}\n\nlayer: relative error vs float64 (‖x − ref‖/‖ref‖)\n")
     extra = " fast·torch ops |" if library else ""
-    print(f"| quantity | PEFT bf16 | fast |{extra} fast / PEFT | fast, float32 LoRA |\n"
-          f"|---|---:|---:|{'---:|' if library else ''}---:|---:|")  # fmt: skip
+    print(
+        f"| quantity | PEFT bf16 | fast |{extra} fast / PEFT | fast, float32 LoRA |\n"
+        f"|---|---:|---:|{'---:|' if library else ''}---:|---:|"
+    )
     for r in layer_table:
         ft = f" {r['fast_torch_ops']:.3e} |" if library else ""
-        print(f"| {r['quantity']} | {r['peft_bf16']:.3e} | {r['fast']:.3e} |{ft} {r['ratio']:.2f} | "
-              f"{r['fast_float32_lora']:.3e} |")  # fmt: skip
+        print(
+            f"| {r['quantity']} | {r['peft_bf16']:.3e} | {r['fast']:.3e} |{ft} {r['ratio']:.2f} | "
+            f"{r['fast_float32_lora']:.3e} |"
+        )
     verdict = "within" if worst["ratio"] <= 1.5 else "MISSES"
     print(f"\nworst ratio {worst['ratio']:.2f} ({worst['quantity']}): {verdict} the 1.5x aim")
 
@@ -439,8 +488,10 @@ def main() -> None:
         "| op | quantity | HF bf16 | narrows torch | narrows in use (kernel) | in use / HF |\n|---|---|---:|---:|---:|---:|"
     )
     for r in (r for r in op_table if "hf_bf16" in r):
-        print(f"| {r['op']} | {r['quantity']} | {r['hf_bf16']:.3e} | {r['narrows_torch']:.3e} | "
-              f"{r['narrows_in_use']:.3e} ({r['kernel']}) | {r['ratio']:.2f} |")  # fmt: skip
+        print(
+            f"| {r['op']} | {r['quantity']} | {r['hf_bf16']:.3e} | {r['narrows_torch']:.3e} | "
+            f"{r['narrows_in_use']:.3e} ({r['kernel']}) | {r['ratio']:.2f} |"
+        )
     print("\n| linears | quantity | PEFT bf16 | fast | fast / PEFT |\n|---|---|---:|---:|---:|")
     for r in (r for r in op_table if "peft_bf16" in r):
         print(f"| {r['op']} | {r['quantity']} | {r['peft_bf16']:.3e} | {r['fast']:.3e} | {r['ratio']:.2f} |")
@@ -450,14 +501,37 @@ def main() -> None:
     import peft
     import transformers
 
-    out.write_text(json.dumps({
-        "args": vars(args), "title": title, "device": device, "torch": torch.__version__,
-        "transformers": transformers.__version__, "peft": peft.__version__, "kernels_in_use": used,
-        "config": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
-                   "num_attention_heads", "num_key_value_heads", "head_dim")},
-        "layer": layer_table, "worst_layer_ratio": worst["ratio"], "worst_layer_quantity": worst["quantity"],
-        "within_1_5x": worst["ratio"] <= 1.5, "ops": op_table, "seconds": seconds,
-    }, indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "title": title,
+                "device": device,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "peft": peft.__version__,
+                "kernels_in_use": used,
+                "config": {
+                    k: getattr(cfg, k, None)
+                    for k in (
+                        "model_type",
+                        "hidden_size",
+                        "intermediate_size",
+                        "num_attention_heads",
+                        "num_key_value_heads",
+                        "head_dim",
+                    )
+                },
+                "layer": layer_table,
+                "worst_layer_ratio": worst["ratio"],
+                "worst_layer_quantity": worst["quantity"],
+                "within_1_5x": worst["ratio"] <= 1.5,
+                "ops": op_table,
+                "seconds": seconds,
+            },
+            indent=2,
+        )
+    )
     print(f"\n{seconds:.1f} s; wrote {out}")
 
 

@@ -42,8 +42,9 @@ def one_layer(name: str, device: torch.device, dropout: float = 0.0):
     return model, cfg
 
 
-def measure(name: str, tokens: int, seq: int, device: torch.device, timing: bool = False,
-            tile: int | None = None) -> dict:  # fmt: skip
+def measure(
+    name: str, tokens: int, seq: int, device: torch.device, timing: bool = False, tile: int | None = None
+) -> dict:
     from narrows.core import anatomy_of
     from narrows.core.fastlayer import compute, parts_of
     from narrows.stream.planning import Shapes, layer_work_bytes, whole_bytes
@@ -70,10 +71,18 @@ def measure(name: str, tokens: int, seq: int, device: torch.device, timing: bool
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, result
 
-    row = {"model": name, "tokens": tokens, "seq": seq, "tile": tile, "hidden": cfg.hidden_size,
-           "intermediate": cfg.intermediate_size, "kv": cfg.num_key_value_heads * parts.head_dim,
-           "planned_whole_less_input": whole_bytes(shapes) - x.numel() * 2,
-           "planned_work": layer_work_bytes(shapes, tile), "dequant_largest": shapes.dequant_bytes}  # fmt: skip
+    row = {
+        "model": name,
+        "tokens": tokens,
+        "seq": seq,
+        "tile": tile,
+        "hidden": cfg.hidden_size,
+        "intermediate": cfg.intermediate_size,
+        "kv": cfg.num_key_value_heads * parts.head_dim,
+        "planned_whole_less_input": whole_bytes(shapes) - x.numel() * 2,
+        "planned_work": layer_work_bytes(shapes, tile),
+        "dequant_largest": shapes.dequant_bytes,
+    }
     for _ in range(2):  # the second pass is the one recorded: kernels and workspaces warmed up
         base = alloc()
         out, saved = compute.forward_keeping(parts, x, cos, sin, None)
@@ -117,8 +126,12 @@ def times(parts, x, cos, sin, g, reps: int = 10) -> dict:
     ws = [p.w(x, None) for grp in parts.groups for p in grp.linears]
     flat = x.reshape(-1, x.shape[-1])
     # inputs of the right widths, made before the clock starts
-    inputs = [flat if w.shape[1] == flat.shape[1] else torch.randn(flat.shape[0], w.shape[1], device=x.device,
-                                                                   dtype=x.dtype) for w in ws]  # fmt: skip
+    inputs = [
+        flat
+        if w.shape[1] == flat.shape[1]
+        else torch.randn(flat.shape[0], w.shape[1], device=x.device, dtype=x.dtype)
+        for w in ws
+    ]
 
     def matmuls():  # the forward's base GEMMs alone
         for inp, w in zip(inputs, ws):
@@ -178,8 +191,14 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         name, tokens, seq, *tile = case.split(":")
-        row = measure(name, int(tokens), int(seq), device, timing=not args.no_timing,
-                      tile=int(tile[0]) if tile else None)  # fmt: skip
+        row = measure(
+            name,
+            int(tokens),
+            int(seq),
+            device,
+            timing=not args.no_timing,
+            tile=int(tile[0]) if tile else None,
+        )
         per = {
             k: round(v / row["tokens"])
             for k, v in row.items()

@@ -75,8 +75,11 @@ def data_stats(folder: Path, train: Path, seq_len: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="qwen2.5-7b")
-    ap.add_argument("--tokenizer", help="a folder with a tokenizer that has a chat template (default: a byte-level "
-                    "ChatML tokenizer: the weights are random anyway)")  # fmt: skip
+    ap.add_argument(
+        "--tokenizer",
+        help="a folder with a tokenizer that has a chat template (default: a byte-level "
+        "ChatML tokenizer: the weights are random anyway)",
+    )
     ap.add_argument("--modes", default="off,fit,6GiB")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=1)
@@ -106,13 +109,45 @@ def main() -> None:
             out = work / f"run-{mode}-{'packed' if packing else 'padded'}"
             shutil.rmtree(out, ignore_errors=True)  # a fresh run, not the one an earlier invocation left
             budget, *suffixes = mode.split("-")
-            flags = {"eager": "--no-cuda-graphs", "seq": "--no-step-mode", "step": "--step-mode",
-                     "adapters": "--offload-adapters"}  # fmt: skip
-            cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--model", str(folder), "--data", str(train),
-                   "--eval-data", str(held_out), "--eval-rows", "32", "--quant", "nf4", "--gpu-budget", budget,
-                   "--steps", str(steps[packing]), "--batch", str(args.batch), "--seq-len", str(args.seq_len),
-                   "--grad-accum", str(args.grad_accum), "--save-every", str(steps[packing]), "--no-progress",
-                   "--out", str(out), *(["--packing"] if packing else []), *(flags[x] for x in suffixes)]  # fmt: skip
+            flags = {
+                "eager": "--no-cuda-graphs",
+                "seq": "--no-step-mode",
+                "step": "--step-mode",
+                "adapters": "--offload-adapters",
+            }
+            cmd = [
+                sys.executable,
+                "-m",
+                "narrows.core.cli",
+                "finetune",
+                "--model",
+                str(folder),
+                "--data",
+                str(train),
+                "--eval-data",
+                str(held_out),
+                "--eval-rows",
+                "32",
+                "--quant",
+                "nf4",
+                "--gpu-budget",
+                budget,
+                "--steps",
+                str(steps[packing]),
+                "--batch",
+                str(args.batch),
+                "--seq-len",
+                str(args.seq_len),
+                "--grad-accum",
+                str(args.grad_accum),
+                "--save-every",
+                str(steps[packing]),
+                "--no-progress",
+                "--out",
+                str(out),
+                *(["--packing"] if packing else []),
+                *(flags[x] for x in suffixes),
+            ]
             t = time.perf_counter()
             r = subprocess.run(
                 cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1")
@@ -127,29 +162,52 @@ def main() -> None:
             timed = [m for m in metrics if "step_s" in m]
             step_s = sorted(m["step_s"] for m in timed)
             tokens = [m["tokens_per_s"] * m["step_s"] for m in timed]
-            rows.append({
-                "mode": mode, "packing": packing, "steps": steps[packing], "tokens": round(sum(tokens)),
-                "peak_bytes": summary["peak_bytes"], "tokens_per_s": summary["tokens_per_s"],
-                # after the first two steps (allocator and kernel warm-up)
-                "steady_tokens_per_s": sum(tokens[2:]) / sum(m["step_s"] for m in timed[2:]),
-                "median_step_s": step_s[len(step_s) // 2], "first_loss": summary["first_loss"],
-                "last_loss": summary["last_loss"], "eval_loss_before": summary["eval_loss_before"],
-                "eval_loss_after": summary["eval_loss_after"], "setup_s": summary["setup_s"], "wall_s": wall,
-                **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
-                "accumulation": summary.get("stream", {}).get("accumulation"), "grad_accum": args.grad_accum,
-                "predicted_peak": summary.get("stream", {}).get("predicted_peak"),
-                "step_peaks": [m["peak_bytes"] for m in timed],
-                "eval_peak_bytes": summary.get("eval_peak_bytes"),  # evaluations run outside the steps' peaks
-                "held": next((line.split("held 4-bit weights ", 1)[1] for line in r.stderr.splitlines()
-                              if "held 4-bit weights " in line), None),  # step mode's dequantised weights
-            })  # fmt: skip
+            rows.append(
+                {
+                    "mode": mode,
+                    "packing": packing,
+                    "steps": steps[packing],
+                    "tokens": round(sum(tokens)),
+                    "peak_bytes": summary["peak_bytes"],
+                    "tokens_per_s": summary["tokens_per_s"],
+                    # after the first two steps (allocator and kernel warm-up)
+                    "steady_tokens_per_s": sum(tokens[2:]) / sum(m["step_s"] for m in timed[2:]),
+                    "median_step_s": step_s[len(step_s) // 2],
+                    "first_loss": summary["first_loss"],
+                    "last_loss": summary["last_loss"],
+                    "eval_loss_before": summary["eval_loss_before"],
+                    "eval_loss_after": summary["eval_loss_after"],
+                    "setup_s": summary["setup_s"],
+                    "wall_s": wall,
+                    **{k: v for k, v in summary.get("stream", {}).items() if k.startswith("cuda_graph")},
+                    "accumulation": summary.get("stream", {}).get("accumulation"),
+                    "grad_accum": args.grad_accum,
+                    "predicted_peak": summary.get("stream", {}).get("predicted_peak"),
+                    "step_peaks": [m["peak_bytes"] for m in timed],
+                    "eval_peak_bytes": summary.get(
+                        "eval_peak_bytes"
+                    ),  # evaluations run outside the steps' peaks
+                    "held": next(
+                        (
+                            line.split("held 4-bit weights ", 1)[1]
+                            for line in r.stderr.splitlines()
+                            if "held 4-bit weights " in line
+                        ),
+                        None,
+                    ),  # step mode's dequantised weights
+                }
+            )
             print(f"--gpu-budget {mode} packing {packing}: {rows[-1]}", flush=True)
 
     base = next((r for r in rows if r["mode"] == "off" and "error" not in r), None)
-    print(f"\n{args.config} (random NF4 weights), LoRA r16 all-linear, batch {args.batch} x seq {args.seq_len}, "
-          f"{args.steps} steps, {torch.cuda.get_device_name()}")  # fmt: skip
-    print(f"{'--gpu-budget':<14} {'packing':>7} {'peak GiB':>9} {'eval GiB':>9} {'vs off':>7} {'step s':>8} {'vs off':>7} "
-          f"{'tok/s':>7} {'tokens':>7} {'loss first→last':>18} {'eval after':>10} {'setup s':>8}")  # fmt: skip
+    print(
+        f"\n{args.config} (random NF4 weights), LoRA r16 all-linear, batch {args.batch} x seq {args.seq_len}, "
+        f"{args.steps} steps, {torch.cuda.get_device_name()}"
+    )
+    print(
+        f"{'--gpu-budget':<14} {'packing':>7} {'peak GiB':>9} {'eval GiB':>9} {'vs off':>7} {'step s':>8} {'vs off':>7} "
+        f"{'tok/s':>7} {'tokens':>7} {'loss first→last':>18} {'eval after':>10} {'setup s':>8}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:<14} {r['packing']!s:>7} failed")
@@ -158,9 +216,11 @@ def main() -> None:
         ev = f"{r['eval_peak_bytes'] / 2**30:.2f}" if r.get("eval_peak_bytes") else "–"
         rm = f"{r['peak_bytes'] / base['peak_bytes']:.2f}" if base else "–"
         rt = f"{r['median_step_s'] / base['median_step_s']:.2f}" if base else "–"
-        print(f"{r['mode']:<14} {r['packing']!s:>7} {mem:>9.2f} {ev:>9} {rm:>7} {r['median_step_s']:>8.3f} {rt:>7} "
-              f"{r['steady_tokens_per_s']:>7.0f} {r['tokens']:>7} {r['first_loss']:>8.4f}→{r['last_loss']:<8.4f} "
-              f"{r['eval_loss_after']:>10.4f} {r['setup_s']:>8.0f}")  # fmt: skip
+        print(
+            f"{r['mode']:<14} {r['packing']!s:>7} {mem:>9.2f} {ev:>9} {rm:>7} {r['median_step_s']:>8.3f} {rt:>7} "
+            f"{r['steady_tokens_per_s']:>7.0f} {r['tokens']:>7} {r['first_loss']:>8.4f}→{r['last_loss']:<8.4f} "
+            f"{r['eval_loss_after']:>10.4f} {r['setup_s']:>8.0f}"
+        )
     for r in rows:
         if r.get("accumulation"):
             print(f"{r['mode']}: accumulation {r['accumulation']}")

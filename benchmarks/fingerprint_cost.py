@@ -10,7 +10,8 @@ the sampling only (no disk), and its cold cost is the 7B one scaled by the tenso
 (the sampled bytes are the same per tensor: 64 KiB). The full hash is timed on the first
 GiB of the 7B file read from disk and scaled to each size. CPU only.
 
-    python benchmarks/fingerprint_cost.py --dir /tmp --out benchmarks/cpu/fingerprint_cost.json
+    python benchmarks/fingerprint_cost.py --dir /tmp --out /tmp/fingerprint_cost.json
+    python benchmarks/results.py add cpu /tmp/fingerprint_cost.json
 """
 
 from __future__ import annotations
@@ -127,9 +128,19 @@ def main() -> None:
     finally:
         seven.unlink(missing_ok=True)
     n7 = len(tensors(*SHAPES["qwen2.5-7b"]))
-    rows.append({"model": "qwen2.5-7b", "bytes": size, "tensors": n7, "sampled_bytes": n7 * SAMPLES * SAMPLE_BYTES,
-                 "sampled_cold_s": min(cold), "sampled_cold_s_all": cold, "sampled_warm_s": min(warm),
-                 "full_sha256_s": size / rate, "how": "written in full; cold: pages dropped before each read"})  # fmt: skip
+    rows.append(
+        {
+            "model": "qwen2.5-7b",
+            "bytes": size,
+            "tensors": n7,
+            "sampled_bytes": n7 * SAMPLES * SAMPLE_BYTES,
+            "sampled_cold_s": min(cold),
+            "sampled_cold_s_all": cold,
+            "sampled_warm_s": min(warm),
+            "full_sha256_s": size / rate,
+            "how": "written in full; cold: pages dropped before each read",
+        }
+    )
     big = Path(args.dir) / "fingerprint_cost_72b.safetensors"
     try:
         size = write(big, tensors(*SHAPES["qwen2.5-72b"]), sparse=True)
@@ -137,17 +148,35 @@ def main() -> None:
     finally:
         big.unlink(missing_ok=True)
     n72 = len(tensors(*SHAPES["qwen2.5-72b"]))
-    rows.append({"model": "qwen2.5-72b", "bytes": size, "tensors": n72, "sampled_bytes": n72 * SAMPLES * SAMPLE_BYTES,
-                 "sampled_cold_s": min(cold) * n72 / n7, "sampled_warm_s": min(warm), "full_sha256_s": size / rate,
-                 "how": "sparse file: warm is the sampling's CPU side; cold and full scaled from the 7B reads"})  # fmt: skip
+    rows.append(
+        {
+            "model": "qwen2.5-72b",
+            "bytes": size,
+            "tensors": n72,
+            "sampled_bytes": n72 * SAMPLES * SAMPLE_BYTES,
+            "sampled_cold_s": min(cold) * n72 / n7,
+            "sampled_warm_s": min(warm),
+            "full_sha256_s": size / rate,
+            "how": "sparse file: warm is the sampling's CPU side; cold and full scaled from the 7B reads",
+        }
+    )
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "device": platform.processor() or platform.machine(),
-              "cpu": _cpu(), "command": " ".join([Path(sys.executable).name, *sys.argv]), "sampling": SAMPLING,
-              "full_sha256_bytes_per_s": rate, "rows": rows}  # fmt: skip
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
+        "device": platform.processor() or platform.machine(),
+        "cpu": _cpu(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "sampling": SAMPLING,
+        "full_sha256_bytes_per_s": rate,
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for r in rows:
-        print(f"{r['model']:12} {r['tensors']:4} tensors  sampled {r['sampled_bytes'] / 2**20:5.1f} MiB: "
-              f"cold {r['sampled_cold_s']:.2f} s, warm {r['sampled_warm_s']:.3f} s; every byte {r['full_sha256_s']:.0f} s")  # fmt: skip
+        print(
+            f"{r['model']:12} {r['tensors']:4} tensors  sampled {r['sampled_bytes'] / 2**20:5.1f} MiB: "
+            f"cold {r['sampled_cold_s']:.2f} s, warm {r['sampled_warm_s']:.3f} s; every byte {r['full_sha256_s']:.0f} s"
+        )
 
 
 def _cpu() -> str:

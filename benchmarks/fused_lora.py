@@ -1,5 +1,5 @@
 """Fused LoRA branches (`narrows.core.fuse_lora`) against PEFT inside real-shape layers
-(issue 18, part 4): time, host time, saved activations, and the bits.
+: time, host time, saved activations, and the bits.
 
 Qwen2.5 decoder layers of the real shape (NF4 base, LoRA r16 on all seven linears with
 PEFT's float32 adapters, bf16 activations, batch 1) run forward and backward from a fixed
@@ -158,9 +158,13 @@ def main() -> None:
         deterministic(False)
         got = [out, gx] + [p.grad.clone() for p in params]
         ref = ref or got
-        rows[how] = {"mode": how, "layers": args.layers, "seq": args.seq,
-                     "saved_bytes_per_layer": saved[0] // args.layers if saved else None,
-                     "identical_to_peft": all(torch.equal(a, b) for a, b in zip(ref, got))}  # fmt: skip
+        rows[how] = {
+            "mode": how,
+            "layers": args.layers,
+            "seq": args.seq,
+            "saved_bytes_per_layer": saved[0] // args.layers if saved else None,
+            "identical_to_peft": all(torch.equal(a, b) for a, b in zip(ref, got)),
+        }
         for _ in range(3):  # warm-up
             run()
     walls: dict[str, list[float]] = {how: [] for how in modes}
@@ -180,14 +184,21 @@ def main() -> None:
     for how, row in rows.items():
         row["ms_per_layer"] = 1e3 * statistics.median(walls[how]) / args.layers
         row["host_ms_per_layer"] = 1e3 * statistics.median(hosts[how]) / args.layers
-        print(f"{how:8s} {row['ms_per_layer']:8.3f} ms/layer  host {row['host_ms_per_layer']:8.3f} ms/layer  "
-              f"saved {row['saved_bytes_per_layer']}  identical {row['identical_to_peft']}", flush=True)  # fmt: skip
+        print(
+            f"{how:8s} {row['ms_per_layer']:8.3f} ms/layer  host {row['host_ms_per_layer']:8.3f} ms/layer  "
+            f"saved {row['saved_bytes_per_layer']}  identical {row['identical_to_peft']}",
+            flush=True,
+        )
     rows = list(rows.values())
     base = rows[0]["ms_per_layer"]
     for r in rows:
         r["vs_peft"] = r["ms_per_layer"] / base
-    result = {"model": args.model, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "torch": torch.__version__, "rows": rows}  # fmt: skip
+    result = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
 

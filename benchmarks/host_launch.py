@@ -1,13 +1,14 @@
 """What one matmul costs the host: a 7B step at 8 × 512 tokens is host-bound on the H100
 machine, where a torch profile put `aten::mm` at about 80 µs of host time a call
-(`benchmarks/h100/prof_7b_1x512_g8.json`). This times the host's side alone — calls queued
+(case `prof_7b_1x512_g8` of `benchmarks/results/h100.jsonl`). This times the host's side alone — calls queued
 back to back, the device synchronised once at the end, the queue kept short enough never
 to block — for the matmuls a fast layer makes (the base's, the adapters' and their float32
 gradients through ``out_dtype``), in this process's cuBLAS settings. Run it with and without
 ``CUBLAS_WORKSPACE_CONFIG`` (the benchmarks set it; a user's run need not) and with
 ``--blas cublaslt`` to see which setting costs what.
 
-    python benchmarks/host_launch.py --out benchmarks/h100/host_launch.json
+    python benchmarks/host_launch.py --out /tmp/host_launch_plain.json
+    python benchmarks/results.py add h100 /tmp/host_launch_plain.json
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/host_launch.py --out ...
 """
 
@@ -60,9 +61,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=200, help="calls per case (few enough not to fill the queue)")
     ap.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default")
-    ap.add_argument("--workspace-bytes", type=int, default=None,
-                    help="set cuBLAS's workspace through torch.backends.cuda.cublas_workspace_size "
-                         "(which takes precedence over CUBLAS_WORKSPACE_CONFIG) before the first matmul")  # fmt: skip
+    ap.add_argument(
+        "--workspace-bytes",
+        type=int,
+        default=None,
+        help="set cuBLAS's workspace through torch.backends.cuda.cublas_workspace_size "
+        "(which takes precedence over CUBLAS_WORKSPACE_CONFIG) before the first matmul",
+    )
     ap.add_argument("--out", default="benchmarks/results/host_launch.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -73,12 +78,19 @@ def main() -> None:
         torch.backends.cuda.cublas_workspace_size(args.workspace_bytes)
     dev = torch.device("cuda")
     rows = [{"call": name, "host_us": host_us(fn, args.reps)} for name, fn in cases(dev).items()]
-    run = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "blas": args.blas,
-           "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-           "workspace_bytes": args.workspace_bytes, "reps": args.reps,
-           "rows": rows}  # fmt: skip
-    print(f"{run['device']}, torch {run['torch']}, blas {args.blas}, "
-          f"CUBLAS_WORKSPACE_CONFIG={run['CUBLAS_WORKSPACE_CONFIG']}\n")  # fmt: skip
+    run = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "blas": args.blas,
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "workspace_bytes": args.workspace_bytes,
+        "reps": args.reps,
+        "rows": rows,
+    }
+    print(
+        f"{run['device']}, torch {run['torch']}, blas {args.blas}, "
+        f"CUBLAS_WORKSPACE_CONFIG={run['CUBLAS_WORKSPACE_CONFIG']}\n"
+    )
     print("| call | host µs |\n|---|---:|")
     for r in rows:
         print(f"| {r['call']} | {r['host_us']:.1f} |")

@@ -66,12 +66,16 @@ def profile_passes(fwd, back, reps: int) -> dict:
                 continue
             f = flops(e.key, e.input_shapes)
             calls = e.count / reps
-            mats.append({
-                "op": e.key, "shapes": [s for s in e.input_shapes if s], "calls": calls,
-                "s_per_pass": round(dev / reps, 6),
-                "tflops": round(f * e.count / dev / 1e12, 1) if f and dev else None,
-                "flop_per_pass": f * calls if f else None,
-            })  # fmt: skip
+            mats.append(
+                {
+                    "op": e.key,
+                    "shapes": [s for s in e.input_shapes if s],
+                    "calls": calls,
+                    "s_per_pass": round(dev / reps, 6),
+                    "tflops": round(f * e.count / dev / 1e12, 1) if f and dev else None,
+                    "flop_per_pass": f * calls if f else None,
+                }
+            )
         mats.sort(key=lambda r: -r["s_per_pass"])
         matmul_flop = sum(r["flop_per_pass"] or 0 for r in mats)
         out[label] = {
@@ -97,12 +101,24 @@ def totals(row: dict, layers: int) -> dict:
     for p in passes:
         for k, v in p["device_s_by_kind"].items():
             kinds[k] = round(kinds.get(k, 0.0) + v, 6)
-    adapters = sum(r["s_per_pass"] for p in passes for r in p["matmuls"]
-                   if min(min(s) for s in r["shapes"] if len(s) == 2) <= 64)  # fmt: skip
-    return {"model_layers": layers, "floor_tflops": 800, "layer_device_s": device, "layer_floor_s_at_800": floor,
-            "layer_over_floor": device / floor, "layer_s_by_kind": kinds, "layer_adapter_matmuls_s": adapters,
-            "layers_device_s": device * layers, "layers_floor_s_at_800": floor * layers,
-            "layers_flop": floor * 800e12 * layers}  # fmt: skip
+    adapters = sum(
+        r["s_per_pass"]
+        for p in passes
+        for r in p["matmuls"]
+        if min(min(s) for s in r["shapes"] if len(s) == 2) <= 64
+    )
+    return {
+        "model_layers": layers,
+        "floor_tflops": 800,
+        "layer_device_s": device,
+        "layer_floor_s_at_800": floor,
+        "layer_over_floor": device / floor,
+        "layer_s_by_kind": kinds,
+        "layer_adapter_matmuls_s": adapters,
+        "layers_device_s": device * layers,
+        "layers_floor_s_at_800": floor * layers,
+        "layers_flop": floor * 800e12 * layers,
+    }
 
 
 def main() -> None:
@@ -139,13 +155,21 @@ def main() -> None:
         compute.backward(parts, compute.recompute(parts, x, cos, sin, None, cache), g, cache)
 
     passes = profile_passes(fwd, back, args.reps)
-    flop = {p.name: 2.0 * tokens * p.weight.shape[0] * p.weight.shape[1] for grp in parts.groups
-            for p in grp.linears}  # fmt: skip
+    flop = {
+        p.name: 2.0 * tokens * p.weight.shape[0] * p.weight.shape[1]
+        for grp in parts.groups
+        for p in grp.linears
+    }
     fwd_flop = sum(flop.values())
     back_flop = 2 * fwd_flop - sum(f for n, f in flop.items() if n == "down")  # no down_proj recompute
-    row = {"case": args.case, "dropout": args.dropout, "kernels": kernels_in_use(device), "base_flop": flop,
-           "floor_s_at_800": {"forward": fwd_flop / 800e12, "recompute_backward": back_flop / 800e12},
-           **passes}  # fmt: skip
+    row = {
+        "case": args.case,
+        "dropout": args.dropout,
+        "kernels": kernels_in_use(device),
+        "base_flop": flop,
+        "floor_s_at_800": {"forward": fwd_flop / 800e12, "recompute_backward": back_flop / 800e12},
+        **passes,
+    }
     from _models import load_config
 
     row["totals"] = totals(row, load_config(name).num_hidden_layers)
@@ -153,8 +177,10 @@ def main() -> None:
         p = passes[label]
         print(f"{label}: device {p['device_s'] * 1e3:.2f} ms  {p['device_s_by_kind']}")
         for r in p["matmuls"][:14]:
-            print(f"   {r['op']:<14} {r['shapes']!s:<44} x{r['calls']:<4g} {r['s_per_pass'] * 1e3:7.3f} ms"
-                  f"  {r['tflops']} TFLOP/s")  # fmt: skip
+            print(
+                f"   {r['op']:<14} {r['shapes']!s:<44} x{r['calls']:<4g} {r['s_per_pass'] * 1e3:7.3f} ms"
+                f"  {r['tflops']} TFLOP/s"
+            )
         for k, shapes, n, v in p["other_ops"]:
             print(f"   {v * 1e3:7.3f} ms  x{n:<3g} {k} {str(shapes)[:90]}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

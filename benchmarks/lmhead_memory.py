@@ -1,4 +1,4 @@
-"""Loss-stage peak memory of the LM head (seed 003 §4.3–4.4, Tables 6, 7, 10): the head and
+"""Loss-stage peak memory of the LM head: the head and
 cross-entropy forward + backward on Llama-3.2-3B and Qwen2.5-3B *shapes* (random weights),
 for HF's own loss path and narrows.lmhead's variants, side by side in one process.
 
@@ -12,7 +12,7 @@ installed, liger (Liger-Kernel fused linear CE) and cce (Cut Cross-Entropy, its 
 gradient filter). "Peak" is the allocation above what exists before the loss (head
 weight, hidden states, labels): the loss stage's own cost. On a CPU it is the growth of
 the process's RSS high-water mark. Targets follow a Zipf law over the vocabulary (like
-text); the first (1 - fraction) of the positions are prompt (-100), as in the seed.
+text); the first (1 - fraction) of the positions are prompt (-100).
 Each row also reports the loss's relative difference from HF's.
 """
 
@@ -219,8 +219,12 @@ def main() -> None:
     ap.add_argument("--topk", default="100,500,1000")
     ap.add_argument("--topk-on-cpu", action="store_true", help="build neighbour tables on the CPU (slow)")
     ap.add_argument("--cache", default=None, help="neighbour table cache (default ~/.cache/narrows)")
-    ap.add_argument("--time-reps", type=int, default=3 if torch.cuda.is_available() else 0,
-                    help="timed forward+backward repetitions per row (default 3 on CUDA, 0 on CPU)")  # fmt: skip
+    ap.add_argument(
+        "--time-reps",
+        type=int,
+        default=3 if torch.cuda.is_available() else 0,
+        help="timed forward+backward repetitions per row (default 3 on CUDA, 0 on CPU)",
+    )
     ap.add_argument("--out", default="benchmarks/results/lmhead_memory.json")
     args = ap.parse_args()
     rows = run(args)

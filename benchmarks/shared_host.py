@@ -59,8 +59,13 @@ def pinned_bandwidth(gpus: int, nbytes: int = 1 << 30, reps: int = 4) -> float:
     host side gives ranks that all stream together."""
     if torch.cuda.device_count() < gpus or gpus == 0:
         return float("nan")
-    pairs = [(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
-              torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{d}")) for d in range(gpus)]  # fmt: skip
+    pairs = [
+        (
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+            torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{d}"),
+        )
+        for d in range(gpus)
+    ]
     for _ in range(2):  # the first round warms up
         t = time.perf_counter()
         for _ in range(reps):
@@ -77,8 +82,13 @@ def build_narrows(args: argparse.Namespace, dev: torch.device):
 
     import narrows.stream as ns
 
-    model = ns.from_pretrained(args.folder, dtype=torch.bfloat16, cache=args.cache, share=args.mode == "share",
-                               host_budget=args.host_budget)  # fmt: skip
+    model = ns.from_pretrained(
+        args.folder,
+        dtype=torch.bfloat16,
+        cache=args.cache,
+        share=args.mode == "share",
+        host_budget=args.host_budget,
+    )
     tiers = model.narrows_tiers
     torch.manual_seed(0)
     model = add_lora(model).train()
@@ -92,8 +102,14 @@ def build_narrows(args: argparse.Namespace, dev: torch.device):
     plan = model.narrows_stream.plan
     print(plan, file=sys.stderr)
     ddp = ns.data_parallel(model, device_ids=[dev.index]) if dev.type == "cuda" else ns.data_parallel(model)
-    facts = {"shared_layers": len(tiers.shared), "layers": len(tiers.homes), "notes": tiers.notes,
-             "resident_layers": len(plan.resident), "graphs": plan.graphs, "predicted_peak": plan.predicted_peak}  # fmt: skip
+    facts = {
+        "shared_layers": len(tiers.shared),
+        "layers": len(tiers.homes),
+        "notes": tiers.notes,
+        "resident_layers": len(plan.resident),
+        "graphs": plan.graphs,
+        "predicted_peak": plan.predicted_peak,
+    }
     return model, ddp, facts
 
 
@@ -165,12 +181,17 @@ def child(args: argparse.Namespace) -> None:
     if stream is not None and stream.graphs is not None:  # replays allocate from the graphs' pool
         pool = stream.graphs.pool_bytes()
     row = {
-        "rank": rank, "load_s": load_s, "s_per_step": s_per_step, "backend": dist.get_backend(),
-        "pss_after_load": after_load["pss"], "rss_after_load": after_load["rss"],
+        "rank": rank,
+        "load_s": load_s,
+        "s_per_step": s_per_step,
+        "backend": dist.get_backend(),
+        "pss_after_load": after_load["pss"],
+        "rss_after_load": after_load["rss"],
         "rss_peak": _kib("/proc/self/status", "VmHWM") * 1024,
         "peak_allocated": (peaks.cuda_allocated or 0) + pool if dev.type == "cuda" else None,
-        "final_loss": float(losses[-1]), **facts,
-    }  # fmt: skip
+        "final_loss": float(losses[-1]),
+        **facts,
+    }
     every: list = [None] * world
     dist.all_gather_object(every, row)
     if rank == 0:
@@ -182,11 +203,37 @@ def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> d
     """One torchrun launch, the machine's available memory sampled while it runs."""
     result = args.work / f"case_{ranks}_{mode}.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
-           "--child", "--folder", str(folder), "--cache", str(args.work / "cache"), "--mode", mode,
-           "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup), "--result", str(result),
-           "--config", args.config, "--budget", args.budget, "--head", args.head, *(["--lmhead"] if args.lmhead else []),
-           *(["--host-budget", args.host_budget] if args.host_budget else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        __file__,
+        "--child",
+        "--folder",
+        str(folder),
+        "--cache",
+        str(args.work / "cache"),
+        "--mode",
+        mode,
+        "--seq",
+        str(args.seq),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--result",
+        str(result),
+        "--config",
+        args.config,
+        "--budget",
+        args.budget,
+        "--head",
+        args.head,
+        *(["--lmhead"] if args.lmhead else []),
+        *(["--host-budget", args.host_budget] if args.host_budget else []),
+    ]
     base = _kib("/proc/meminfo", "MemAvailable") * 1024
     low = [base]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -205,18 +252,29 @@ def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> d
     rows = json.loads(result.read_text())
     s_per_step = max(r["s_per_step"] for r in rows)
     return {
-        "ranks": ranks, "mode": mode, "backend": rows[0]["backend"], "machine_used": base - low[0],
-        "pss_sum": sum(r["pss_after_load"] for r in rows), "rss_sum": sum(r["rss_after_load"] for r in rows),
-        "rss_peak_max": max(r["rss_peak"] for r in rows), "rss_peak_sum": sum(r["rss_peak"] for r in rows),
-        "load_s": max(r["load_s"] for r in rows), "s_per_step": s_per_step,
-        "tokens_per_s": ranks * args.seq / s_per_step, "peak_allocated": max(r["peak_allocated"] or 0 for r in rows),
-        "final_loss": [r["final_loss"] for r in rows], "per_rank": rows,
-    }  # fmt: skip
+        "ranks": ranks,
+        "mode": mode,
+        "backend": rows[0]["backend"],
+        "machine_used": base - low[0],
+        "pss_sum": sum(r["pss_after_load"] for r in rows),
+        "rss_sum": sum(r["rss_after_load"] for r in rows),
+        "rss_peak_max": max(r["rss_peak"] for r in rows),
+        "rss_peak_sum": sum(r["rss_peak"] for r in rows),
+        "load_s": max(r["load_s"] for r in rows),
+        "s_per_step": s_per_step,
+        "tokens_per_s": ranks * args.seq / s_per_step,
+        "peak_allocated": max(r["peak_allocated"] or 0 for r in rows),
+        "final_loss": [r["final_loss"] for r in rows],
+        "per_rank": rows,
+    }
 
 
 def table(args: argparse.Namespace, rows: list[dict]) -> str:
-    lines = ["| ranks | host copy / peer | backend | tokens/s | vs 1 rank | s/step | peak per GPU | Pss, all ranks "
-             "| RSS, all ranks | machine used | load s |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| ranks | host copy / peer | backend | tokens/s | vs 1 rank | s/step | peak per GPU | Pss, all ranks "
+        "| RSS, all ranks | machine used | load s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['ranks']} | {r['mode']} | error | | | | | | | | |")
@@ -224,9 +282,11 @@ def table(args: argparse.Namespace, rows: list[dict]) -> str:
         one = next((o for o in rows if o["ranks"] == 1 and o["mode"] == r["mode"] and "error" not in o), None)
         one = one or next((o for o in rows if o["ranks"] == 1 and "error" not in o), None)
         ratio = f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}x" if one else ""
-        lines.append(f"| {r['ranks']} | {r['mode']} | {r['backend']} | {r['tokens_per_s']:.0f} | {ratio} | "
-                     f"{r['s_per_step']:.3f} | {r['peak_allocated'] / GIB:.2f} GiB | {r['pss_sum'] / GIB:.2f} GiB | "
-                     f"{r['rss_sum'] / GIB:.2f} GiB | {r['machine_used'] / GIB:.2f} GiB | {r['load_s']:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {r['ranks']} | {r['mode']} | {r['backend']} | {r['tokens_per_s']:.0f} | {ratio} | "
+            f"{r['s_per_step']:.3f} | {r['peak_allocated'] / GIB:.2f} GiB | {r['pss_sum'] / GIB:.2f} GiB | "
+            f"{r['rss_sum'] / GIB:.2f} GiB | {r['machine_used'] / GIB:.2f} GiB | {r['load_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -244,8 +304,11 @@ def main() -> None:
     ap.add_argument("--budget", default="min", help="narrows' GPU budget per rank: min or a size (12GiB)")
     ap.add_argument("--head", default="resident", choices=["resident", "stream"])
     ap.add_argument("--lmhead", action="store_true", help="narrows.lmhead's masked, chunked exact loss")
-    ap.add_argument("--host-budget", help="from_pretrained's, per rank (default: 85%% of MemAvailable at start, which "
-                    "a machine whose memory grows as it is touched reports too low)")  # fmt: skip
+    ap.add_argument(
+        "--host-budget",
+        help="from_pretrained's, per rank (default: 85%% of MemAvailable at start, which "
+        "a machine whose memory grows as it is touched reports too low)",
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/shared_host"))
     ap.add_argument("--out", default="benchmarks/results/shared_host.json")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -262,11 +325,20 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     folder = write_bnb4(args.config, args.work / f"{args.config}-bnb-4bit")
     gpus = torch.cuda.device_count()
-    meta = {"config": args.config, "seq": args.seq, "budget": args.budget, "head": args.head, "lmhead": args.lmhead,
-            "host_budget": args.host_budget,
-            "steps": args.steps, "warmup": args.warmup, "checkpoint_bytes": folder_bytes(folder), "gpus": gpus,
-            "device": torch.cuda.get_device_name() if gpus else "cpu",
-            "pinned_bw": {n: pinned_bandwidth(n) for n in range(1, gpus + 1)}}  # fmt: skip
+    meta = {
+        "config": args.config,
+        "seq": args.seq,
+        "budget": args.budget,
+        "head": args.head,
+        "lmhead": args.lmhead,
+        "host_budget": args.host_budget,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "checkpoint_bytes": folder_bytes(folder),
+        "gpus": gpus,
+        "device": torch.cuda.get_device_name() if gpus else "cpu",
+        "pinned_bw": {n: pinned_bandwidth(n) for n in range(1, gpus + 1)},
+    }
     if gpus:  # the probe's device and pinned host caches back, before the ranks start
         torch.cuda.empty_cache()
         getattr(torch._C, "_host_emptyCache", lambda: None)()
@@ -278,8 +350,10 @@ def main() -> None:
         rows.append(run_case(args, folder, int(ranks), mode))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_rank"}), flush=True)
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))  # each case as it ends
-    print(f"\n{args.config}, NF4 checkpoint {folder_bytes(folder) / GIB:.2f} GiB, seq {args.seq}, "
-          f"budget {args.budget} per GPU{', narrows.lmhead' if args.lmhead else ''}")  # fmt: skip
+    print(
+        f"\n{args.config}, NF4 checkpoint {folder_bytes(folder) / GIB:.2f} GiB, seq {args.seq}, "
+        f"budget {args.budget} per GPU{', narrows.lmhead' if args.lmhead else ''}"
+    )
     print(table(args, rows))
 
 

@@ -1,4 +1,4 @@
-"""Poros protocol for narrows.stream: QLoRA r16 on all seven projections of a real
+"""A training step of narrows.stream: QLoRA r16 on all seven projections of a real
 architecture's shape (random NF4 weights), batch 1 unless --batch, one seq length; for each mode the peak
 allocated VRAM, s/step, tokens/s, and the transfer floor (host→device bytes per step over
 the pinned bandwidth measured in the same run). Modes run in fresh subprocesses.
@@ -166,16 +166,30 @@ def run_one(args: argparse.Namespace) -> dict:
         # a step mode plans for its G micro-batches: room for its held weights and layer boundaries, and
         # (block-major recomputes every layer) no layer whole, as narrows finetune does
         step = parts[0] == "step"
-        ns.stream(model, budget, device=device, seq_len=args.seq, batch_size=args.batch, head=head,
-                  grad_accum=args.grad_accum if step else 1, step_mode=True if step else "auto",
-                  hold_weights=True if "held" in parts else False if "noheld" in parts else "auto",
-                  seq_tile="auto" if "tile" in parts else None, offload="off" if "keep" in parts else "auto",
-                  recompute="all" if "recompute" in parts or step else "auto",
-                  graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
-                  host_state="adapters" if "hostadapters" in parts else "optimizer" if "hostopt" in parts else "none",
-                  kernels="fast" if "fast" in parts else "peft", deterministic=twin,
-                  lora_dtype="float32" if "f32lora" in parts else None,
-                  keep_attention=True if "attn" in parts else False if "noattn" in parts else "auto")  # fmt: skip
+        ns.stream(
+            model,
+            budget,
+            device=device,
+            seq_len=args.seq,
+            batch_size=args.batch,
+            head=head,
+            grad_accum=args.grad_accum if step else 1,
+            step_mode=True if step else "auto",
+            hold_weights=True if "held" in parts else False if "noheld" in parts else "auto",
+            seq_tile="auto" if "tile" in parts else None,
+            offload="off" if "keep" in parts else "auto",
+            recompute="all" if "recompute" in parts or step else "auto",
+            graphs=True if "graphs" in parts else "auto" if "auto" in parts else False,
+            host_state="adapters"
+            if "hostadapters" in parts
+            else "optimizer"
+            if "hostopt" in parts
+            else "none",
+            kernels="fast" if "fast" in parts else "peft",
+            deterministic=twin,
+            lora_dtype="float32" if "f32lora" in parts else None,
+            keep_attention=True if "attn" in parts else False if "noattn" in parts else "auto",
+        )
         plan = model.narrows_stream.plan
         print(plan, file=sys.stderr)
     elif mode.startswith(("fsdp", "deepspeed")):
@@ -312,8 +326,12 @@ def run_one(args: argparse.Namespace) -> dict:
         graphs = model.narrows_stream.graphs
         if graphs is not None:  # replays use the graphs' pool, which the allocator's peak does not see
             pool = graphs.pool_bytes()
-            out.update(graphs=graphs.stats.as_dict(), graph_pool_bytes=pool,
-                       peak_allocated=peaks.cuda_allocated + pool, peak_allocated_outside_graphs=peaks.cuda_allocated)  # fmt: skip
+            out.update(
+                graphs=graphs.stats.as_dict(),
+                graph_pool_bytes=pool,
+                peak_allocated=peaks.cuda_allocated + pool,
+                peak_allocated_outside_graphs=peaks.cuda_allocated,
+            )
         if args.profile:  # one more step, after the timed ones: the overlap audit
             with model.narrows_stream.profiling() as prof:
                 step()
@@ -354,8 +372,10 @@ def host_profile(step, top: int = 40) -> list[list]:
     prof.disable()
     stats = pstats.Stats(prof).stats
     ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [[f"{Path(f).name}:{line}({fn})", calls, round(own, 4), round(cum, 4)]
-            for (f, line, fn), (_, calls, own, cum, _) in ranked]  # fmt: skip
+    return [
+        [f"{Path(f).name}:{line}({fn})", calls, round(own, 4), round(cum, 4)]
+        for (f, line, fn), (_, calls, own, cum, _) in ranked
+    ]
 
 
 def torch_profile(step, top: int = 25) -> dict:
@@ -381,8 +401,10 @@ def torch_profile(step, top: int = 25) -> dict:
 
     def rows(key) -> list[list]:
         ranked = sorted(events, key=key, reverse=True)[:top]
-        return [[e.key[:90], e.count, round(e.self_cpu_time_total / 1e6, 4), round(device_us(e) / 1e6, 4)]
-                for e in ranked]  # fmt: skip
+        return [
+            [e.key[:90], e.count, round(e.self_cpu_time_total / 1e6, 4), round(device_us(e) / 1e6, 4)]
+            for e in ranked
+        ]
 
     return {
         "wall_s": wall,
@@ -432,9 +454,11 @@ def device_categories(trace: dict) -> dict:
             busy, end = busy + (b - end), b
     span = (max(b for _, b in busiest) - min(a for a, _ in busiest)) / 1e6 if busiest else 0.0
     top_others = sorted(others.items(), key=lambda kv: -kv[1])[:12]
-    return {"device_s_by_kind": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-            "compute_stream": {"span_s": round(span, 4), "busy_s": round(busy / 1e6, 4)},
-            "other_kernels_top": [[k, round(v, 4)] for k, v in top_others]}  # fmt: skip
+    return {
+        "device_s_by_kind": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
+        "compute_stream": {"span_s": round(span, 4), "busy_s": round(busy / 1e6, 4)},
+        "other_kernels_top": [[k, round(v, 4)] for k, v in top_others],
+    }
 
 
 def main() -> None:
@@ -463,9 +487,13 @@ def main() -> None:
         action="store_true",
         help="after the timed steps, run one more under cProfile: the host's time by Python function",
     )
-    ap.add_argument("--gc", choices=("on", "freeze", "off"), default="on",
-                    help="Python's garbage collector in each mode: on, the model's objects frozen "
-                    "(gc.freeze after the build), or off")  # fmt: skip
+    ap.add_argument(
+        "--gc",
+        choices=("on", "freeze", "off"),
+        default="on",
+        help="Python's garbage collector in each mode: on, the model's objects frozen "
+        "(gc.freeze after the build), or off",
+    )
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
     ap.add_argument(
         "--trace",
@@ -484,11 +512,32 @@ def main() -> None:
     bw = pinned_bandwidth()
     rows = []
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--run-one", mode, "--model", args.model, "--seq", str(args.seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--attn", args.attn,
-               "--grad-accum", str(args.grad_accum), "--batch", str(args.batch), *(["--profile"] if args.profile else []),
-               *(["--trace"] if args.trace else []), *(["--torch-profile"] if args.torch_profile else []),
-               *(["--host-profile"] if args.host_profile else []), "--gc", args.gc]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--run-one",
+            mode,
+            "--model",
+            args.model,
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--attn",
+            args.attn,
+            "--grad-accum",
+            str(args.grad_accum),
+            "--batch",
+            str(args.batch),
+            *(["--profile"] if args.profile else []),
+            *(["--trace"] if args.trace else []),
+            *(["--torch-profile"] if args.torch_profile else []),
+            *(["--host-profile"] if args.host_profile else []),
+            "--gc",
+            args.gc,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if args.trace:  # the child's breakdown of its peak
             said = proc.stderr.splitlines()
@@ -496,8 +545,11 @@ def main() -> None:
             print(f"{mode}:", *said[start : start + 26], sep="\n", flush=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:] or ["no output"]
-        row = json.loads(line[7:]) if line else {"mode": mode, "error": " | ".join(tail)[-600:],
-                                                 "returncode": proc.returncode}  # fmt: skip
+        row = (
+            json.loads(line[7:])
+            if line
+            else {"mode": mode, "error": " | ".join(tail)[-600:], "returncode": proc.returncode}
+        )
         if "h2d_bytes_per_step" in row and bw == bw:
             row["transfer_floor_s"] = row["h2d_bytes_per_step"] / bw
         rows.append(row)
@@ -536,8 +588,10 @@ def main() -> None:
         res = f"{r['resident_layers']}/{r['layers']} ({r['whole_layers']} whole)" if "layers" in r else "all"
         fitting = r.get("vs_best_peft_fitting")
         fitting = "" if "best_peft_fitting" not in r else "none fits" if fitting is None else f"{fitting:.2f}"
-        print(f"{r['mode']:<30}{r['peak_allocated'] / gib:>10.2f}{(r['host_rss_peak'] or 0) / gib:>9.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
-              f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}{fitting:>16}  {res}")  # fmt: skip
+        print(
+            f"{r['mode']:<30}{r['peak_allocated'] / gib:>10.2f}{(r['host_rss_peak'] or 0) / gib:>9.2f}{r['s_per_step']:>9.3f}{r['tokens_per_s']:>9.0f}"
+            f"{(floor if floor is not None else float('nan')):>9.3f}{t_ratio:>12.2f}{m_ratio:>11.2f}{fitting:>16}  {res}"
+        )
     write(args, bw, rows)
 
 
@@ -552,11 +606,23 @@ def _budget_of(mode: str) -> int | None:
 def write(args: argparse.Namespace, bw: float, rows: list[dict]) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    Path(args.out).write_text(json.dumps({"model": args.model, "seq": args.seq, "steps": args.steps,
-                                          "grad_accum": args.grad_accum, "batch": args.batch,
-                                          "warmup": args.warmup, "pinned_bw": bw, "device": device,
-                                          "traced": args.trace,  # memory history on: the timings are not
-                                          "rows": rows}, indent=2))  # fmt: skip
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "model": args.model,
+                "seq": args.seq,
+                "steps": args.steps,
+                "grad_accum": args.grad_accum,
+                "batch": args.batch,
+                "warmup": args.warmup,
+                "pinned_bw": bw,
+                "device": device,
+                "traced": args.trace,  # memory history on: the timings are not
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's run on a machine with two GPUs (nvidia-h200-x2): the NCCL tests, then for each
+# The runs on a machine with two GPUs (nvidia-h200-x2): the NCCL tests, then for each
 # config in $CONFIGS one rank against two at the same per-GPU budget (seq 512 and 4096;
 # narrows-lmhead; the ranks share one host copy) and answer.ai's FSDP+QLoRA on two ranks.
 # Run from the repo root with .gpu (../shared/gpu/stage) and .whl (uv build --all-packages

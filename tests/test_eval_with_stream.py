@@ -16,8 +16,10 @@ def folder(tmp_path_factory):
 def requests():
     from lm_eval.api.instance import Instance
 
-    ll = [Instance("loglikelihood", {}, ("The sum of 2 and 3 is", " 5."), 0),
-          Instance("loglikelihood", {}, ("Hello", " world, how are you today?"), 1)]  # fmt: skip
+    ll = [
+        Instance("loglikelihood", {}, ("The sum of 2 and 3 is", " 5."), 0),
+        Instance("loglikelihood", {}, ("Hello", " world, how are you today?"), 1),
+    ]
     rolling = [Instance("loglikelihood_rolling", {}, ("A longer text to score token by token. " * 3,), 0)]
     return ll, rolling
 

@@ -23,8 +23,27 @@ pytestmark = pytest.mark.slow
 
 def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--steps", "2", "--batch", "2", "--seq-len", "256",
-           "--eval-rows", "4", "--exact-match", "2", "--save-every", "1", "--out", str(out), "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "narrows.core.cli",
+        "finetune",
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq-len",
+        "256",
+        "--eval-rows",
+        "4",
+        "--exact-match",
+        "2",
+        "--save-every",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=child_env())
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SmolLM2-135M-Instruct" in r.stdout and "exact match (2 held-out)" in r.stdout

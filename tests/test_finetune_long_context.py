@@ -15,9 +15,31 @@ ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(40))} for i in r
 def run(tmp_path, *extra):
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    return main(["finetune", "--model", str(model), "--data", str(data), "--eval-data", str(data), "--steps", "2",
-                 "--batch", "2", "--seq-len", "48", "--rank", "4", "--eval-rows", "2", "--no-progress",
-                 "--out", str(tmp_path / "run"), *extra])  # fmt: skip
+    return main(
+        [
+            "finetune",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--eval-data",
+            str(data),
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq-len",
+            "48",
+            "--rank",
+            "4",
+            "--eval-rows",
+            "2",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "run"),
+            *extra,
+        ]
+    )
 
 
 def summary(tmp_path) -> dict:

@@ -18,9 +18,34 @@ BUDGET = "1300KiB"  # every layer of the tiny model streamed (seq 48: the minimu
 def run(tmp_path, name, *extra):
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    return main(["finetune", "--model", str(model), "--data", str(data), "--packing", "--steps", "3", "--batch",
-                 "2", "--seq-len", "48", "--rank", "4", "--eval-rows", "0", "--grad-accum", "2", "--dropout", "0.1",
-                 "--no-progress", "--out", str(tmp_path / name), *extra])  # fmt: skip
+    return main(
+        [
+            "finetune",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--packing",
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq-len",
+            "48",
+            "--rank",
+            "4",
+            "--eval-rows",
+            "0",
+            "--grad-accum",
+            "2",
+            "--dropout",
+            "0.1",
+            "--no-progress",
+            "--out",
+            str(tmp_path / name),
+            *extra,
+        ]
+    )
 
 
 def result(tmp_path, name):

@@ -26,23 +26,78 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
         pytest.skip("needs 2 CUDA devices")
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.1", "--batch", "2",
-            "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--steps", "3", "--no-progress",
-            "--deterministic", "--dtype", "float32"]  # fmt: skip
-    one = subprocess.run([sys.executable, "-m", "narrows.core.cli", *args, "--grad-accum", "2", "--out",
-                          str(tmp_path / "one")], capture_output=True, text=True, timeout=600,
-                         env=child_env(CUDA_VISIBLE_DEVICES="0"))  # fmt: skip
+    args = [
+        "finetune",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--rank",
+        "4",
+        "--dropout",
+        "0.1",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+        "--lr",
+        "1e-2",
+        "--eval-rows",
+        "0",
+        "--steps",
+        "3",
+        "--no-progress",
+        "--deterministic",
+        "--dtype",
+        "float32",
+    ]
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "narrows.core.cli",
+            *args,
+            "--grad-accum",
+            "2",
+            "--out",
+            str(tmp_path / "one"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(CUDA_VISIBLE_DEVICES="0"),
+    )
     assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "narrows.core.cli", *args, "--gpu-budget", "1100KiB", "--cache", str(tmp_path / "cache"),
-                          "--out", str(tmp_path / "two")], capture_output=True, text=True, timeout=600,
-                         env=child_env(NCCL_NVLS_ENABLE="0"))  # fmt: skip
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "narrows.core.cli",
+            *args,
+            "--gpu-budget",
+            "1100KiB",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=child_env(NCCL_NVLS_ENABLE="0"),
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("layers mapped from") == 2  # each rank maps the shared cache
     a, b = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("one", "two"))
     assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
-    rows = [[json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-            for r in ("one", "two")]  # fmt: skip
+    rows = [
+        [json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+        for r in ("one", "two")
+    ]
     assert rows[0] == rows[1]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["stream"]["resident_layers"] == 0 and summary["device"].startswith("cuda")

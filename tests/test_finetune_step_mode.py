@@ -22,9 +22,35 @@ DORA_BUDGET = "1100KiB"  # the same with DoRA, which the fast layers leave to PE
 def run(tmp_path, name, *extra):
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    return main(["finetune", "--model", str(model), "--data", str(data), "--steps", "3", "--batch", "2",
-                 "--seq-len", "32", "--rank", "4", "--eval-rows", "0", "--grad-accum", "3", "--dropout", "0.1",
-                 "--save-every", "1", "--no-progress", "--out", str(tmp_path / name), *extra])  # fmt: skip
+    return main(
+        [
+            "finetune",
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--steps",
+            "3",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--rank",
+            "4",
+            "--eval-rows",
+            "0",
+            "--grad-accum",
+            "3",
+            "--dropout",
+            "0.1",
+            "--save-every",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path / name),
+            *extra,
+        ]
+    )
 
 
 def result(tmp_path, name):
@@ -49,8 +75,21 @@ def test_step_mode_trains_what_the_resident_loop_trains(tmp_path, capsys):
     # the adapters in host memory too; the final evaluation needs them back on the device
     evals = str(tmp_path / "train.jsonl")
     capsys.readouterr()
-    assert run(tmp_path, "adapters", "--gpu-budget", BUDGET, "--offload-adapters", "--cuda-graphs", "--eval-data",
-               evals, "--eval-rows", "2") == 0  # fmt: skip
+    assert (
+        run(
+            tmp_path,
+            "adapters",
+            "--gpu-budget",
+            BUDGET,
+            "--offload-adapters",
+            "--cuda-graphs",
+            "--eval-data",
+            evals,
+            "--eval-rows",
+            "2",
+        )
+        == 0
+    )
     assert "adapters and optimizer state in host memory between uses" in capsys.readouterr().err
     reference = result(tmp_path, "resident")
     for name in ("step", "hosted", "auto", "adapters"):
@@ -200,9 +239,33 @@ def test_moe_router_logits_keep_the_job_in_sequence_or_stop_it_when_asked(tmp_pa
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
 
     def moe(name, *extra):
-        return main(["finetune", "--model", str(model), "--data", str(data), "--steps", "1", "--batch", "2",
-                     "--seq-len", "32", "--rank", "4", "--eval-rows", "0", "--grad-accum", "2", "--dropout", "0.1",
-                     "--no-progress", "--out", str(tmp_path / name), *extra])  # fmt: skip
+        return main(
+            [
+                "finetune",
+                "--model",
+                str(model),
+                "--data",
+                str(data),
+                "--steps",
+                "1",
+                "--batch",
+                "2",
+                "--seq-len",
+                "32",
+                "--rank",
+                "4",
+                "--eval-rows",
+                "0",
+                "--grad-accum",
+                "2",
+                "--dropout",
+                "0.1",
+                "--no-progress",
+                "--out",
+                str(tmp_path / name),
+                *extra,
+            ]
+        )
 
     assert moe("resident") == 0
     from narrows.stream.planning import accumulation
@@ -211,8 +274,10 @@ def test_moe_router_logits_keep_the_job_in_sequence_or_stop_it_when_asked(tmp_pa
     capsys.readouterr()
     assert moe("chosen", "--gpu-budget", "1300KiB") == 0  # every layer streamed (the minimum is 1.23 MiB)
     err = capsys.readouterr().err
-    assert "sequential, step mode refused this model (step mode cannot train this model exactly: MoE router " \
-           "logits are on (config.output_router_logits=True" in err  # fmt: skip
+    assert (
+        "sequential, step mode refused this model (step mode cannot train this model exactly: MoE router "
+        "logits are on (config.output_router_logits=True" in err
+    )
     assert_same(result(tmp_path, "resident"), result(tmp_path, "chosen"))
     assert moe("asked", "--gpu-budget", "1300KiB", "--step-mode") == 2
     err = capsys.readouterr().err
@@ -239,8 +304,15 @@ def test_the_jobs_flags_map_to_one_stream_config():
         "auto",
         1,
     )
-    told = dataclasses.replace(cfg, gpu_budget="fit", seq_tile="1024", cuda_graphs=False, offload_optimizer=True,
-                               offload_adapters=True, step_mode=True)  # fmt: skip
+    told = dataclasses.replace(
+        cfg,
+        gpu_budget="fit",
+        seq_tile="1024",
+        cuda_graphs=False,
+        offload_optimizer=True,
+        offload_adapters=True,
+        step_mode=True,
+    )
     got = stream_config(dataclasses.replace(told, grad_accum=4), cpu, world_size=2)
     assert (got.gpu_budget, got.seq_tile, got.graphs, got.host_state) == ("fit", 1024, False, "adapters")
     assert (got.grad_accum, got.step_mode, got.world_size) == (4, True, 2)

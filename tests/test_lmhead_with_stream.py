@@ -58,9 +58,18 @@ def test_trainer_with_lmhead_and_stream(tmp_path):
             ns.stream(model, device="cpu", head="stream", head_rows=ROWS)
         if use_lmhead:
             lmh.apply(model, head_rows=ROWS)
-        args = TrainingArguments(output_dir=str(tmp_path / f"{use_lmhead}{streamed}"), max_steps=3,
-                                 per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
-                                 use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, seed=0)  # fmt: skip
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"{use_lmhead}{streamed}"),
+            max_steps=3,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+            seed=0,
+        )
         trainer = Trainer(model=model, args=args, train_dataset=Rows())
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]

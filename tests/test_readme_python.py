@@ -86,8 +86,11 @@ def _paths_in(code: str) -> set[str]:
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Constant) and node.value is Ellipsis:
             found.add("...")
-        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
-              and ("/" in node.value or re.search(r"\.(jsonl?|parquet|gguf|safetensors|pt)$", node.value))):  # fmt: skip
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and ("/" in node.value or re.search(r"\.(jsonl?|parquet|gguf|safetensors|pt)$", node.value))
+        ):
             found.add(node.value)
     return found
 
@@ -143,8 +146,11 @@ def workspace(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme")
     model = tiny_model_folder(tmp / "model")
     rows = [{"text": f"Row {i}: the tiny model reads {i} words of plain text."} for i in range(16)]
-    mapping = {"path/to/model": str(model), "train.jsonl": str(write_jsonl(tmp / "train.jsonl", rows)),
-               "/models/Qwen2.5-72B-Instruct": str(model)}  # fmt: skip
+    mapping = {
+        "path/to/model": str(model),
+        "train.jsonl": str(write_jsonl(tmp / "train.jsonl", rows)),
+        "/models/Qwen2.5-72B-Instruct": str(model),
+    }
     assert set(mapping) == set(PLACEHOLDERS)
     codes = dict(zip([b.name for b in BLOCKS], readme_blocks()))
 
@@ -156,8 +162,14 @@ def workspace(tmp_path_factory):
     for b in BLOCKS:
         env = {}
         if b.dist:
-            env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+            env = dict(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
         save = str(tmp / f"{b.name}.pt") if b.name == "trl" else None
         jobs.append(dict(name=b.name, chain=chain(b.name), cwd=str(tmp / "cwd" / b.name), env=env, save=save))
     for name, line in TRL_TWINS.items():
@@ -171,10 +183,15 @@ def workspace(tmp_path_factory):
     spec.write_text(json.dumps({"jobs": jobs, "results": str(tmp / "results.json")}))
     runner = tmp / "runner.py"
     runner.write_text(RUNNER)
-    env = child_env(NARROWS_CACHE=str(tmp / "cache"), HF_DATASETS_CACHE=str(tmp / "datasets"),
-                    TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")  # fmt: skip
-    proc = subprocess.run([sys.executable, str(runner), str(spec)], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    env = child_env(
+        NARROWS_CACHE=str(tmp / "cache"),
+        HF_DATASETS_CACHE=str(tmp / "datasets"),
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(runner), str(spec)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, json.loads((tmp / "results.json").read_text())
 

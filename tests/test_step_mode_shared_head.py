@@ -119,8 +119,9 @@ def test_the_choice_prices_the_streamed_head_per_group(monkeypatch):
     Twins: a loss that cannot share the pass (no working set), or a resident head,
     leaves nothing to gain."""
     model = _build("qwen2")
-    ns.stream(model, "fit", device="cpu", head="stream", head_rows=ROWS, recompute="all",
-              batch_size=2, seq_len=12)  # fmt: skip
+    ns.stream(
+        model, "fit", device="cpu", head="stream", head_rows=ROWS, recompute="all", batch_size=2, seq_len=12
+    )
     handle = model.narrows_stream
     monkeypatch.setattr(handle, "device", torch.device("cuda", 0))
     assert not handle.plan.streamed and handle.plan.head_h2d_bytes

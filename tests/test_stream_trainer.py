@@ -62,9 +62,20 @@ def _train_step_mode(tmp_path, name: str, trainer_cls=None, rows: int = 10, **ex
     model = with_adapter(tiny_model("qwen3"), "lora", dropout=0.05).train()
     if trainer_cls is not None:
         ns.stream(model, device="cpu")
-    args = TrainingArguments(output_dir=str(tmp_path / name), num_train_epochs=2, per_device_train_batch_size=1,
-                             gradient_accumulation_steps=3, learning_rate=1e-2, max_grad_norm=0.5, use_cpu=True,
-                             report_to=[], save_strategy="no", logging_steps=1, seed=0, **extra)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path / name),
+        num_train_epochs=2,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=3,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        **extra,
+    )
     trainer = (trainer_cls or Trainer)(model=model, args=args, train_dataset=_Rows(rows))
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -121,8 +132,15 @@ def test_step_mode_trainer_refuses_moe_router_logits_when_built(tmp_path):
 
     model = with_adapter(tiny_model("qwen2_moe", output_router_logits=True), "lora").train()
     ns.stream(model, device="cpu")
-    args = TrainingArguments(output_dir=str(tmp_path / "moe"), max_steps=1, per_device_train_batch_size=1,
-                             gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no")  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "moe"),
+        max_steps=1,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+    )
     with pytest.raises(ns.StreamSetupError, match=r"config\.output_router_logits=True"):
         ns.StepModeTrainer(model=model, args=args, train_dataset=_Rows(4))
     assert all(p.grad is None for p in model.parameters())

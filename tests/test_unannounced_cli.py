@@ -32,9 +32,33 @@ def folder(path, config):
 
 def run(tmp_path, model, *extra):
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    return main(["finetune", "--model", model, "--data", str(data), "--eval-data", str(data), "--steps", "2",
-                 "--batch", "2", "--seq-len", "32", "--rank", "4", "--dropout", "0.1", "--eval-rows", "4",
-                 "--no-progress", "--out", str(tmp_path / "run"), *extra])  # fmt: skip
+    return main(
+        [
+            "finetune",
+            "--model",
+            model,
+            "--data",
+            str(data),
+            "--eval-data",
+            str(data),
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq-len",
+            "32",
+            "--rank",
+            "4",
+            "--dropout",
+            "0.1",
+            "--eval-rows",
+            "4",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "run"),
+            *extra,
+        ]
+    )
 
 
 def small(cls, **kw):

@@ -32,9 +32,18 @@ def run(out: str, streamed: bool) -> None:
     model = with_adapter(tiny_model("qwen3"), "lora", dropout=0.05).train()
     if streamed:
         ns.stream(model, device="cpu")
-    args = TrainingArguments(output_dir=f"{out}.{int(streamed)}", max_steps=3, per_device_train_batch_size=2,
-                             learning_rate=1e-2, use_cpu=True, ddp_backend="gloo", report_to=[],
-                             save_strategy="no", logging_steps=1, seed=0)  # fmt: skip
+    args = TrainingArguments(
+        output_dir=f"{out}.{int(streamed)}",
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+    )
     seen = []
 
     class Recording(Trainer):  # the rows each rank trains on
@@ -45,10 +54,15 @@ def run(out: str, streamed: bool) -> None:
     trainer = Recording(model=model, args=args, train_dataset=Rows())
     trainer.train()
     rank = dist.get_rank()
-    torch.save({"wrapped": type(trainer.model_wrapped).__name__,
-                "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h], "seen": seen,
-                "weight": [p.detach().clone() for p in model.parameters() if p.requires_grad]},
-               f"{out}.{'streamed' if streamed else 'resident'}.rank{rank}.pt")  # fmt: skip
+    torch.save(
+        {
+            "wrapped": type(trainer.model_wrapped).__name__,
+            "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "seen": seen,
+            "weight": [p.detach().clone() for p in model.parameters() if p.requires_grad],
+        },
+        f"{out}.{'streamed' if streamed else 'resident'}.rank{rank}.pt",
+    )
 
 
 if __name__ == "__main__":

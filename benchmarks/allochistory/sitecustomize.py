@@ -76,8 +76,12 @@ def _dump() -> None:
     import torch
 
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
-    report = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "events": len(trace)}  # fmt: skip
+    report = {
+        "argv": sys.argv[1:],
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "events": len(trace),
+    }
     for name, counts in (("training", lambda e: not _is_eval(e)), ("evaluation", _is_eval)):
         peak, at, live = _peak(trace, counts)
         report[name] = {"peak_bytes": peak, "event": at, "live": _groups(live)}

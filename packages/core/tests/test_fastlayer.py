@@ -242,7 +242,7 @@ def test_a_stacked_group_with_dropout_computes_what_each_adapter_would():
     match a float64 computation of each linear on its own with the same masks (a mask given
     to the wrong adapter, a lost 1/keep or a gradient of the wrong adapter would not).
     Running B's side as one matmul there (as without dropout) measured no faster on the
-    H100: `benchmarks/h100/ab_7b_8x512_drop_*.json`."""
+    H100 (an A/B kept in git history)."""
     model = _model("llama", base="nf4", dropout=0.25)
     assert not fuse_layers(model).refused
     group = fuse.parts_or_none(model.base_model.model.model.layers[0]).qkv

@@ -340,6 +340,6 @@ def test_a_tiled_fast_layer_is_priced_by_its_tile():
     mlp_part = 1024 * (5 * s.hidden + 3.6 * s.intermediate) * s.act_bytes  # a tile's MLP tensors
     assert tiled - smaller == pytest.approx(mlp_part, abs=1)
     assert layer_work_bytes(s, 32768) == untiled  # a tile as long as the batch: one pass
-    # the one device measurement (benchmarks/h100/fast_memory_tiled_7b.json, H100): this
+    # the one device measurement (case fast_memory_tiled_7b of benchmarks/results/h100.jsonl): this
     # shape in 2048-token tiles peaked at 3206743040 bytes; priced above it, within 10%
     assert 3206743040 < tiled < 1.10 * 3206743040

@@ -176,7 +176,7 @@ def test_auto_never_trades_tiling_for_graphs():
 
 
 # Graphs' pools measured on the H100 (bytes; one batch shape, 512 tokens, Qwen2.5 NF4
-# shapes), from benchmarks/h100/: held_qwen2.5-{7b,32b}_512_g8.json, held_qwen2.5-72b_512_g16.json
+# shapes), from benchmarks/results/h100.jsonl: cases held_qwen2.5-{7b,32b}_512_g8, held_qwen2.5-72b_512_g16
 POOLS = {  # (hidden, intermediate, heads): (weights dequantised per call, weights held)
     (3584, 18944, 28): (375390208, 310378496),
     (5120, 27648, 40): (729808896, 387973120),

@@ -50,7 +50,8 @@ def adapter_then_base(
     (with the bias) written first, rounded once, and the base matmul accumulated onto it
     in its epilogue, rounded once. Adding the adapter after the base reads and writes the
     whole output a second time: on the H100 that pass cost 0.36 ms beside a 1.57 ms gate/up
-    matmul at 7B, the epilogue 0.05 ms (`benchmarks/h100/overlap_7b.json`)."""
+    matmul at 7B, the epilogue 0.05 ms (case `overlap_7b` of
+    `benchmarks/results/h100.jsonl`)."""
     if bias is None:
         out = torch.addmm(_unread(h.device, h.dtype), h, b.t(), beta=0, alpha=scaling)
     else:

@@ -179,7 +179,7 @@ def build_model(
 
         narrows.dora.use_narrows_dora(model)
     # each LoRA branch one autograd node, a shared input cast once: PEFT's bits, less saved
-    # memory, 2-10% shorter steps on the H100 (benchmarks/h100/fuse_*.json)
+    # memory, 2-10% shorter steps on the H100 (cases fuse_* of benchmarks/results/h100.jsonl)
     fuse_lora(model)
     tile = cfg.tile()
     kernels = "PEFT's modules (--kernels peft)"

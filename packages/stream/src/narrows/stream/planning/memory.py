@@ -144,10 +144,9 @@ def dropout_mask_bytes(s: Shapes) -> int:
     element (bool): Q, K, V, o, gate and up read hidden-sized inputs, down an
     intermediate-sized one (all seven counted). 0 without dropout. On the H100 at 7B, 8 ×
     512 tokens, dropout 0.05: the `8GiB` plan peaked at 6.87 GiB against 7.95 predicted, the
-    smallest footprint at 3.29 against 3.47 (`benchmarks/h100/ab_7b_8x512_drop9_new.json`).
-    (With masks in the activations' dtype, twice this, the smallest footprint had peaked
-    0.43 GiB higher than without and the `8GiB` plan's five whole layers 1.67 GiB,
-    `ab_7b_8x512_drop_r1_new.json` against `ab_7b_8x512_r1_new.json`.)"""
+    smallest footprint at 3.29 against 3.47 (an A/B on the H100, kept in git history). (With
+    masks in the activations' dtype, twice this, the smallest footprint had peaked 0.43 GiB
+    higher than without and the `8GiB` plan's five whole layers 1.67 GiB.)"""
     if not s.dropout:
         return 0
     return s.batch * s.seq * (6 * s.hidden + s.intermediate)
@@ -170,7 +169,7 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     — its MLP is recomputed and differentiated a tile at a time — beside the MLP's
     weights, dequantised once for all tiles (priced as two stacked buffers). Fitted to one
     device measurement, above it: 7B at 32K tokens in 2048-token tiles peaked at 3.21 GB
-    (`benchmarks/fast_memory.py`, `benchmarks/h100/fast_memory_tiled_7b.json`), priced at
+    (`benchmarks/fast_memory.py`, case `fast_memory_tiled_7b` of `benchmarks/results/h100.jsonl`), priced at
     3.48 GB (8.5% over; the untiled formula with the tile's MLP priced 4.58 GB). Float32
     LoRA (`Shapes.lora_float32`) adds its float32 temporaries, counted from the code, not
     measured. Dropout (`Shapes.dropout`; never with tiles) adds the layer's masks and one
