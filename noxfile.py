@@ -108,7 +108,7 @@ print('lm-eval finds the narrows model')
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole tree; the layering's contracts
     (pyproject.toml's [tool.importlinter]) checked by import-linter on the sources."""
-    session.install("ruff>=0.8", "import-linter>=2.1")
+    session.install("ruff>=0.8", "import-linter>=2.10")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     sources = os.pathsep.join(sorted(glob.glob(os.path.join("packages", "*", "src"))))

@@ -111,7 +111,7 @@ def child(args: argparse.Namespace) -> dict:
     torch.cuda.reset_peak_memory_stats()
     out: dict = {"case": args.child}
     if args.child in ("narrows", "transformers", "old", "identical"):
-        from narrows.core.loader import load_blockwise
+        from narrows.core.io.loader import load_blockwise
 
         if args.child == "narrows":
             model = load_blockwise(args.folder, dtype=torch.bfloat16, quant="nf4", device="cuda")
@@ -427,7 +427,7 @@ def main() -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "narrows.core.cli",
+                "narrows.core.app.cli",
                 "finetune",
                 "--model",
                 str(folder),

@@ -26,7 +26,7 @@ from pathlib import Path
 def write_rows(path: Path, n: int) -> None:
     import datasets
 
-    from narrows.core.bundled import gsm8k_split
+    from narrows.core.app.bundled import gsm8k_split
 
     train, _ = gsm8k_split()
     rows = []
@@ -39,7 +39,7 @@ def write_rows(path: Path, n: int) -> None:
 def case(name: str, data: str, tokenizer: str, seq_len: int) -> dict:
     from transformers import AutoTokenizer
 
-    from narrows.core.data import Packed, encode_row, open_source, tokenize
+    from narrows.core.app.data import Packed, encode_row, open_source, tokenize
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
     t = time.perf_counter()

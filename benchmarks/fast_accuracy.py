@@ -27,7 +27,7 @@ Then each piece alone, each against float64 arithmetic on the same bf16 inputs:
 * RMSNorm, RoPE, SwiGLU (forward, and the backward of every input that trains through it)
   as HF computes them in bf16 (the model's own norm module, ``apply_rotary_pos_emb``,
   ``ACT2FN[act](gate) * up``; autograd for the backward) beside
-  `narrows.core.fastlayer.ops`' PyTorch references and, on CUDA with Liger-Kernel, the
+  `narrows.core.kernels.fastlayer.ops`' PyTorch references and, on CUDA with Liger-Kernel, the
   kernels the fast layer runs (``ops.kernels_in_use``); ratio = the kernel in use / HF.
 * each group of linears (Q/K/V, O, gate/up, down) with its adapters: PEFT's modules in bf16
   beside the fast layer's `LinearGroup` forward and backward; ratio = fast / PEFT. Alone,
@@ -80,7 +80,7 @@ from _models import TARGETS as PROJECTIONS
 from _models import add_lora, load_config
 
 from narrows.core import anatomy_of, fuse_layers, quantize_nf4
-from narrows.core.fastlayer import ops, parts_of
+from narrows.core.kernels.fastlayer import ops, parts_of
 
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -156,7 +156,7 @@ def build(cfg, *, seed: int, device: torch.device, nf4: bool, rank: int, b_std: 
     if nf4:
         import bitsandbytes.functional as bf
 
-        from narrows.core.nf4 import is_nf4_linear
+        from narrows.core.quant.nf4 import is_nf4_linear
 
         quantize_nf4(model, compute_dtype=torch.bfloat16, device=device)
         dense = dict(ref_base.named_modules())

@@ -46,7 +46,7 @@ def measure(
     name: str, tokens: int, seq: int, device: torch.device, timing: bool = False, tile: int | None = None
 ) -> dict:
     from narrows.core import anatomy_of
-    from narrows.core.fastlayer import compute, parts_of
+    from narrows.core.kernels.fastlayer import compute, parts_of
     from narrows.stream.planning import Shapes, layer_work_bytes, whole_bytes
 
     model, cfg = one_layer(name, device)
@@ -121,7 +121,7 @@ def times(parts, x, cos, sin, g, reps: int = 10) -> dict:
     """Median seconds of the layer's forward and of its recompute + backward, eager and
     replayed as a CUDA graph (the graph pays no host cost: the gap is the host's), beside
     the base matmuls alone (the tensor-core floor of the forward)."""
-    from narrows.core.fastlayer import compute
+    from narrows.core.kernels.fastlayer import compute
 
     ws = [p.w(x, None) for grp in parts.groups for p in grp.linears]
     flat = x.reshape(-1, x.shape[-1])

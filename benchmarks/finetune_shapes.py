@@ -59,7 +59,7 @@ def data_stats(folder: Path, train: Path, seq_len: int) -> dict:
     """Mean tokens per training row and the packed sequences' fill, as the job will see them."""
     from transformers import AutoTokenizer
 
-    from narrows.core.data import Packed, open_source, tokenize
+    from narrows.core.app.data import Packed, open_source, tokenize
 
     examples, _ = tokenize(
         open_source(str(train)), AutoTokenizer.from_pretrained(folder), seq_len, cache=False
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/finetune_shapes.json")
     args = ap.parse_args()
 
-    from narrows.core.bundled import gsm8k_jsonl
+    from narrows.core.app.bundled import gsm8k_jsonl
 
     work = Path(args.work)
     t = time.perf_counter()
@@ -118,7 +118,7 @@ def main() -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "narrows.core.cli",
+                "narrows.core.app.cli",
                 "finetune",
                 "--model",
                 str(folder),

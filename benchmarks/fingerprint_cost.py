@@ -1,4 +1,4 @@
-"""What fingerprinting a base's weights costs (`narrows.core.fingerprint`), at 7B and 72B:
+"""What fingerprinting a base's weights costs (`narrows.core.io.fingerprint`), at 7B and 72B:
 the sampled hash a run records and checks on every resume and evaluation, against hashing
 every byte.
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from narrows.core.fingerprint import SAMPLE_BYTES, SAMPLES, SAMPLING
+    from narrows.core.io.fingerprint import SAMPLE_BYTES, SAMPLES, SAMPLING
 
     rows = []
     seven = Path(args.dir) / "fingerprint_cost_7b.safetensors"

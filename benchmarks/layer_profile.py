@@ -133,7 +133,7 @@ def main() -> None:
     from fast_memory import one_layer
 
     from narrows.core import anatomy_of
-    from narrows.core.fastlayer import compute, kernels_in_use, parts_of
+    from narrows.core.kernels.fastlayer import compute, kernels_in_use, parts_of
 
     name, tokens, seq = args.case.split(":")
     tokens, seq = int(tokens), int(seq)

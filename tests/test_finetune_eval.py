@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from narrows.core.finetune import FinetuneConfig
-from narrows.core.finetune.build import apply_lmhead
-from narrows.core.finetune.evaluate import eval_row
+from narrows.core.app.finetune import FinetuneConfig
+from narrows.core.app.finetune.build import apply_lmhead
+from narrows.core.app.finetune.evaluate import eval_row
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 
@@ -33,7 +33,7 @@ def test_an_evaluation_row_has_its_peak_on_cuda_only():
         def forward(self, **kwargs):
             return type("Out", (), {"loss": torch.tensor(2.0)})()
 
-    from narrows.core.data import Example
+    from narrows.core.app.data import Example
 
     row = eval_row(
         Fixed(), [Example(input_ids=(1, 2, 3), labels=(-100, 2, 3), where="t:1")], 1, 0, torch.device("cpu")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
 # long rows, so that a batch is many tiles long

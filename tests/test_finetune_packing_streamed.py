@@ -8,7 +8,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
 ROWS = [{"prompt": f"q{i}: " + "x" * (3 + 5 * (i % 4)), "completion": " a" * (2 + i % 5)} for i in range(24)]

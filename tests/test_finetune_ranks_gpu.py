@@ -55,7 +55,7 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
         [
             sys.executable,
             "-m",
-            "narrows.core.cli",
+            "narrows.core.app.cli",
             *args,
             "--grad-accum",
             "2",
@@ -76,7 +76,7 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
             "--standalone",
             "--nproc-per-node=2",
             "-m",
-            "narrows.core.cli",
+            "narrows.core.app.cli",
             *args,
             "--gpu-budget",
             "1100KiB",

@@ -57,7 +57,7 @@ def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path
         [
             sys.executable,
             "-m",
-            "narrows.core.cli",
+            "narrows.core.app.cli",
             *args,
             "--grad-accum",
             "2",
@@ -78,7 +78,7 @@ def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path
             "--standalone",
             "--nproc-per-node=2",
             "-m",
-            "narrows.core.cli",
+            "narrows.core.app.cli",
             *args,
             "--gpu-budget",
             "1100KiB",

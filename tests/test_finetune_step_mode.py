@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
@@ -169,7 +169,7 @@ def test_step_mode_trains_dora_as_the_resident_loop_does(tmp_path):
 def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
     """Ctrl-C during step 3 (after step 2's checkpoint), then --resume: a fresh StepTrainer
     seeds each micro-batch from its index again, the optimizer state comes back from the checkpoint."""
-    from narrows.core.finetune.rundir import RunFolder
+    from narrows.core.app.finetune.rundir import RunFolder
 
     flags = ("--gpu-budget", BUDGET, "--step-mode", "--offload-optimizer")
     assert run(tmp_path, "whole", *flags) == 0
@@ -290,8 +290,8 @@ def test_the_jobs_flags_map_to_one_stream_config():
     batch, tiles, graphs and what step mode keeps in host memory; the planner's choices
     stay "auto" where no flag overrides them."""
     import narrows.stream as ns
-    from narrows.core.finetune.build import stream_config
-    from narrows.core.finetune.config import FinetuneConfig
+    from narrows.core.app.finetune.build import stream_config
+    from narrows.core.app.finetune.config import FinetuneConfig
 
     cpu = torch.device("cpu")
     cfg = FinetuneConfig(gpu_budget="3GiB", batch=2, seq_len=32)

@@ -5,10 +5,10 @@ import pytest
 import torch
 import transformers as tf
 
-import narrows.core.anatomy as anatomy_module
-from narrows.core.cli import main
+import narrows.core.protocol.anatomy as anatomy_module
+from narrows.core.app.cli import main
+from narrows.core.protocol.verify import _PASSED
 from narrows.core.testing import tiny_tokenizer, write_jsonl
-from narrows.core.verify import _PASSED
 
 ROWS = [{"prompt": f"{a}+{b}=", "response": f"{a + b}"} for a in range(4) for b in range(4)]
 

@@ -9,8 +9,8 @@ import sys
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from narrows.core.cli import main
-from narrows.core.finetune import loop, ranks
+from narrows.core.app.cli import main
+from narrows.core.app.finetune import loop, ranks
 
 fault = os.environ.get("NARROWS_TEST_FAULT", "")
 argv = sys.argv[1:]

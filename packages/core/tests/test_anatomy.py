@@ -9,7 +9,7 @@ from narrows.core import (
     anatomy_of,
     register_architecture,
 )
-from narrows.core.anatomy import accepting_unannounced
+from narrows.core.protocol.anatomy import accepting_unannounced
 from narrows.core.testing import TINY_ARCHITECTURES, tiny_model, with_adapter
 
 
@@ -75,7 +75,7 @@ def test_structure_missing_is_reported_part_by_part():
         assert a.layers is model.transformer.h and a.norm is model.transformer.ln_f
         assert a.layer_paths == ("transformer.h.0", "transformer.h.1")
     finally:
-        import narrows.core.anatomy as anatomy_module
+        import narrows.core.protocol.anatomy as anatomy_module
 
         anatomy_module._ARCHITECTURES.pop("gpt2")
 

@@ -4,13 +4,13 @@ import sys
 
 import pytest
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.core.optional import OPTIONAL
 
 
 def test_doctor_reports_versions_devices_and_backends():
     out = subprocess.run(
-        [sys.executable, "-m", "narrows.core.cli", "doctor", "--json"],
+        [sys.executable, "-m", "narrows.core.app.cli", "doctor", "--json"],
         capture_output=True,
         text=True,
         check=True,
@@ -56,7 +56,7 @@ def test_the_parser_builds_without_torch():
     """`narrows --help` answers in a fraction of a second: building the whole parser, the
     sibling packages' subcommands included, imports neither torch nor transformers nor peft."""
     code = (
-        "import sys; from narrows.core.cli import build_parser; build_parser(); "
+        "import sys; from narrows.core.app.cli import build_parser; build_parser(); "
         "print(sorted(m for m in ('torch', 'transformers', 'peft', 'bitsandbytes') if m in sys.modules))"
     )
     r = _python(code)
@@ -84,7 +84,7 @@ def test_third_party_notices_are_silenced_and_shown_by_doctor(source):
     quiet = _python("import narrows.core; " + _RAISE[source])
     assert quiet.returncode == 0 and notice.pattern not in quiet.stderr, quiet.stderr
     doctor = subprocess.run(
-        [sys.executable, "-m", "narrows.core.cli", "doctor", "--json"],
+        [sys.executable, "-m", "narrows.core.app.cli", "doctor", "--json"],
         capture_output=True,
         text=True,
         check=True,

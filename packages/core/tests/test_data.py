@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from narrows.core.data import (
+from narrows.core.app.data import (
     IGNORE,
     DataError,
     collate,
@@ -14,7 +14,7 @@ from narrows.core.data import (
     tokenize,
     tokenize_rows,
 )
-from narrows.core.data import encode_row as encode_named
+from narrows.core.app.data import encode_row as encode_named
 from narrows.core.testing import tiny_tokenizer, write_jsonl
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from narrows.core.data import IGNORE, DataError, encode_row, open_source, parse_columns, tokenize
+from narrows.core.app.data import IGNORE, DataError, encode_row, open_source, parse_columns, tokenize
 from narrows.core.errors import NarrowsError
 from narrows.core.testing import tiny_tokenizer, write_jsonl
 

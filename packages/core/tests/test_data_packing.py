@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from narrows.core.data import (
+from narrows.core.app.data import (
     IGNORE,
     TRAINING,
     DataError,

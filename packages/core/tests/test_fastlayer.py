@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 import torch
 
-import narrows.core.fastlayer.fuse as fuse
+import narrows.core.kernels.fastlayer.fuse as fuse
 from narrows.core import fuse_layers, quantize_nf4, unfuse_layers
-from narrows.core.fastlayer import loramath, ops, why_not
-from narrows.core.fastlayer.lora import Masks
+from narrows.core.kernels.fastlayer import loramath, ops, why_not
+from narrows.core.kernels.fastlayer.lora import Masks
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 FAMILY = ("llama", "qwen2", "qwen3", "mistral")
@@ -310,7 +310,7 @@ def test_float32_lora_gives_the_adapters_float32_precision():
     float64 computation on the same (bf16) input, weight and gradient are far more precise
     than with LoRA in bf16; through `fuse_layers` keeping and recomputing (with dropout)
     train the same bits, the report says so, and another dtype is refused."""
-    from narrows.core.fastlayer import LinearGroup
+    from narrows.core.kernels.fastlayer import LinearGroup
 
     torch.manual_seed(0)
     model = _model("llama", dtype=torch.bfloat16, adapter_dtype=torch.float32)
@@ -475,7 +475,7 @@ def test_cuda_dropout_masks_are_pefts_draws():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_cuda_recompute_trains_the_same_bits_as_keeping(arch, dropout):
-    from narrows.core.determinism import deterministic
+    from narrows.core.protocol.determinism import deterministic
 
     deterministic(True)
     try:
@@ -610,7 +610,7 @@ def test_a_tiled_mlp_with_dropout_is_refused_by_name():
 
 
 def test_side_by_side_joins_only_tensors_that_lie_so():
-    from narrows.core.fastlayer import side_by_side
+    from narrows.core.kernels.fastlayer import side_by_side
 
     buf = torch.arange(40.0).view(4, 10)
     left, right = buf[:, :6], buf[:, 6:]
@@ -676,7 +676,7 @@ def _rotary(model, x):
 
 _INTERPRETED = """
 import torch
-from narrows.core.fastlayer import halves, ops
+from narrows.core.kernels.fastlayer import halves, ops
 torch.manual_seed(0)
 buf = torch.randn(5, 2 * 1500)  # two column blocks of the kernel, the second partial
 g = torch.randn(5, 1500)

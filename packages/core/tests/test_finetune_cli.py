@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.core.optional import is_available
 from narrows.core.testing import child_env, interruptible, tiny_model_folder, write_jsonl
 
@@ -61,7 +61,7 @@ def job(tmp_path_factory):
 
 
 def cli(*args, wait=True):
-    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *args]
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", "finetune", *args]
     env = child_env()
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -248,7 +248,7 @@ def test_answers_stop_once_the_answer_line_is_complete():
     """Generation ends at the GSM8K answer's "#### N" line, not after max_new_tokens: a stub
     model that continues past it token by token, as `generate` does, asking the stopping
     criteria after each token."""
-    from narrows.core.finetune.evaluate import answer_scores, generate_answers
+    from narrows.core.app.finetune.evaluate import answer_scores, generate_answers
     from narrows.core.testing import tiny_tokenizer
 
     tok = tiny_tokenizer()
@@ -281,8 +281,8 @@ def test_cuda_graphs_flag_is_three_way():
     --no-cuda-graphs off."""
     import argparse
 
-    from narrows.core.finetune.command import add_parser
-    from narrows.core.finetune.config import FinetuneConfig
+    from narrows.core.app.finetune.command import add_parser
+    from narrows.core.app.finetune.config import FinetuneConfig
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -301,7 +301,7 @@ def test_inputs_that_used_to_end_in_a_traceback_are_refused_naming_the_file(
     is exit 2 and one `narrows: error:` naming the file, before the model is loaded."""
     import shutil
 
-    import narrows.core.finetune.job as job_module
+    import narrows.core.app.finetune.job as job_module
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded")
@@ -360,8 +360,8 @@ def test_kernels_flag_picks_the_layers_and_the_summary_says_which(job, tmp_path)
 
 
 def test_kernels_setting_is_checked_and_older_runs_keep_pefts():
+    from narrows.core.app.finetune.config import FinetuneConfig
     from narrows.core.errors import NarrowsError
-    from narrows.core.finetune.config import FinetuneConfig
 
     with pytest.raises(NarrowsError, match=r"--kernels must be fast .* or peft"):
         FinetuneConfig(kernels="triton").check()

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.cli import main
-from narrows.core.finetune.command import ADVANCED
+from narrows.core.app.cli import main
+from narrows.core.app.finetune.command import ADVANCED
 from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
 ROWS = [
@@ -48,7 +48,7 @@ def _flags(settings: dict) -> list[str]:
 
 
 def _finetune(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", "--no-progress", *args]
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", "finetune", "--no-progress", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
 
 
@@ -116,7 +116,7 @@ def test_config_with_resume_or_a_missing_file_is_refused(tmp_path, capsys):
 def test_help_shows_the_common_flags_and_help_advanced_the_rest():
     def helped(flag: str) -> str:
         r = subprocess.run(
-            [sys.executable, "-m", "narrows.core.cli", "finetune", flag],
+            [sys.executable, "-m", "narrows.core.app.cli", "finetune", flag],
             capture_output=True,
             text=True,
             env={**child_env(), "COLUMNS": "100"},
@@ -140,7 +140,7 @@ def test_help_shows_the_common_flags_and_help_advanced_the_rest():
 
 def resume_rows() -> list[str]:
     """README's table of what a resume may change, from the three tables in the code."""
-    from narrows.core.finetune.config import FIXED, OVERRIDABLE, RESUMABLE
+    from narrows.core.app.finetune.config import FIXED, OVERRIDABLE, RESUMABLE
 
     def flag(name: str) -> str:
         return "the ranks (torchrun)" if name == "world_size" else f"`--{name.replace('_', '-')}`"
@@ -158,7 +158,7 @@ def test_every_setting_says_what_a_resume_does_with_it_and_the_readme_lists_them
     import dataclasses
     from pathlib import Path
 
-    from narrows.core.finetune.config import FIXED, OVERRIDABLE, RESUMABLE, FinetuneConfig
+    from narrows.core.app.finetune.config import FIXED, OVERRIDABLE, RESUMABLE, FinetuneConfig
 
     fields = [f.name for f in dataclasses.fields(FinetuneConfig)]
     tables = [*RESUMABLE, *OVERRIDABLE, *FIXED]

@@ -22,7 +22,7 @@ ROWS = [{"prompt": f"{a}+{b}=", "response": f"{a + b}"} for a in range(8) for b 
 
 
 def _cli(*args: str, wait: bool = True):
-    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *args]
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", "finetune", *args]
     env = child_env()
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)

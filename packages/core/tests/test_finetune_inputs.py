@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.data import open_source, tokenize
-from narrows.core.fingerprint import data_fingerprint, differences, model_fingerprint
+from narrows.core.app.data import open_source, tokenize
+from narrows.core.io.fingerprint import data_fingerprint, differences, model_fingerprint
 from narrows.core.testing import child_env, tiny_model_folder, tiny_tokenizer, write_jsonl
 
 ROWS = [
@@ -34,7 +34,7 @@ OTHER = [{"text": f"something else entirely, number {i}"} for i in range(20)]
 
 
 def cli(*args, cwd: Path):
-    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *map(str, args)]
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", "finetune", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600, cwd=cwd)
 
 
@@ -210,7 +210,7 @@ def test_the_token_cache_misses_when_content_changes_under_the_old_times(tmp_pat
 
 
 def test_tokenising_a_large_corpus_says_how_far_it_got(capsys):
-    from narrows.core.data.store import _ticking
+    from narrows.core.app.data.store import _ticking
 
     rows = [(f"r{i}", {"text": "x"}) for i in range(3)]
     assert list(_ticking(iter(rows), "d.jsonl", every=0.0)) == rows
@@ -239,7 +239,7 @@ def test_weights_rewritten_under_the_same_header_are_caught_by_their_sampled_con
     one byte in a sampled block of a large tensor, and one in a small tensor kept whole are
     each caught; a byte between the samples of a large tensor is not (the sampling's limit,
     as the fingerprint's docstring and the README say)."""
-    from narrows.core.fingerprint import SAMPLE_BYTES, SAMPLES
+    from narrows.core.io.fingerprint import SAMPLE_BYTES, SAMPLES
 
     folder = tiny_model_folder(tmp_path / "m", vocab_size=2048)  # a 512 KiB embedding among small tensors
     before = model_fingerprint(folder)

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import narrows.core.finetune.job as finetune_mod
-from narrows.core.finetune import FinetuneConfig, finetune
+import narrows.core.app.finetune.job as finetune_mod
+from narrows.core.app.finetune import FinetuneConfig, finetune
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
 # prompt/response rows: only the response (and EOS) trains, so the micro-batches below hold

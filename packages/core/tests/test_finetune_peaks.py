@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from narrows.core.finetune import evaluate
+from narrows.core.app.finetune import evaluate
 from narrows.core.memory import MemoryPeaks
 
 

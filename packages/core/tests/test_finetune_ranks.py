@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.core.optional import is_available
 from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 
@@ -57,7 +57,7 @@ def job(tmp_path_factory):
 
 
 def one(*args):
-    cmd = [sys.executable, "-m", "narrows.core.cli", "finetune", *args]
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", "finetune", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
 
 

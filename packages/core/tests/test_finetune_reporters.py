@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from test_finetune_run_folder import ROWS, cli, metrics, ok
 
-from narrows.core.cli import main
-from narrows.core.finetune import job as job_module
-from narrows.core.finetune.config import FinetuneConfig
-from narrows.core.finetune.reporters import WandB, parse_report_to
+from narrows.core.app.cli import main
+from narrows.core.app.finetune import job as job_module
+from narrows.core.app.finetune.config import FinetuneConfig
+from narrows.core.app.finetune.reporters import WandB, parse_report_to
 from narrows.core.optional import is_available
 from narrows.core.testing import tiny_model_folder, write_jsonl
 
@@ -161,7 +161,7 @@ def wandb(monkeypatch):
 def test_wandb_gets_the_config_and_every_row_and_a_resumed_run_continues_the_same_wandb_run(
     job, wandb, tmp_path, monkeypatch
 ):
-    from narrows.core.finetune.job import finetune, resume
+    from narrows.core.app.finetune.job import finetune, resume
 
     out = tmp_path / "run"
     finetune(FinetuneConfig(**job.settings, steps=2, out=str(out)), progress=False)  # --report-to none
@@ -276,7 +276,7 @@ def test_a_wandb_run_that_fails_to_start_leaves_the_run_folder_as_it_found_it(jo
     `narrows: error:` line, and neither config.json nor wandb-id nor wandb/ is left behind,
     so the same command runs once W&B works."""
     from narrows.core import NarrowsError
-    from narrows.core.finetune.job import finetune
+    from narrows.core.app.finetune.job import finetune
 
     def refusing(**kwargs):
         (Path(kwargs["dir"]) / "wandb").mkdir()  # what wandb writes before it gives up

@@ -29,8 +29,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from narrows.core.app.finetune.rundir import RunFolder, _Hashing
 from narrows.core.errors import NarrowsError
-from narrows.core.finetune.rundir import RunFolder, _Hashing
 from narrows.core.testing import child_env, interruptible, tiny_model_folder, write_jsonl
 
 ROWS = [
@@ -44,7 +44,7 @@ FAST = 30  # seconds a refusal before loading may take
 # full disk: the first checkpoint is written, the second is not
 DISK_FULL = """
 import errno, sys, torch
-import narrows.core.cli
+import narrows.core.app.cli
 real, calls = torch.save, []
 def save(*args, **kwargs):
     calls.append(1)
@@ -52,31 +52,31 @@ def save(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     return real(*args, **kwargs)
 torch.save = save
-sys.exit(narrows.core.cli.main(sys.argv[1:]))
+sys.exit(narrows.core.app.cli.main(sys.argv[1:]))
 """
 
 # the same with the adapter's safetensors file at the end of the run: safetensors raises its
 # own SafetensorError (no errno, not an OSError) with the OS error in its text
 ADAPTER_DISK_FULL = """
 import sys, safetensors, safetensors.torch
-import narrows.core.cli
+import narrows.core.app.cli
 def serialize_file(*args, **kwargs):
     raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 safetensors.torch.serialize_file = serialize_file
-sys.exit(narrows.core.cli.main(sys.argv[1:]))
+sys.exit(narrows.core.app.cli.main(sys.argv[1:]))
 """
 
 # `narrows finetune` whose model load says so on stderr, then waits to be interrupted
 SLOW_LOAD = """
 import sys, time
-import narrows.core.cli, narrows.core.finetune.job as job
+import narrows.core.app.cli, narrows.core.app.finetune.job as job
 real = job.load_model
 def load_model(*args, **kwargs):
     print("LOADING", file=sys.stderr, flush=True)
     time.sleep(300)
     return real(*args, **kwargs)
 job.load_model = load_model
-sys.exit(narrows.core.cli.main(sys.argv[1:]))
+sys.exit(narrows.core.app.cli.main(sys.argv[1:]))
 """
 
 
@@ -86,7 +86,7 @@ def _env() -> dict:
 
 def cli(*args, wait=True, script=None):
     """`narrows finetune ARGS` in a subprocess; the result carries `.seconds`."""
-    head = ["-c", script] if script else ["-m", "narrows.core.cli"]
+    head = ["-c", script] if script else ["-m", "narrows.core.app.cli"]
     cmd = [sys.executable, *head, "finetune", *map(str, args)]
     if not wait:
         return subprocess.Popen(
@@ -413,7 +413,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_it_used(finished, 
 )
 def test_a_meta_json_without_its_size_and_checksum_is_damage(meta, tmp_path):
     """restore() sets aside whatever `_damage` names; a meta.json of the wrong shape is named."""
-    from narrows.core.finetune.rundir import _damage
+    from narrows.core.app.finetune.rundir import _damage
 
     step = tmp_path / "step-000002"
     step.mkdir()
@@ -590,14 +590,14 @@ def test_resume_may_shorten_a_run_below_its_default_warmup(finished, tmp_path):
 # (what AdamW reads from its parameter groups), one JSON line per step, to $NARROWS_TEST_RATES
 RECORD_RATES = """
 import json, os, sys, torch
-import narrows.core.cli
+import narrows.core.app.cli
 real = torch.optim.AdamW.step
 def step(self, *args, **kwargs):
     with open(os.environ["NARROWS_TEST_RATES"], "a") as f:
         f.write(json.dumps([group["lr"] for group in self.param_groups]) + "\\n")
     return real(self, *args, **kwargs)
 torch.optim.AdamW.step = step
-sys.exit(narrows.core.cli.main(sys.argv[1:]))
+sys.exit(narrows.core.app.cli.main(sys.argv[1:]))
 """
 
 
@@ -721,7 +721,7 @@ def test_a_malformed_run_config_is_refused_naming_the_file_and_field_before_torc
     file.write_bytes(content if isinstance(content, bytes) else json.dumps(content(config(run))).encode())
     before = snapshot(run)
     script = (
-        "import sys, narrows.core.cli as c; rc = c.main(sys.argv[1:]); "
+        "import sys, narrows.core.app.cli as c; rc = c.main(sys.argv[1:]); "
         "sys.exit(rc + 100 * ('torch' in sys.modules))"
     )
     r = cli("--resume", run, "--steps", "6", script=script)
@@ -732,7 +732,7 @@ def test_a_malformed_run_config_is_refused_naming_the_file_and_field_before_torc
 
 def test_bad_flag_values_are_refused_before_torch_is_imported(job, finished, tmp_path):
     script = (
-        "import sys, narrows.core.cli as c; rc = c.main(sys.argv[1:]); "
+        "import sys, narrows.core.app.cli as c; rc = c.main(sys.argv[1:]); "
         "sys.exit(rc + 100 * ('torch' in sys.modules))"
     )
     for args, said in (

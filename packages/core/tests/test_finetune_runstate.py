@@ -1,4 +1,4 @@
-"""What state a run folder is in (`narrows.core.finetune.run_state`), and the base its
+"""What state a run folder is in (`narrows.core.app.finetune.run_state`), and the base its
 adapter names.
 
 Real runs of the CLI on a tiny model: `four` finished at step 4, and `cut`, the same run
@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from narrows.core.app.finetune import FinetuneConfig, RunBase, run_base, run_state
 from narrows.core.errors import NarrowsError
-from narrows.core.finetune import FinetuneConfig, RunBase, run_base, run_state
 from narrows.core.testing import finetune_cli, tiny_model_folder, write_jsonl
 
 ROWS = [
@@ -169,7 +169,7 @@ def test_save_adapter_names_the_base_not_the_folder_it_was_loaded_from(tmp_path)
     """A GGUF base loads from narrows' cache folder, whose path PEFT would record."""
     from peft import PeftModel
 
-    from narrows.core.finetune.report import save_adapter
+    from narrows.core.app.finetune.report import save_adapter
     from narrows.core.testing import with_adapter
 
     folder = tiny_model_folder(tmp_path / "cache-abc123")

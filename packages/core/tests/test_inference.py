@@ -1,4 +1,4 @@
-"""A base plus an adapter loaded for inference (`narrows.core.inference`), with core alone
+"""A base plus an adapter loaded for inference (`narrows.core.app.inference`), with core alone
 installed: PEFT's numbers, frozen, and a GPU budget without narrows-stream refused with the
 install line before any weight is read."""
 
@@ -9,7 +9,7 @@ import torch
 
 import narrows.core.optional as optional
 from narrows.core import MissingDependencyError, NarrowsError
-from narrows.core.inference import load_base, load_for_inference
+from narrows.core.app.inference import load_base, load_for_inference
 from narrows.core.testing import tiny_batch, tiny_model_folder, with_adapter
 
 

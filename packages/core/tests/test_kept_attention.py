@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import narrows.core.fastlayer.fuse as fuse
-from narrows.core.fastlayer import compute
+import narrows.core.kernels.fastlayer.fuse as fuse
+from narrows.core.kernels.fastlayer import compute
 from narrows.core.testing import tiny_model, with_adapter
 
 FAMILY = ("llama", "qwen2", "qwen3", "mistral")

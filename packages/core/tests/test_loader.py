@@ -14,8 +14,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from narrows.core import NarrowsError, anatomy_of, disable_cpu_repacking, is_nf4_linear, quantize_nf4
-from narrows.core.loader import load_blockwise
-from narrows.core.models import load_causal_lm
+from narrows.core.io.loader import load_blockwise
+from narrows.core.io.models import load_causal_lm
 from narrows.core.testing import TINY_ARCHITECTURES, tiny_batch, tiny_model
 from narrows.core.testing.folders import tiny_model_folder
 
@@ -235,7 +235,7 @@ def _is_meta(module: nn.Module) -> bool:
 @pytest.mark.bnb
 @pytest.mark.parametrize("quant", [None, "nf4"])
 def test_on_layer_sees_each_layer_complete_before_the_next_is_read(quant, tmp_path, monkeypatch):
-    import narrows.core.loader as loader_module
+    import narrows.core.io.loader as loader_module
 
     save(tmp_path, "llama", num_hidden_layers=4)
     built: list[nn.Module] = []  # the model load_blockwise builds, to look at the other layers
@@ -287,7 +287,7 @@ def test_on_layer_on_a_prequantized_checkpoint(prequantized):
 def weights_read(monkeypatch):
     """Names of the tensors load_blockwise reads (not counting the few-byte quant-state blobs
     of a pre-quantised checkpoint): a folder refused from its headers reads none."""
-    import narrows.core.loader as loader_module
+    import narrows.core.io.loader as loader_module
 
     names: list[str] = []
     read = loader_module.read_tensor
@@ -529,8 +529,8 @@ def test_load_causal_lm_quantises_and_returns_the_tokenizer(tmp_path):
 
 def test_map_tensor_is_the_checkpoint_bytes_where_they_lie(tmp_path):
     """`map_tensor`: the tensor `read_tensor` reads, as a read-only map of its file."""
-    from narrows.core.checkpoint import CheckpointFolder
-    from narrows.core.loader import map_tensor, read_tensor
+    from narrows.core.io.checkpoint import CheckpointFolder
+    from narrows.core.io.loader import map_tensor, read_tensor
     from narrows.core.testing import mapped_file
 
     folder = CheckpointFolder(tiny_model_folder(tmp_path / "m"))

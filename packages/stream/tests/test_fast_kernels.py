@@ -13,7 +13,7 @@ from helpers import Dequantizations, assert_identical, build, train
 import narrows.stream as ns
 import narrows.stream.fastexec as fastexec
 from narrows.core import anatomy_of, fuse_layers
-from narrows.core.fastlayer import coverage
+from narrows.core.kernels.fastlayer import coverage
 from narrows.stream.errors import StreamSetupError
 
 
@@ -167,7 +167,7 @@ def test_a_tiled_mlp_streams_what_the_same_tiles_train_resident(stream_kwargs):
 def test_a_tiled_mlp_runs_its_forward_twice_a_step_not_three_times(monkeypatch):
     """Each tile's gate/up/SwiGLU: once in the forward, once in the backward (the recompute
     stops at the MLP's input) — 2 x tiles x layers a step."""
-    from narrows.core.fastlayer import compute
+    from narrows.core.kernels.fastlayer import compute
 
     calls = []
     real = compute.swiglu
@@ -280,7 +280,7 @@ def test_the_plan_prices_what_a_fast_layer_keeps(base):
     here from its tensors, less the input and the rotary tables every layer shares: within
     25% above it) — on a 4-bit base too, whose Q/K/V come out of one stacked matmul — not by
     PEFT's fit; one refused layer (a hook on it) and ``kernels="peft"`` keep PEFT's prices."""
-    from narrows.core.fastlayer import compute, parts_of
+    from narrows.core.kernels.fastlayer import compute, parts_of
     from narrows.stream.planning import Shapes, input_bytes, whole_bytes
 
     model = _build(

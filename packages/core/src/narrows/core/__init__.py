@@ -28,7 +28,26 @@ _install_notices()  # third-party messages a user cannot act on, silenced before
 
 if TYPE_CHECKING:
     # adapter protocol
-    from .adapters import (
+    # a base plus an adapter, loaded for inference
+    from .app.inference import AdapterChoice, InferenceModel, choose_adapter, load_base, load_for_inference
+
+    # errors
+    from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
+    from .io.checkpoint import CheckpointFolder
+    from .io.loader import load_blockwise
+
+    # fast decoder layers (their own bits; the same resident and streamed)
+    from .kernels.fastlayer import FuseReport, fuse_layers, unfuse_layers
+
+    # LoRA branches as one autograd node each (same bits as PEFT)
+    from .kernels.lora_branches import LoraBranch, fuse_lora, lora_branch_reference, unfuse_lora
+
+    # memory
+    from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
+
+    # optional packages
+    from .optional import distribution_version, is_available, require
+    from .protocol.adapters import (
         AdapterType,
         AdapterView,
         PeftLoraAdapter,
@@ -40,10 +59,10 @@ if TYPE_CHECKING:
     )
 
     # checkpoints, read one decoder layer at a time
-    from .ambient import Ambient, ambient_as, ambient_state
+    from .protocol.ambient import Ambient, ambient_as, ambient_state
 
     # anatomy
-    from .anatomy import (
+    from .protocol.anatomy import (
         Anatomy,
         ArchitectureSpec,
         anatomy_of,
@@ -52,17 +71,10 @@ if TYPE_CHECKING:
         supported_architectures,
         unwrap_model,
     )
-    from .checkpoint import CheckpointFolder
-    from .determinism import deterministic
-
-    # errors
-    from .errors import MissingDependencyError, NarrowsError, SlotMismatchError, UnsupportedArchitectureError
-
-    # fast decoder layers (their own bits; the same resident and streamed)
-    from .fastlayer import FuseReport, fuse_layers, unfuse_layers
+    from .protocol.determinism import deterministic
 
     # LM-head hook
-    from .head import (
+    from .protocol.head import (
         DEFAULT_HEAD_ROWS,
         HeadSource,
         HeadSweep,
@@ -75,42 +87,44 @@ if TYPE_CHECKING:
         set_loss_working_set,
         sharing_head_pass,
     )
-
-    # a base plus an adapter, loaded for inference
-    from .inference import AdapterChoice, InferenceModel, choose_adapter, load_base, load_for_inference
-    from .loader import load_blockwise
-    from .logits import LogitMath
-
-    # LoRA branches as one autograd node each (same bits as PEFT)
-    from .lorafuse import LoraBranch, fuse_lora, lora_branch_reference, unfuse_lora
-
-    # memory
-    from .memory import MemoryPeaks, format_bytes, measure_peaks, parse_bytes, read_peaks, reset_peaks
-    from .nf4 import NF4Rows, disable_cpu_repacking, is_nf4_linear, nf4_rows, quantize_layer_nf4, quantize_nf4
-
-    # NF4
-    from .nf4held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
-
-    # optional packages
-    from .optional import distribution_version, is_available, require
+    from .protocol.logits import LogitMath
 
     # frozen storage
-    from .slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
-    from .slots import FrozenSlot, assign, copies, frozen_slots, pointed_at, snapshot, trainable_parameters
+    from .protocol.slab import SLAB_ALIGNMENT, SlabEntry, SlabLayout
+    from .protocol.slots import (
+        FrozenSlot,
+        assign,
+        copies,
+        frozen_slots,
+        pointed_at,
+        snapshot,
+        trainable_parameters,
+    )
 
     # architecture checks
-    from .twin import shrink_config, shrunk_twin, side_output_overrides
-    from .verify import (
+    from .protocol.twin import shrink_config, shrunk_twin, side_output_overrides
+    from .protocol.verify import (
         ArchitectureCheckError,
         ensure_architecture,
         register_architecture_check,
         verify_architecture,
     )
 
+    # NF4
+    from .quant.held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
+    from .quant.nf4 import (
+        NF4Rows,
+        disable_cpu_repacking,
+        is_nf4_linear,
+        nf4_rows,
+        quantize_layer_nf4,
+        quantize_nf4,
+    )
+
 # each module -> the public names it holds, imported on first use (PEP 562): `narrows --help`
 # and the other light entry points never import torch
 _MODULES = {
-    "adapters": (
+    "protocol.adapters": (
         "AdapterType",
         "AdapterView",
         "PeftLoraAdapter",
@@ -120,8 +134,8 @@ _MODULES = {
         "register_adapter_type",
         "registered_adapter_types",
     ),
-    "ambient": ("Ambient", "ambient_as", "ambient_state"),
-    "anatomy": (
+    "protocol.ambient": ("Ambient", "ambient_as", "ambient_state"),
+    "protocol.anatomy": (
         "Anatomy",
         "ArchitectureSpec",
         "anatomy_of",
@@ -130,10 +144,10 @@ _MODULES = {
         "supported_architectures",
         "unwrap_model",
     ),
-    "checkpoint": ("CheckpointFolder",),
-    "determinism": ("deterministic",),
+    "io.checkpoint": ("CheckpointFolder",),
+    "protocol.determinism": ("deterministic",),
     "errors": ("MissingDependencyError", "NarrowsError", "SlotMismatchError", "UnsupportedArchitectureError"),
-    "head": (
+    "protocol.head": (
         "DEFAULT_HEAD_ROWS",
         "HeadSource",
         "HeadSweep",
@@ -146,13 +160,13 @@ _MODULES = {
         "set_loss_working_set",
         "sharing_head_pass",
     ),
-    "inference": ("AdapterChoice", "InferenceModel", "choose_adapter", "load_base", "load_for_inference"),
-    "fastlayer": ("FuseReport", "fuse_layers", "unfuse_layers"),
-    "loader": ("load_blockwise",),
-    "logits": ("LogitMath",),
-    "lorafuse": ("LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"),
+    "app.inference": ("AdapterChoice", "InferenceModel", "choose_adapter", "load_base", "load_for_inference"),
+    "kernels.fastlayer": ("FuseReport", "fuse_layers", "unfuse_layers"),
+    "io.loader": ("load_blockwise",),
+    "protocol.logits": ("LogitMath",),
+    "kernels.lora_branches": ("LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"),
     "memory": ("MemoryPeaks", "format_bytes", "measure_peaks", "parse_bytes", "read_peaks", "reset_peaks"),
-    "nf4": (
+    "quant.nf4": (
         "NF4Rows",
         "disable_cpu_repacking",
         "is_nf4_linear",
@@ -160,10 +174,10 @@ _MODULES = {
         "quantize_layer_nf4",
         "quantize_nf4",
     ),
-    "nf4held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
+    "quant.held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
     "optional": ("distribution_version", "is_available", "require"),
-    "slab": ("SLAB_ALIGNMENT", "SlabEntry", "SlabLayout"),
-    "slots": (
+    "protocol.slab": ("SLAB_ALIGNMENT", "SlabEntry", "SlabLayout"),
+    "protocol.slots": (
         "FrozenSlot",
         "assign",
         "copies",
@@ -172,8 +186,8 @@ _MODULES = {
         "snapshot",
         "trainable_parameters",
     ),
-    "twin": ("shrink_config", "shrunk_twin", "side_output_overrides"),
-    "verify": (
+    "protocol.twin": ("shrink_config", "shrunk_twin", "side_output_overrides"),
+    "protocol.verify": (
         "ArchitectureCheckError",
         "ensure_architecture",
         "register_architecture_check",

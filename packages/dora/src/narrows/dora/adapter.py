@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from narrows.core import NarrowsError, is_nf4_linear, register_adapter_type, registered_adapter_types
-from narrows.core.files import atomic_write
+from narrows.core.io.files import atomic_write
 
 from .layer import DoraLinear
 

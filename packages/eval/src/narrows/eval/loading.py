@@ -1,7 +1,7 @@
 """Build the model an evaluation runs: a base (HF folder or GGUF, float or NF4) plus an
 optional PEFT adapter, resident on the device or streamed from host memory.
 
-The loading itself is core's (`narrows.core.inference`), the path the main job's base
+The loading itself is core's (`narrows.core.app.inference`), the path the main job's base
 loading shares: narrows-eval depends on core alone, and core composes narrows-stream and
 narrows-dora where they are installed."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from narrows.core.inference import AdapterChoice, choose_adapter, load_for_inference
+from narrows.core.app.inference import AdapterChoice, choose_adapter, load_for_inference
 
 __all__ = ["AdapterChoice", "EvalModel", "choose_adapter", "load_for_eval", "resolve_adapter"]
 
@@ -51,7 +51,7 @@ def load_for_eval(
     batch_size: int = 1,
 ) -> EvalModel:
     """Load `pretrained` (+ `adapter`) for forward-only evaluation: core's
-    `narrows.core.inference.load_for_inference` (which says what each argument does),
+    `narrows.core.app.inference.load_for_inference` (which says what each argument does),
     returned as an `EvalModel` that names the adapter scored."""
     loaded = load_for_inference(
         pretrained,

@@ -9,7 +9,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from narrows.core.files import atomic_write
+from narrows.core.io.files import atomic_write
 
 __all__ = ["Row", "compare", "metric_rows", "write_report"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from narrows.core import NarrowsError
-from narrows.core.finetune import run_base
-from narrows.core.inference import check_run_base
+from narrows.core.app.finetune import run_base
+from narrows.core.app.inference import check_run_base
 
 from .loading import AdapterChoice, choose_adapter
 from .report import compare, write_report

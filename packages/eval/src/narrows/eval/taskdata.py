@@ -121,7 +121,7 @@ def lambada(**_):
 def gsm8k_held_out(**_):
     import datasets
 
-    from narrows.core.bundled import gsm8k_split
+    from narrows.core.app.bundled import gsm8k_split
 
     _, held_out = gsm8k_split()
     rows = [

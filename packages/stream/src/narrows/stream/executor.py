@@ -3,7 +3,7 @@ differentiation in backward, for every layer narrows runs itself (a streamed lay
 `remat.StreamedLayer`, every layer of a block-major step in `stepmode`).
 
 The callers own everything around the call — which weights are on the device (the
-engine), the RNG state and autocast settings replayed (`rng`, `narrows.core.ambient`),
+engine), the RNG state and autocast settings replayed (`rng`, `narrows.core.protocol.ambient`),
 saved inputs in host memory (`offload`), hooked tensors (`sideouts`) — and the executor
 owns how the layer computes: `EagerExecutor` runs it as resident training would,
 `graphs.LayerGraphs` replays the same kernels as CUDA graphs (eager where it cannot).

@@ -1,5 +1,5 @@
 """The fast layer as a layer executor: a streamed or recomputed decoder layer that
-`narrows.core.fastlayer` covers runs its entry points directly — the forward with
+`narrows.core.kernels.fastlayer` covers runs its entry points directly — the forward with
 nothing kept, then in backward the selective recompute (no down_proj output) and the
 written-out backward — instead of the layer's modules under autograd.
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from narrows.core.fastlayer import compute, parts_or_none
+from narrows.core.kernels.fastlayer import compute, parts_or_none
 
 from .executor import CallState, LayerExecutor, SideGrads
 from .keptattn import HostAttention
@@ -44,7 +44,7 @@ def _inputs(args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, Tensor | None] |
 
 
 class FastExecutor(LayerExecutor):
-    """Covered layers through `narrows.core.fastlayer.compute`; the rest to `fallback`."""
+    """Covered layers through `narrows.core.kernels.fastlayer.compute`; the rest to `fallback`."""
 
     def __init__(self, fallback: LayerExecutor, attention: HostAttention | None = None):
         self.fallback = fallback

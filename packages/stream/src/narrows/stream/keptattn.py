@@ -2,7 +2,7 @@
 
 A recomputed fast layer can keep its attention — SDPA's one autograd node, with the q, k,
 v, output and log-sum-exp its backward reads saved in it — so the recompute runs no
-attention forward (`narrows.core.fastlayer.compute.forward_keeping_attention`). At long
+attention forward (`narrows.core.kernels.fastlayer.compute.forward_keeping_attention`). At long
 context that is most of a layer's recompute, and those tensors are too large to stay on
 the device for every layer: the node runs under saved-tensor hooks that copy each large
 tensor it saves to a page-locked host buffer (`offload.ActivationOffload`, on its own

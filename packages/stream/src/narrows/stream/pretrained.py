@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from narrows.core import NarrowsError, SlabLayout, anatomy_of, assign, format_bytes, parse_bytes
-from narrows.core.checkpoint import CheckpointFolder
-from narrows.core.files import build_lock, cache_dir
-from narrows.core.loader import load_blockwise, map_tensor
+from narrows.core.io.checkpoint import CheckpointFolder
+from narrows.core.io.files import build_lock, cache_dir
+from narrows.core.io.loader import load_blockwise, map_tensor
+from narrows.core.io.models import resolve_model_path
 from narrows.core.memory import host_rss_bytes
-from narrows.core.models import resolve_model_path
 
 from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
 from .planning.measure import default_host_budget

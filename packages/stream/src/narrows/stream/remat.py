@@ -4,7 +4,7 @@ Forward: bring the layer's frozen storage to the device, run the layer through t
 executor (`executor.py`: eager or CUDA graphs; as resident training would, same grad mode,
 so the same kernels), keep only its input and the RNG state captured just before, hand
 the storage back. Backward: bring it again, replay the RNG inside `fork_rng` and the
-forward's autocast and attention settings (`narrows.core.ambient`), and have the executor
+forward's autocast and attention settings (`narrows.core.protocol.ambient`), and have the executor
 recompute the layer and differentiate it with respect to its input and its adapter
 parameters only — with its 4-bit weights dequantised once for both when the plan holds
 them (`narrows.core.HeldWeights`). Frozen weights never see a gradient.

@@ -18,7 +18,7 @@ mode swaps the layers' forwards only for the length of one pass, `remat.replaced
 
 Steps 2-4 replace different modules, so among them the order is free; it is kept fixed.
 Outside the package, `narrows.lmhead` replaces the model's own forward before `stream`
-(`narrows.core.finetune.build_model`), so the planner sizes the loss that will run.
+(`narrows.core.app.finetune.build_model`), so the planner sizes the loss that will run.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..adapters import adapter_views
-from ..anatomy import anatomy_of
-from ..slab import SlabLayout
-from ..slots import FrozenSlot, assign, frozen_slots, snapshot, trainable_parameters
+from ..protocol.adapters import adapter_views
+from ..protocol.anatomy import anatomy_of
+from ..protocol.slab import SlabLayout
+from ..protocol.slots import FrozenSlot, assign, frozen_slots, snapshot, trainable_parameters
 
 __all__ = [
     "check_adapter_views",

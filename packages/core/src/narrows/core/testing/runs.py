@@ -16,8 +16,8 @@ __all__ = ["finetune_cli"]
 # `narrows finetune` that exits at once (no clean-up, as a kill) once checkpoint STOP is written
 _STOP_AFTER = """
 import os, sys
-import narrows.core.cli
-from narrows.core.finetune.rundir import RunFolder
+import narrows.core.app.cli
+from narrows.core.app.finetune.rundir import RunFolder
 real, stop = RunFolder.save_checkpoint, int(os.environ["NARROWS_TEST_STOP_AFTER"])
 def save(self, step, *args, **kwargs):
     path = real(self, step, *args, **kwargs)
@@ -25,7 +25,7 @@ def save(self, step, *args, **kwargs):
         os._exit(9)
     return path
 RunFolder.save_checkpoint = save
-sys.exit(narrows.core.cli.main(sys.argv[1:]))
+sys.exit(narrows.core.app.cli.main(sys.argv[1:]))
 """
 
 
@@ -37,7 +37,7 @@ def finetune_cli(
 ) -> subprocess.CompletedProcess:
     """``narrows finetune ARGS``; with `stop_after`, the process ends (exit 9) right after
     writing that step's checkpoint, leaving the folder as a kill would."""
-    head = ["-c", _STOP_AFTER] if stop_after is not None else ["-m", "narrows.core.cli"]
+    head = ["-c", _STOP_AFTER] if stop_after is not None else ["-m", "narrows.core.app.cli"]
     env = child_env(**({"NARROWS_TEST_STOP_AFTER": str(stop_after)} if stop_after is not None else {}))
     cmd = [sys.executable, *head, "finetune", *map(str, args)]
     return subprocess.run(

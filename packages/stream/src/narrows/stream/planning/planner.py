@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from narrows.core import Anatomy, anatomy_of, ensure_architecture, format_bytes
-from narrows.core.fastlayer import coverage
+from narrows.core.kernels.fastlayer import coverage
 
 from ..config import StreamConfig, tile_option
 from ..errors import BudgetTooSmallError

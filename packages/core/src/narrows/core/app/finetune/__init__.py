@@ -1,0 +1,58 @@
+"""`narrows finetune`: one LoRA / DoRA fine-tune with whatever narrows packages are installed.
+
+The main job, apart from core's protocol modules: `config` (what a run depends on),
+`rundir` (the run folder: lock, settings, checkpoints, metrics), `build` (inputs checked,
+model loaded and wrapped), `loop` (the training steps), `evaluate` (held-out loss, exact
+match), `report` (summary, adapter, plot), `job` (new and resumed runs), `runstate` (what
+state a run folder is in, for whoever scores it), `ranks` (several
+ranks launched by torchrun) and `command` (the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
+"""
+
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_attributes as _lazy_attributes
+
+if TYPE_CHECKING:
+    from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead
+    from .evaluate import eval_loss, exact_match
+    from .job import finetune, resume
+    from .report import format_summary
+    from .rundir import RunFolder
+    from .runstate import RunBase, RunState, run_base, run_state
+
+# imported on first use (PEP 562): the CLI's flags (`command`) load without torch
+_LAZY = {
+    "RESUMABLE": "config",
+    "FinetuneConfig": "config",
+    "LMHeadSpec": "config",
+    "parse_lmhead": "config",
+    "eval_loss": "evaluate",
+    "exact_match": "evaluate",
+    "finetune": "job",
+    "resume": "job",
+    "format_summary": "report",
+    "RunFolder": "rundir",
+    "RunBase": "runstate",
+    "RunState": "runstate",
+    "run_base": "runstate",
+    "run_state": "runstate",
+}
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
+
+
+__all__ = [
+    "RESUMABLE",
+    "FinetuneConfig",
+    "LMHeadSpec",
+    "RunBase",
+    "RunFolder",
+    "RunState",
+    "eval_loss",
+    "exact_match",
+    "finetune",
+    "format_summary",
+    "parse_lmhead",
+    "resume",
+    "run_base",
+    "run_state",
+]

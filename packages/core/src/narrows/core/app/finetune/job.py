@@ -1,0 +1,316 @@
+"""One fine-tune from start to end, or resumed: the folder claimed first, every input
+checked before the model is loaded, then load, build, train, report. Launched by torchrun,
+every rank runs it; rank 0 claims and writes the folder (see `ranks`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+
+import torch
+
+from ...io.files import atomic_write
+from ..data import check_packing
+from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
+from .config import FinetuneConfig
+from .configfile import RunFile
+from .evaluate import eval_row, say
+from .inputs import absolute_inputs, check_inputs, record_inputs
+from .loop import Progress, follow_schedule, schedule, train
+from .ranks import Ranks, data_parallel
+from .report import plot_losses, save_adapter, summarize
+from .reporters import open_reporters, summary_row
+from .resuming import Resumption, plan_resume
+from .rundir import RunFolder, _damage
+from .runstate import run_base
+
+__all__ = ["finetune", "resume"]
+
+
+def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict | None:
+    """Run one new fine-tune into ``cfg.out``; returns the summary also saved as summary.json
+    (None on ranks other than 0)."""
+    ranks = Ranks.from_env()
+    cfg.world_size = ranks.world
+    cfg.check()
+    absolute_inputs(cfg)  # config.json names the same files wherever the run is resumed from
+    device = ranks.device()
+    run = RunFolder(cfg.out)
+    with ranks.joined(device):
+        ranks.first(run.claim_new)
+        try:
+            return _run(cfg, run, ranks, device, resuming=False, entry={"started": _now()}, progress=progress)
+        finally:
+            run.release()
+
+
+def resume(
+    folder: str, changes: dict | None = None, *, override: bool = False, progress: bool = True
+) -> dict | None:
+    """Continue the run in `folder` from its newest intact checkpoint.
+
+    `changes` maps settings to new values; so does a hand edit of the run's config.json
+    (told apart from the settings the run last started with, which its history keeps).
+    Those in `RESUMABLE` (e.g. ``steps`` to extend) are applied; those in `OVERRIDABLE`
+    would train something else than the checkpoints continue and are refused, unless
+    `override`; those in `FIXED` are refused (`resuming.plan_resume`). Every change is
+    recorded in the run's history and said, with how it takes effect.
+    """
+    ranks = Ranks.from_env()
+    device = ranks.device()
+    run = RunFolder(folder)
+    with ranks.joined(device):
+        file = ranks.first(lambda: (run.claim_existing(), run.read_file())[1])
+        try:
+            settled = ranks.first(
+                lambda: plan_resume(
+                    run.root,
+                    file,
+                    changes or {},
+                    ranks.world,
+                    override,
+                    newest=run.newest_step(),
+                    logged=run.logged_step(),
+                    summarized=(run.root / "summary.json").is_file(),
+                )
+            )
+            done = _finished(run, settled)
+            if done is not None:
+                return done if ranks.main else None
+            return _resume(run, ranks, device, settled, file, override, progress)
+        finally:
+            run.release()
+
+
+def _resume(
+    run: RunFolder,
+    ranks: Ranks,
+    device: torch.device,
+    settled: Resumption,
+    file: RunFile,
+    override: bool,
+    progress: bool,
+) -> dict | None:
+    cfg = settled.cfg
+    found = check_inputs(run.root, cfg, file.inputs, override)
+    cfg.check()  # settled already, unless the run had ended (then nothing was left to check)
+    entry = {"resumed": _now(), **settled.entry()}
+    if found.moved:
+        entry["moved"] = found.moved
+    if found.changed:
+        entry["inputs_changed"] = found.changed
+        entry["override"] = True
+    if ranks.main:
+        for line in [*found.notes, *settled.said(run.root)]:
+            print(f"narrows: {line}", file=sys.stderr, flush=True)
+        if run.newest_step() == 0:
+            print(
+                f"narrows: {run.root} has no checkpoint"
+                + (" left" if settled.restart else f" yet (the first is written at step {cfg.save_every})")
+                + ": the run starts from step 0",
+                file=sys.stderr,
+                flush=True,
+            )
+    return _run(
+        cfg,
+        run,
+        ranks,
+        device,
+        resuming=True,
+        entry=entry,
+        progress=progress,
+        history=file.history,
+        inputs=found.inputs,
+    )
+
+
+def _finished(run: RunFolder, settled: Resumption) -> dict | None:
+    """The summary of a run that already ended, said at once (nothing loaded), when
+    ``--resume`` changes nothing: None where there is something left to do."""
+    summary_path = run.root / "summary.json"
+    steps = settled.cfg.steps
+    if settled.changes.all or not summary_path.is_file() or run.newest_step() < steps:
+        return None
+    if _damage(run.saved_steps()[0]) is not None:  # the resumed run sets it aside and trains again
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return None  # damaged: the resumed run writes it again
+    say(
+        f"{run.root} finished at step {steps}; nothing to resume. To train further, extend it: "
+        f"narrows finetune --resume {run.root} --steps {2 * steps}"
+    )
+    return summary
+
+
+def open_reporters_cleanly(cfg: FinetuneConfig, run: RunFolder, step: int) -> list:
+    """The run's reporters, opened before its config.json is written; where one fails, what
+    the others wrote into the run folder is removed, so the same command can run again."""
+    before = set(run.root.iterdir())
+    try:
+        return open_reporters(dataclasses.asdict(cfg), run.root, step)
+    except BaseException:
+        for path in set(run.root.iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        raise
+
+
+def _steps(n: int) -> str:
+    return "step" if n == 1 else f"{n} steps"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _run(
+    cfg: FinetuneConfig,
+    run: RunFolder,
+    ranks: Ranks,
+    device: torch.device,
+    *,
+    resuming: bool,
+    entry: dict,
+    progress: bool,
+    history: list[dict] | None = None,
+    inputs: dict | None = None,
+) -> dict | None:
+    """`inputs`: what a resumed run found (`check_inputs`); a new run records its own."""
+    from ... import __version__
+
+    gone = run.clean_leftovers() if ranks.main else []
+    if gone:
+        print(
+            f"narrows: removed what an interrupted run left in {run.root}: {', '.join(gone)}", file=sys.stderr
+        )
+    if cfg.deterministic:  # before the first GPU kernel, so cuBLAS starts with its fixed workspace
+        from ...protocol.determinism import deterministic
+
+        deterministic()
+    dtype = run_dtype(cfg, device)
+    t_setup = time.perf_counter()
+
+    def stage(message: str) -> None:  # a line before each stage that may take a while
+        if ranks.main:
+            say(message)
+
+    if inputs is None:  # the model and data by content, before either is read
+        inputs = record_inputs(cfg, loud=ranks.main)
+    stage(
+        "model: checking its files (the embedded default: its GGUF converted to a float folder once, "
+        "cached under $NARROWS_CACHE/gguf)"
+        if cfg.model is None
+        else f"model {cfg.model}: checking its files"
+    )
+    folder = check_model_files(cfg)  # headers, before any weight
+    stage("loading the tokenizer")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    stage("reading and tokenising the data (cached under $NARROWS_CACHE/data after the first run)")
+    train_set, evals, em_rows, said = load_data(cfg, tokenizer)  # every row, before the model
+    if ranks.main:
+        for line in said:
+            print(f"narrows: {line}", file=sys.stderr, flush=True)
+    if ranks.world > 1:
+        ranks.agree(
+            narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
+        )  # the tokenised (or packed) data
+    stage(
+        f"loading the model on {device} ({str(dtype).removeprefix('torch.')}"
+        + (", streamed within --gpu-budget" if cfg.gpu_budget != "off" else "")
+        + ")"
+    )
+    loaded = load_model(cfg, folder, dtype, device)
+    stage(f"building the {cfg.adapter} adapter (rank {cfg.rank}, {cfg.targets})")
+    model = build_model(cfg, loaded, device, dtype, ranks.world)
+    step_mode, accumulation = choose_accumulation(cfg, model)
+    if ranks.main and accumulation:
+        print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)
+    if cfg.packing:  # the attention this model runs keeps packed examples apart, or the run stops here
+        check_packing(model, device, len(tokenizer))
+    net = data_parallel(model, ranks, device)  # several ranks: gradients summed over them
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+    )
+    scheduler = schedule(optimizer, cfg)
+
+    step, rows = 0, []
+    if resuming:
+        step = run.restore(model, optimizer, scheduler)  # at most the newest step, checked in resume()
+        follow_schedule(optimizer, scheduler, cfg)  # the rates of these settings, not the checkpoint's
+        rows = run.trim_metrics(step)
+    # the settings this start runs with: a later hand edit of config.json is told apart from them
+    entry.update(step=step, narrows=__version__, argv=sys.argv[1:], config=dataclasses.asdict(cfg))
+    if ranks.main:
+        run.reporters = open_reporters_cleanly(
+            cfg, run, step
+        )  # --report-to; a refusal leaves the folder as it was
+        run.write_config(cfg, [*(history or []), entry], inputs)
+    setup_s = time.perf_counter() - t_setup
+
+    state = Progress(step=step, history=rows)
+    if ranks.main and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
+        stage(
+            f"held-out loss before training ({len(evals)} rows; again every {_steps(cfg.eval_interval)} and at the end)"
+        )
+        row = {"step": 0, **eval_row(model, evals, cfg.batch, pad_id, device, show=progress)}
+        run.log(row)
+        state.history.append(row)
+    bar = None
+    if progress and ranks.main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
+    train(
+        cfg,
+        run,
+        model,
+        optimizer,
+        scheduler,
+        train_set,
+        evals,
+        pad_id,
+        device,
+        state,
+        bar,
+        ranks,
+        net,
+        step_mode=step_mode,
+    )
+    if not ranks.main:
+        return None
+
+    summary = summarize(
+        cfg,
+        model,
+        tokenizer,
+        state.history,
+        em_rows,
+        device,
+        dtype,
+        state.tokens,
+        setup_s,
+        state.seconds,
+        show=progress,
+    )
+    summary["eval_rows"] = len(evals)  # what was evaluated: --eval-rows, or fewer held-out rows
+    say("saving the adapter, summary.json and loss.png")
+    if accumulation and "stream" in summary:
+        summary["stream"]["accumulation"] = accumulation
+    base = run_base(cfg)
+    summary.update(adapter_step=state.step, base_model=base.name, base_origin=base.origin)  # read by runstate
+    run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root, base))
+    summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
+    run.report(summary_row(summary, cfg.steps))
+    text = json.dumps(summary, indent=2)
+    run.guard(
+        run.root / "summary.json",
+        lambda: atomic_write(run.root / "summary.json", lambda p: p.write_text(text)),
+    )
+    return summary

@@ -1,0 +1,430 @@
+"""One decoder layer's forward, its recompute and its backward, written out: what the
+fast layer runs instead of the layer's modules and autograd's graph of them.
+
+Three entry points share one forward: `forward` (the output, nothing kept: a streamed
+layer's forward, or a checkpointed one), `recompute` (what the backward needs, without
+down_proj's output, which it does not) and `forward_keeping` (both, for resident
+training without checkpointing). `backward` takes what either kept and the output's
+gradient, and gives the input's gradient and the adapters' (float32).
+
+Between the two, a recomputed layer may keep its attention (`forward_keeping_attention`):
+SDPA's one autograd node, whose saved q, k, v, output and log-sum-exp live where `store`
+puts them (`narrows.stream` moves them to host memory at long context). Its recompute
+then runs no attention forward and, without per-head norms, no Q/K/V base matmul: it
+reads the kept output, and the backward calls the kept node. The same kernels on the
+same inputs as a recompute would run, so the same bits.
+
+The steps, for ``x`` of (batch, seq, hidden): ``n1 = norm(x)``; Q/K/V (a `LinearGroup`);
+the heads (Qwen3's per-head norms), rotary embeddings; attention through SDPA (flash
+or cuDNN on CUDA) with grouped-query heads and the model's mask; ``h1 = x + o(attn)``
+(the residual added in o's matmul); ``n2 = norm(h1)``; gate/up; ``a = silu(gate) · up``;
+``out = h1 + down(a)``. Attention is the one step whose backward is autograd's: the
+forward records SDPA alone (its inputs as leaves), and the backward differentiates that
+one node, so the attention output and its log-sum-exp are kept, not recomputed.
+
+Every dequantised 4-bit weight comes through `cache` when one is given: the recompute
+and the backward of one layer share it, so a weight is dequantised twice a step, not
+three times (a held weight — `narrows.core.HeldWeights` — is used as it is).
+
+An MLP tiled over the sequence (`LayerParts.mlp_tiles`, long contexts) runs tile by tile:
+the forward writes each tile's output; the recompute stops at the MLP's input; the
+backward recomputes one tile's gate, up and activation, differentiates it, writes that
+tile's input gradient and adds its adapter gradients to the running sums, in tile order.
+So the MLP's working set is one tile's, and its forward runs twice a step, not three
+times. Its weights are dequantised once for all of a pass's tiles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from .lora import GroupState
+from .ops import (
+    NormState,
+    rms_norm,
+    rms_norm_backward,
+    rope_pair,
+    rope_pair_backward,
+    swiglu,
+    swiglu_backward,
+)
+from .parts import LayerParts
+
+__all__ = [
+    "AttentionStore",
+    "KeptAttention",
+    "OnDevice",
+    "Saved",
+    "backward",
+    "forward",
+    "forward_keeping",
+    "forward_keeping_attention",
+    "recompute",
+]
+
+
+class AttentionStore(Protocol):
+    """Where a kept attention node's saved tensors live between a forward and its backward."""
+
+    def saving(self, mask: Tensor | None) -> AbstractContextManager[Any]:
+        """The context the attention call runs in (saved-tensor hooks, or none); `mask` is
+        the call's attention mask, an input of every layer (left where it is)."""
+
+    def keep(self, leaves: tuple[Tensor, Tensor, Tensor], attn: Tensor) -> Callable[[], Tensor]:
+        """After the call: what gives its output back on the device, for the recompute."""
+
+
+class OnDevice:
+    """Kept on the device as they are: the node holds its saved tensors, the output is held."""
+
+    def saving(self, mask: Tensor | None) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def keep(self, leaves: tuple[Tensor, Tensor, Tensor], attn: Tensor) -> Callable[[], Tensor]:
+        return lambda: attn
+
+
+@dataclass
+class KeptAttention:
+    """One layer call's attention, kept from its forward: the SDPA node (with everything
+    its backward reads saved in it) and its output for the recompute."""
+
+    node: Any  # torch.autograd.graph.Node: one node on the leaves q, k, v
+    out: Callable[[], Tensor]
+
+    def grads(self, g_attn: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q's, k's and v's gradients: the node differentiated alone, as `autograd.grad`
+        over it would (it is the whole graph between them)."""
+        gq, gk, gv = self.node(g_attn)[:3]
+        return gq, gk, gv
+
+
+def _one_node(attn: Tensor, leaves: tuple[Tensor, Tensor, Tensor]) -> bool:
+    """Whether SDPA recorded one node on the leaves themselves (a fused kernel's; the math
+    fallback records a graph of many, which is not kept). On the H100 with torch 2.11,
+    flash, cuDNN and memory-efficient attention each record one, with and without a mask
+    and grouped-query heads; grouped-query heads with a mask under deterministic kernels
+    fall back to the math path."""
+    nexts = attn.grad_fn.next_functions if attn.grad_fn is not None else ()
+    got = [getattr(f, "variable", None) for f, _ in nexts[:3]]
+    return len(got) == 3 and all(a is b for a, b in zip(got, leaves))
+
+
+@dataclass
+class Saved:
+    """What a layer's backward needs from its forward."""
+
+    shape: torch.Size
+    x: Tensor  # (tokens, hidden)
+    rstd1: NormState
+    qkv: GroupState
+    heads_pre: (
+        tuple[Tensor, Tensor, NormState, NormState] | None
+    )  # Qwen3: q, k before their norms, and the rstds
+    cos: Tensor  # the rotary tables, (batch or 1, seq, head_dim)
+    sin: Tensor
+    leaves: tuple[Tensor, Tensor, Tensor] | None  # attention's q, k, v (leaves of its one-node graph)
+    attn: Tensor  # its output, (batch, heads, seq, head_dim)
+    o: GroupState
+    h1: Tensor
+    rstd2: NormState
+    gate_up: GroupState | None  # None (and gate, up, down too) when the MLP runs in tiles:
+    gate: Tensor | None  # the backward recomputes it tile by tile from `n2`
+    up: Tensor | None
+    down: GroupState | None
+    n2: Tensor | None = None  # the tiled MLP's input
+    kept: KeptAttention | None = None  # the forward's attention (then `leaves` is None)
+
+
+def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    if mask is not None:
+        mask = mask[:, :, :, : k.shape[-2]]
+    causal = q.shape[2] > 1 and mask is None
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=causal,
+        scale=parts.scaling,
+        enable_gqa=parts.kv_heads != parts.heads,
+    )
+
+
+KVSink = Callable[[Tensor, Tensor], object]  # takes the keys and values (a KV cache's update)
+
+
+@dataclass
+class _Front:
+    """A layer call up to its attention: what the rest of it and its backward read."""
+
+    x: Tensor  # the input, (batch, seq, hidden)
+    x2: Tensor  # the same, (tokens, hidden)
+    rstd1: NormState
+    qkv: GroupState
+    heads_pre: tuple[Tensor, Tensor, NormState, NormState] | None
+    cos: Tensor
+    sin: Tensor
+
+
+def _run(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None,
+    *,
+    output: bool,
+    keep: bool,
+    kv: KVSink | None = None,
+    store: AttentionStore | None = None,
+    kept: KeptAttention | None = None,
+) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:
+    """The layer's output (`output`), what its backward needs (`keep`) and, with `store`,
+    its attention kept there; with `kept`, the attention a forward kept is read instead
+    of run (and Q/K/V's base matmul skipped where nothing else reads its output)."""
+    batch, seq, hidden = x.shape
+    x2 = x.reshape(-1, hidden)
+    n1, rstd1 = rms_norm(x2, parts.norm1.weight, parts.norm1.eps)
+    masks = parts.qkv.masks(n1)
+    if kept is not None and parts.q_norm is None:  # the adapters' side only: q, k, v were kept
+        front = _Front(x, x2, rstd1, parts.qkv.state(n1, masks), None, cos, sin)
+        return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
+    (q, k, v), st_qkv = parts.qkv.forward(n1, masks, cache)
+    q = q.view(batch, seq, parts.heads, parts.head_dim)
+    k = k.view(batch, seq, parts.kv_heads, parts.head_dim)
+    heads_pre = None
+    if parts.q_norm is not None:
+        q_pre, k_pre = q, k
+        q, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
+        k, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
+        heads_pre = (q_pre, k_pre, rq, rk)
+    front = _Front(x, x2, rstd1, st_qkv, heads_pre, cos, sin)
+    if kept is not None:  # per-head norms: their inputs recomputed, the attention still kept
+        return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
+    q, k = rope_pair(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    v = v.view(batch, seq, parts.kv_heads, parts.head_dim)
+    if not v.is_contiguous():
+        # a column block of the stacked Q/K/V output: attention keeps it, and alone it would
+        # keep that whole output alive (on the device, or unable to go to host memory)
+        v = v.contiguous()
+    v = v.transpose(1, 2)
+    if kv is not None:
+        kv(k, v)
+    new_kept = None
+    if keep or store is not None or not torch.is_inference_mode_enabled():
+        # recorded as the backward's one-node graph; recorded in a forward that keeps nothing
+        # too, so SDPA picks the same kernel (and gives the same bits) as in the recompute
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad(), store.saving(mask) if store is not None else nullcontext():
+            attn = _attention(parts, *leaves, mask)
+        if store is not None and _one_node(attn, leaves):
+            new_kept = KeptAttention(attn.grad_fn, store.keep(leaves, attn))
+    else:
+        leaves, attn = None, _attention(parts, q, k, v, mask)
+    return _rest(parts, front, attn, leaves, new_kept, cache, output=output, keep=keep)
+
+
+def _rest(
+    parts: LayerParts,
+    f: _Front,
+    attn: Tensor,
+    leaves: tuple[Tensor, Tensor, Tensor] | None,
+    kept: KeptAttention | None,
+    cache: dict[str, Tensor] | None,
+    *,
+    output: bool,
+    keep: bool,
+) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:
+    """`_run` from the attention's output on: o, the MLP, and what is kept."""
+    batch, seq, hidden = f.x.shape
+    o_in = attn.detach().transpose(1, 2).reshape(-1, parts.heads * parts.head_dim)
+    (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=f.x2)
+    n2, rstd2 = rms_norm(h1, parts.norm2.weight, parts.norm2.eps)
+    tiles = parts.mlp_tiles(batch, seq)
+    if tiles is not None:
+        out = _tiled_mlp(parts, n2, h1, (batch, seq), tiles, cache) if output else None
+        mlp: tuple = (None, None, None, None, n2)
+    else:
+        out, gate, up, st_gu, st_d = _mlp(parts, n2, cache, residual=h1 if output else None)
+        out = None if out is None else out.view(batch, seq, hidden)
+        mlp = (st_gu, gate, up, st_d, None)
+    if not keep:
+        return out, None, kept  # the attention's graph goes with `attn` unless kept
+    saved = Saved(
+        f.x.shape,
+        f.x2,
+        f.rstd1,
+        f.qkv,
+        f.heads_pre,
+        f.cos,
+        f.sin,
+        leaves,
+        attn,
+        st_o,
+        h1,
+        rstd2,
+        *mlp,
+        kept=kept,
+    )
+    return out, saved, kept
+
+
+def _mlp(
+    parts: LayerParts,
+    n: Tensor,
+    cache: dict[str, Tensor] | None,
+    residual: Tensor | None,
+) -> tuple[Tensor | None, Tensor, Tensor, GroupState, GroupState]:
+    """The MLP on `n` (all tokens, or one tile's): ``residual + down(swiglu(gate, up))``
+    when `residual` is given, else no down_proj output (a backward's recompute); gate, up
+    and both groups' states beside it."""
+    (gate, up), st_gu = parts.gate_up.forward(n, parts.gate_up.masks(n), cache)
+    a = swiglu(gate, up)
+    skip = () if residual is not None else ("down",)
+    (out,), st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=skip, residual=residual)
+    return out, gate, up, st_gu, st_d
+
+
+def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:
+    """The rows of flat (batch·seq, width) `t` at the positions `tile` of every sequence."""
+    return t.view(*bs, -1)[:, tile].reshape(-1, t.shape[-1])
+
+
+def _tiled_mlp(
+    parts: LayerParts,
+    n2: Tensor,
+    h1: Tensor,
+    bs: tuple[int, int],
+    tiles: list[slice],
+    cache: dict[str, Tensor] | None,
+) -> Tensor:
+    """``h1 + down(swiglu(gate_up(n2)))`` tile by tile (no dropout: `why_not` refuses it)."""
+    cache = {} if cache is None else cache  # the MLP's weights dequantised once for every tile
+    out = torch.empty(*bs, h1.shape[-1], dtype=h1.dtype, device=h1.device)
+    for tile in tiles:
+        o = _mlp(parts, _rows(n2, bs, tile), cache, residual=_rows(h1, bs, tile))[0]
+        out[:, tile] = o.view(bs[0], -1, h1.shape[-1])
+    return out
+
+
+def _tiled_mlp_backward(
+    parts: LayerParts, saved: Saved, g_out: Tensor, tiles: list[slice], cache: dict[str, Tensor] | None
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """The MLP input's gradient and gate/up's and down's adapter gradients, one tile at a
+    time: each tile's forward recomputed, differentiated, its gradients summed in order."""
+    cache = {} if cache is None else cache
+    bs = saved.shape[:2]
+    g_n2 = torch.empty_like(saved.n2)
+    sums: list[Tensor] | None = None
+    for tile in tiles:
+        _, gate, up, st_gu, st_d = _mlp(parts, _rows(saved.n2, bs, tile), cache, residual=None)
+        g_a, p_down = parts.down.backward([_rows(g_out, bs, tile)], st_d, cache)
+        d_gate, d_up = swiglu_backward(g_a, gate, up, inplace=True)
+        g_t, p_gu = parts.gate_up.backward([d_gate, d_up], st_gu, cache)
+        g_n2.view(*bs, -1)[:, tile] = g_t.view(bs[0], -1, g_t.shape[-1])
+        grads = [*p_gu, *p_down]
+        sums = grads if sums is None else [acc.add_(g) for acc, g in zip(sums, grads)]
+    n_gu = len(parts.gate_up.params())
+    return g_n2, sums[:n_gu], sums[n_gu:]
+
+
+def forward(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None = None,
+    kv: KVSink | None = None,
+) -> Tensor:
+    """The layer's output; nothing kept. `kv` receives the keys and values (rotated)."""
+    with torch.no_grad():
+        return _run(parts, x, cos, sin, mask, cache, output=True, keep=False, kv=kv)[0]
+
+
+def forward_keeping_attention(
+    parts: LayerParts, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, store: AttentionStore
+) -> tuple[Tensor, KeptAttention | None]:
+    """The layer's output and its attention kept in `store` for `recompute` (None where
+    SDPA recorded more than one node: its math fallback, which the recompute runs again)."""
+    with torch.no_grad():
+        out, _, kept = _run(parts, x, cos, sin, mask, None, output=True, keep=False, store=store)
+    return out, kept
+
+
+def forward_keeping(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None = None,
+    kv: KVSink | None = None,
+) -> tuple[Tensor, Saved]:
+    """The output and what the backward needs (resident training without recompute)."""
+    with torch.no_grad():
+        out, saved, _ = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
+    for state in (saved.qkv, saved.o, saved.gate_up, saved.down):
+        if state is not None:  # kept until the step's backward: that casts the adapters again
+            state.low = None
+    return out, saved
+
+
+def recompute(
+    parts: LayerParts,
+    x: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None = None,
+    kept: KeptAttention | None = None,
+) -> Saved:
+    """What the backward needs, recomputed from the layer's input (the RNG replayed by
+    the caller when an adapter drops out); down_proj's output is not computed, nor the
+    attention where the forward `kept` it."""
+    with torch.no_grad():
+        return _run(parts, x, cos, sin, mask, cache, output=False, keep=True, kept=kept)[1]
+
+
+def backward(
+    parts: LayerParts, saved: Saved, grad: Tensor, cache: dict[str, Tensor] | None = None
+) -> tuple[Tensor, list[Tensor]]:
+    """The input's gradient and the adapters' (in `parts.params()` order, float32)."""
+    batch, seq, hidden = saved.shape
+    with torch.no_grad():
+        g_out = grad.reshape(-1, hidden)
+        if saved.down is None:  # the MLP ran in tiles: recomputed and differentiated tile by tile
+            g_n2, p_gu, p_down = _tiled_mlp_backward(parts, saved, g_out, parts.mlp_tiles(batch, seq), cache)
+        else:
+            g_a, p_down = parts.down.backward([g_out], saved.down, cache)
+            d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
+            g_n2, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
+            del d_gate, d_up
+        g_h1 = rms_norm_backward(g_n2, saved.h1, parts.norm2.weight, saved.rstd2).add_(g_out)
+        (g_attn, p_o) = parts.o.backward([g_h1], saved.o, cache)
+        g_attn = g_attn.view(batch, seq, parts.heads, parts.head_dim).transpose(1, 2)
+    if saved.kept is not None:
+        with torch.no_grad():
+            gq, gk, gv = saved.kept.grads(g_attn)
+    else:
+        gq, gk, gv = torch.autograd.grad(saved.attn, saved.leaves, g_attn)
+    with torch.no_grad():
+        gq, gk = rope_pair_backward(gq, gk, saved.cos, saved.sin)
+        gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)
+        if saved.heads_pre is not None:
+            q_pre, k_pre, rq, rk = saved.heads_pre
+            gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)
+            gk = rms_norm_backward(gk, k_pre, parts.k_norm.weight, rk)
+        flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]
+        g_n1, p_qkv = parts.qkv.backward(flat, saved.qkv, cache)
+        g_x = rms_norm_backward(g_n1, saved.x, parts.norm1.weight, saved.rstd1).add_(g_h1)
+    return g_x.view(batch, seq, hidden), [*p_qkv, *p_o, *p_gu, *p_down]

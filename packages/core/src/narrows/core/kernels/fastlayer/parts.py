@@ -1,0 +1,304 @@
+"""Which decoder layers the fast layer computes, and what it reads off one: the norms,
+the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the heads.
+
+Covered: the Llama family's layer — ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
+``Qwen3DecoderLayer`` (with its per-head Q/K norms) and ``MistralDecoderLayer`` — with
+SiLU, rotary embeddings as the model computes them (its RoPE scaling included), biases,
+grouped-query attention, and the attention mask the model builds (a sliding window
+included), with the model loaded for SDPA attention (the fast layer runs SDPA, whose
+masked rows differ from eager attention's in backward). Each linear is a plain ``nn.Linear``, a bitsandbytes ``Linear4bit``, or one of
+those inside PEFT's LoRA wrapper with one active adapter. Anything else is refused with
+its reason (`why_not`), and the layer runs as it would without narrows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from ...quant.held import held_weight
+from ...quant.nf4 import is_nf4_linear
+from ..lora_branches import _FusedForward
+from .lora import Linear, LinearGroup
+
+__all__ = ["FAST_LAYER_TYPES", "LayerParts", "parts_of", "parts_or_none", "why_not"]
+
+FAST_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+
+
+@dataclass
+class Norm:
+    weight: Tensor
+    eps: float
+
+
+@dataclass
+class LayerParts:
+    """One decoder layer as the fast layer computes it."""
+
+    norm1: Norm
+    norm2: Norm
+    q_norm: Norm | None
+    k_norm: Norm | None
+    qkv: LinearGroup
+    o: LinearGroup
+    gate_up: LinearGroup
+    down: LinearGroup
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    mlp_tile: int | None = None  # the MLP runs over sequence tiles of this many tokens
+
+    def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
+        """The position slices the MLP runs over for a (batch, seq) input, or None for one
+        pass: ``mlp_tile // batch`` positions of every sequence a tile, as
+        `narrows.stream.tile_sequence` cuts them."""
+        if self.mlp_tile is None or batch * seq <= self.mlp_tile:
+            return None
+        step = max(1, self.mlp_tile // batch)
+        return [slice(s, min(s + step, seq)) for s in range(0, seq, step)]
+
+    @property
+    def groups(self) -> tuple[LinearGroup, ...]:
+        return (self.qkv, self.o, self.gate_up, self.down)
+
+    def params(self) -> list[nn.Parameter]:
+        """The adapters' tensors in the order the backward returns their gradients."""
+        return [t for g in self.groups for t in g.params()]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Hooks, or a forward someone replaced (`fuse_lora`'s computes PEFT's formula, which
+    the fast layer replaces as it replaces PEFT's; a forward that only tiles the sequence
+    says how many tokens a tile, `_tile_of`)."""
+    forward = module.__dict__.get("forward")
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or (forward is not None and not isinstance(forward, _FusedForward) and _tile_of(module) is None)
+    )
+
+
+def _tile_of(mlp: nn.Module) -> int | None:
+    """Tokens per sequence tile of an MLP whose forward was replaced by one that only cuts
+    the sequence into tiles (it says so with ``narrows_tile_tokens``, as
+    `narrows.stream.tile_sequence`'s does); None otherwise."""
+    tokens = getattr(mlp.__dict__.get("forward"), "narrows_tile_tokens", None)
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
+
+
+def _trains_outside_adapters(layer: nn.Module) -> bool:
+    """Whether a parameter of `layer` whose name has no ``lora_`` part requires grad (as
+    ``named_parameters`` would find it, walked here directly: this runs at every call)."""
+    stack = [layer]
+    while stack:
+        module = stack.pop()
+        if any(
+            p is not None and p.requires_grad and "lora_" not in name
+            for name, p in module._parameters.items()
+        ):
+            return True
+        stack.extend(c for name, c in module._modules.items() if c is not None and "lora_" not in name)
+    return False
+
+
+def _norm(module: nn.Module) -> Norm | str:
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None:
+        return f"its norm is a {type(module).__name__}, not the family's RMSNorm"
+    if _hooked(module):
+        return f"its {type(module).__name__} has hooks or a replaced forward"
+    return Norm(weight, float(eps))
+
+
+class _NF4Weight:
+    """A bitsandbytes 4-bit weight: its held copy while one is held, else dequantised."""
+
+    stacks = True
+
+    def __init__(self, base: nn.Module):
+        self.base = base
+        self.shape = tuple(int(n) for n in base.weight.quant_state.shape)
+
+    def ready(self, like: Tensor) -> Tensor | None:
+        held = held_weight(self.base)
+        return held if held is not None and held.dtype == like.dtype else None
+
+    def __call__(self, like: Tensor) -> Tensor:
+        held = held_weight(self.base)
+        if held is None:
+            from bitsandbytes.functional import dequantize_4bit
+
+            held = dequantize_4bit(self.base.weight.data.view(-1, 1), self.base.weight.quant_state)
+        return held if held.dtype == like.dtype else held.to(like.dtype)
+
+    def into(self, out: Tensor) -> None:
+        held = held_weight(self.base)
+        if held is not None:
+            out.copy_(held)
+            return
+        from bitsandbytes.functional import dequantize_4bit
+
+        qs = self.base.weight.quant_state
+        packed = self.base.weight.data.view(-1, 1)
+        if out.is_cuda and out.dtype == qs.dtype:  # straight into its rows (the CPU has no out=)
+            dequantize_4bit(packed, qs, out=out)
+        else:
+            out.copy_(dequantize_4bit(packed, qs))
+
+
+class _DenseWeight:
+    """A plain linear's weight (cast to the activations' dtype where it differs)."""
+
+    stacks = False
+
+    def __init__(self, base: nn.Linear):
+        self.base = base
+        self.shape = tuple(base.weight.shape)
+
+    def ready(self, like: Tensor) -> Tensor | None:
+        return self.base.weight if self.base.weight.dtype == like.dtype else None
+
+    def __call__(self, like: Tensor) -> Tensor:
+        w = self.base.weight
+        return w if w.dtype == like.dtype else w.to(like.dtype)
+
+    def into(self, out: Tensor) -> None:
+        out.copy_(self.base.weight)
+
+
+def _linear(name: str, module: nn.Module) -> Linear | str:
+    """`module` as a `Linear`, or why the fast layer does not compute it."""
+    adapter = None
+    base = module
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        if module.merged or module.disable_adapters or len(module.active_adapters) != 1:
+            return f"{name} has merged, disabled or several active adapters"
+        key = module.active_adapters[0]
+        if key in getattr(module, "lora_variant", {}):
+            return f"{name} runs a LoRA variant ({type(module.lora_variant[key]).__name__}; DoRA, aLoRA, ...)"
+        if key in module.lora_A:
+            a, b, drop = module.lora_A[key], module.lora_B[key], module.lora_dropout[key]
+            if (
+                type(a) is not nn.Linear
+                or type(b) is not nn.Linear
+                or a.bias is not None
+                or b.bias is not None
+            ):
+                return f"{name}'s adapter is not a plain pair of bias-free linears (lora_bias?)"
+            if type(drop) not in (nn.Identity, nn.Dropout):
+                return f"{name}'s LoRA dropout is a {type(drop).__name__}"
+            if any(map(_hooked, (module, a, b, drop))):
+                return f"{name} or its adapter has hooks or a replaced forward"
+            if isinstance(drop, nn.Dropout) and drop.p >= 1.0:  # in eval mode too: the plan sees one answer
+                return f"{name}'s LoRA dropout is {drop.p:g}: it drops every input"  # (PEFT's forward: a zero branch)
+            p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
+            adapter = (a.weight, b.weight, float(module.scaling[key]), float(p))
+        base = module.base_layer
+    if _hooked(base):
+        return f"{name}'s base layer has hooks or a replaced forward"
+    if is_nf4_linear(base):
+        if base.weight.quant_state is None or getattr(
+            base.weight.quant_state, "packing_format_for_cpu", False
+        ):
+            return f"{name}'s 4-bit weight is not quantised, or repacked for CPU inference"
+        weight = _NF4Weight(base)
+    elif type(base) is nn.Linear:
+        weight = _DenseWeight(base)
+    else:
+        return f"{name} is a {type(base).__name__}, not an nn.Linear or a bitsandbytes Linear4bit"
+    a, b, scaling, dropout = adapter if adapter else (None, None, 0.0, 0.0)
+    return Linear(name, weight, base.bias, a, b, scaling, dropout)
+
+
+def why_not(layer: nn.Module) -> str | None:
+    """Why the fast layer does not compute `layer` (None when it does)."""
+    parts = _parts(layer)
+    return parts if isinstance(parts, str) else None
+
+
+def parts_or_none(layer: nn.Module) -> LayerParts | None:
+    """`layer` as the fast layer computes it, or None where `why_not` has a reason."""
+    parts = _parts(layer)
+    return None if isinstance(parts, str) else parts
+
+
+def parts_of(layer: nn.Module) -> LayerParts:
+    """`layer` as the fast layer computes it; raises ValueError with `why_not`'s reason."""
+    parts = _parts(layer)
+    if isinstance(parts, str):
+        raise ValueError(f"narrows fast layer: {type(layer).__name__} is not covered: {parts}")
+    return parts
+
+
+def _parts(layer: nn.Module) -> LayerParts | str:
+    kind = type(layer).__name__
+    if kind not in FAST_LAYER_TYPES:
+        return f"fast layers cover {', '.join(FAST_LAYER_TYPES)}; this is a {kind}"
+    attn, mlp = layer.self_attn, layer.mlp
+    config = attn.config
+    if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"its activation is {config.hidden_act!r}, not SiLU"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1 splits its matmuls"
+    if attn.training and getattr(attn, "attention_dropout", 0.0):
+        return "attention dropout is on"
+    if getattr(attn, "is_causal", True) is False or getattr(config, "is_causal", True) is False:
+        return "its attention is bidirectional (is_causal=False); the fast layer's is causal"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return (
+            f"attention runs as {getattr(config, '_attn_implementation', None)!r}; the fast layer runs SDPA "
+            "(load the model with attn_implementation='sdpa')"
+        )
+    if _trains_outside_adapters(layer):
+        return (
+            "a weight or bias outside the adapters trains (the fast layer differentiates the adapters only)"
+        )
+    if any(map(_hooked, (attn, mlp))):  # the layer's own hooks still run around the fast forward
+        return "its attention or its MLP has hooks or a replaced forward"
+    norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
+    for name in ("q_norm", "k_norm"):
+        norms.append(_norm(getattr(attn, name)) if hasattr(attn, name) else None)
+    linears = {}
+    for name, module in (
+        ("q", attn.q_proj),
+        ("k", attn.k_proj),
+        ("v", attn.v_proj),
+        ("o", attn.o_proj),
+        ("gate", mlp.gate_proj),
+        ("up", mlp.up_proj),
+        ("down", mlp.down_proj),
+    ):
+        linears[name] = _linear(name, module)
+    bad = next((r for r in (*norms, *linears.values()) if isinstance(r, str)), None)
+    if bad is not None:
+        return bad
+    tile = _tile_of(mlp)
+    if tile is not None and any(
+        linears[n].dropout > 0 for n in ("gate", "up", "down") if linears[n].a is not None
+    ):
+        return "its MLP runs in sequence tiles with LoRA dropout (the fast layer's tiles redraw no masks)"
+    lora_dtype = getattr(layer, "_narrows_lora_dtype", None)  # fuse_layers' option
+
+    def g(group: list[Linear]) -> LinearGroup:
+        return LinearGroup(group, lora_dtype)
+
+    return LayerParts(
+        norms[0],
+        norms[1],
+        norms[2],
+        norms[3],
+        g([linears["q"], linears["k"], linears["v"]]),
+        g([linears["o"]]),
+        g([linears["gate"], linears["up"]]),
+        g([linears["down"]]),
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        attn.head_dim,
+        float(attn.scaling),
+        tile,
+    )

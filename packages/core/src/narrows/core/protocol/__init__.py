@@ -1,0 +1,1 @@
+"""The protocol the siblings talk through: model anatomy, adapter layers, frozen slots and slabs, the LM-head hook, logits, shrunk twins and architecture checks, ambient settings, deterministic kernels."""

@@ -1,0 +1,229 @@
+"""NF4 quantisation of a causal LM's decoder linears through bitsandbytes, on CPU or CUDA.
+
+The result is what ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
+load_in_4bit=True, bnb_4bit_quant_type="nf4"))`` would build, done on a model already in
+memory — so tests and benchmarks can make QLoRA bases from random weights without a hub.
+
+The CPU trap: on CPUs with AVX512-BF16, bitsandbytes repacks a 4-bit weight *in place*
+the first time it runs an eval-mode forward without grad (``generate``, any inference
+pass). A repacked bias-free layer then passes no gradient to its input, so every LoRA
+below it silently stops learning, and the storage that any snapshot holds goes stale.
+Every Linear4bit that passes through narrows gets that repacking turned off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import NarrowsError
+from ..optional import require
+from ..protocol.anatomy import anatomy_of
+
+__all__ = [
+    "NF4Rows",
+    "disable_cpu_repacking",
+    "is_nf4_linear",
+    "nf4_rows",
+    "quantize_layer_nf4",
+    "quantize_nf4",
+]
+
+
+def is_nf4_linear(module: nn.Module) -> bool:
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        return False
+    import bitsandbytes as bnb
+
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def disable_cpu_repacking(model: nn.Module) -> int:
+    """Turn off bitsandbytes' in-place CPU repacking on every Linear4bit in `model`.
+    Returns how many layers were switched off.
+
+    Raises NarrowsError if a layer was already repacked: the repacked state keeps its
+    scales in bf16, so no inverse restores the original bits, and training on it would
+    give wrong gradients. Call this (or quantise with `quantize_nf4`) before any inference.
+    """
+    touched, repacked = 0, []
+    for name, m in model.named_modules():
+        if not is_nf4_linear(m):
+            continue
+        if getattr(m, "support_avx512bf16_for_cpu", False):
+            m.support_avx512bf16_for_cpu = False
+            touched += 1
+        if getattr(getattr(m.weight, "quant_state", None), "packing_format_for_cpu", False):
+            repacked.append(name)
+    if repacked:
+        raise NarrowsError(
+            f"{len(repacked)} 4-bit layers (first: {repacked[0]!r}) were repacked in place by bitsandbytes' CPU "
+            "inference path: an eval-mode forward without grad (generate, evaluation) ran on a CPU with "
+            "AVX512-BF16 before narrows saw the model. The repacking cannot be undone exactly, and training "
+            "through it gives wrong gradients. Reload or re-quantise the model, and call "
+            "narrows.core.disable_cpu_repacking(model) before any inference (narrows.core.quantize_nf4 does it)."
+        )
+    return touched
+
+
+def _default_filter(name: str, module: nn.Linear) -> bool:
+    return True
+
+
+def quantize_nf4(
+    model: nn.Module,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    double_quant: bool = True,
+    blocksize: int = 64,
+    filter_fn: Callable[[str, nn.Linear], bool] = _default_filter,
+    device: torch.device | str | None = None,
+    park: torch.device | str | None = None,
+) -> nn.Module:
+    """Replace every ``nn.Linear`` inside the decoder layers with a bitsandbytes NF4
+    ``Linear4bit`` (in place) and return the model.
+
+    Only decoder layers are quantised (as ``BitsAndBytesConfig`` does, the embedding and the
+    LM head stay in float). ``filter_fn(qualified_name, linear)`` can exclude layers. The
+    quantisation runs on `device` (default: where each weight is) one layer at a time, so
+    peak memory is one float layer above the quantised model. `park` moves each layer there
+    once its linears are quantised (quantise on the GPU, keep a streamed base in host memory: the
+    device never holds more than one layer). The model is flagged
+    ``is_loaded_in_4bit`` so PEFT picks its 4-bit LoRA layer, as for a hub-loaded QLoRA base.
+    """
+    require("bitsandbytes", "NF4 quantisation")
+    anat = anatomy_of(model)
+    if compute_dtype is None:
+        compute_dtype = next(p.dtype for p in anat.layers.parameters() if p.is_floating_point())
+    n = 0
+    for lpath, layer in zip(anat.layer_paths, anat.layers):
+        n += quantize_layer_nf4(
+            layer,
+            lpath,
+            compute_dtype=compute_dtype,
+            double_quant=double_quant,
+            blocksize=blocksize,
+            filter_fn=filter_fn,
+            device=device,
+            park=park,
+        )
+    if n == 0:
+        raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
+    anat.model.is_loaded_in_4bit = True
+    return model
+
+
+def quantize_layer_nf4(
+    layer: nn.Module,
+    prefix: str,
+    *,
+    compute_dtype: torch.dtype,
+    double_quant: bool = True,
+    blocksize: int = 64,
+    filter_fn: Callable[[str, nn.Linear], bool] = _default_filter,
+    device: torch.device | str | None = None,
+    park: torch.device | str | None = None,
+) -> int:
+    """Quantise the ``nn.Linear`` modules of one decoder layer (see `quantize_nf4`; the
+    block-streamed loader calls this as each layer arrives). Returns how many."""
+    bnb = require("bitsandbytes", "NF4 quantisation")
+    n = 0
+    for name, child in list(layer.named_modules()):
+        if type(child) is not nn.Linear or not filter_fn(f"{prefix}.{name}", child):
+            continue
+        dev = torch.device(device) if device is not None else child.weight.device
+        q = bnb.nn.Linear4bit(
+            child.in_features,
+            child.out_features,
+            bias=child.bias is not None,
+            compute_dtype=compute_dtype,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            device="meta",
+        )
+        q.weight = bnb.nn.Params4bit(
+            child.weight.data,
+            requires_grad=False,
+            blocksize=blocksize,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            module=q,
+        ).to(dev)
+        if child.bias is not None:
+            # same dtype as the compute: Linear4bit otherwise re-casts the bias storage
+            # inside forward, which would move it out from under a frozen slot
+            q.bias = nn.Parameter(child.bias.data.to(device=dev, dtype=compute_dtype), requires_grad=False)
+        q.support_avx512bf16_for_cpu = False
+        q.train(child.training)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, q)
+        n += 1
+    if park is not None and n:
+        layer.to(park)
+    return n
+
+
+@dataclass(frozen=True)
+class NF4Rows:
+    """Row slices of a 4-bit weight, dequantised on demand: a consumer that needs W only a
+    few rows at a time (DoRA's row norm, for one) never holds the full-size float copy.
+
+    ``rows(start, stop)`` returns rows [start, stop) of the [d_out, d_in] weight in its
+    compute dtype, equal to the same rows of the full dequantisation.
+    """
+
+    shape: tuple[int, int]
+    packed: torch.Tensor  # the flat packed 4-bit codes (two per byte)
+    absmax: torch.Tensor  # fp32 per-block scales, already un-nested
+    blocksize: int
+    quant_type: str
+    dtype: torch.dtype
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        d_in = self.shape[1]
+        stop = min(stop, self.shape[0])
+        first, last = start * d_in, stop * d_in
+        return torch.ops.bitsandbytes.dequantize_4bit.default(
+            self.packed[first // 2 : last // 2],
+            self.absmax[first // self.blocksize : last // self.blocksize],
+            self.blocksize,
+            self.quant_type,
+            [stop - start, d_in],
+            self.dtype,
+        )
+
+
+def nf4_rows(module: nn.Module) -> NF4Rows:
+    """The `NF4Rows` reader of a bitsandbytes ``Linear4bit``'s weight (its nested absmax
+    dequantised once: one float per block). Needs in_features to be a multiple of the
+    quantisation block size (true of every real model: rows then start on a block), and
+    raises ValueError otherwise, so the caller can fall back to the full dequantisation."""
+    if not is_nf4_linear(module):
+        raise TypeError(f"nf4_rows needs a bitsandbytes Linear4bit, got {type(module).__name__}")
+    from bitsandbytes.functional import dequantize_blockwise
+
+    weight = module.weight
+    qs = weight.quant_state
+    if qs is None:
+        raise NarrowsError("this Linear4bit holds no quantisation state yet: move it to its device first")
+    if getattr(qs, "packing_format_for_cpu", False):
+        raise NarrowsError(
+            "this Linear4bit was repacked in place by bitsandbytes' CPU inference path; call "
+            "narrows.core.disable_cpu_repacking(model) before any inference (see its docstring)"
+        )
+    absmax = qs.absmax
+    if qs.nested:  # double quantisation: the block scales are themselves 8-bit blockwise
+        absmax = (dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).float()
+    d_out, d_in = (int(x) for x in qs.shape)
+    if d_in % qs.blocksize:
+        raise ValueError(
+            f"row slices need in_features ({d_in}) to be a multiple of the block size ({qs.blocksize})"
+        )
+    return NF4Rows(
+        (d_out, d_in), weight.data.reshape(-1), absmax.float(), qs.blocksize, qs.quant_type, qs.dtype
+    )
