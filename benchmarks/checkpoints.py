@@ -290,7 +290,7 @@ def me(args: argparse.Namespace, case: str, folder: Path, **kw: str) -> list[str
 
 def disk_bandwidth(path: Path, nbytes: int = 4 * GIB) -> float:
     """Sequential O_DIRECT read bandwidth of the file system holding `path` (bytes/s)."""
-    from narrows.stream.tiers import aligned_pinned
+    from narrows.stream.storage.tiers import aligned_pinned
 
     probe = path / "probe.bin"
     with open(probe, "wb") as f:

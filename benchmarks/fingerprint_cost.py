@@ -88,7 +88,7 @@ def drop_cache(path: Path) -> None:
 
 
 def sampled_seconds(path: Path, cold: bool) -> float:
-    from narrows.core import fingerprint
+    from narrows.core.io import fingerprint
 
     fingerprint._MEMO.clear()
     if cold:

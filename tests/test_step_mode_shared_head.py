@@ -13,7 +13,7 @@ import narrows.lmhead as lmh
 import narrows.stream as ns
 from narrows.core import HeadSweep, anatomy_of, loss_working_set
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
-from narrows.stream.head import StreamedHead
+from narrows.stream.execution.head import StreamedHead
 
 ROWS = 48  # head rows per chunk: the same tiling for the resident and the streamed head
 G = 4

@@ -11,7 +11,7 @@ from narrows.core import (
     register_adapter_type,
     registered_adapter_types,
 )
-from narrows.core import adapters as adapters_module
+from narrows.core.protocol import adapters as adapters_module
 from narrows.core.testing import check_partition, tiny_model, with_adapter
 
 

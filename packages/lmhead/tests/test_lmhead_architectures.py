@@ -46,7 +46,7 @@ def test_the_twin_check_passes_on_scaled_capped_and_biased_heads(arch):
 def test_an_undeclared_scale_would_be_caught(arch, monkeypatch):
     """The check can fail: with the architecture's logit arithmetic dropped, it does."""
     from narrows.core import LogitMath
-    from narrows.core import anatomy as anatomy_module
+    from narrows.core.protocol import anatomy as anatomy_module
 
     real = anatomy_module.LogitMath.of
     monkeypatch.setattr(anatomy_module.LogitMath, "of", classmethod(lambda cls, ops, cfg: LogitMath()))

@@ -15,8 +15,8 @@ from helpers import assert_identical, build
 import narrows.stream as ns
 from narrows.core import anatomy_of, fuse_layers
 from narrows.core.testing import tiny_batch
-from narrows.stream import remat, tiling
 from narrows.stream.errors import StreamSetupError
+from narrows.stream.execution import remat, tiling
 
 
 def _train(streamed: bool, tile: int | None = None, **stream_kwargs) -> dict:

@@ -10,7 +10,7 @@ import narrows.core.protocol.anatomy as anatomy_module
 from narrows.core import fuse_layers
 from narrows.core.protocol.verify import _PASSED
 from narrows.core.testing import TINY_ARCHITECTURES
-from narrows.stream import sideouts
+from narrows.stream.execution import side_outputs as sideouts
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 NEW = tuple(

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from narrows.stream.engine import TransferEngine, park_layer
+from narrows.stream.storage.engine import TransferEngine, park_layer
 
 
 class _Log:

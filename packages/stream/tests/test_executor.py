@@ -13,7 +13,7 @@ import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
 from narrows.stream import api
-from narrows.stream.executor import EagerExecutor, SideGrads
+from narrows.stream.execution.executor import EagerExecutor, SideGrads
 
 
 class Recording(EagerExecutor):
@@ -101,7 +101,7 @@ def test_a_block_major_step_runs_every_layer_through_the_installed_executor(monk
 
 
 def test_side_outputs_reach_the_executors_backward(monkeypatch):
-    """MoE router logits (hooked tensors, `sideouts`): their gradients go to the
+    """MoE router logits (hooked tensors, `side_outputs`): their gradients go to the
     executor's backward with the output's, and training matches the default executor."""
     cfg = dict(arch="mixtral", dropout=0.0, output_router_logits=True, router_aux_loss_coef=0.02)
     expected = train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={})

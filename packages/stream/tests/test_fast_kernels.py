@@ -11,7 +11,7 @@ import torch
 from helpers import Dequantizations, assert_identical, build, train
 
 import narrows.stream as ns
-import narrows.stream.fastexec as fastexec
+import narrows.stream.execution.fast as fast
 from narrows.core import anatomy_of, fuse_layers
 from narrows.core.kernels.fastlayer import coverage
 from narrows.stream.errors import StreamSetupError
@@ -46,7 +46,7 @@ def test_streamed_fast_layers_train_what_resident_fast_layers_train(arch, stream
     reference = _resident_fast(arch)
     streamed = _build(arch)
     got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", **stream_kwargs})
-    assert isinstance(streamed.narrows_stream.executor, fastexec.FastExecutor)
+    assert isinstance(streamed.narrows_stream.executor, fast.FastExecutor)
     assert coverage(streamed).refused == {}
     assert_identical(reference, got)
     peft = train(_build(arch), steps=2, grad_accum=2, stream_kwargs={"kernels": "peft"})
@@ -73,9 +73,9 @@ def test_dropout_is_replayed_in_the_fast_recompute():
 def test_the_streamed_layers_run_the_fast_entry_points(monkeypatch):
     calls = []
     for name in ("forward", "recompute", "backward"):
-        real = getattr(fastexec.compute, name)
+        real = getattr(fast.compute, name)
         monkeypatch.setattr(
-            fastexec.compute, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
+            fast.compute, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
         )
     train(
         _build(), steps=1, stream_kwargs={"kernels": "fast", "check": False}
@@ -85,13 +85,13 @@ def test_the_streamed_layers_run_the_fast_entry_points(monkeypatch):
 
 def test_a_wrong_fast_gradient_changes_training(monkeypatch):
     reference = _resident_fast()
-    real = fastexec.compute.backward
+    real = fast.compute.backward
 
     def halved(parts, saved, grad, cache=None):
         g_x, grads = real(parts, saved, grad, cache)
         return g_x, [g / 2 for g in grads]
 
-    monkeypatch.setattr(fastexec.compute, "backward", halved)
+    monkeypatch.setattr(fast.compute, "backward", halved)
     got = train(_build(), steps=2, grad_accum=2, stream_kwargs={"kernels": "fast"})
     with pytest.raises(AssertionError):
         assert_identical(reference, got)
@@ -122,7 +122,7 @@ def test_a_layer_the_fast_layer_does_not_cover_runs_pefts_kernels():
 def test_fast_is_the_default_and_a_tiled_mlp_with_dropout_is_named_where_it_runs_pefts_kernels():
     model = _build()
     ns.stream(model, device="cpu")
-    assert isinstance(model.narrows_stream.executor, fastexec.FastExecutor)
+    assert isinstance(model.narrows_stream.executor, fast.FastExecutor)
     assert str(model.narrows_stream.kernels) == "fast layers: all 3 decoder layers"
     tiled = _build()
     ns.stream(tiled, device="cpu", seq_tile=4)

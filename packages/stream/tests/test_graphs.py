@@ -12,8 +12,8 @@ import torch
 from helpers import assert_identical, build, train
 
 import narrows.stream as ns
-from narrows.stream import graphs
 from narrows.stream.errors import StreamSetupError
+from narrows.stream.execution import graphs
 
 N = 4
 

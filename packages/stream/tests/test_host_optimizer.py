@@ -12,8 +12,8 @@ from test_step_mode import STEPS, _batches, _optimizer, _record, _scheduler, _se
 
 import narrows.stream as ns
 from narrows.stream.errors import StreamSetupError
-from narrows.stream.hostopt import HostOptimizer
-from narrows.stream.hostparams import HostAdapters
+from narrows.stream.stepmode.host_optimizer import HostOptimizer
+from narrows.stream.stepmode.host_params import HostAdapters
 
 G = 3
 

@@ -19,9 +19,9 @@ from helpers import assert_identical, build, train
 import narrows.stream as ns
 from narrows.core import anatomy_of
 from narrows.core.testing import tiny_batch
-from narrows.stream import tiling
-from narrows.stream.offload import ActivationOffload
-from narrows.stream.tiling import tiled_mlps
+from narrows.stream.execution import tiling
+from narrows.stream.execution.offload import ActivationOffload
+from narrows.stream.execution.tiling import tiled_mlps
 
 NF4 = pytest.param("nf4", marks=pytest.mark.bnb)
 TOKENS = 2 * 12  # tiny_batch(): 2 rows of 12 positions, the last row left-padded
@@ -209,7 +209,7 @@ def test_a_retained_graph_is_backwarded_twice_or_refused(offload):
 def test_a_fetch_does_not_overwrite_memory_the_compute_stream_still_reads():
     """The host→device copy of a saved input may land in a block the caching allocator
     just took back from the compute stream; it must wait for the work queued there."""
-    from narrows.stream.engine import TransferStats
+    from narrows.stream.storage.engine import TransferStats
 
     dev = torch.device("cuda", torch.cuda.current_device())
     n = 1 << 22

@@ -12,7 +12,7 @@ from test_whole_layers import _model as wide_model
 
 import narrows.stream as ns
 from narrows.core.testing import tiny_batch
-from narrows.stream.profile import Profile
+from narrows.stream.checks.profile import Profile
 
 N = 4
 

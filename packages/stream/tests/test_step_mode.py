@@ -14,8 +14,8 @@ from helpers import Dequantizations, assert_identical, build
 import narrows.stream as ns
 from narrows.core import fuse_layers, fuse_lora, is_nf4_linear
 from narrows.core.testing import tiny_batch
-from narrows.stream import rng
 from narrows.stream.errors import StreamSetupError
+from narrows.stream.execution import rng
 
 G = 3
 STEPS = 3
@@ -207,7 +207,7 @@ def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):
     """Fault injection: predictions that skip the draws (each micro-batch assumed to
     start where the previous one did) are caught by the end-state check; the step is
     redone sequentially and the run is still identical."""
-    from narrows.stream import rngplan
+    from narrows.stream.stepmode import rng_plan as rngplan
 
     monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
     _, stats, got = stepped(dropout=0.05)
@@ -218,8 +218,8 @@ def test_wrong_rng_prediction_is_caught_and_the_step_redone(monkeypatch):
 def test_without_the_end_state_check_wrong_predictions_change_training(monkeypatch):
     """The twin of the above with the check disabled too: training differs — so the
     check is what keeps the run exact."""
-    from narrows.stream import rngplan
     from narrows.stream.stepmode import blockmajor
+    from narrows.stream.stepmode import rng_plan as rngplan
 
     monkeypatch.setattr(rngplan.RandomOps, "advance", lambda self, state: state)
     monkeypatch.setattr(blockmajor, "same_state", lambda a, b: True)

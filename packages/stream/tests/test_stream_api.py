@@ -147,7 +147,7 @@ def test_inference_without_grad_streams_too():
 def test_self_check_refuses_a_broken_replay(monkeypatch):
     import contextlib
 
-    from narrows.stream import remat
+    from narrows.stream.execution import remat
 
     monkeypatch.setattr(remat.rng, "replay", lambda state: contextlib.nullcontext())
     with pytest.raises(ns.SelfCheckError, match="check=False"):

@@ -11,8 +11,8 @@ import pytest
 from helpers import assert_identical, build, train
 
 import narrows.stream as ns
-import narrows.stream.fastexec as fastexec
-import narrows.stream.keptattn as keptattn
+import narrows.stream.execution.fast as fast
+import narrows.stream.execution.kept_attention as kept_attention
 from narrows.core import anatomy_of, fuse_layers
 from narrows.stream.planning import planned_shapes
 from narrows.stream.planning.attention import keep_attention
@@ -37,13 +37,13 @@ class _Sdpa:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = fastexec.compute.F.scaled_dot_product_attention
+        real = fast.compute.F.scaled_dot_product_attention
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(fastexec.compute.F, "scaled_dot_product_attention", counted)
+        monkeypatch.setattr(fast.compute.F, "scaled_dot_product_attention", counted)
 
 
 @pytest.mark.parametrize(
@@ -67,10 +67,10 @@ def test_kept_attention_trains_what_resident_fast_layers_train(arch, kw, stream_
         reference = _resident_fast(arch, **kw)
     streamed = _build(arch, **kw)
     sdpa = _Sdpa(monkeypatch)
-    monkeypatch.setattr(keptattn, "MIN_BYTES", 0)  # the tiny model's tensors go to host memory too
+    monkeypatch.setattr(kept_attention, "MIN_BYTES", 0)  # the tiny model's tensors go to host memory too
     fetched = []
-    real_get = keptattn._Packed.get
-    monkeypatch.setattr(keptattn._Packed, "get", lambda self: fetched.append(1) or real_get(self))
+    real_get = kept_attention._Packed.get
+    monkeypatch.setattr(kept_attention._Packed, "get", lambda self: fetched.append(1) or real_get(self))
     got = train(
         streamed,
         steps=2,
@@ -88,9 +88,9 @@ def test_kept_attention_trains_what_resident_fast_layers_train(arch, kw, stream_
 def test_the_backward_reads_the_bytes_kept_in_host_memory(monkeypatch):
     """Kept tensors that came back wrong would change training: the backward reads them."""
     reference = _resident_fast()
-    monkeypatch.setattr(keptattn, "MIN_BYTES", 0)
-    real = keptattn._Packed.get
-    monkeypatch.setattr(keptattn._Packed, "get", lambda self: real(self) * 0.5)
+    monkeypatch.setattr(kept_attention, "MIN_BYTES", 0)
+    real = kept_attention._Packed.get
+    monkeypatch.setattr(kept_attention._Packed, "get", lambda self: real(self) * 0.5)
     got = train(_build(), steps=2, grad_accum=2, stream_kwargs={"kernels": "fast", "keep_attention": True})
     with pytest.raises(AssertionError):
         assert_identical(reference, got)
@@ -99,7 +99,7 @@ def test_the_backward_reads_the_bytes_kept_in_host_memory(monkeypatch):
 def test_each_backward_reads_its_own_calls_attention(monkeypatch):
     """Two micro-batches of other lengths in one step: each layer's backward gets its own call's
     attention back (the newest kept), not an earlier one's."""
-    monkeypatch.setattr(keptattn, "MIN_BYTES", 0)
+    monkeypatch.setattr(kept_attention, "MIN_BYTES", 0)
     reference = _build()
     fuse_layers(reference)
     want = train(reference, steps=2, grad_accum=3, widths=(12, 7, 9))

@@ -29,14 +29,14 @@ from safetensors.torch import load_file, save_file
 import narrows.core as nc
 import narrows.core.io.loader as loader_module
 import narrows.stream as ns
-import narrows.stream.cache as cache_module
-import narrows.stream.pretrained as pretrained_module
+import narrows.stream.storage.cache as cache_module
+import narrows.stream.storage.pretrained as pretrained_module
 from narrows.core import NarrowsError, SlabLayout, anatomy_of, format_bytes, fuse_layers
 from narrows.core.io.loader import load_blockwise
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
-from narrows.stream.cache import PreparedCache, SlabCacheWriter, frozen_layer_slots
 from narrows.stream.planning import spread
-from narrows.stream.tiers import DiskReader
+from narrows.stream.storage.cache import PreparedCache, SlabCacheWriter, frozen_layer_slots
+from narrows.stream.storage.tiers import DiskReader
 
 F32 = torch.float32
 LAYERS = 6

@@ -22,11 +22,11 @@ from narrows.core.versions import installed_version as _installed_version
 
 if TYPE_CHECKING:  # the names by module; `_MODULES` groups them by what they are for
     from .api import StreamHandle, stream
+    from .checks.profile import LayerTimes, Profile
     from .config import StreamConfig
     from .distributed import check_ranks, data_parallel
-    from .engine import TransferStats
     from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
-    from .hf import StepModeTrainer
+    from .execution.tiling import tile_sequence
     from .planning import (
         Plan,
         Rates,
@@ -36,10 +36,10 @@ if TYPE_CHECKING:  # the names by module; `_MODULES` groups them by what they ar
         plan,
         step_mode_reserve,
     )
-    from .pretrained import from_pretrained, prepare
-    from .profile import LayerTimes, Profile
     from .stepmode import StepStats, StepTrainer
-    from .tiling import tile_sequence
+    from .stepmode.hf import StepModeTrainer
+    from .storage.engine import TransferStats
+    from .storage.pretrained import from_pretrained, prepare
 
 # each module -> its public names, imported on first use (PEP 562): `narrows --help` (the
 # ``narrows prepare`` entry point, `cli`) registers without torch. `hf` (transformers.Trainer,
@@ -57,23 +57,23 @@ _MODULES = {
         "plan",
         "step_mode_reserve",
     ),
-    "tiling": ("tile_sequence",),
+    "execution.tiling": ("tile_sequence",),
     # step mode
     "stepmode": ("StepStats", "StepTrainer"),
-    "hf": ("StepModeTrainer",),
+    "stepmode.hf": ("StepModeTrainer",),
     # loading
-    "pretrained": ("from_pretrained", "prepare"),
+    "storage.pretrained": ("from_pretrained", "prepare"),
     # several ranks
     "distributed": ("check_ranks", "data_parallel"),
     # measuring
-    "engine": ("TransferStats",),
-    "profile": ("LayerTimes", "Profile"),
+    "storage.engine": ("TransferStats",),
+    "checks.profile": ("LayerTimes", "Profile"),
     # errors
     "errors": ("BudgetTooSmallError", "SelfCheckError", "StreamSetupError"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 # twincheck first: it registers the "stream" architecture check
-__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, first="twincheck")
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY, first="checks.twincheck")
 
 
 __version__ = _installed_version("narrows-stream")

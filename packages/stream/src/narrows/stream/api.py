@@ -30,21 +30,21 @@ from narrows.core import (
 )
 from narrows.core import deterministic as set_deterministic
 
+from .checks.profile import Profile
+from .checks.selfcheck import self_check
+from .checks.twincheck import check_stream as _check_stream  # noqa: F401  (registers the "stream" check)
 from .config import StreamConfig
-from .engine import LayerStore, TransferEngine, park_layer
 from .errors import StreamSetupError
-from .executor import EagerExecutor, LayerExecutor
-from .graphs import LayerGraphs
-from .head import StreamedHead
-from .keptattn import HostAttention
-from .offload import ActivationOffload
+from .execution.executor import EagerExecutor, LayerExecutor
+from .execution.graphs import LayerGraphs
+from .execution.head import StreamedHead
+from .execution.kept_attention import HostAttention
+from .execution.offload import ActivationOffload
+from .execution.wiring import executor_for, install_forwards, tile_mlps
 from .planning import Plan, Rates, Shapes, plan, planned_shapes
 from .planning.measure import device_parts, head_rows, host_embedding, resolve_device, streams_head
-from .profile import Profile
-from .selfcheck import self_check
-from .tiers import DiskReader, Tiers
-from .twincheck import check_stream as _check_stream  # noqa: F401  (registers the "stream" check)
-from .wiring import executor_for, install_forwards, tile_mlps
+from .storage.engine import LayerStore, TransferEngine, park_layer
+from .storage.tiers import DiskReader, Tiers
 
 log = logging.getLogger("narrows.stream")
 

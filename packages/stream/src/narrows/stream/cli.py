@@ -14,7 +14,7 @@ def _run(args: argparse.Namespace) -> int:
 
     from narrows.core import format_bytes
 
-    from .pretrained import prepare
+    from .storage.pretrained import prepare
 
     t = time.perf_counter()
     dtype = getattr(torch, args.dtype)

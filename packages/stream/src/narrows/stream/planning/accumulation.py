@@ -28,7 +28,7 @@ from torch import nn
 
 from narrows.core import anatomy_of, format_bytes, loss_working_set
 
-from ..sideouts import router_logits_refusal
+from ..execution.side_outputs import router_logits_refusal
 from .measure import default_host_budget
 from .memory import Shapes, held_weight_bytes, input_bytes
 from .record import Plan

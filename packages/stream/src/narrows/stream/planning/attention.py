@@ -1,6 +1,6 @@
 """Whether the fast layers keep their attention from forward to backward, in host memory.
 
-A kept attention (`narrows.stream.keptattn`) spares each recomputed layer its attention
+A kept attention (`narrows.stream.execution.kept_attention`) spares each recomputed layer its attention
 forward and its Q/K/V base matmul, for the bytes of q, k, v, the output and the
 log-sum-exp going to host memory in the forward and back in the backward — beside the
 weights on the same copy engine, behind the layer's compute. Its share of a layer's

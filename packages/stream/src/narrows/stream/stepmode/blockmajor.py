@@ -23,10 +23,10 @@ from narrows.core import (
 )
 
 from ..errors import StreamSetupError
-from ..offload import Offloaded
-from ..remat import drop_cache, layer_original, replaced_forwards
-from ..rng import RngState, capture, replay, restore
-from ..rngplan import same_state
+from ..execution.offload import Offloaded
+from ..execution.remat import drop_cache, layer_original, replaced_forwards
+from ..execution.rng import RngState, capture, replay, restore
+from .rng_plan import same_state
 
 
 class _Captured(Exception):

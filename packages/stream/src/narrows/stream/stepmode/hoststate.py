@@ -1,7 +1,7 @@
 """Step mode's host state: what of the training state waits in host memory between uses,
 as the plan decided (``host_state``) — the optimizer's state, updated layer by layer as each
-layer's gradients complete (`hostopt`), and the adapters, each layer's on the device only
-for its forward and for its backward and update (`hostparams`) — and the refusals that keep
+layer's gradients complete (`host_optimizer`), and the adapters, each layer's on the device only
+for its forward and for its backward and update (`host_params`) — and the refusals that keep
 a step within what the plan left on the device.
 """
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from torch import Tensor
 
 from ..errors import StreamSetupError
-from ..hostopt import HostOptimizer
-from ..hostparams import HostAdapters
+from .host_optimizer import HostOptimizer
+from .host_params import HostAdapters
 
 
 class HostState:

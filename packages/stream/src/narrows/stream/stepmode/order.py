@@ -1,6 +1,6 @@
 """The order a step runs in: block-major where the RNG draws of every micro-batch can be
 predicted (or each is seeded), else sequential — and the sequential steps that learn a
-batch shape's draws (`rngplan.RandomOps`) so the next steps can run block-major. A
+batch shape's draws (`rng_plan.RandomOps`) so the next steps can run block-major. A
 prediction that a micro-batch's draws then contradict redoes the step in sequential
 order before anything is updated: never trained through with other dropout masks.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..rng import RngState, capture, restore
-from ..rngplan import RandomOps
+from ..execution.rng import RngState, capture, restore
+from .rng_plan import RandomOps
 
 log = logging.getLogger("narrows.stream")
 

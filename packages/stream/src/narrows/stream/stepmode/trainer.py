@@ -17,7 +17,7 @@ What makes it the *same* training as sequential accumulation:
 * each (micro-batch, layer) forward starts from the RNG state the sequential order gives
   it: layer L+1 from where layer L left off, and the first layer of micro-batch k from
   where micro-batch k-1's forward would have left the generator, predicted and then
-  checked (`rngplan.py`). An unpredictable step is redone sequentially — never trained
+  checked (`rng_plan.py`). An unpredictable step is redone sequentially — never trained
   through with different dropout masks.
 
 The loss is computed by the model's own forward (its head and loss function), re-run on
@@ -45,13 +45,13 @@ from narrows.core import (
 )
 
 from ..errors import StreamSetupError
-from ..offload import ActivationOffload
+from ..execution.offload import ActivationOffload
+from ..execution.side_outputs import router_logits_refusal
 from ..planning import held_weight_bytes, holds_weights, input_bytes
-from ..rngplan import RandomOps
-from ..sideouts import router_logits_refusal
 from .blockmajor import BlockMajor
 from .hoststate import HostState
 from .order import StepOrder
+from .rng_plan import RandomOps
 
 log = logging.getLogger("narrows.stream")
 
@@ -91,9 +91,9 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
     step mode). The trainer takes no mode of its own: it reads the model's plan
     (``model.narrows_stream.plan``) — what of the training state waits in host memory
     (``host_state``: "optimizer" keeps the optimizer's state there and updates each layer
-    as soon as its gradients are complete, see `hostopt`; "adapters" keeps the adapter
+    as soon as its gradients are complete, see `host_optimizer`; "adapters" keeps the adapter
     parameters there too, each layer's on the device for its forward and for its
-    backward and update, see `hostparams`; between steps their ``.data`` is the host
+    backward and update, see `host_params`; between steps their ``.data`` is the host
     buffer, a forward under ``torch.no_grad()`` brings each layer's for its call, and
     `adapters_to_device()` puts them all back) and whether each layer's 4-bit weights
     are dequantised once per pass into a held buffer (``hold_weights``;
@@ -109,7 +109,7 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
     ``held_choice`` says whether weights are held and why.
     A MoE model with router logits on (``output_router_logits``, config or batch) is
     refused with `StreamSetupError` before any gradient where a step could run
-    block-major: the router's aux loss cannot be collected there (`sideouts`).
+    block-major: the router's aux loss cannot be collected there (`side_outputs`).
 
     The result is `torch.equal` to resident sequential accumulation::
 

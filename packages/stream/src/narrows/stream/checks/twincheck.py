@@ -34,7 +34,7 @@ def _batches(vocab: int, device: torch.device) -> list[dict[str, Tensor]]:
 
 
 def _train(model: nn.Module, streamed: bool, device: torch.device) -> dict[str, Tensor]:
-    from .api import stream
+    from ..api import stream
 
     if streamed:
         stream(model, None, device=device, check=False)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from narrows.core import DEFAULT_HEAD_ROWS, LogitMath
 
-from .engine import TransferStats
+from ..storage.engine import TransferStats
 
 
 class StreamedHead:

@@ -32,9 +32,9 @@ from narrows.core.io.loader import load_blockwise, map_tensor
 from narrows.core.io.models import resolve_model_path
 from narrows.core.memory import host_rss_bytes
 
+from ..planning.measure import default_host_budget
+from ..planning.placement import spread
 from .cache import PreparedCache, SlabCacheWriter, crc32, frozen_layer_slots
-from .planning.measure import default_host_budget
-from .planning.placement import spread
 from .tiers import Tiers, aligned_pinned, pin_shared, restore_layer
 
 log = logging.getLogger("narrows.stream")

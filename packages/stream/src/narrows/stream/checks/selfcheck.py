@@ -12,11 +12,11 @@ from torch import nn
 
 from narrows.core import Anatomy
 
-from .engine import TransferEngine
-from .errors import SelfCheckError
-from .offload import ActivationOffload
-from .remat import LayerCall, StreamedLayer, layer_original, replaced_forwards
-from .sideouts import SideOutputs
+from ..errors import SelfCheckError
+from ..execution.offload import ActivationOffload
+from ..execution.remat import LayerCall, StreamedLayer, layer_original, replaced_forwards
+from ..execution.side_outputs import SideOutputs
+from ..storage.engine import TransferEngine
 
 
 class _Captured(Exception):

@@ -54,7 +54,7 @@ from torch.utils import _pytree as pytree
 
 from narrows.core import ambient_state, held_token
 
-from .config import DEFAULT_SHAPES
+from ..config import DEFAULT_SHAPES
 from .executor import CallState, LayerExecutor, SideGrads, eager_backward, eager_forward
 
 log = logging.getLogger("narrows.stream")

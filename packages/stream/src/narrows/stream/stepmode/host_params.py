@@ -5,7 +5,7 @@ Why: LoRA r16 on every linear of Qwen2.5-72B is 2.6 M parameters per layer, 0.84
 fp32 over its 80 layers — more than a quarter of step mode's smallest footprint — yet a
 block-major step reads a layer's adapters only twice: in that layer's forward of every
 micro-batch and in their backward. With the optimizer's state already waiting in host
-memory (`hostopt`), the parameters can wait there too: a layer's adapters come to the
+memory (`host_optimizer`), the parameters can wait there too: a layer's adapters come to the
 device for its forward and leave unchanged, come again for its backward and update, and
 leave updated. The device then holds one layer's adapters at a time.
 

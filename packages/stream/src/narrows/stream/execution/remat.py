@@ -10,7 +10,7 @@ parameters only — with its 4-bit weights dequantised once for both when the pl
 them (`narrows.core.HeldWeights`). Frozen weights never see a gradient.
 
 Tensors the layer's submodules hand to forward hooks (MoE router logits for the aux loss)
-are extra outputs of the node (`sideouts.py`), so their gradients flow as in resident
+are extra outputs of the node (`side_outputs.py`), so their gradients flow as in resident
 training: the executor's backward takes their gradients (`executor.SideGrads`).
 """
 
@@ -28,10 +28,10 @@ from narrows.core import Ambient, HeldWeights, ambient_as, ambient_state
 
 from . import rng
 from .executor import CallState, EagerExecutor, LayerExecutor, SideGrads
-from .sideouts import SideOutputs
+from .side_outputs import SideOutputs
 
 if TYPE_CHECKING:  # what a call is handed; remat only calls it
-    from .engine import TransferEngine
+    from ..storage.engine import TransferEngine
     from .offload import ActivationOffload
 
 
@@ -76,7 +76,7 @@ def _run(call: LayerCall, hidden: Tensor) -> Tensor:
 class StreamedLayer(torch.autograd.Function):
     """autograd node for one streamed layer: inputs are the hidden states and the layer's
     trainable parameters, so autograd routes their gradients as it would for the layer.
-    Outputs: the hidden states, then the side outputs hooks received (see `sideouts`)."""
+    Outputs: the hidden states, then the side outputs hooks received (see `side_outputs`)."""
 
     @staticmethod
     def forward(ctx, call: LayerCall, hidden: Tensor, *params: Tensor) -> tuple[Tensor, ...]:

@@ -22,7 +22,7 @@ layer is brought back, scaled by `clip_grads_with_norm_` and stepped: a second, 
 pass over the adapters alone.
 
 Parameters stay on the device (every micro-batch's forward and backward reads them)
-unless `adapters` keeps them in host memory too (`hostparams`): then each update brings
+unless `adapters` keeps them in host memory too (`host_params`): then each update brings
 its layer's parameters to the device and sends them back updated. Optimizer state
 between steps is in host memory, where `optimizer.state_dict()` finds it
 for a checkpoint. A state loaded onto the device (`load_state_dict` moves it there) goes
@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from .errors import StreamSetupError
-from .hostparams import HostAdapters
+from ..errors import StreamSetupError
+from .host_params import HostAdapters
 
 __all__ = ["SUPPORTED", "HostOptimizer"]
 

@@ -27,7 +27,7 @@ from narrows.core import FrozenSlot, SlabLayout, assign, frozen_slots, snapshot
 from .tiers import DiskReader
 
 if TYPE_CHECKING:  # the engine reports to a profile; it never builds one
-    from .profile import Profile
+    from ..checks.profile import Profile
 
 
 @dataclass

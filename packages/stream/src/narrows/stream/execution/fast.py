@@ -10,7 +10,7 @@ it wraps (eager: the layer's forward, which `stream` made the fast layer's where
 it). Under CUDA graphs this executor is not used: the graphs replay that same forward.
 While a layer's 4-bit weights are held (the plan's `held_weights`) the recompute and the
 backward read the held copies; otherwise each dequantises its own, as the plan priced it.
-Where the plan keeps a layer's attention (`keptattn.HostAttention`), its forward keeps it
+Where the plan keeps a layer's attention (`kept_attention.HostAttention`), its forward keeps it
 in the call's state and its recompute reads it instead of running it.
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from narrows.core.kernels.fastlayer import compute, parts_or_none
 
 from .executor import CallState, LayerExecutor, SideGrads
-from .keptattn import HostAttention
+from .kept_attention import HostAttention
 
 __all__ = ["FastExecutor"]
 

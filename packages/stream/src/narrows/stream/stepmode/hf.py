@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from .errors import StreamSetupError
-from .stepmode import StepTrainer
+from ..errors import StreamSetupError
+from . import StepTrainer
 
 __all__ = ["StepModeTrainer"]
 

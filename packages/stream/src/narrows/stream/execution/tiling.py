@@ -26,8 +26,8 @@ from torch import Tensor, nn
 
 from narrows.core import ambient_as, ambient_state, anatomy_of, ensure_architecture
 
+from ..errors import StreamSetupError
 from . import rng
-from .errors import StreamSetupError
 
 __all__ = ["tile_sequence", "tiled_mlps"]
 

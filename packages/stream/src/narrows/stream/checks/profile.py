@@ -26,7 +26,7 @@ import torch
 
 from narrows.core import format_bytes
 
-from .planning import Plan, Rates
+from ..planning import Plan, Rates
 
 __all__ = ["LayerTimes", "Profile"]
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .errors import StreamSetupError
+from ..errors import StreamSetupError
 
 __all__ = ["SideOutputs", "router_logits_refusal"]
 

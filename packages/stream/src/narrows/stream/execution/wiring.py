@@ -31,17 +31,17 @@ from torch import Tensor, nn
 
 from narrows.core import Anatomy, HeldWeights, chunked_logits
 
-from .engine import TransferEngine
-from .errors import StreamSetupError
+from ..errors import StreamSetupError
+from ..planning import Plan
+from ..storage.engine import TransferEngine
 from .executor import EagerExecutor, LayerExecutor
-from .fastexec import FastExecutor
+from .fast import FastExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
-from .keptattn import HostAttention
+from .kept_attention import HostAttention
 from .offload import ActivationOffload
-from .planning import Plan
 from .remat import LayerCall, drop_cache, streamed_call
-from .sideouts import SideOutputs
+from .side_outputs import SideOutputs
 from .tiling import tile_sequence
 
 __all__ = ["executor_for", "install_forwards", "tile_mlps"]

@@ -4,7 +4,7 @@ differentiation in backward, for every layer narrows runs itself (a streamed lay
 
 The callers own everything around the call — which weights are on the device (the
 engine), the RNG state and autocast settings replayed (`rng`, `narrows.core.protocol.ambient`),
-saved inputs in host memory (`offload`), hooked tensors (`sideouts`) — and the executor
+saved inputs in host memory (`offload`), hooked tensors (`side_outputs`) — and the executor
 owns how the layer computes: `EagerExecutor` runs it as resident training would,
 `graphs.LayerGraphs` replays the same kernels as CUDA graphs (eager where it cannot).
 A fused layer (its own kernels and recompute tiers) plugs in as another `LayerExecutor`,
@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from .sideouts import SideOutputs
+from .side_outputs import SideOutputs
 
 __all__ = ["CallState", "EagerExecutor", "LayerExecutor", "SideGrads", "eager_backward", "eager_forward"]
 
@@ -38,7 +38,7 @@ class CallState:
 
 @dataclass(frozen=True)
 class SideGrads:
-    """The gradients a layer's side outputs received (`sideouts`): the recompute
+    """The gradients a layer's side outputs received (`side_outputs`): the recompute
     differentiates the tensors the hooks saw again, together with the layer's output."""
 
     outputs: SideOutputs  # collecting the recompute's tensors (its `originals`)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .engine import TransferStats
-from .tiers import aligned_pinned
+from ..storage.engine import TransferStats
+from ..storage.tiers import aligned_pinned
 
 __all__ = ["ActivationOffload", "Offloaded"]
 

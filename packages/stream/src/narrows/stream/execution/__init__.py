@@ -1,0 +1,1 @@
+"""How a streamed layer runs: the layer executors (eager, CUDA graphs, the fast layer), rematerialisation with its RNG replay, offloaded inputs, kept attention, side outputs, MLP tiling, the streamed head, and where `stream` installs its forwards."""
