@@ -318,6 +318,10 @@ def test_the_jobs_flags_map_to_one_stream_config():
     assert (got.grad_accum, got.step_mode, got.world_size) == (4, True, 2)
     assert stream_config(dataclasses.replace(told, offload_adapters=False), cpu).host_state == "optimizer"
     # one vocabulary for the budget in Python and on the command line: "min" is the smallest footprint
-    smallest = dataclasses.replace(cfg, gpu_budget="min")
-    smallest.check()
+    smallest = dataclasses.replace(cfg, gpu_budget="min").checked()
+    # a check returns a new configuration with what the settings imply; the one checked stays
+    asked = FinetuneConfig(gpu_budget="1GiB", grad_accum=2, offload_adapters=True)
+    implied = asked.checked()
+    assert (implied.offload_optimizer, implied.step_mode) == (True, True)
+    assert (asked.offload_optimizer, asked.step_mode) == (False, None)
     assert stream_config(smallest, cpu).gpu_budget == "min" == ns.StreamConfig(gpu_budget="min").gpu_budget

@@ -364,15 +364,15 @@ def test_kernels_setting_is_checked_and_older_runs_keep_pefts():
     from narrows.core.errors import NarrowsError
 
     with pytest.raises(NarrowsError, match=r"--kernels must be fast .* or peft"):
-        FinetuneConfig(kernels="triton").check()
+        FinetuneConfig(kernels="triton").checked()
     assert FinetuneConfig().kernels == "fast"
     assert (
         FinetuneConfig.from_dict({"steps": 3}, "config.json").kernels == "peft"
     )  # written before fast layers
     with pytest.raises(NarrowsError, match=r"--lora-dtype must be auto .* or float32"):
-        FinetuneConfig(lora_dtype="bf16").check()
+        FinetuneConfig(lora_dtype="bf16").checked()
     with pytest.raises(NarrowsError, match=r"--lora-dtype float32 is the fast layers' option"):
-        FinetuneConfig(kernels="peft", lora_dtype="float32").check()
+        FinetuneConfig(kernels="peft", lora_dtype="float32").checked()
     assert FinetuneConfig.from_dict({"steps": 3}, "config.json").lora_dtype == "auto"
 
 

@@ -51,9 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         if args.override:
             raise NarrowsError("--override applies to --resume only")
-        cfg = FinetuneConfig(**given)
-        cfg.world_size = world
-        cfg.check()
+        dataclasses.replace(FinetuneConfig(**given), world_size=world).checked()
 
     from .job import finetune, resume
     from .report import format_summary

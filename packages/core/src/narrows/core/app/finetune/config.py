@@ -168,8 +168,16 @@ class FinetuneConfig:
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
-    def check(self) -> None:
-        """Refuse a bad configuration before anything is loaded."""
+    def checked(self) -> FinetuneConfig:
+        """This configuration checked, returned as a new one with what its settings imply
+        filled in (``--offload-adapters`` implies ``--offload-optimizer``, which implies step
+        mode); a bad one is refused (`NarrowsError`) before anything is loaded. The
+        configuration it is called on is left as it is."""
+        cfg = dataclasses.replace(self)
+        cfg._refuse_or_fill()
+        return cfg
+
+    def _refuse_or_fill(self) -> None:
         if self.adapter not in ADAPTERS:
             raise NarrowsError(f"--adapter must be one of {ADAPTERS}, got {self.adapter!r}")
         if self.quant not in QUANTS:

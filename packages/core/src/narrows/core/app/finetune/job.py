@@ -34,8 +34,7 @@ def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict | None:
     """Run one new fine-tune into ``cfg.out``; returns the summary also saved as summary.json
     (None on ranks other than 0)."""
     ranks = Ranks.from_env()
-    cfg.world_size = ranks.world
-    cfg.check()
+    cfg = dataclasses.replace(cfg, world_size=ranks.world).checked()
     absolute_inputs(cfg)  # config.json names the same files wherever the run is resumed from
     device = ranks.device()
     run = RunFolder(cfg.out)
@@ -94,9 +93,8 @@ def _resume(
     override: bool,
     progress: bool,
 ) -> dict | None:
-    cfg = settled.cfg
-    found = check_inputs(run.root, cfg, file.inputs, override)
-    cfg.check()  # settled already, unless the run had ended (then nothing was left to check)
+    found = check_inputs(run.root, settled.cfg, file.inputs, override)  # a moved input said first
+    cfg = settled.cfg.checked()  # settled already, unless the run had ended (nothing was left to check)
     entry = {"resumed": _now(), **settled.entry()}
     if found.moved:
         entry["moved"] = found.moved

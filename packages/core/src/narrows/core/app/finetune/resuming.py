@@ -144,7 +144,7 @@ def plan_resume(
         return Resumption(cfg, started, changes, edited, places)  # it ended: the job says so
     require_inputs(folder, cfg)  # a moved input: the way to name its new place, before any other check
     try:
-        cfg.check()
+        cfg = cfg.checked()
     except NarrowsError as e:
         if not edited:
             raise
