@@ -169,7 +169,7 @@ def test_step_mode_trains_dora_as_the_resident_loop_does(tmp_path):
 def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
     """Ctrl-C during step 3 (after step 2's checkpoint), then --resume: a fresh StepTrainer
     seeds each micro-batch from its index again, the optimizer state comes back from the checkpoint."""
-    from narrows.core.app.finetune.rundir import RunFolder
+    from narrows.core.app.finetune.run_folder import RunFolder
 
     flags = ("--gpu-budget", BUDGET, "--step-mode", "--offload-optimizer")
     assert run(tmp_path, "whole", *flags) == 0

@@ -15,7 +15,7 @@ import torch
 
 import narrows.core.kernels.fastlayer.fuse as fuse
 from narrows.core import fuse_layers, quantize_nf4, unfuse_layers
-from narrows.core.kernels.fastlayer import loramath, ops, why_not
+from narrows.core.kernels.fastlayer import adapter_math, ops, why_not
 from narrows.core.kernels.fastlayer.lora import Masks
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
@@ -201,7 +201,7 @@ def test_dropout_masks_are_bool_draws_applied_with_one_rounding(dtype):
     draws = [torch.empty_like(n).bernoulli_(0.7) for _ in masks]
     assert all(m.dtype == torch.bool and torch.equal(m.to(dtype), d) for m, d in zip(masks, draws))
     p = group.linears[0]
-    got = loramath.dropped(n, masks[0], p)
+    got = adapter_math.dropped(n, masks[0], p)
     assert torch.equal(got, (n * draws[0]).mul_(1 / 0.7))
     if dtype == torch.bfloat16:
         assert not torch.equal(got, n * (draws[0] / 0.7))  # the scale rounded first: other bits
@@ -222,11 +222,11 @@ def test_the_forward_reads_a_dropped_out_input_once_with_droppeds_bits():
     with torch.no_grad():
         _, state = group.forward(n, masks)
         for p, h, m in zip(group.linears, state.h, state.masks):
-            assert torch.equal(h, loramath.dropped(n, m, p).mm(p.a.to(n.dtype).t()))
+            assert torch.equal(h, adapter_math.dropped(n, m, p).mm(p.a.to(n.dtype).t()))
     assert type(state.masks) is list
     torch.manual_seed(5)
     draws = [torch.native_dropout(n, 0.3, True)[0] for _ in masks]  # the CPU kernel's own output
-    assert not all(torch.equal(d, loramath.dropped(n, m, group.linears[0])) for d, m in zip(draws, masks))
+    assert not all(torch.equal(d, adapter_math.dropped(n, m, group.linears[0])) for d, m in zip(draws, masks))
     # where outputs ride along (CUDA) the forward reads them, and computes those that do not
     cuda_like = Masks(list(masks), [torch.zeros_like(n), None, None])
     with torch.no_grad():
@@ -459,7 +459,7 @@ def test_cuda_dropout_masks_are_pefts_draws():
     torch.manual_seed(5)
     peft = [torch.nn.functional.dropout(n, 0.3, training=True) for _ in masks]
     assert all(torch.equal(m, d != 0) for m, d in zip(masks, peft))
-    assert all(torch.equal(loramath.dropped(n, m, group.linears[0]), d) for m, d in zip(masks, peft))
+    assert all(torch.equal(adapter_math.dropped(n, m, group.linears[0]), d) for m, d in zip(masks, peft))
     # the forward's adapters read the draws' own outputs: the bits `dropped` gives the backward,
     # at a width with a tail past the kernel's vectors too
     for rows in (512, 517):
@@ -467,7 +467,7 @@ def test_cuda_dropout_masks_are_pefts_draws():
         masks = group.masks(n)
         assert len(masks.outs) == 3 and all(o is not None for o in masks.outs)
         assert all(
-            torch.equal(loramath.dropped(n, m, group.linears[0]), o) for m, o in zip(masks, masks.outs)
+            torch.equal(adapter_math.dropped(n, m, group.linears[0]), o) for m, o in zip(masks, masks.outs)
         )
 
 
@@ -498,7 +498,7 @@ def test_cuda_bf16_error_is_no_worse_than_pefts(arch):
     layers over PEFT's bf16 path, averaged over four seeded models: one seed's worst of 44
     tensors is a noisy statistic. These tiny adapters' outputs are as large as the base's
     (random B), where rounding the adapter's product before the base is added onto it
-    (`loramath.adapter_then_base`) costs as much as rounding the base first: on the H100,
+    (`adapter_math.adapter_then_base`) costs as much as rounding the base first: on the H100,
     Qwen2's ratios over seeds 0-3 were 1.53, 1.13, 0.97, 1.45 that way, and 1.09, 1.24,
     1.14, 1.02 base first. A real shape's layer, whose adapters are small beside the base,
     is measured in `benchmarks/fast_accuracy.py` (worst ratio 1.05)."""
@@ -676,14 +676,14 @@ def _rotary(model, x):
 
 _INTERPRETED = """
 import torch
-from narrows.core.kernels.fastlayer import halves, ops
+from narrows.core.kernels.fastlayer import ops, swiglu
 torch.manual_seed(0)
 buf = torch.randn(5, 2 * 1500)  # two column blocks of the kernel, the second partial
 g = torch.randn(5, 1500)
 gate, up = buf[:, :1500].contiguous(), buf[:, 1500:].contiguous()
-torch.testing.assert_close(halves.swiglu_halves(buf), ops.swiglu(gate, up), rtol=4e-7, atol=1e-7)
+torch.testing.assert_close(swiglu.swiglu_halves(buf), ops.swiglu(gate, up), rtol=4e-7, atol=1e-7)
 d_gate, d_up = ops.swiglu_backward(g, gate, up)
-halves.swiglu_halves_backward(g, buf)
+swiglu.swiglu_halves_backward(g, buf)
 torch.testing.assert_close((buf[:, :1500], buf[:, 1500:]), (d_gate, d_up), rtol=4e-7, atol=1e-7)
 print("ok")
 """

@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from narrows.core.app.finetune.rundir import RunFolder, _Hashing
+from narrows.core.app.finetune.run_folder import RunFolder, _Hashing
 from narrows.core.errors import NarrowsError
 from narrows.core.testing import child_env, interruptible, tiny_model_folder, write_jsonl
 
@@ -413,7 +413,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_one_before_it_used(finished, 
 )
 def test_a_meta_json_without_its_size_and_checksum_is_damage(meta, tmp_path):
     """restore() sets aside whatever `_damage` names; a meta.json of the wrong shape is named."""
-    from narrows.core.app.finetune.rundir import _damage
+    from narrows.core.app.finetune.run_folder import _damage
 
     step = tmp_path / "step-000002"
     step.mkdir()

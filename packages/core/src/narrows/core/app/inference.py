@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import NarrowsError
 from ..optional import is_available, require
-from .finetune.runstate import RunState, run_base, run_state
+from .finetune.state import RunState, run_base, run_state
 
 __all__ = [
     "AdapterChoice",

@@ -17,7 +17,7 @@ __all__ = ["finetune_cli"]
 _STOP_AFTER = """
 import os, sys
 import narrows.core.app.cli
-from narrows.core.app.finetune.rundir import RunFolder
+from narrows.core.app.finetune.run_folder import RunFolder
 real, stop = RunFolder.save_checkpoint, int(os.environ["NARROWS_TEST_STOP_AFTER"])
 def save(self, step, *args, **kwargs):
     path = real(self, step, *args, **kwargs)

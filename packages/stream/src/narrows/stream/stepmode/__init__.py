@@ -2,7 +2,7 @@
 once for the forward of all G and once for their backward (block-major accumulation),
 `torch.equal` to sequential accumulation. `StepTrainer` (`trainer`) is made of three
 parts, each in its own module: the block-major step (`blockmajor`), the order a step runs
-in with its RNG prediction (`order`), and the host state (`hoststate`)."""
+in with its RNG prediction (`order`), and the host state (`host_state`)."""
 
 from .trainer import StepStats, StepTrainer
 

@@ -49,7 +49,7 @@ from ..execution.offload import ActivationOffload
 from ..execution.side_outputs import router_logits_refusal
 from ..planning import held_weight_bytes, holds_weights, input_bytes
 from .blockmajor import BlockMajor
-from .hoststate import HostState
+from .host_state import HostState
 from .order import StepOrder
 from .rng_plan import RandomOps
 

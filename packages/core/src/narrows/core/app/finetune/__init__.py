@@ -1,9 +1,9 @@
 """`narrows finetune`: one LoRA / DoRA fine-tune with whatever narrows packages are installed.
 
 The main job, apart from core's protocol modules: `config` (what a run depends on),
-`rundir` (the run folder: lock, settings, checkpoints, metrics), `build` (inputs checked,
+`run_folder` (the run folder: lock, settings, checkpoints, metrics), `build` (inputs checked,
 model loaded and wrapped), `loop` (the training steps), `evaluate` (held-out loss, exact
-match), `report` (summary, adapter, plot), `job` (new and resumed runs), `runstate` (what
+match), `report` (summary, adapter, plot), `job` (new and resumed runs), `state` (what
 state a run folder is in, for whoever scores it), `ranks` (several
 ranks launched by torchrun) and `command` (the CLI flags). A resumed run ends with the adapter `torch.equal` to an uninterrupted one.
 """
@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from .evaluate import eval_loss, exact_match
     from .job import finetune, resume
     from .report import format_summary
-    from .rundir import RunFolder
-    from .runstate import RunBase, RunState, run_base, run_state
+    from .run_folder import RunFolder
+    from .state import RunBase, RunState, run_base, run_state
 
 # imported on first use (PEP 562): the CLI's flags (`command`) load without torch
 _LAZY = {
@@ -31,11 +31,11 @@ _LAZY = {
     "finetune": "job",
     "resume": "job",
     "format_summary": "report",
-    "RunFolder": "rundir",
-    "RunBase": "runstate",
-    "RunState": "runstate",
-    "run_base": "runstate",
-    "run_state": "runstate",
+    "RunFolder": "run_folder",
+    "RunBase": "state",
+    "RunState": "state",
+    "run_base": "state",
+    "run_state": "state",
 }
 __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 

@@ -169,7 +169,7 @@ def build_model(
     streaming and the LM-head savings as asked."""
     from peft import get_peft_model
 
-    from .runstate import lora_config
+    from .state import lora_config
 
     target_modules = _targets(model, cfg.targets)
     seed_all(cfg.seed)  # the adapter's initialisation

@@ -11,7 +11,7 @@ from .config import RESUMABLE, FinetuneConfig
 from .configfile import read_config_file
 from .ranks import Ranks
 from .resuming import plan_resume
-from .rundir import RunFolder
+from .run_folder import RunFolder
 
 __all__ = ["add_parser"]
 

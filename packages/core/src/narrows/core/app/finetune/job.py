@@ -24,8 +24,8 @@ from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .reporters import open_reporters, summary_row
 from .resuming import Resumption, plan_resume
-from .rundir import RunFolder, _damage
-from .runstate import run_base
+from .run_folder import RunFolder, _damage
+from .state import run_base
 
 __all__ = ["finetune", "resume"]
 
@@ -302,7 +302,9 @@ def _run(
     if accumulation and "stream" in summary:
         summary["stream"]["accumulation"] = accumulation
     base = run_base(cfg)
-    summary.update(adapter_step=state.step, base_model=base.name, base_origin=base.origin)  # read by runstate
+    summary.update(
+        adapter_step=state.step, base_model=base.name, base_origin=base.origin
+    )  # read by state.run_state
     run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root, base))
     summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
     run.report(summary_row(summary, cfg.steps))

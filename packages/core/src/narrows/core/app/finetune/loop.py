@@ -23,7 +23,7 @@ from ..data import TRAINING, Example, collate, micro_batches
 from .config import FinetuneConfig
 from .evaluate import eval_row, graph_captures, measured_peak, say, to_device
 from .ranks import Ranks, micro_seed
-from .rundir import RunFolder
+from .run_folder import RunFolder
 
 __all__ = ["Progress", "follow_schedule", "schedule", "train"]
 

@@ -18,7 +18,7 @@ from ...memory import format_bytes, host_rss_high_water
 from ...protocol.anatomy import anatomy_of
 from .config import FinetuneConfig
 from .evaluate import answer_scores, generate_answers, progress_bar, say
-from .runstate import RunBase
+from .state import RunBase
 
 __all__ = ["format_summary", "plot_losses", "save_adapter", "summarize"]
 

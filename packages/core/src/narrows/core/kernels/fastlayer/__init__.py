@@ -5,9 +5,9 @@ does not need. `fuse_layers(model)` for a resident model; `narrows.stream` runs 
 entry points (`compute`) for a streamed one, so the two train the same bits."""
 
 from . import compute
+from .adapter_math import mm_f32
 from .fuse import FastLayerFunction, FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
 from .lora import Linear, LinearGroup
-from .loramath import mm_f32
 from .ops import kernels_in_use
 from .parts import FAST_LAYER_TYPES, LayerParts, parts_of, parts_or_none, why_not
 from .stacking import side_by_side

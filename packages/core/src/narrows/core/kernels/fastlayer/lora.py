@@ -5,7 +5,7 @@ the float32 masters cast once per call — with float32 gradients for the master
 Forward of a group on input ``n`` (tokens × in): ``h = n @ cat(A)ᵀ`` (one matmul for
 every adapter of the group when none drops out), then ``s · h @ Bᵀ`` (the scale in the
 matmul's float32 epilogue, one rounding) with the base matmul accumulated onto it in its
-epilogue (`loramath.adapter_then_base`: one pass over the output, not two). Backward: the
+epilogue (`adapter_math.adapter_then_base`: one pass over the output, not two). Backward: the
 input's gradient sums every linear's ``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``, the
 adapters' branch written first and the base accumulated onto it; ``A`` and ``B``'s
 gradients come out of the matmuls in float32 (``mm_f32``), never rounded to the
@@ -29,7 +29,7 @@ by `torch.nn.functional.dropout`'s kernel over the group's input (on CUDA the fu
 PEFT's masks under one generator state where PEFT's adapters run in the activations'
 dtype; PEFT's float32 adapters drop out a float32 copy, which that kernel maps to random
 numbers differently), and a dropped-out tensor is computed from it by dropout's backward
-kernel (`loramath.dropped`). On CUDA the forward's adapters read the draw's own output
+kernel (`adapter_math.dropped`). On CUDA the forward's adapters read the draw's own output
 instead (`Masks.outs`: the same bits, one pass over the input fewer per adapter); the
 backward, which keeps only the mask, computes it again.
 """
@@ -43,7 +43,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .loramath import adapter_then_base, add_adapter, dropped, mm_f32
+from .adapter_math import adapter_then_base, add_adapter, dropped, mm_f32
 from .stacking import joined, side_by_side
 
 __all__ = [
@@ -52,7 +52,7 @@ __all__ = [
     "Masks",
     "WeightSource",
     "mm_f32",
-]  # mm_f32: loramath's, used by callers through here
+]  # mm_f32: adapter_math's, used by callers through here
 
 
 class WeightSource(Protocol):

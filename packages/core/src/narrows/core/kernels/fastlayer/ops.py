@@ -7,7 +7,7 @@ Liger-Kernel when it is installed (``pip install narrows-core[liger]``), since a
 Triton kernel beats one of our own (its "llama" casting: the normalised value rounded to
 the activation dtype before the weight multiplies it, as here). The SwiGLU of a stacked
 gate/up matmul — gate and up the two halves of one buffer, which Liger's kernel cannot
-read — runs narrows' own Triton kernel (`halves`), with this module's formula. Which ran is
+read — runs narrows' own Triton kernel (`swiglu`), with this module's formula. Which ran is
 `kernels_in_use()`'s answer; ``NARROWS_LIGER=0`` in the environment keeps the references
 on CUDA too (to compare). Precision: statistics and derivatives in float32, one
 rounding to the activation dtype per output.
@@ -92,14 +92,14 @@ def _liger_rope():
 
 @functools.cache
 def _triton_halves():
-    """narrows' SwiGLU over a stacked buffer's halves (`halves`), or None without Triton."""
+    """narrows' SwiGLU over a stacked buffer's halves (`swiglu`), or None without Triton."""
     if os.environ.get("NARROWS_LIGER") == "0":
         return None
     try:
-        from . import halves
+        from . import swiglu
     except Exception:
         return None
-    return halves
+    return swiglu
 
 
 def _use_triton(t: Tensor) -> bool:

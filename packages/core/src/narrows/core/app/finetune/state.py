@@ -165,7 +165,7 @@ class RunState:
     def checkpoint_adapter(self, step: int) -> dict[str, torch.Tensor]:
         """The adapter weights of checkpoint `step` (PEFT's state dict, as saved), checked
         against the checksum written with them."""
-        from .rundir import _damage
+        from .run_folder import _damage
 
         path = self.root / "checkpoints" / f"step-{step:06d}"
         why = _damage(path)
@@ -208,7 +208,7 @@ def run_state(folder: str | os.PathLike) -> RunState | None:
     """The state of the ``narrows finetune`` run in `folder`; None where `folder` holds no
     run (e.g. a folder PEFT's save_pretrained wrote)."""
     from .configfile import FORMAT
-    from .rundir import RunFolder
+    from .run_folder import RunFolder
 
     run = RunFolder(folder)
     try:
