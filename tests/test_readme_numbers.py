@@ -19,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+import readme_tables  # noqa: E402  (benchmarks/readme_tables.py)
 import results  # noqa: E402  (benchmarks/results.py)
 
 READMES = {"README.md": ROOT / "README.md", "benchmarks/README.md": BENCHMARKS / "README.md"}
@@ -38,7 +39,7 @@ def measured(rows) -> results.Results:
 
 def outside_tables(text: str) -> str:
     """The README's own words: without generated blocks, code blocks and code spans."""
-    text = results.MARKED.sub("", text)
+    text = readme_tables.MARKED.sub("", text)
     text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
     return re.sub(r"`[^`]*`", "", text)
 
@@ -46,13 +47,13 @@ def outside_tables(text: str) -> str:
 @pytest.mark.parametrize("name", READMES)
 def test_the_tables_are_what_the_results_files_give(name, measured):
     text = READMES[name].read_text()
-    assert results.marked(text), f"{name} has no generated table"
-    for table in results.marked(text):
-        assert table in results.TABLES, f"{name}: no generator for <!-- results:{table} -->"
+    assert readme_tables.marked(text), f"{name} has no generated table"
+    for table in readme_tables.marked(text):
+        assert table in readme_tables.TABLES, f"{name}: no generator for <!-- results:{table} -->"
     stale = [
         m.group(2)
-        for m in results.MARKED.finditer(text)
-        if m.group(3) != results.TABLES[m.group(2)](measured).rstrip("\n") + "\n"
+        for m in readme_tables.MARKED.finditer(text)
+        if m.group(3) != readme_tables.TABLES[m.group(2)](measured).rstrip("\n") + "\n"
     ]
     assert not stale, f"{name}: stale tables {stale}; run python benchmarks/results.py tables"
 
@@ -92,7 +93,7 @@ def test_a_changed_measurement_changes_its_table(rows):
     row = next(r for r in changed if r["case"] == "peers_7b_8x512" and r["name"] == "unsloth")
     row["metrics"]["median_s_per_step"] *= 1.5
     text = READMES["README.md"].read_text()
-    assert results.render(text, results.Results(changed)) != text
+    assert readme_tables.render(text, results.Results(changed)) != text
 
 
 def test_links_into_benchmarks_readme_name_its_sections():

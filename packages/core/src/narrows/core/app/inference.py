@@ -12,6 +12,7 @@ each imported only when asked for and checked to be installed first.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,6 @@ def check_run_base(
     `explicit`) must be there and the same, or the refusal says so and how to score anyway
     (`how`: the way to give a base, e.g. ``--model {}``); a base given explicitly that
     differs is said on stderr and its differences returned, for the report to record."""
-    import sys
-
     where = Path(path)
     if not where.exists():
         raise NarrowsError(

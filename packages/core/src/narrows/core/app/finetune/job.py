@@ -145,7 +145,7 @@ def _finished(run: RunFolder, settled: Resumption) -> dict | None:
     return summary
 
 
-def open_reporters_cleanly(cfg: FinetuneConfig, run: RunFolder, step: int) -> list:
+def _open_reporters(cfg: FinetuneConfig, run: RunFolder, step: int) -> list:
     """The run's reporters, opened before its config.json is written; where one fails, what
     the others wrote into the run folder is removed, so the same command can run again."""
     before = set(run.root.iterdir())
@@ -246,9 +246,7 @@ def _run(
     # the settings this start runs with: a later hand edit of config.json is told apart from them
     entry.update(step=step, narrows=__version__, argv=sys.argv[1:], config=dataclasses.asdict(cfg))
     if ranks.main:
-        run.reporters = open_reporters_cleanly(
-            cfg, run, step
-        )  # --report-to; a refusal leaves the folder as it was
+        run.reporters = _open_reporters(cfg, run, step)  # --report-to; a refusal leaves the folder as it was
         run.write_config(cfg, [*(history or []), entry], inputs)
     setup_s = time.perf_counter() - t_setup
 

@@ -22,13 +22,12 @@ __all__ = ["Resumption", "plan_resume"]
 @dataclass(frozen=True)
 class Resumption:
     """A resume settled: `cfg` (checked) is what the run trains with from here on; `changes`
-    of the settings it last `started` with; `edited` names the fields that changed in
+    of the settings it last started with; `edited` names the fields that changed in
     config.json by hand; `places` the inputs named anew (their content is compared when
     the job resumes); `restart` says the run starts again from step 0 with no checkpoint
     left (only with --override)."""
 
     cfg: FinetuneConfig
-    started: FinetuneConfig
     changes: Changes
     edited: frozenset[str]
     places: dict[str, str]
@@ -141,7 +140,7 @@ def plan_resume(
             )
         setattr(cfg, name, path)
     if summarized and newest >= cfg.steps and not changes.all and not places:
-        return Resumption(cfg, started, changes, edited, places)  # it ended: the job says so
+        return Resumption(cfg, changes, edited, places)  # it ended: the job says so
     require_inputs(folder, cfg)  # a moved input: the way to name its new place, before any other check
     try:
         cfg = cfg.checked()
@@ -163,7 +162,7 @@ def plan_resume(
             f"steps and saved every {started.save_every}: it would train again from step 0. Put the checkpoints "
             "back, or add --override to start it again from step 0 (recorded in the run's history)"
         )
-    return Resumption(cfg, started, changes, edited, places, restart)
+    return Resumption(cfg, changes, edited, places, restart)
 
 
 def _edited_back(name: str, edited: frozenset[str], folder: Path) -> str:
