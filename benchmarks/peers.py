@@ -23,8 +23,33 @@ Modes: ``unsloth`` (FastLanguageModel over the folder, its own gradient checkpoi
 ``use_gradient_checkpointing="unsloth"``, run from its own site directory: see
 benchmarks/stage_unsloth.sh); ``peft`` and ``peft-ckpt`` (transformers' own load of the folder,
 PEFT's LoRA, with HF gradient checkpointing for ``-ckpt``: no narrows code in the process); any
-other is a mode of stream_qlora.py run over the folder (``stream-8GiB-lmhead-fast``,
-``stream-min-lmhead``, ``resident-ckpt-fast``, ``resident``, ...: see its docstring).
+``finetune-<budget>`` (the main job: see below); any other is a mode of stream_qlora.py run
+over the folder (``stream-8GiB-lmhead-fast``, ``stream-min-lmhead``, ``resident-ckpt-fast``,
+``resident``, ...: see its docstring).
+
+The main job, ``finetune-<budget>`` (``finetune-8GiB``, ``finetune-min``, ``finetune-off``;
+suffixes ``-eager``: ``--no-cuda-graphs``, ``-graphs``: ``--cuda-graphs``, ``-peft``: ``--kernels
+peft``): ``python -m narrows.core.app.cli finetune --model FOLDER --data FILE --packing
+--gpu-budget <budget> --batch B --grad-accum G --seq-len S --steps <warm-up + timed> --rank 16
+--alpha 32 --lr 1e-4 --eval-rows 0 --exact-match 0 ...`` in its own process, as a user runs it:
+no ``--quant`` (the folder's quantization_config says NF4, and the loader takes its packed
+weights as they are whatever ``--quant`` says), the default ``--targets all-linear`` (the row
+checks its adapter_config.json names the seven projections), the job's own AdamW and cosine
+schedule. Its data (written once into --work): text rows of seeded random ASCII, every token
+trained, each longer than S tokens under the byte-level tokenizer, so the job truncates each to
+S and ``--packing`` fills every sequence with one whole row (B × S real tokens a micro-batch).
+The row reads the run folder's metrics.jsonl: ``step_s`` of the steps after the warm-up (the
+job times each step with the device synchronised), min / median / max, and the largest
+``peak_bytes`` (the job's peak: CUDA's allocated peak plus narrows-stream's graph pool; on a CPU
+the process's RSS), beside the process's wall time and summary.json's plan (resident layers,
+CUDA graphs and why). ``--host-profile`` runs the job once more in a process of its own through
+benchmarks/_profiled_job.py: after the warm-up, --steps steps measure the main thread's CPU
+seconds a step without a profiler (its waits on the GPU made to block, not spin, so they cost
+no CPU), then --steps more run under cProfile; the row's ``host_profile`` holds both and the
+top 30 functions by own time (ms and calls a step), and the pstats file lands beside --out.
+Against Unsloth (staged as below, carrying .gpu and .gpu-unsloth), on the GPU machine:
+
+    source .gpu/env && python3 benchmarks/peers.py --shape 7b-8x512 --modes unsloth,finetune-8GiB --host-profile --out $OUT/peers_7b_8x512_main_job.json
 
 Stage here first (PyPI reachable): ../shared/gpu/stage && bash benchmarks/stage_unsloth.sh. Then on
 the GPU machine, from the checkout root, carrying .gpu and .gpu-unsloth:
@@ -38,6 +63,7 @@ reused by the next run of the same model while the machine stays warm.
 The smoke form on a CPU (Unsloth's rows are skipped there: its kernels are Triton):
 
     uv run --no-sync python benchmarks/peers.py --shape tiny --steps 2 --warmup 1 --out /tmp/peers_tiny.json
+    uv run --no-sync python benchmarks/peers.py --shape tiny --modes finetune-off,finetune-min --steps 2 --warmup 1 --host-profile --out /tmp/peers_tiny_main_job.json
 """
 
 from __future__ import annotations
@@ -47,6 +73,7 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,7 +90,8 @@ import _models
 import stream_qlora
 from checkpoints import folder_bytes
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 UNSLOTH_ENV = ROOT / ".gpu-unsloth" / "env"
 VERSIONS = (
     "torch",
@@ -438,18 +466,177 @@ def run_one(args: argparse.Namespace) -> dict:
         versions=versions(),
         cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     )  # costs host time a matmul
+    spread(row, args)
+    return row
+
+
+def spread(row: dict, args: argparse.Namespace) -> None:
+    """The row's min / median / max seconds a step over its timed steps, and tokens a second
+    at the median."""
     steps = row.get("step_s")
     if steps:
-        row["median_s_per_step"] = statistics.median(steps)
+        row.update(
+            min_s_per_step=min(steps), median_s_per_step=statistics.median(steps), max_s_per_step=max(steps)
+        )
     row.setdefault("median_s_per_step", row.get("s_per_step"))  # stream_qlora's mean, where no per-step times
     row["tokens_per_s"] = args.batch * args.seq * args.grad_accum / row["median_s_per_step"]
+
+
+# --- the main job: `narrows finetune`, each run its own process -------------------------------
+JOB_SUFFIXES = {"eager": ["--no-cuda-graphs"], "graphs": ["--cuda-graphs"], "peft": ["--kernels", "peft"]}
+
+
+def is_job(mode: str) -> bool:
+    return mode.split("-")[0] == "finetune"
+
+
+def job_data(work: Path, seq: int, rows: int) -> Path:
+    """Training data the main job reads, written once: `rows` text rows (every token trains) of
+    seeded random ASCII, each `seq` + 64 characters, one token a character under the folder's
+    byte-level tokenizer: the job truncates each to `seq` tokens and `--packing` puts one whole
+    row in each sequence."""
+    import random
+    import string
+
+    path = work / f"finetune-text-{seq}x{rows}.jsonl"
+    if not path.is_file():
+        rng = random.Random(0)
+        chars = string.ascii_letters + string.digits + " .,;:!?-"
+        part = path.with_name(path.name + ".part")
+        with part.open("w") as f:
+            for _ in range(rows):
+                f.write(json.dumps({"text": "".join(rng.choices(chars, k=seq + 64))}) + "\n")
+        part.rename(path)
+    return path
+
+
+def job_argv(
+    args: argparse.Namespace, mode: str, folder: Path, data: Path, out: Path, steps: int
+) -> list[str]:
+    """The CLI's arguments for `mode` (finetune-<budget>[-suffix...]): what a user types."""
+    budget, *suffixes = mode.split("-")[1:]
+    unknown = [x for x in suffixes if x not in JOB_SUFFIXES]
+    if unknown:
+        raise ValueError(f"{mode}: unknown suffix {unknown}; known: {sorted(JOB_SUFFIXES)}")
+    # no --quant: the folder is NF4 already (its quantization_config), loaded as it is
+    argv = ["finetune", "--model", str(folder), "--data", str(data), "--packing", "--gpu-budget", budget]
+    argv += ["--batch", str(args.batch), "--grad-accum", str(args.grad_accum), "--seq-len", str(args.seq)]
+    argv += ["--steps", str(steps), "--rank", "16", "--alpha", "32", "--dropout", str(args.dropout)]
+    argv += ["--lr", "1e-4", "--eval-rows", "0", "--exact-match", "0", "--save-every", str(steps)]
+    argv += ["--no-progress", "--out", str(out)]
+    return argv + [flag for x in suffixes for flag in JOB_SUFFIXES[x]]
+
+
+def run_job(args: argparse.Namespace, mode: str, folder: Path, prof: Path | None = None) -> dict:
+    """The main job in its own process over the folder, then its run folder read: the timed
+    steps' ``step_s`` and ``peak_bytes`` (metrics.jsonl), the plan it chose (summary.json), the
+    adapters it trained (adapter_config.json). With `prof`: `host_profile` too."""
+    work = Path(args.work)
+    micro = args.batch * args.grad_accum  # rows a step: enough for every run's steps, none twice
+    data = job_data(work, args.seq, max(64, micro * (max(1, args.warmup) + 2 * args.steps)))
+    run_dir = work / f"run-{mode}"
+    total = args.warmup + args.steps
+    try:
+        argv = job_argv(args, mode, folder, data, run_dir, total)
+    except ValueError as e:
+        return {"mode": mode, "error": str(e)}
+    shutil.rmtree(run_dir, ignore_errors=True)  # the job wants a new or empty run folder
+    row: dict = {"mode": mode, "command": shlex.join(["python", "-m", "narrows.core.app.cli", *argv])}
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "narrows.core.app.cli", *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=args.timeout,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )
+    except subprocess.TimeoutExpired:
+        return {**row, "error": f"timed out after {args.timeout} s"}
+    row.update(wall_s=time.perf_counter() - t, returncode=proc.returncode)
+    row["said"] = [x[:300] for x in proc.stderr.splitlines() if x.startswith("narrows:")][:40]
+    metrics = run_dir / "metrics.jsonl"
+    steps = (
+        [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.is_file() else []
+    )
+    steps = [m for m in steps if "step_s" in m]
+    if proc.returncode != 0 or len(steps) != total:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:] or ["no output"]
+        return {**row, "error": f"{len(steps)} of {total} steps logged: " + " | ".join(tail)[-900:]}
+    timed = steps[args.warmup :]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lora = json.loads((run_dir / "adapter_config.json").read_text())
+    cuda = summary["device"].startswith("cuda")
+    peak = max(m["peak_bytes"] for m in timed)
+    row.update(
+        step_s=[m["step_s"] for m in timed],
+        losses=[m["loss"] for m in timed],
+        final_loss=timed[-1]["loss"],
+        peak_allocated=peak if cuda else None,
+        peak_bytes=peak,
+        peak_is="CUDA allocated peak + narrows-stream's graph pool"
+        if cuda
+        else "process RSS high-water mark",
+        load_s=summary["setup_s"],  # files checked, data tokenised, model loaded, adapters built
+        job={k: summary.get(k) for k in ("device", "dtype", "kernels", "setup_s", "train_s", "tokens_per_s")},
+        plan=summary.get("stream"),  # resident layers, CUDA graphs and why, accumulation: streamed runs only
+        lora={k: lora.get(k) for k in ("r", "lora_alpha", "lora_dropout")}
+        | {"target_modules": sorted(lora.get("target_modules") or [])},
+        same_lora_as_peers=sorted(lora.get("target_modules") or []) == sorted(_models.TARGETS)
+        and lora.get("r") == 16
+        and lora.get("lora_alpha") == 32,
+        data={"file": str(data), "format": "text, every token trained", "packing": True},
+        versions=versions(),
+        printed=[x for x in proc.stdout.splitlines() if x.strip() and not x.startswith("step ")][:40],
+    )
+    spread(row, args)
+    if prof is not None:
+        row["host_profile"] = job_host_profile(args, mode, folder, data, prof)
     return row
+
+
+def job_host_profile(args: argparse.Namespace, mode: str, folder: Path, data: Path, prof: Path) -> dict:
+    """The same job once more, in a process of its own through _profiled_job.py: the main
+    thread's CPU seconds a step over --steps steps after the warm-up, no profiler, its waits on
+    the GPU blocking (no spinning); then --steps steps under cProfile, its top functions by
+    own (wall) time a step; the pstats file at `prof`."""
+    work = Path(args.work)
+    warmup = max(1, args.warmup)  # the measurement starts at a warm-up step's row
+    run_dir, stats = work / f"run-{mode}-profiled", work / f"host-profile-{mode}.json"
+    argv = job_argv(args, mode, folder, data, run_dir, warmup + 2 * args.steps)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    stats.unlink(missing_ok=True)
+    cmd = [sys.executable, str(HERE / "_profiled_job.py"), "--warmup", str(warmup)]
+    cmd += ["--plain", str(args.steps), "--profiled", str(args.steps), "--stats", str(stats)]
+    cmd += ["--prof", str(prof), "--", *argv]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=2 * args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {2 * args.timeout} s"}
+    if not stats.is_file():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:] or ["no output"]
+        return {"error": " | ".join(tail)[-900:], "returncode": proc.returncode}
+    out = json.loads(stats.read_text())
+    out.pop("argv", None)  # the row's command, with --steps and --out of this run
+    if "plain" in out:
+        plain, profiled = out["plain"], out["profiled"]
+        out.update(
+            host_s_per_step=plain["median_thread_cpu_s"],  # the main thread's CPU time, no profiler
+            host_run_step_s=plain["median_step_s"],  # those steps' own step_s (this process's)
+            profiled_host_s_per_step=profiled["median_thread_cpu_s"],
+            profiled_step_s=profiled["median_step_s"],
+            pstats=prof.name,
+        )
+    return out
 
 
 # --- the parent --------------------------------------------------------------------------------
 def family(mode: str) -> str:
     if mode == "unsloth":
         return "Unsloth"
+    if is_job(mode):
+        return "narrows finetune, the main job"
     if mode.startswith("peft"):
         return "PEFT" + (" + HF checkpointing" if mode.endswith("-ckpt") else "")
     return "narrows, " + ("fast kernels" if "fast" in mode.split("-") else "PEFT's kernels")
@@ -462,6 +649,8 @@ def twin_of(mode: str, tile_tokens: int | None = None) -> tuple[str | None, str]
     parts = mode.split("-")
     if mode in ("unsloth", "peft", "peft-ckpt"):
         return None, "not narrows"
+    if is_job(mode):
+        return None, "the main job: its own data, schedule and seeds"
     if parts[0] == "resident":
         return None, "a resident row is the twin's own kind"
     kinds = [k for k in ("fast", "f32lora", "lmhead", "fuse") if k in parts]
@@ -548,21 +737,39 @@ def table(rows: list[dict]) -> str:
     gib = 2**30
     ref = next((r for r in rows if r["mode"] == "unsloth" and "final_loss" in r), None)
     lines = [
-        "| mode | what | peak GiB | median s/step | tokens/s | final loss | vs Unsloth s/step | = resident |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | what | peak GiB | median s/step | min–max | tokens/s | final loss | vs Unsloth s/step "
+        "| = resident |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "final_loss" not in r:
             lines.append(
-                f"| `{r['mode']}` | {family(r['mode'])} | {r.get('skipped') or r.get('error', '')[:120]} ||||||"
+                f"| `{r['mode']}` | {family(r['mode'])} | {r.get('skipped') or r.get('error', '')[:120]} |||||||"
             )
             continue
         peak = f"{r['peak_allocated'] / gib:.2f}" if r.get("peak_allocated") else "–"
         vs = f"{r['median_s_per_step'] / ref['median_s_per_step']:.2f}" if ref else "–"
+        span = f"{r['min_s_per_step']:.3f}–{r['max_s_per_step']:.3f}" if "min_s_per_step" in r else "–"
         lines.append(
-            f"| `{r['mode']}` | {family(r['mode'])} | {peak} | {r['median_s_per_step']:.3f} | "
+            f"| `{r['mode']}` | {family(r['mode'])} | {peak} | {r['median_s_per_step']:.3f} | {span} | "
             f"{r['tokens_per_s']:.0f} | {r['final_loss']:.4f} | {vs} | {twin_cell(r.get('twin'))} |"
         )
+    for r in rows:
+        host = r.get("host_profile") or {}
+        if "host_s_per_step" in host:
+            waits = host.get("sync_after", host.get("sync"))
+            lines.append(
+                f"\n`{r['mode']}` host: the main thread's CPU {host['host_s_per_step']:.3f} s a step "
+                f"(step_s {host['host_run_step_s']:.3f} s; waits on the device: {waits}; under "
+                f"cProfile {host['profiled_host_s_per_step']:.3f} of {host['profiled_step_s']:.3f} s); "
+                "top own time a step:"
+            )
+            lines += [
+                f"    {f['tottime_ms_per_step']:8.2f} ms {f['calls_per_step']:8.0f} calls  {f['function']}"
+                for f in host["top_tottime"][:10]
+            ]
+        elif host:
+            lines.append(f"\n`{r['mode']}` host profile: {host.get('error', host)}")
     return "\n".join(lines)
 
 
@@ -615,6 +822,12 @@ def main() -> None:
         help="steps of each narrows row's deterministic twin check against resident training "
         "(torch.equal adapters; 0: none)",
     )
+    ap.add_argument(
+        "--host-profile",
+        action="store_true",
+        help="finetune-* rows: run the job again for the host seconds a step and its cProfile "
+        "(benchmarks/_profiled_job.py; the pstats file beside --out)",
+    )
     ap.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save-adapters", help=argparse.SUPPRESS)
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
@@ -644,6 +857,7 @@ def main() -> None:
         return
 
     out = Path(args.out or f"benchmarks/results/peers_{args.shape}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     folder = build_folder(args.model, Path(args.work) / f"{Path(args.model).name.removesuffix('.json')}-nf4")
     # (not .stem: "qwen2.5-7b" and "qwen2.5-32b" both have the stem "qwen2", and the second reused the first's folder)
@@ -663,6 +877,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "commit": git_commit(),
         "versions": versions(),
+        "host_profile": args.host_profile,
         "rows": [],
     }
     print(
@@ -670,7 +885,11 @@ def main() -> None:
         flush=True,
     )
     for mode in args.modes.split(","):
-        row = child(args, mode, folder)
+        if is_job(mode):
+            prof = out.with_name(f"{out.stem}.{mode}.prof") if args.host_profile else None
+            row = run_job(args, mode, folder, prof)
+        else:
+            row = child(args, mode, folder)
         if args.twin and "error" not in row and "skipped" not in row:
             row["twin"] = equal_twin(args, mode, folder)
         run["rows"].append(row)
@@ -678,7 +897,9 @@ def main() -> None:
             k: row[k]
             for k in (
                 "mode",
+                "min_s_per_step",
                 "median_s_per_step",
+                "max_s_per_step",
                 "peak_allocated",
                 "final_loss",
                 "wall_s",
@@ -688,8 +909,11 @@ def main() -> None:
             )
             if k in row
         }
+        if "host_profile" in row:
+            brief["host_s_per_step"] = row["host_profile"].get(
+                "host_s_per_step", row["host_profile"].get("error")
+            )
         print(json.dumps(brief), flush=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(run, indent=2))  # after every row: a run cut short keeps what it measured
     g = f", G {args.grad_accum}" if args.grad_accum > 1 else ""
     print(

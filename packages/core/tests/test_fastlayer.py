@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import narrows.core.kernels.fastlayer.fuse as fuse
+import narrows.core.kernels.rng as rng
 from narrows.core import fuse_layers, quantize_nf4, unfuse_layers
-from narrows.core.kernels.fastlayer import adapter_math, ops, why_not
+from narrows.core.kernels.fastlayer import FastLayer, adapter_math, compute, ops, why_not
 from narrows.core.kernels.fastlayer.lora import Masks
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
@@ -83,17 +84,17 @@ def test_a_dropped_adapter_gradient_would_show():
     model = _model("qwen2")
     fuse_layers(model)
     good = _steps(model)
-    original = fuse.compute.backward
+    original = compute.backward
 
     def lose_down(parts, saved, grad, cache=None):
         g_x, grads = original(parts, saved, grad, cache)
         return g_x, [*grads[:-1], torch.zeros_like(grads[-1])]
 
-    fuse.compute.backward = lose_down
+    compute.backward = lose_down
     try:
         assert not _close(good, _steps(model), rtol=1e-3, atol=1e-5)
     finally:
-        fuse.compute.backward = original
+        compute.backward = original
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -113,9 +114,7 @@ def test_dropout_masks_come_from_the_replayed_rng(monkeypatch):
     kept = _steps(model, seed=3)
     fuse_layers(model, recompute=True)
     with monkeypatch.context() as m:
-        m.setattr(
-            fuse._Rng, "replay", lambda self: contextlib.nullcontext()
-        )  # from wherever the generator is
+        m.setattr(rng, "replay", lambda state: contextlib.nullcontext())  # from wherever the generator is
         drifted = _steps(model, seed=3)
     assert torch.equal(drifted[0], kept[0]) and not _equal(drifted[2:], kept[2:])
     assert _equal(_steps(model, seed=3), kept)
@@ -348,7 +347,7 @@ def test_float32_lora_gives_the_adapters_float32_precision():
     fuse_layers(dropped, recompute=True)
     assert not _equal(_steps(dropped, seed=3), kept)  # bf16 LoRA: other bits
     unfuse_layers(dropped)
-    assert not any("_narrows_lora_dtype" in layer.__dict__ for layer in dropped.base_model.model.model.layers)
+    assert all(FastLayer.of(layer).lora_dtype is None for layer in dropped.base_model.model.model.layers)
     with pytest.raises(ValueError, match="lora_dtype"):
         fuse_layers(_model("llama"), lora_dtype=torch.float16)
 
@@ -569,8 +568,8 @@ def test_checkpointing_turned_on_after_fusing_recomputes(monkeypatch):
     fuse_layers(model)
     kept = _steps(model)
     calls = []
-    real = fuse.compute.recompute
-    monkeypatch.setattr(fuse.compute, "recompute", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = compute.recompute
+    monkeypatch.setattr(compute, "recompute", lambda *a, **k: calls.append(1) or real(*a, **k))
     model.gradient_checkpointing_enable()
     assert _equal(_steps(model), kept) and len(calls) == 2 * 3
     model.gradient_checkpointing_disable()
@@ -654,16 +653,16 @@ def test_4bit_q_k_v_and_gate_up_each_run_one_matmul_on_their_weights_stacked():
     x = torch.randn(2, 12, 64)
     cos, sin = _rotary(model, x)
     cache = {}
-    saved = fuse.compute.recompute(parts, x, cos, sin, None, cache)
-    grads = fuse.compute.backward(parts, saved, torch.ones_like(x), cache)
+    saved = compute.recompute(parts, x, cos, sin, None, cache)
+    grads = compute.backward(parts, saved, torch.ones_like(x), cache)
     assert sorted(cache) == ["down", "gate+up", "o", "q+k+v"]
     held = HeldWeights([layer], "cpu")
     with held.hold(layer):
         w = parts.qkv.stacked_weight(x, None)
         assert w.untyped_storage().data_ptr() == held.buffer.untyped_storage().data_ptr()
         assert torch.equal(w, cache["q+k+v"])
-        held_saved = fuse.compute.recompute(parts, x, cos, sin, None)
-        held_grads = fuse.compute.backward(parts, held_saved, torch.ones_like(x))
+        held_saved = compute.recompute(parts, x, cos, sin, None)
+        held_grads = compute.backward(parts, held_saved, torch.ones_like(x))
     assert torch.equal(grads[0], held_grads[0]) and _equal(grads[1], held_grads[1])
     dense = fuse.parts_or_none(_model("llama").base_model.model.model.layers[0])
     assert not any(g.stacked for g in dense.groups)

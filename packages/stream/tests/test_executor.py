@@ -23,26 +23,14 @@ class Recording(EagerExecutor):
         self.calls: list[tuple[str, int]] = []
         self.side: list[int] = []  # how many side gradients each backward received
 
-    def forward(self, index, layer, fn, hidden, args, kwargs, state=None):
-        self.calls.append(("forward", index))
-        return super().forward(index, layer, fn, hidden, args, kwargs, state)
+    def forward(self, run, hidden):
+        self.calls.append(("forward", run.index))
+        return super().forward(run, hidden)
 
-    def backward(
-        self,
-        index,
-        layer,
-        fn,
-        hidden,
-        args,
-        kwargs,
-        grad_out,
-        params,
-        side: SideGrads | None = None,
-        state=None,
-    ):
-        self.calls.append(("backward", index))
+    def backward(self, run, hidden, grad_out, params, side: SideGrads | None = None):
+        self.calls.append(("backward", run.index))
         self.side.append(len(side.grads) if side is not None else 0)
-        return super().backward(index, layer, fn, hidden, args, kwargs, grad_out, params, side, state)
+        return super().backward(run, hidden, grad_out, params, side)
 
 
 def _record(monkeypatch) -> list[Recording]:

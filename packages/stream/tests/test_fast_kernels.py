@@ -13,7 +13,7 @@ from helpers import Dequantizations, assert_identical, build, train
 import narrows.stream as ns
 import narrows.stream.execution.fast as fast
 from narrows.core import anatomy_of, fuse_layers
-from narrows.core.kernels.fastlayer import coverage
+from narrows.core.kernels.fastlayer import compute, coverage
 from narrows.stream.errors import StreamSetupError
 
 
@@ -73,10 +73,8 @@ def test_dropout_is_replayed_in_the_fast_recompute():
 def test_the_streamed_layers_run_the_fast_entry_points(monkeypatch):
     calls = []
     for name in ("forward", "recompute", "backward"):
-        real = getattr(fast.compute, name)
-        monkeypatch.setattr(
-            fast.compute, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k)
-        )
+        real = getattr(compute, name)
+        monkeypatch.setattr(compute, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
     train(
         _build(), steps=1, stream_kwargs={"kernels": "fast", "check": False}
     )  # the self-check runs layers too
@@ -85,13 +83,13 @@ def test_the_streamed_layers_run_the_fast_entry_points(monkeypatch):
 
 def test_a_wrong_fast_gradient_changes_training(monkeypatch):
     reference = _resident_fast()
-    real = fast.compute.backward
+    real = compute.backward
 
     def halved(parts, saved, grad, cache=None):
         g_x, grads = real(parts, saved, grad, cache)
         return g_x, [g / 2 for g in grads]
 
-    monkeypatch.setattr(fast.compute, "backward", halved)
+    monkeypatch.setattr(compute, "backward", halved)
     got = train(_build(), steps=2, grad_accum=2, stream_kwargs={"kernels": "fast"})
     with pytest.raises(AssertionError):
         assert_identical(reference, got)

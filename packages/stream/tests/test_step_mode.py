@@ -13,9 +13,9 @@ from helpers import Dequantizations, assert_identical, build
 
 import narrows.stream as ns
 from narrows.core import fuse_layers, fuse_lora, is_nf4_linear
+from narrows.core.kernels import rng
 from narrows.core.testing import tiny_batch
 from narrows.stream.errors import StreamSetupError
-from narrows.stream.execution import rng
 
 G = 3
 STEPS = 3

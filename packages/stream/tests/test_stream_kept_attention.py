@@ -11,9 +11,9 @@ import pytest
 from helpers import assert_identical, build, train
 
 import narrows.stream as ns
-import narrows.stream.execution.fast as fast
 import narrows.stream.execution.kept_attention as kept_attention
 from narrows.core import anatomy_of, fuse_layers
+from narrows.core.kernels.fastlayer import compute
 from narrows.stream.planning import planned_shapes
 from narrows.stream.planning.attention import keep_attention
 
@@ -37,13 +37,13 @@ class _Sdpa:
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        real = fast.compute.F.scaled_dot_product_attention
+        real = compute.F.scaled_dot_product_attention
 
         def counted(*args, **kwargs):
             self.calls += 1
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(fast.compute.F, "scaled_dot_product_attention", counted)
+        monkeypatch.setattr(compute.F, "scaled_dot_product_attention", counted)
 
 
 @pytest.mark.parametrize(

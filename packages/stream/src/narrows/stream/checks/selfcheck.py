@@ -13,8 +13,9 @@ from torch import nn
 from narrows.core import Anatomy
 
 from ..errors import SelfCheckError
+from ..execution.executor import LayerRun
 from ..execution.offload import ActivationOffload
-from ..execution.remat import LayerCall, StreamedLayer, layer_original, replaced_forwards
+from ..execution.remat import LayerCall, StreamedLayer, checked_forward, layer_original, replaced_forwards
 from ..execution.side_outputs import SideOutputs
 from ..storage.engine import TransferEngine
 
@@ -68,7 +69,8 @@ def self_check(
         torch.manual_seed(1234)
         with torch.enable_grad():
             h = x.clone().requires_grad_(True)
-            call = LayerCall(0, original, args, kwargs, engine, params, SideOutputs(layer, 0), offload)
+            run = LayerRun(0, layer, checked_forward(0, original), args, kwargs)
+            call = LayerCall(run, engine, params, SideOutputs(layer, 0), offload)
             out = StreamedLayer.apply(call, h, *params)[0]
             got = [out.detach(), *torch.autograd.grad(out, [h, *params], grad_out, allow_unused=True)]
 

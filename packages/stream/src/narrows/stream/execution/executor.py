@@ -25,15 +25,21 @@ from torch import Tensor, nn
 
 from .side_outputs import SideOutputs
 
-__all__ = ["CallState", "EagerExecutor", "LayerExecutor", "SideGrads", "eager_backward", "eager_forward"]
+__all__ = ["EagerExecutor", "LayerExecutor", "LayerRun", "SideGrads", "eager_backward", "eager_forward"]
 
 
 @dataclass
-class CallState:
-    """What an executor keeps from one layer call's forward for that call's backward (the
-    fast layer's attention); the caller holds it between the two (`remat.LayerCall`)."""
+class LayerRun:
+    """One call of one decoder layer as an executor runs it; the same object reaches the
+    executor's forward and that call's backward (`remat.LayerCall` holds it between them)."""
 
-    kept: Any = None
+    index: int
+    layer: nn.Module
+    fn: Callable[..., Any]  # the layer's own forward, called as ``fn(hidden, *args, **kwargs)``
+    args: tuple
+    kwargs: dict
+    kept: Any = None  # what the executor keeps from the forward for the backward (the fast layer's attention)
+    may_keep: bool = True  # whether the same run reaches the backward, so the forward may keep something
 
 
 @dataclass(frozen=True)
@@ -92,35 +98,21 @@ def eager_backward(
 
 
 class LayerExecutor(Protocol):
-    """Runs one decoder layer: `fn` is the layer's own forward, called as
-    ``fn(hidden, *args, **kwargs)``; `layer` the module (whose parameters it may read)."""
+    """Runs one decoder layer call (`LayerRun`); the module is ``run.layer``, whose
+    parameters it may read."""
 
-    def forward(
-        self,
-        index: int,
-        layer: nn.Module,
-        fn: Callable[..., Any],
-        hidden: Tensor,
-        args: tuple,
-        kwargs: dict,
-        state: CallState | None = None,
-    ) -> Tensor:
+    def forward(self, run: LayerRun, hidden: Tensor) -> Tensor:
         """The layer's output, detached, computed as resident training computes it (grad
         on, the same kernels)."""
         ...
 
     def backward(
         self,
-        index: int,
-        layer: nn.Module,
-        fn: Callable[..., Any],
+        run: LayerRun,
         hidden: Tensor,
-        args: tuple,
-        kwargs: dict,
         grad_out: Tensor | None,
         params: Sequence[Tensor],
         side: SideGrads | None = None,
-        state: CallState | None = None,
     ) -> list[Tensor | None]:
         """Recompute the layer and differentiate it: the gradient of `hidden` when it
         requires grad, then one per parameter of `params` (None where unused)."""
@@ -130,29 +122,15 @@ class LayerExecutor(Protocol):
 class EagerExecutor(LayerExecutor):
     """Each call runs the layer's kernels one by one, as resident training does."""
 
-    def forward(
-        self,
-        index: int,
-        layer: nn.Module,
-        fn: Callable[..., Any],
-        hidden: Tensor,
-        args: tuple,
-        kwargs: dict,
-        state: CallState | None = None,
-    ) -> Tensor:
-        return eager_forward(fn, hidden, args, kwargs)
+    def forward(self, run: LayerRun, hidden: Tensor) -> Tensor:
+        return eager_forward(run.fn, hidden, run.args, run.kwargs)
 
     def backward(
         self,
-        index: int,
-        layer: nn.Module,
-        fn: Callable[..., Any],
+        run: LayerRun,
         hidden: Tensor,
-        args: tuple,
-        kwargs: dict,
         grad_out: Tensor | None,
         params: Sequence[Tensor],
         side: SideGrads | None = None,
-        state: CallState | None = None,
     ) -> list[Tensor | None]:
-        return eager_backward(fn, hidden, args, kwargs, grad_out, params, side)
+        return eager_backward(run.fn, hidden, run.args, run.kwargs, grad_out, params, side)

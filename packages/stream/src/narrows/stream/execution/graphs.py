@@ -55,7 +55,7 @@ from torch.utils import _pytree as pytree
 from narrows.core import ambient_state, held_token
 
 from ..config import DEFAULT_SHAPES
-from .executor import CallState, LayerExecutor, SideGrads, eager_backward, eager_forward
+from .executor import LayerExecutor, LayerRun, SideGrads, eager_backward, eager_forward
 
 log = logging.getLogger("narrows.stream")
 
@@ -170,17 +170,9 @@ class LayerGraphs(LayerExecutor):
             self._paused = False
 
     # ---- what the layers call ---------------------------------------------------------
-    def forward(
-        self,
-        index: int,
-        layer: nn.Module,
-        fn: Callable[..., Any],
-        hidden: Tensor,
-        args: tuple,
-        kwargs: dict,
-        state: CallState | None = None,
-    ) -> Tensor:
+    def forward(self, run: LayerRun, hidden: Tensor) -> Tensor:
         """`eager_forward`, through a graph when the layer can be captured."""
+        index, layer, fn, args, kwargs = run.index, run.layer, run.fn, run.args, run.kwargs
         leaves = [hidden, *pytree.tree_leaves((args, kwargs))]
         key = self._key("fwd", index, layer, leaves, args, kwargs, hidden.requires_grad)
         if key is None:
@@ -194,19 +186,15 @@ class LayerGraphs(LayerExecutor):
 
     def backward(
         self,
-        index: int,
-        layer: nn.Module,
-        fn: Callable[..., Any],
+        run: LayerRun,
         hidden: Tensor,
-        args: tuple,
-        kwargs: dict,
         grad_out: Tensor | None,
         params: Sequence[Tensor],
         side: SideGrads | None = None,
-        state: CallState | None = None,
     ) -> list[Tensor | None]:
         """`eager_backward`, through a graph when the layer can be captured. A call whose
         output has no gradient or whose side outputs have one runs eagerly, uncounted."""
+        index, layer, fn, args, kwargs = run.index, run.layer, run.fn, run.args, run.kwargs
         leaves = [hidden, *pytree.tree_leaves((args, kwargs)), grad_out]
         extra = (hidden.requires_grad, tuple(id(p) for p in params))
         eager = grad_out is None or (side is not None and len(side.grads) > 0)

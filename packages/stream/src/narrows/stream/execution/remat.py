@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from narrows.core import Ambient, HeldWeights, ambient_as, ambient_state
+from narrows.core.kernels import rng
 
-from . import rng
-from .executor import CallState, EagerExecutor, LayerExecutor, SideGrads
+from .executor import EagerExecutor, LayerExecutor, LayerRun, SideGrads
 from .side_outputs import SideOutputs
 
 if TYPE_CHECKING:  # what a call is handed; remat only calls it
@@ -37,12 +37,9 @@ if TYPE_CHECKING:  # what a call is handed; remat only calls it
 
 @dataclass
 class LayerCall:
-    """Everything a layer call needs that is not differentiated: replayed verbatim."""
+    """Everything a streamed layer call needs that is not differentiated: replayed verbatim."""
 
-    index: int
-    fn: Callable[..., Any]  # the layer's own forward
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    run: LayerRun  # the call as the executor runs it (index, layer, its own forward, arguments)
     engine: TransferEngine
     params: tuple[nn.Parameter, ...]
     side: SideOutputs
@@ -51,26 +48,34 @@ class LayerCall:
     ambient: Ambient | None = None  # the forward's autocast and attention settings, for the recompute
     executor: LayerExecutor = field(default_factory=EagerExecutor)  # runs the forward and the recompute
     held: HeldWeights | None = None  # the buffer its 4-bit weights are held in through the backward
-    executor_state: CallState = field(default_factory=CallState)  # what the executor keeps for the backward
+
+    @property
+    def index(self) -> int:
+        return self.run.index
 
     def holding(self) -> Any:
         """The layer's 4-bit weights dequantised once for its backward (recompute and input
         gradient share the copy: the same bitsandbytes matmuls, so the same bits)."""
         return self.held.hold(self.side.layer) if self.held is not None else nullcontext()
 
-    def run(self, hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        """The layer's own forward, refusing anything but one hidden-states tensor."""
-        out = self.fn(hidden, *args, **kwargs)
+
+def checked_forward(index: int, fn: Callable[..., Any]) -> Callable[..., Tensor]:
+    """The layer's own forward, refusing anything but one hidden-states tensor."""
+
+    def forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        out = fn(hidden, *args, **kwargs)
         if not isinstance(out, Tensor):
             raise TypeError(
                 f"narrows.stream expects a decoder layer to return its hidden states as one tensor "
-                f"(transformers 5.x layers do); layer {self.index} returned {type(out).__name__}"
+                f"(transformers 5.x layers do); layer {index} returned {type(out).__name__}"
             )
         return out
 
+    return forward
+
 
 def _run(call: LayerCall, hidden: Tensor) -> Tensor:
-    return call.run(hidden, *call.args, **call.kwargs)
+    return call.run.fn(hidden, *call.run.args, **call.run.kwargs)
 
 
 class StreamedLayer(torch.autograd.Function):
@@ -91,9 +96,7 @@ class StreamedLayer(torch.autograd.Function):
             call.side.collecting(forward=True),
         ):
             h = hidden.detach().requires_grad_(hidden.requires_grad)
-            out = call.executor.forward(
-                call.index, call.side.layer, call.run, h, call.args, call.kwargs, call.executor_state
-            )
+            out = call.executor.forward(call.run, h)
         side = call.side.take_stand_ins()
         ctx.call, ctx.offloaded = call, saved
         ctx.save_for_backward(hidden if saved is None else None)
@@ -120,18 +123,7 @@ class StreamedLayer(torch.autograd.Function):
                 call.offload.prefetch(call.index - 1)  # the next backward's input, behind its weights
             h = hidden.detach().requires_grad_(need_h)
             params = [p for p, n in zip(call.params, need_p) if n]
-            grads = call.executor.backward(
-                call.index,
-                call.side.layer,
-                call.run,
-                h,
-                call.args,
-                call.kwargs,
-                grad_out,
-                params,
-                SideGrads(call.side, grad_side),
-                call.executor_state,
-            )
+            grads = call.executor.backward(call.run, h, grad_out, params, SideGrads(call.side, grad_side))
         grad_h = grads.pop(0) if need_h else None
         grad_params = [grads.pop(0) if n else None for n in need_p]
         return (None, grad_h, *grad_params)

@@ -103,8 +103,11 @@ class SideOutputs:
         self.originals, self.stand_ins = [], []
         saved: list[tuple[dict, Any, Callable[..., Any]]] = []
         try:
-            for module in self.layer.modules():
-                if module is self.layer or not module._forward_hooks:
+            stack = [m for m in self.layer._modules.values() if m is not None]
+            while stack:  # every submodule, walked without `modules()`' names and memo
+                module = stack.pop()
+                stack.extend(m for m in module._modules.values() if m is not None)
+                if not module._forward_hooks:
                     continue
                 for key, hook in list(module._forward_hooks.items()):
                     saved.append((module._forward_hooks, key, hook))

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor, nn
 
 from narrows.core import ambient_as, ambient_state, anatomy_of, ensure_architecture
+from narrows.core.kernels import rng
 
 from ..errors import StreamSetupError
-from . import rng
 
 __all__ = ["tile_sequence", "tiled_mlps"]
 

@@ -34,13 +34,13 @@ from narrows.core import Anatomy, HeldWeights, chunked_logits
 from ..errors import StreamSetupError
 from ..planning import Plan
 from ..storage.engine import TransferEngine
-from .executor import EagerExecutor, LayerExecutor
+from .executor import EagerExecutor, LayerExecutor, LayerRun
 from .fast import FastExecutor
 from .graphs import LayerGraphs
 from .head import StreamedHead
 from .kept_attention import HostAttention
 from .offload import ActivationOffload
-from .remat import LayerCall, drop_cache, streamed_call
+from .remat import LayerCall, checked_forward, drop_cache, streamed_call
 from .side_outputs import SideOutputs
 from .tiling import tile_sequence
 
@@ -101,6 +101,7 @@ def _layer_forward(
     original = layer.forward
     params = tuple(p for p in layer.parameters() if p.requires_grad)
     side = SideOutputs(layer, index)
+    checked = checked_forward(index, original)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args:
@@ -110,9 +111,8 @@ def _layer_forward(
         if torch.is_grad_enabled():
             drop_cache(kwargs)
         _check_args(index, args, kwargs)
-        call = LayerCall(
-            index, original, args, kwargs, engine, params, side, offload, executor=executor, held=held
-        )
+        run = LayerRun(index, layer, checked, args, kwargs)
+        call = LayerCall(run, engine, params, side, offload, executor=executor, held=held)
         return streamed_call(call, hidden)
 
     forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]

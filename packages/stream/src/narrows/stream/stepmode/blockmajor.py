@@ -21,11 +21,12 @@ from narrows.core import (
     loss_working_set,
     sharing_head_pass,
 )
+from narrows.core.kernels.rng import RngState, capture, replay, restore
 
 from ..errors import StreamSetupError
+from ..execution.executor import LayerRun
 from ..execution.offload import Offloaded
 from ..execution.remat import drop_cache, layer_original, replaced_forwards
-from ..execution.rng import RngState, capture, replay, restore
 from .rng_plan import same_state
 
 
@@ -236,15 +237,15 @@ class BlockMajor:
 
     def _forward(self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro) -> Tensor:
         """Layer `i` of one micro-batch, through the layer executor (`executor.py`)."""
-        return self.handle.executor.forward(i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i])
+        run = LayerRun(i, self.anat.layers[i], fn, micro.args[i], micro.kwargs[i], may_keep=False)
+        return self.handle.executor.forward(run, h)
 
     def _backward(
         self, i: int, fn: Callable[..., Any], h: Tensor, micro: _Micro, params: Sequence[Tensor]
     ) -> list[Tensor | None]:
         """Layer `i` of one micro-batch recomputed and differentiated by the layer executor."""
-        return self.handle.executor.backward(
-            i, self.anat.layers[i], fn, h, micro.args[i], micro.kwargs[i], micro.grad, params
-        )
+        run = LayerRun(i, self.anat.layers[i], fn, micro.args[i], micro.kwargs[i], may_keep=False)
+        return self.handle.executor.backward(run, h, micro.grad, params)
 
     def _prefetch_next_input(self, micros: list[_Micro], i: int, k: int) -> None:
         """Start bringing back the saved input the backward needs after layer `i` of

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..execution.rng import RngState, capture, restore
+from narrows.core.kernels.rng import RngState, capture, restore
+
 from .rng_plan import RandomOps
 
 log = logging.getLogger("narrows.stream")

@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from ..execution import rng
+from narrows.core.kernels import rng
 
 __all__ = ["RandomOps", "same_state"]
 

@@ -8,13 +8,14 @@ grouped-query attention, and the attention mask the model builds (a sliding wind
 included), with the model loaded for SDPA attention (the fast layer runs SDPA, whose
 masked rows differ from eager attention's in backward). Each linear is a plain ``nn.Linear``, a bitsandbytes ``Linear4bit``, or one of
 those inside PEFT's LoRA wrapper with one active adapter. Anything else is refused with
-its reason (`why_not`), and the layer runs as it would without narrows.
+its reason (`build_parts`), and the layer runs as it would without narrows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from ...quant.held import held_weight
@@ -22,7 +23,7 @@ from ...quant.nf4 import is_nf4_linear
 from ..lora_branches import _FusedForward
 from .lora import Linear, LinearGroup
 
-__all__ = ["FAST_LAYER_TYPES", "LayerParts", "parts_of", "parts_or_none", "why_not"]
+__all__ = ["FAST_LAYER_TYPES", "LayerParts", "build_parts"]
 
 FAST_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
 
@@ -93,7 +94,7 @@ def _tile_of(mlp: nn.Module) -> int | None:
 
 def _trains_outside_adapters(layer: nn.Module) -> bool:
     """Whether a parameter of `layer` whose name has no ``lora_`` part requires grad (as
-    ``named_parameters`` would find it, walked here directly: this runs at every call)."""
+    ``named_parameters`` would find it)."""
     stack = [layer]
     while stack:
         module = stack.pop()
@@ -215,27 +216,9 @@ def _linear(name: str, module: nn.Module) -> Linear | str:
     return Linear(name, weight, base.bias, a, b, scaling, dropout)
 
 
-def why_not(layer: nn.Module) -> str | None:
-    """Why the fast layer does not compute `layer` (None when it does)."""
-    parts = _parts(layer)
-    return parts if isinstance(parts, str) else None
-
-
-def parts_or_none(layer: nn.Module) -> LayerParts | None:
-    """`layer` as the fast layer computes it, or None where `why_not` has a reason."""
-    parts = _parts(layer)
-    return None if isinstance(parts, str) else parts
-
-
-def parts_of(layer: nn.Module) -> LayerParts:
-    """`layer` as the fast layer computes it; raises ValueError with `why_not`'s reason."""
-    parts = _parts(layer)
-    if isinstance(parts, str):
-        raise ValueError(f"narrows fast layer: {type(layer).__name__} is not covered: {parts}")
-    return parts
-
-
-def _parts(layer: nn.Module) -> LayerParts | str:
+def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> LayerParts | str:
+    """`layer` as the fast layer computes it, or why it does not (`FastLayer` keeps the
+    result until the layer changes)."""
     kind = type(layer).__name__
     if kind not in FAST_LAYER_TYPES:
         return f"fast layers cover {', '.join(FAST_LAYER_TYPES)}; this is a {kind}"
@@ -282,7 +265,6 @@ def _parts(layer: nn.Module) -> LayerParts | str:
         linears[n].dropout > 0 for n in ("gate", "up", "down") if linears[n].a is not None
     ):
         return "its MLP runs in sequence tiles with LoRA dropout (the fast layer's tiles redraw no masks)"
-    lora_dtype = getattr(layer, "_narrows_lora_dtype", None)  # fuse_layers' option
 
     def g(group: list[Linear]) -> LinearGroup:
         return LinearGroup(group, lora_dtype)
