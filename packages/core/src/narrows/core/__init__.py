@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .io.loader import load_blockwise
 
     # fast decoder layers (their own bits; the same resident and streamed)
-    from .kernels.fastlayer import FuseReport, fuse_layers, unfuse_layers
+    from .kernels.fastlayer import FastLayers, FuseReport, fuse_layers, unfuse_layers
 
     # LoRA branches as one autograd node each (same bits as PEFT)
     from .kernels.lora_branches import LoraBranch, fuse_lora, lora_branch_reference, unfuse_lora
@@ -71,6 +71,9 @@ if TYPE_CHECKING:
         supported_architectures,
         unwrap_model,
     )
+
+    # narrows' transforms of a model, each given as its config, in the one order that works
+    from .protocol.compose import apply
     from .protocol.determinism import deterministic
 
     # LM-head hook
@@ -161,7 +164,8 @@ _MODULES = {
         "sharing_head_pass",
     ),
     "app.inference": ("AdapterChoice", "InferenceModel", "choose_adapter", "load_base", "load_for_inference"),
-    "kernels.fastlayer": ("FuseReport", "fuse_layers", "unfuse_layers"),
+    "kernels.fastlayer": ("FastLayers", "FuseReport", "fuse_layers", "unfuse_layers"),
+    "protocol.compose": ("apply",),
     "io.loader": ("load_blockwise",),
     "protocol.logits": ("LogitMath",),
     "kernels.lora_branches": ("LoraBranch", "fuse_lora", "lora_branch_reference", "unfuse_lora"),
@@ -211,6 +215,7 @@ __all__ = [
     "ArchitectureCheckError",
     "ArchitectureSpec",
     "CheckpointFolder",
+    "FastLayers",
     "FrozenSlot",
     "FuseReport",
     "HeadSource",
@@ -236,6 +241,7 @@ __all__ = [
     "ambient_as",
     "ambient_state",
     "anatomy_of",
+    "apply",
     "assign",
     "attach_head_source",
     "choose_adapter",

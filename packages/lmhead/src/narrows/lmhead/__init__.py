@@ -13,7 +13,7 @@ one read of a streamed head), `neighbour_table`.
 from narrows.core import register_architecture_check as _register_check
 from narrows.core.versions import installed_version as _installed_version
 
-from .api import LMHeadHandle, apply, remove
+from .api import HeadSavings, LMHeadHandle, apply, remove
 from .chunked import (
     cross_entropy_from_logits,
     linear_cross_entropies,
@@ -30,6 +30,7 @@ _register_check("lmhead", _check_lmhead)
 __version__ = _installed_version("narrows-lmhead")
 __all__ = [
     "FUSED_CHOICES",
+    "HeadSavings",
     "LMHeadHandle",
     "LossOptions",
     "NoTrainableTokensError",

@@ -22,12 +22,13 @@ from typing import Any
 from torch import Tensor, nn
 
 from narrows.core import anatomy_of, ensure_architecture, head_source, head_sweep, set_loss_working_set
+from narrows.core.protocol import compose
 
 from .aux import router_aux_loss
 from .loss import LossOptions, loss_rows, rows_loss, rows_losses, shares_head_pass
 from .topk import neighbour_table
 
-__all__ = ["LMHeadHandle", "apply", "remove"]
+__all__ = ["HeadSavings", "LMHeadHandle", "apply", "remove"]
 
 log = logging.getLogger("narrows.lmhead")
 
@@ -167,3 +168,29 @@ def _output(loss: Tensor | None, out: Any, aux: Tensor | None = None) -> Any:
     if getattr(out, "router_logits", None) is not None:
         return MoeCausalLMOutputWithPast(**common, aux_loss=aux, router_logits=out.router_logits)
     return CausalLMOutputWithPast(**common)
+
+
+@dataclass(frozen=True)
+class HeadSavings:
+    """`apply`'s settings as a config for `narrows.core.apply` (stage ``"loss"``)."""
+
+    loss: LossOptions = field(default_factory=LossOptions)
+    eval_logits: bool = True
+    neighbour_cache: str | Path | None = None
+
+
+def _apply_savings(model: nn.Module, config: HeadSavings) -> nn.Module:
+    o = config.loss
+    return apply(
+        model,
+        mask=o.mask,
+        chunked=o.chunked,
+        topk=o.topk,
+        neighbour_cache=config.neighbour_cache,
+        eval_logits=config.eval_logits,
+        head_rows=o.head_rows,
+        fused=o.fused,
+    )
+
+
+compose.register(HeadSavings, "loss", _apply_savings)

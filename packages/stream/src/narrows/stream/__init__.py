@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # the names by module; `_MODULES` groups them by what they ar
     from .config import StreamConfig
     from .distributed import check_ranks, data_parallel
     from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
-    from .execution.tiling import tile_sequence
+    from .execution.tiling import SequenceTiles, tile_sequence
     from .planning import (
         Plan,
         Rates,
@@ -57,7 +57,7 @@ _MODULES = {
         "plan",
         "step_mode_reserve",
     ),
-    "execution.tiling": ("tile_sequence",),
+    "execution.tiling": ("SequenceTiles", "tile_sequence"),
     # step mode
     "stepmode": ("StepStats", "StepTrainer"),
     "stepmode.hf": ("StepModeTrainer",),
@@ -84,6 +84,7 @@ __all__ = [
     "Profile",
     "Rates",
     "SelfCheckError",
+    "SequenceTiles",
     "StepModeTrainer",
     "StepStats",
     "StepTrainer",

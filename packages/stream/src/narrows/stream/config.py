@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from narrows.core import parse_bytes
+from narrows.core.protocol import compose
 
 from .errors import StreamSetupError
 
@@ -280,3 +281,12 @@ def _check(c: StreamConfig) -> None:
 def tile_option(config: StreamConfig) -> int | str | None:
     """The tile as the planner takes it: None for never ("off" says the same)."""
     return None if config.seq_tile in (None, "off") else config.seq_tile
+
+
+def _apply_stream(model: Any, config: StreamConfig) -> Any:
+    from .api import stream
+
+    return stream(model, config)
+
+
+compose.register(StreamConfig, "residency", _apply_stream)

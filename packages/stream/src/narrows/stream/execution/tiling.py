@@ -26,10 +26,11 @@ from torch import Tensor, nn
 
 from narrows.core import ambient_as, ambient_state, anatomy_of, ensure_architecture
 from narrows.core.kernels import rng
+from narrows.core.protocol import compose
 
 from ..errors import StreamSetupError
 
-__all__ = ["tile_sequence", "tiled_mlps"]
+__all__ = ["SequenceTiles", "tile_sequence", "tiled_mlps"]
 
 
 @dataclass
@@ -168,3 +169,17 @@ def tiled_mlps(model: nn.Module) -> int | None:
     forwards = [getattr(getattr(layer, "mlp", None), "forward", None) for layer in anatomy_of(model).layers]
     tokens = {getattr(f, "narrows_tile_tokens", None) for f in forwards}
     return tokens.pop() if len(tokens) == 1 else None
+
+
+@dataclass(frozen=True)
+class SequenceTiles:
+    """`tile_sequence`'s setting as a config for `narrows.core.apply` (stage ``"tiles"``)."""
+
+    tokens: int
+
+
+def _apply_tiles(model: nn.Module, config: SequenceTiles) -> nn.Module:
+    return tile_sequence(model, config.tokens)
+
+
+compose.register(SequenceTiles, "tiles", _apply_tiles)

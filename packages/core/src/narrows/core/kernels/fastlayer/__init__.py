@@ -7,7 +7,7 @@ one, so the two train the same bits."""
 
 from . import compute
 from .adapter_math import mm_f32
-from .fuse import FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
+from .fuse import FastLayers, FuseReport, coverage, fuse_layers, is_fused, unfuse_layers
 from .layer import FastCall, FastLayer, FastLayerFunction, parts_of, parts_or_none, read_call, why_not
 from .lora import Linear, LinearGroup
 from .ops import kernels_in_use
@@ -19,6 +19,7 @@ __all__ = [
     "FastCall",
     "FastLayer",
     "FastLayerFunction",
+    "FastLayers",
     "FuseReport",
     "LayerParts",
     "Linear",

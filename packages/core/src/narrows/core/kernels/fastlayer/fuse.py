@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ...protocol import compose
 from ...protocol.anatomy import anatomy_of
 from .layer import FastLayer, FastLayerFunction, parts_or_none, why_not
 
 __all__ = [
     "FastLayerFunction",
+    "FastLayers",
     "FuseReport",
     "coverage",
     "fuse_layers",
@@ -119,3 +121,18 @@ def unfuse_layers(model: nn.Module) -> int:
             fast.checkpointing, fast.recompute = False, None
             count += 1
     return count
+
+
+@dataclass(frozen=True)
+class FastLayers:
+    """`fuse_layers`' settings as a config for `narrows.core.apply` (stage ``"layers"``)."""
+
+    recompute: bool | None = None
+    lora_dtype: torch.dtype | None = None
+
+
+def _apply_fast_layers(model: nn.Module, config: FastLayers) -> None:
+    fuse_layers(model, recompute=config.recompute, lora_dtype=config.lora_dtype)
+
+
+compose.register(FastLayers, "layers", _apply_fast_layers)
