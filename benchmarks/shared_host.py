@@ -89,7 +89,7 @@ def build_narrows(args: argparse.Namespace, dev: torch.device):
         share=args.mode == "share",
         host_budget=args.host_budget,
     )
-    tiers = model.narrows_tiers
+    tiers = model.narrows.tiers
     torch.manual_seed(0)
     model = add_lora(model).train()
     model.config.use_cache = False

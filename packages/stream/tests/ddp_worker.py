@@ -92,7 +92,7 @@ def adapted(folder: str, **load) -> tuple[torch.nn.Module, object]:
     from peft import LoraConfig, get_peft_model
 
     m = ns.from_pretrained(folder, dtype=torch.float32, host_budget="1TiB", **load)
-    tiers = m.narrows_tiers
+    tiers = m.narrows.tiers
     torch.manual_seed(0)  # the adapters' initialisation
     return get_peft_model(m, LoraConfig(r=4, target_modules="all-linear", lora_dropout=DROPOUT)), tiers
 

@@ -154,7 +154,7 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     with pytest.raises(NarrowsError, match="share=True maps the prepared cache file"):
         ns.from_pretrained(folder, cache=False, share=True)
     own_model = ns.from_pretrained(folder, dtype=torch.float32, cache=tmp_path / "cache", share=False)
-    own = own_model.narrows_tiers
+    own = own_model.narrows.tiers
     homes = {mapped_file(h.data_ptr()) for h in own.homes}
     assert own.shared == () and homes and str(own.cache.path) not in homes  # anonymous memory
     assert not mapped_file(own_model.get_input_embeddings().weight.data_ptr()).endswith(".safetensors")
@@ -167,7 +167,7 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     assert gone() is None, "the private model's tiers outlived it"
     alone = ns.from_pretrained(
         folder, dtype=torch.float32, cache=tmp_path / "cache", share=True
-    ).narrows_tiers
+    ).narrows.tiers
     assert alone.shared == (0, 1)
     memory = mapping_memory(str(alone.cache.path))
     # the shared check (Pss <= 0.55 Rss) fails for it, counting each page once: this process

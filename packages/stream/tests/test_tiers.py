@@ -119,7 +119,7 @@ def train_streamed(model, arch: str = "llama", device: str = "cpu", **stream_kwa
     """The reference's training, streamed from the tiers `model` was loaded into."""
     peft_model = with_adapter(model, "lora", dropout=dropout_for(arch)).train()
     record = train(peft_model, steps=2, grad_accum=2, stream_kwargs=stream_kwargs, device=device)
-    handle, tiers = peft_model.narrows_stream, model.narrows_tiers
+    handle, tiers = peft_model.narrows_stream, model.narrows.tiers
     assert handle.plan.disk == tiers.disk
     assert [s.on_disk for s in handle.stores] == [i in tiers.disk for i in range(LAYERS)]
     if tiers.disk:
@@ -203,7 +203,7 @@ def test_streamed_from_disk_tier_equals_resident(arch, quant, ring, checkpoint, 
     folder = checkpoint(arch)
     ref = reference(folder, quant, arch)
     model = tiered(folder, quant, ref.slab, tmp_path / "cache", ring=ring)
-    tiers = model.narrows_tiers
+    tiers = model.narrows.tiers
     assert [lay.nbytes for lay in tiers.layouts] == [ref.slab] * LAYERS
     assert tiers.disk == expected_disk()
     assert_same_state(state(model), ref.state)
@@ -267,7 +267,7 @@ def test_warm_load_reads_the_cache_and_trains_identically(checkpoint, tmp_path, 
     folder, cache = checkpoint("llama"), tmp_path / "cache"
     ref = reference(folder, "nf4")
     cold = tiered(folder, "nf4", ref.slab, cache)
-    path = cold.narrows_tiers.cache.path
+    path = cold.narrows.tiers.cache.path
     assert path == cache_file(cache)
     written = path.stat().st_mtime_ns
     del cold
@@ -277,11 +277,11 @@ def test_warm_load_reads_the_cache_and_trains_identically(checkpoint, tmp_path, 
     reads = spy_layer_reads(monkeypatch)
     warm = tiered(folder, "nf4", ref.slab, cache)
     assert reads == [], "a warm load reads the layers from the cache, not the checkpoint"
-    assert warm.narrows_tiers.disk == expected_disk()
+    assert warm.narrows.tiers.disk == expected_disk()
     assert_identical(ref.record, train_streamed(warm))
 
     pinned = ns.from_pretrained(folder, quant="nf4", dtype=F32, host_budget="1TiB", cache=cache)
-    assert pinned.narrows_tiers.disk == ()
+    assert pinned.narrows.tiers.disk == ()
     assert_identical(ref.record, train_streamed(pinned))
     assert path.stat().st_mtime_ns == written and leftovers(cache) == [path.name]
 
@@ -321,7 +321,7 @@ def test_damaged_cache_is_rebuilt_not_used(damage, checkpoint, tmp_path, monkeyp
     pytest.importorskip("bitsandbytes")
     folder, cache = checkpoint("llama"), tmp_path / "cache"
     ref = reference(folder, "nf4")
-    path = tiered(folder, "nf4", ref.slab, cache).narrows_tiers.cache.path
+    path = tiered(folder, "nf4", ref.slab, cache).narrows.tiers.cache.path
     DAMAGE[damage](path)
     capsys.readouterr()
 
@@ -329,7 +329,7 @@ def test_damaged_cache_is_rebuilt_not_used(damage, checkpoint, tmp_path, monkeyp
     model = tiered(folder, "nf4", ref.slab, cache)
     assert "rebuilding" in capsys.readouterr().out
     assert len(quantised) == LAYERS
-    assert model.narrows_tiers.disk == expected_disk()
+    assert model.narrows.tiers.disk == expected_disk()
     assert_same_state(state(model), ref.state)
     rebuilt, why = PreparedCache.open(path, {})
     assert rebuilt is not None, why
@@ -344,7 +344,7 @@ def test_cache_from_another_narrows_version_is_rebuilt(checkpoint, tmp_path, mon
     pytest.importorskip("bitsandbytes")
     folder, cache = checkpoint("llama"), tmp_path / "cache"
     ref = reference(folder, "nf4")
-    path = tiered(folder, "nf4", ref.slab, cache).narrows_tiers.cache.path
+    path = tiered(folder, "nf4", ref.slab, cache).narrows.tiers.cache.path
     capsys.readouterr()
     monkeypatch.setattr(nc, "__version__", "0.0.0-other")
     quantised = spy_quantisation(monkeypatch)
@@ -360,7 +360,7 @@ def test_cache_whose_layers_do_not_match_the_model_is_rebuilt(checkpoint, tmp_pa
     modules differently would have written it (transformers' version is not in the footer)."""
     folder, cache = checkpoint("llama"), tmp_path / "cache"
     ref = reference(folder, None)
-    path = tiered(folder, None, ref.slab, cache).narrows_tiers.cache.path
+    path = tiered(folder, None, ref.slab, cache).narrows.tiers.cache.path
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[-8:])
     meta = json.loads(data[-16 - n : -16])
@@ -442,7 +442,7 @@ def test_disk_full_mid_write_leaves_no_cache_and_a_later_call_succeeds(checkpoin
     assert f"after {format_bytes(first)}" in str(err.value)  # the second layer's write failed
     assert leftovers(cache) == []
     model = tiered(folder, None, ref.slab, cache)
-    assert model.narrows_tiers.disk == expected_disk()
+    assert model.narrows.tiers.disk == expected_disk()
     assert_same_state(state(model), ref.state)
     assert leftovers(cache) == [cache_file(cache).name]
 
@@ -472,7 +472,7 @@ def test_host_budget_below_the_minimum_is_refused_stating_it(checkpoint, tmp_pat
         ns.from_pretrained(folder, dtype=F32, host_budget=minimum - 1, cache=cache)
     assert leftovers(cache) == []
     model = ns.from_pretrained(folder, dtype=F32, host_budget=minimum, cache=cache)
-    assert model.narrows_tiers.disk == expected_disk(2)
+    assert model.narrows.tiers.disk == expected_disk(2)
 
 
 def test_no_cache_with_a_budget_too_small_for_every_layer_is_refused(checkpoint, tmp_path):
@@ -481,7 +481,7 @@ def test_no_cache_with_a_budget_too_small_for_every_layer_is_refused(checkpoint,
     with pytest.raises(NarrowsError, match=r"cache=False"):
         ns.from_pretrained(folder, dtype=F32, host_budget=(LAYERS - 1) * ref.slab, cache=False)
     model = ns.from_pretrained(folder, dtype=F32, host_budget=LAYERS * ref.slab, cache=False)
-    assert model.narrows_tiers.disk == () and model.narrows_tiers.cache is None
+    assert model.narrows.tiers.disk == () and model.narrows.tiers.cache is None
     assert_same_state(state(model), ref.state)
     assert leftovers(tmp_path / "default-cache") in ([], ["slabs"]) and not list(tmp_path.rglob("*.slabs"))
 
@@ -516,7 +516,7 @@ def test_disk_tier_homes_map_the_cache_file(run, checkpoint, tmp_path):
     if run == "warm":
         del model
         model = tiered(folder, None, ref.slab, cache)
-    tiers = model.narrows_tiers
+    tiers = model.narrows.tiers
     path = str(cache_file(cache).resolve())
     maps = _file_maps()
     for i, home in enumerate(tiers.homes):
@@ -599,7 +599,7 @@ def test_prepare_writes_once_and_from_pretrained_uses_it(checkpoint, tmp_path, m
     assert ns.prepare(folder, quant="nf4", dtype=F32, cache=cache) == path
     assert path.stat().st_mtime_ns == written
     model = tiered(folder, "nf4", ref.slab, cache)
-    assert model.narrows_tiers.cache.path == path and model.narrows_tiers.disk == expected_disk()
+    assert model.narrows.tiers.cache.path == path and model.narrows.tiers.disk == expected_disk()
     assert_identical(ref.record, train_streamed(model))
     assert path.stat().st_mtime_ns == written and leftovers(cache) == [path.name]
 
@@ -622,19 +622,19 @@ def test_prequantized_checkpoint_streams_from_disk_tier(checkpoint, tmp_path, mo
     ).save_pretrained(folder)
     ref = reference(folder, None)
     cold = tiered(folder, None, ref.slab, cache)
-    assert cold.narrows_tiers.disk == expected_disk()
+    assert cold.narrows.tiers.disk == expected_disk()
     assert_same_state(state(cold), ref.state)
     assert_identical(ref.record, train_streamed(cold))
     monkeypatch.setattr(SlabCacheWriter, "__init__", boom)
     reads = spy_layer_reads(monkeypatch)
     warm = tiered(folder, None, ref.slab, cache)
     assert reads == []
-    assert warm.narrows_tiers.disk == expected_disk()
+    assert warm.narrows.tiers.disk == expected_disk()
     assert_same_state(state(warm), ref.state)
     assert_identical(ref.record, train_streamed(warm))
     # in place: the packed weights and their statistics are read from the checkpoint itself,
     # so the cache holds only what the checkpoint lacks (a few bytes per layer)
-    entries = warm.narrows_tiers.cache.layers
+    entries = warm.narrows.tiers.cache.layers
     assert all(e.parts is not None for e in entries)
     slab_total = sum(e.layout.nbytes for e in entries)
     inline = sum(e.layout.entries[k].nbytes for e in entries for k, f, _ in e.parts if f is None)
@@ -645,8 +645,8 @@ def test_prequantized_checkpoint_streams_from_disk_tier(checkpoint, tmp_path, mo
     # again with every slab whole (in parts there is no single map to share)
     monkeypatch.undo()
     shared = ns.from_pretrained(folder, dtype=F32, host_budget="1TiB", cache=cache, share=True)
-    assert shared.narrows_tiers.shared == tuple(range(LAYERS))
-    assert all(e.parts is None for e in shared.narrows_tiers.cache.layers)
+    assert shared.narrows.tiers.shared == tuple(range(LAYERS))
+    assert all(e.parts is None for e in shared.narrows.tiers.cache.layers)
     assert_same_state(state(shared), ref.state)
     assert_identical(ref.record, train_streamed(shared))
 
@@ -664,7 +664,7 @@ def test_shared_maps_are_page_locked_for_the_gpu_and_train_exactly(checkpoint, t
     records = {}
     for share in (False, True):
         model = ns.from_pretrained(folder, dtype=F32, host_budget="1TiB", cache=cache, share=share)
-        tiers = model.narrows_tiers
+        tiers = model.narrows.tiers
         assert tiers.shared == (tuple(range(LAYERS)) if share else ())
         assert all(h.is_pinned() for h in tiers.homes)
         if share:  # the map of the file, not a copy of it
@@ -680,7 +680,7 @@ def test_ranks_that_do_not_share_split_the_default_host_budget(checkpoint, monke
     monkeypatch.setattr(pretrained_module, "default_host_budget", lambda: 1 << 40)
     folder = checkpoint("llama")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    split = ns.from_pretrained(folder, dtype=F32, cache=False).narrows_tiers
+    split = ns.from_pretrained(folder, dtype=F32, cache=False).narrows.tiers
     assert split.shared == () and split.host_budget == 1 << 39
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert ns.from_pretrained(folder, dtype=F32, cache=False).narrows_tiers.host_budget == 1 << 40
+    assert ns.from_pretrained(folder, dtype=F32, cache=False).narrows.tiers.host_budget == 1 << 40

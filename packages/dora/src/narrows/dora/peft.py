@@ -45,6 +45,7 @@ def _forward(layer: nn.Module):
             full_weight=lambda: transpose(dequantize_module_weight(base_layer), layer.fan_in_fan_out),
         )
 
+    forward.narrows_dora = True  # type: ignore[attr-defined]  # a layer switched already
     return forward
 
 
@@ -54,9 +55,10 @@ def use_narrows_dora(model: nn.Module) -> int:
 
     count = 0
     for module in model.modules():
-        if type(module) is DoraLinearLayer and not getattr(module, "narrows_dora", False):
+        if type(module) is DoraLinearLayer and not getattr(
+            module.__dict__.get("forward"), "narrows_dora", False
+        ):
             module.forward = _forward(module)
-            module.narrows_dora = True
             count += 1
     if count == 0:
         raise ValueError(

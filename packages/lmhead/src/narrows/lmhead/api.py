@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from narrows.core import anatomy_of, ensure_architecture, head_source, head_sweep, set_loss_working_set
 from narrows.core.protocol import compose
+from narrows.core.protocol.handle import state_of
 
 from .aux import router_aux_loss
 from .loss import LossOptions, loss_rows, rows_loss, rows_losses, shares_head_pass
@@ -75,7 +76,7 @@ def apply(
     ensure_architecture(model, "head", "lmhead")
     anat = anatomy_of(model)
     lm = anat.model
-    if getattr(lm, "narrows_lmhead", None) is not None:
+    if state_of(model).lmhead is not None:
         raise ValueError(
             "narrows.lmhead is already applied to this model; narrows.lmhead.remove(model) first"
         )
@@ -126,7 +127,7 @@ def apply(
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     lm.forward = forward
-    lm.narrows_lmhead = handle = LMHeadHandle(options, neighbours, eval_logits, original)
+    state_of(model).lmhead = handle = LMHeadHandle(options, neighbours, eval_logits, original)
     set_loss_working_set(model, lambda tokens: _working_set(anat, options, tokens))
     return model
 
@@ -134,10 +135,10 @@ def apply(
 def remove(model: nn.Module) -> nn.Module:
     """Undo `apply`: the model computes its own loss again."""
     lm = anatomy_of(model).model
-    handle = getattr(lm, "narrows_lmhead", None)
-    if handle is not None:
-        lm.forward = handle.original_forward
-        lm.narrows_lmhead = None
+    state = state_of(model)
+    if state.lmhead is not None:
+        lm.forward = state.lmhead.original_forward
+        state.lmhead = None
         set_loss_working_set(model, None)
     return model
 

@@ -29,6 +29,7 @@ from narrows.core import (
     unwrap_model,
 )
 from narrows.core import deterministic as set_deterministic
+from narrows.core.protocol.handle import state_of
 
 from .checks.profile import Profile
 from .checks.selfcheck import self_check
@@ -284,7 +285,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         p.data = p.data.to(dev)
 
     pin = dev.type == "cuda"
-    tiers: Tiers | None = getattr(anat.model, "narrows_tiers", None)
+    tiers: Tiers | None = state_of(anat.model).tiers
     stores = _park(anat, tiers, pin)
     disk = [s.index for s in stores if s.on_disk]
     reader = DiskReader(tiers.cache, disk, ring=tiers.ring_slabs, pin=pin) if disk else None

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from narrows.core import trainable_parameters
+from narrows.core.protocol.handle import state_of
 
 from .errors import StreamSetupError
 
@@ -111,7 +112,7 @@ def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParalle
     frozen = [n for n, _ in model.named_parameters() if n not in trainable]  # stream() set it too
     frozen += [n for n, _ in model.named_buffers()]  # the same on every rank
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
-    model.narrows_data_parallel = True  # StepTrainer refuses it: its gradients bypass DDP's hooks
+    state_of(model).data_parallel = True  # StepTrainer refuses it: its gradients bypass DDP's hooks
     return DistributedDataParallel(model, **ddp_kwargs)
 
 

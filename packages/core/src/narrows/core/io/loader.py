@@ -34,6 +34,7 @@ from torch import nn
 from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import Anatomy, accepting_unannounced, anatomy_of
+from ..protocol.handle import state_of
 from ..quant.nf4 import quantize_layer_nf4
 from .checkpoint import BNB_STATS, CheckpointFolder
 
@@ -397,6 +398,7 @@ def load_blockwise(
                 quantize_layer_nf4(layer, lpath, compute_dtype=dtype, device=device, park="cpu")
             if on_layer is not None:
                 on_layer(i, lpath, layer)
+            layer.__dict__.pop("narrows_file_sources", None)  # only the callback reads it
     model.tie_weights()
     left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if left:
@@ -404,5 +406,5 @@ def load_blockwise(
     if quantise or stored:
         model.is_loaded_in_4bit = True
     model.eval()
-    model.narrows_checkpoint = Path(folder.path)  # where it came from (the prepared cache keys on it)
+    state_of(model).checkpoint = Path(folder.path)  # where it came from
     return model

@@ -173,18 +173,19 @@ class _FusedForward:
     pickled model (``torch.save(model)``) loads back; it holds its module weakly, so the
     model is freed when its last reference goes (no cycle left for the collector)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, promote: bool):
         self.module = weakref.ref(module)
+        self.promote = promote  # PEFT's lora.Linear adds in the promoted dtype; Linear4bit casts first
 
     def __reduce__(self):
-        return _FusedForward, (self.module(),)
+        return _FusedForward, (self.module(), self.promote)
 
     def __call__(self, x: Tensor, *args, **kwargs) -> Tensor:
         module = self.module()
         name = _covered(module, x, args, kwargs)
         if name is None:
             return type(module).forward(module, x, *args, **kwargs)
-        promote = module._narrows_promote
+        promote = self.promote
         result = module.base_layer(x)
         if not promote:
             result = result.clone()  # as PEFT's Linear4bit does
@@ -206,8 +207,7 @@ def fuse_lora(model: nn.Module) -> int:
         forward = module.__dict__.get("forward")
         if forward is not None and not isinstance(forward, _FusedForward):
             continue
-        module._narrows_promote = promote
-        module.forward = _FusedForward(module)
+        module.forward = _FusedForward(module, promote)
         count += 1
     return count
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ..errors import NarrowsError
 from .anatomy import anatomy_of
+from .handle import state_of
 from .logits import LogitMath
 
 __all__ = [
@@ -128,28 +129,28 @@ class ResidentHead:
 
 def attach_head_source(model: nn.Module, source: HeadSource) -> None:
     """Make `source` the place the model's head weight is served from."""
-    anatomy_of(model).head.narrows_head_source = source
+    state_of(model).head_source = source
 
 
 def set_loss_working_set(model: nn.Module, estimate: Callable[[int], int] | None) -> None:
     """A sibling that replaces the model's loss (narrows-lmhead) tells memory planners
     (narrows-stream) how many bytes its loss holds at once for a number of tokens; None
     restores the default assumption of full [tokens, vocab] logits."""
-    anatomy_of(model).model.narrows_loss_working_set = estimate
+    state_of(model).loss_working_set = estimate
 
 
 def loss_working_set(model: nn.Module, tokens: int) -> int | None:
     """The attached loss estimate for `tokens` tokens, or None (full logits assumed)."""
-    estimate = getattr(anatomy_of(model).model, "narrows_loss_working_set", None)
+    estimate = state_of(model).loss_working_set
     return None if estimate is None else int(estimate(tokens))
 
 
 def head_source(model: nn.Module) -> HeadSource:
     """The attached source of the model's head, else its resident weight."""
-    anat = anatomy_of(model)
-    source = getattr(anat.head, "narrows_head_source", None)
+    source = state_of(model).head_source
     if source is not None:
         return source
+    anat = anatomy_of(model)
     return ResidentHead.of(anat.head, math=anat.logit_math)
 
 
@@ -205,19 +206,19 @@ class HeadSweep:
 def sharing_head_pass(model: nn.Module) -> Iterator[HeadSweep]:
     """Within: forwards of `model` whose loss replacement supports it file their loss
     with the yielded `HeadSweep` instead of computing it (their output's loss is None)."""
-    lm = anatomy_of(model).model
-    if getattr(lm, "narrows_head_sweep", None) is not None:
+    state = state_of(model)
+    if state.head_sweep is not None:
         raise RuntimeError("sharing_head_pass is already active on this model")
-    lm.narrows_head_sweep = sweep = HeadSweep()
+    state.head_sweep = sweep = HeadSweep()
     try:
         yield sweep
     finally:
-        lm.narrows_head_sweep = None
+        state.head_sweep = None
 
 
 def head_sweep(model: nn.Module) -> HeadSweep | None:
     """The active `HeadSweep` of `model` (see `sharing_head_pass`), else None."""
-    return getattr(anatomy_of(model).model, "narrows_head_sweep", None)
+    return state_of(model).head_sweep
 
 
 class _ChunkedLogits(torch.autograd.Function):

@@ -27,6 +27,7 @@ from torch import nn
 
 from narrows.core import Anatomy, anatomy_of, ensure_architecture, format_bytes
 from narrows.core.kernels.fastlayer import coverage
+from narrows.core.protocol.handle import state_of
 
 from ..config import StreamConfig, tile_option
 from ..errors import BudgetTooSmallError
@@ -106,7 +107,7 @@ def plan(
         w = anat.head.weight
         fixed += 2 * head_rows(anat, cfg.head_rows) * w.shape[1] * w.element_size()  # two chunk buffers
         head_h2d = 2 * nbytes([w])  # one pass in forward, one in backward
-    tiers = getattr(anat.model, "narrows_tiers", None)
+    tiers = state_of(anat.model).tiers
     layer_bytes = tuple(frozen_layer_bytes(anat))
 
     shapes = planned_shapes(model, anat, cfg)

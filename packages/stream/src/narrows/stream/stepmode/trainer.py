@@ -43,6 +43,7 @@ from narrows.core import (
     measure_peaks,
     trainable_parameters,
 )
+from narrows.core.protocol.handle import state_of
 
 from ..errors import StreamSetupError
 from ..execution.offload import ActivationOffload
@@ -134,7 +135,7 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
             grad_accum = handle.plan.grad_accum if handle is not None else stream_options.get("grad_accum", 1)
         if not isinstance(grad_accum, int) or grad_accum < 1:
             raise StreamSetupError(f"grad_accum={grad_accum!r}: use a whole number of micro-batches ≥ 1")
-        if getattr(model, "narrows_data_parallel", False):
+        if state_of(model).data_parallel:
             raise StreamSetupError(
                 "step mode under data_parallel is not supported yet: StepTrainer writes each layer's gradients "
                 "itself, so DistributedDataParallel would never all-reduce them and the ranks would drift apart. "

@@ -31,6 +31,7 @@ from narrows.core.io.files import build_lock, cache_dir
 from narrows.core.io.loader import load_blockwise, map_tensor
 from narrows.core.io.models import resolve_model_path
 from narrows.core.memory import host_rss_bytes
+from narrows.core.protocol.handle import state_of
 
 from ..planning.measure import default_host_budget
 from ..planning.placement import spread
@@ -231,11 +232,11 @@ def _load_shared(folder, expect, dtype, quant, device, budget, target, pin, ring
                 share=True,
             )
             if built:
-                model.narrows_tiers.notes.insert(0, f"this process built {target}")
+                state_of(model).tiers.notes.insert(0, f"this process built {target}")
             mapped = _map_outside_layers(model, folder)
             if mapped:
-                model.narrows_tiers.notes.append(f"{', '.join(mapped)} mapped from the checkpoint's files")
-                print(f"narrows: {model.narrows_tiers.notes[-1]}", flush=True)
+                state_of(model).tiers.notes.append(f"{', '.join(mapped)} mapped from the checkpoint's files")
+                print(f"narrows: {state_of(model).tiers.notes[-1]}", flush=True)
             return model
         except _Stale as e:
             print(f"narrows: prepared cache {target}: {e}; rebuilding it", flush=True)
@@ -359,7 +360,7 @@ def _load(
             f"{n - len(tiers.disk)} pinned in host RAM"
         )
         print(f"narrows: host budget {format_bytes(budget)}: {tiers.notes[-1]}", flush=True)
-    model.narrows_tiers = tiers
+    state_of(model).tiers = tiers
     return model
 
 

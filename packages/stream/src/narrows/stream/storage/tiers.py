@@ -3,7 +3,7 @@ to the device — pinned host RAM, or disk (the prepared-slab cache file) — an
 that brings disk layers into a small ring of pinned buffers ahead of their use.
 
 `from_pretrained` decides the tiers under a host-RAM budget and records them on the
-model (``narrows_tiers``); `stream` finds them there and streams from them. A disk
+model (``model.narrows.tiers``); `stream` finds them there and streams from them. A disk
 layer's slots point at a read-only memory map of the cache file, so they stay valid
 tensors (anything may read them) while costing no RAM; the engine never reads through
 the map: it reads the slab with plain (O_DIRECT where possible) file reads into a

@@ -234,15 +234,24 @@ class _Watched:
             [p.requires_grad for p in self.params],
             [
                 (
-                    tuple(m.__dict__.get("merged_adapters", ())),
-                    m.__dict__.get("_disable_adapters"),
-                    str(m.__dict__.get("_active_adapter")),
-                    tuple(m.__dict__.get("scaling", {}).items()),
-                    tuple(m.__dict__.get("lora_variant", {})),
+                    _frozen(d.get("merged_adapters")),
+                    d.get("_disable_adapters"),
+                    _frozen(d.get("_active_adapter")),
+                    _frozen(d.get("scaling")),
+                    _frozen(d.get("lora_variant")),
                 )
-                for m in self.peft
+                for d in (m.__dict__ for m in self.peft)
             ],
         )
+
+
+def _frozen(value: Any) -> Any:
+    """`value` as a comparable snapshot: a dict's items, a list's tuple, a plain value as it is."""
+    if isinstance(value, dict):
+        return tuple(value.items())
+    if isinstance(value, list | set):
+        return tuple(value)
+    return value
 
 
 class FastLayerFunction(torch.autograd.Function):
