@@ -469,7 +469,8 @@ class FinetuneConfig:
         if b.quant == "nf4":
             require("bitsandbytes", "--quant nf4")
         memory = self._checked_memory()
-        lmhead_options(m.lmhead)
+        if m.lmhead not in ("auto", "off"):  # auto and off import nothing: the CLI stays without torch
+            lmhead_options(m.lmhead)
         m.tile()
         parse_report_to(self.reporting.report_to)
         return dataclasses.replace(self, memory=memory)
