@@ -47,7 +47,7 @@ def main() -> None:
     ]
     rows = []
     for name, lmhead in variants:
-        cfg = FinetuneConfig(
+        cfg = FinetuneConfig.of(
             model=model,
             data=str(data),
             eval_data=str(evals),

@@ -21,7 +21,7 @@ def test_the_jobs_evaluation_takes_the_chunked_loss_and_gives_the_models_own():
     batch = tiny_batch()
     with torch.no_grad():
         own = model.eval()(**batch)
-    apply_lmhead(FinetuneConfig(lmhead="auto"), model)
+    apply_lmhead(FinetuneConfig.of(lmhead="auto"), model)
     with torch.no_grad():
         job = model.eval()(**batch)
     assert own.logits is not None and job.logits is None  # no logits built

@@ -4,7 +4,6 @@ on the CPU), and neither asked (narrows-stream's choice, with its reason): the a
 every logged loss are `torch.equal` to the plain resident loop's, with dropout, and across
 a resume. Bad combinations are refused before loading."""
 
-import dataclasses
 import json
 
 import pytest
@@ -294,7 +293,7 @@ def test_the_jobs_flags_map_to_one_stream_config():
     from narrows.core.app.finetune.config import FinetuneConfig
 
     cpu = torch.device("cpu")
-    cfg = FinetuneConfig(gpu_budget="3GiB", batch=2, seq_len=32)
+    cfg = FinetuneConfig.of(gpu_budget="3GiB", batch=2, seq_len=32)
     got = stream_config(cfg, cpu)
     assert got == ns.StreamConfig(gpu_budget=3 * 2**30, device=cpu, batch_size=2, seq_len=32, kernels="fast")
     assert (got.graphs, got.seq_tile, got.host_state, got.step_mode, got.grad_accum) == (
@@ -304,8 +303,7 @@ def test_the_jobs_flags_map_to_one_stream_config():
         "auto",
         1,
     )
-    told = dataclasses.replace(
-        cfg,
+    told = cfg.replace(
         gpu_budget="fit",
         seq_tile="1024",
         cuda_graphs=False,
@@ -313,15 +311,15 @@ def test_the_jobs_flags_map_to_one_stream_config():
         offload_adapters=True,
         step_mode=True,
     )
-    got = stream_config(dataclasses.replace(told, grad_accum=4), cpu, world_size=2)
+    got = stream_config(told.replace(grad_accum=4), cpu, world_size=2)
     assert (got.gpu_budget, got.seq_tile, got.graphs, got.host_state) == ("fit", 1024, False, "adapters")
     assert (got.grad_accum, got.step_mode, got.world_size) == (4, True, 2)
-    assert stream_config(dataclasses.replace(told, offload_adapters=False), cpu).host_state == "optimizer"
+    assert stream_config(told.replace(offload_adapters=False), cpu).host_state == "optimizer"
     # one vocabulary for the budget in Python and on the command line: "min" is the smallest footprint
-    smallest = dataclasses.replace(cfg, gpu_budget="min").checked()
+    smallest = cfg.replace(gpu_budget="min").checked()
     # a check returns a new configuration with what the settings imply; the one checked stays
-    asked = FinetuneConfig(gpu_budget="1GiB", grad_accum=2, offload_adapters=True)
+    asked = FinetuneConfig.of(gpu_budget="1GiB", grad_accum=2, offload_adapters=True)
     implied = asked.checked()
-    assert (implied.offload_optimizer, implied.step_mode) == (True, True)
-    assert (asked.offload_optimizer, asked.step_mode) == (False, None)
+    assert (implied.memory.offload_optimizer, implied.memory.step_mode) == (True, True)
+    assert (asked.memory.offload_optimizer, asked.memory.step_mode) == (False, None)
     assert stream_config(smallest, cpu).gpu_budget == "min" == ns.StreamConfig(gpu_budget="min").gpu_budget

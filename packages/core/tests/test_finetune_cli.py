@@ -291,7 +291,7 @@ def test_cuda_graphs_flag_is_three_way():
         for flag in ([], ["--cuda-graphs"], ["--no-cuda-graphs"])
     ]
     assert got == [None, True, False]
-    assert FinetuneConfig.cuda_graphs is None
+    assert FinetuneConfig().memory.cuda_graphs is None
 
 
 def test_inputs_that_used_to_end_in_a_traceback_are_refused_naming_the_file(
@@ -364,16 +364,16 @@ def test_kernels_setting_is_checked_and_older_runs_keep_pefts():
     from narrows.core.errors import NarrowsError
 
     with pytest.raises(NarrowsError, match=r"--kernels must be fast .* or peft"):
-        FinetuneConfig(kernels="triton").checked()
-    assert FinetuneConfig().kernels == "fast"
+        FinetuneConfig.of(kernels="triton").checked()
+    assert FinetuneConfig().base.kernels == "fast"
     assert (
-        FinetuneConfig.from_dict({"steps": 3}, "config.json").kernels == "peft"
+        FinetuneConfig.from_dict({"steps": 3}, "config.json").base.kernels == "peft"
     )  # written before fast layers
     with pytest.raises(NarrowsError, match=r"--lora-dtype must be auto .* or float32"):
-        FinetuneConfig(lora_dtype="bf16").checked()
+        FinetuneConfig.of(lora_dtype="bf16").checked()
     with pytest.raises(NarrowsError, match=r"--lora-dtype float32 is the fast layers' option"):
-        FinetuneConfig(kernels="peft", lora_dtype="float32").checked()
-    assert FinetuneConfig.from_dict({"steps": 3}, "config.json").lora_dtype == "auto"
+        FinetuneConfig.of(kernels="peft", lora_dtype="float32").checked()
+    assert FinetuneConfig.from_dict({"steps": 3}, "config.json").base.lora_dtype == "auto"
 
 
 def test_lora_dtype_float32_reaches_the_fast_layers_and_the_summary(job, tmp_path):

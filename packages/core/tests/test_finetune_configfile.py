@@ -92,6 +92,9 @@ def test_a_config_file_and_a_run_folder_train_what_the_flags_train(inputs):
         ({"steps": "40"}, "steps = '40' should be int"),
         ({"packing": 1}, "packing = 1 should be bool"),
         ({"rank": True}, "rank = True should be int"),
+        ({"training": {"steps": "40"}}, "training.steps = '40' should be int"),
+        ({"training": {"rank": 4}}, "unknown settings ['training.rank']"),
+        ({"steps": 3, "training": {"steps": 4}}, "steps is given twice (steps and training.steps)"),
         ([1, 2], "expected a JSON object of settings"),
         ("{not json", "not readable as JSON"),
     ],
@@ -103,6 +106,22 @@ def test_a_bad_config_file_is_refused_naming_the_file_and_field(tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("narrows: error:") and str(file) in err and said in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_grouped_config_file_reads_as_the_flat_one(inputs, tmp_path):
+    """Settings in their groups (``{"training": {"steps": 2}}``) are the same settings as
+    each under its own name, which is how config.json writes them."""
+    from narrows.core.app.finetune.config import SETTINGS
+    from narrows.core.app.finetune.configfile import read_config_file
+
+    _, settings = inputs
+    grouped: dict = {}
+    for name, value in settings.items():
+        grouped.setdefault(SETTINGS[name], {})[name] = value
+    (tmp_path / "flat.json").write_text(json.dumps(settings))
+    (tmp_path / "grouped.json").write_text(json.dumps(grouped))
+    flat = read_config_file(str(tmp_path / "flat.json"))
+    assert read_config_file(str(tmp_path / "grouped.json")) == flat == settings
 
 
 def test_config_with_resume_or_a_missing_file_is_refused(tmp_path, capsys):
@@ -138,6 +157,39 @@ def test_help_shows_the_common_flags_and_help_advanced_the_rest():
     assert "--step-mode" in ADVANCED and "--help-advanced" in short
 
 
+def test_every_flag_is_built_from_its_setting():
+    """One flag per setting (world_size excepted: the launch sets it), its default None so
+    that a flag given is told apart from one left out, its help ending in the field's
+    default, its choices the field's."""
+    import argparse
+
+    from narrows.core.app.finetune.command import add_parser
+    from narrows.core.app.finetune.config import FinetuneConfig, leaves
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    finetune = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[
+        "finetune"
+    ]
+    actions = {a.dest: a for a in finetune._actions}
+    defaults = FinetuneConfig().settings()
+    for _, f in leaves():
+        if f.name == "world_size":
+            assert f.name not in actions
+            continue
+        action = actions[f.name]
+        assert action.default is None, f.name
+        said = getattr(action, "narrows_help", action.help)
+        if isinstance(defaults[f.name], (int, float, str)) and not isinstance(defaults[f.name], bool):
+            assert said.endswith(f"(default: {defaults[f.name]})"), (f.name, said)
+        if f.metadata["choices"] is not None:
+            assert tuple(action.choices) == tuple(f.metadata["choices"]), f.name
+    assert vars(finetune.parse_args([])).keys() >= set(defaults) - {"world_size"}
+    assert finetune.parse_args(["--step-mode"]).step_mode is True
+    assert finetune.parse_args(["--no-step-mode"]).step_mode is False
+    assert finetune.parse_args(["--lr", "1e-3", "--rank", "8"]).lr == 1e-3
+
+
 def resume_rows() -> list[str]:
     """README's table of what a resume may change, from the three tables in the code."""
     from narrows.core.app.finetune.config import FIXED, OVERRIDABLE, RESUMABLE
@@ -153,14 +205,13 @@ def resume_rows() -> list[str]:
 
 
 def test_every_setting_says_what_a_resume_does_with_it_and_the_readme_lists_them():
-    """Each FinetuneConfig field is in exactly one of RESUMABLE, OVERRIDABLE and FIXED, and
+    """Each FinetuneConfig setting is in exactly one of RESUMABLE, OVERRIDABLE and FIXED, and
     README's "What a resume may change" table is theirs, row for row."""
-    import dataclasses
     from pathlib import Path
 
-    from narrows.core.app.finetune.config import FIXED, OVERRIDABLE, RESUMABLE, FinetuneConfig
+    from narrows.core.app.finetune.config import FIXED, OVERRIDABLE, RESUMABLE, SETTINGS
 
-    fields = [f.name for f in dataclasses.fields(FinetuneConfig)]
+    fields = list(SETTINGS)
     tables = [*RESUMABLE, *OVERRIDABLE, *FIXED]
     assert sorted(tables) == sorted(fields), set(tables) ^ set(fields)
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()

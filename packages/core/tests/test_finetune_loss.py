@@ -40,7 +40,7 @@ def _step_one(tmp_path, monkeypatch) -> tuple[FinetuneConfig, list[dict], dict, 
     micro-batches the model received, the initial adapter weights with the accumulated
     gradients at the first optimizer step, and the logged loss."""
     folder = tiny_model_folder(tmp_path / "model")
-    cfg = FinetuneConfig(
+    cfg = FinetuneConfig.of(
         model=str(folder),
         data=str(write_jsonl(tmp_path / "train.jsonl", ROWS)),
         rank=RANK,
@@ -90,7 +90,7 @@ def _step_one(tmp_path, monkeypatch) -> tuple[FinetuneConfig, list[dict], dict, 
 
 def test_accumulated_loss_is_one_mean_over_every_trainable_token_of_the_step(tmp_path, monkeypatch):
     cfg, inputs, at_step, logged = _step_one(tmp_path, monkeypatch)
-    assert len(inputs) == cfg.grad_accum
+    assert len(inputs) == cfg.training.grad_accum
     counts = [int((mb["labels"][:, 1:] != -100).sum()) for mb in inputs]
     assert len(set(counts)) == len(counts), f"micro-batches must differ in trainable tokens: {counts}"
     assert at_step and any(g.abs().sum() > 0 for _, g in at_step.values())
@@ -100,7 +100,7 @@ def test_accumulated_loss_is_one_mean_over_every_trainable_token_of_the_step(tmp
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(cfg.base.model, dtype=torch.float32)
     ref = get_peft_model(
         base,
         LoraConfig(

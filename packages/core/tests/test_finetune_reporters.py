@@ -164,7 +164,7 @@ def test_wandb_gets_the_config_and_every_row_and_a_resumed_run_continues_the_sam
     from narrows.core.app.finetune.job import finetune, resume
 
     out = tmp_path / "run"
-    finetune(FinetuneConfig(**job.settings, steps=2, out=str(out)), progress=False)  # --report-to none
+    finetune(FinetuneConfig.of(**job.settings, steps=2, out=str(out)), progress=False)  # --report-to none
     assert not wandb.inits
     assert not {"tensorboard", "wandb", "wandb-id"} & {p.name for p in out.iterdir()}
 
@@ -288,8 +288,8 @@ def test_a_wandb_run_that_fails_to_start_leaves_the_run_folder_as_it_found_it(jo
     with pytest.raises(
         NarrowsError, match=r"--report-to wandb: W&B did not start a run \(RuntimeError: api_key"
     ):
-        finetune(FinetuneConfig(**settings), progress=False)
+        finetune(FinetuneConfig.of(**settings), progress=False)
     assert not out.exists()
     wandb.module.init = working
-    finetune(FinetuneConfig(**settings), progress=False)
+    finetune(FinetuneConfig.of(**settings), progress=False)
     assert {"config.json", "wandb-id", "tensorboard"} <= {p.name for p in out.iterdir()}

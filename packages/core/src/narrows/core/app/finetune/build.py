@@ -18,9 +18,8 @@ from ...io.checkpoint import CheckpointFolder
 from ...kernels.fastlayer import fuse_layers
 from ...kernels.lora_branches import fuse_lora
 from ...memory import parse_bytes
-from ...optional import is_available
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
-from .config import FinetuneConfig, parse_lmhead
+from .config import DataConfig, FinetuneConfig, lmhead_options
 
 if TYPE_CHECKING:  # narrows-stream is optional: imported where a streamed run needs it
     from narrows.stream import StreamConfig
@@ -43,9 +42,9 @@ def seed_all(seed: int) -> None:
 
 
 def run_dtype(cfg: FinetuneConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
+    if cfg.base.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, cfg.dtype)
+    return getattr(torch, cfg.base.dtype)
 
 
 def check_model_files(cfg: FinetuneConfig) -> Path:
@@ -53,11 +52,11 @@ def check_model_files(cfg: FinetuneConfig) -> Path:
     shards, unsupported quantisation) before any weight is; a GGUF file is converted once."""
     from ...io.models import resolve_model_path
 
-    if cfg.model is None:
+    if cfg.base.model is None:
         from ..bundled import smollm2_gguf
 
         return resolve_model_path(smollm2_gguf())
-    folder = resolve_model_path(cfg.model)
+    folder = resolve_model_path(cfg.base.model)
     checkpoint = CheckpointFolder(folder)
     checkpoint.check_model_type()  # before the tokenizer, which reads config.json too
     checkpoint.check_quantization()
@@ -70,46 +69,43 @@ def load_data(
     """(train, eval, exact-match rows, what was read), every row checked before any training.
     With ``--packing`` the training examples are packed into ``--seq-len`` sequences; the
     held-out ones stay one per sequence."""
-    if cfg.model is None:
+    d, rows = cfg.dataset, cfg.evaluation.eval_rows
+    if cfg.base.model is None:
         from ..bundled import gsm8k_split
 
         train_rows, held_out = gsm8k_split()
         train = tokenize_rows(
-            ((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, cfg.seq_len
+            ((f"gsm8k-train:{i}", r) for i, r in enumerate(train_rows)), tokenizer, d.seq_len
         )
         evals = tokenize_rows(
-            ((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[: cfg.eval_rows])),
-            tokenizer,
-            cfg.seq_len,
+            ((f"gsm8k-held-out:{i}", r) for i, r in enumerate(held_out[:rows])), tokenizer, d.seq_len
         )
         said = [f"data: GSM8K worked answers, {train.describe()}"]
         return (
-            _packed(cfg, train, said),
+            _packed(d, train, said),
             evals,
-            held_out[cfg.eval_rows : cfg.eval_rows + cfg.exact_match],
+            held_out[rows : rows + cfg.evaluation.exact_match],
             said,
         )
-    renames = parse_columns(cfg.columns)
-    train, how = tokenize(open_source(cfg.data, cfg.data_split), tokenizer, cfg.seq_len, renames)  # type: ignore[arg-type]
-    said = [f"data {cfg.data}: {train.describe()} ({how})"]
+    renames = parse_columns(d.columns)
+    train, how = tokenize(open_source(d.data, d.data_split), tokenizer, d.seq_len, renames)  # type: ignore[arg-type]
+    said = [f"data {d.data}: {train.describe()} ({how})"]
     evals: Sequence[Example] = []
-    if cfg.eval_data:
+    if d.eval_data:
         evals, how = tokenize(
-            open_source(cfg.eval_data, cfg.eval_split, "--eval-data"), tokenizer, cfg.seq_len, renames
+            open_source(d.eval_data, d.eval_split, "--eval-data"), tokenizer, d.seq_len, renames
         )
-        said.append(
-            f"eval data {cfg.eval_data}: {evals.describe()} ({how}); the first {cfg.eval_rows} evaluated"
-        )
-        evals = evals[: cfg.eval_rows]
-    return _packed(cfg, train, said), evals, [], said
+        said.append(f"eval data {d.eval_data}: {evals.describe()} ({how}); the first {rows} evaluated")
+        evals = evals[:rows]
+    return _packed(d, train, said), evals, [], said
 
 
-def _packed(cfg: FinetuneConfig, train: Tokenized, said: list[str]) -> Sequence[Example]:
-    if not cfg.packing:
+def _packed(d: DataConfig, train: Tokenized, said: list[str]) -> Sequence[Example]:
+    if not d.packing:
         return train
-    packed = Packed(train, cfg.seq_len)
+    packed = Packed(train, d.seq_len)
     said.append(
-        f"packing: {len(train)} examples in {len(packed)} sequences of {cfg.seq_len} tokens, "
+        f"packing: {len(train)} examples in {len(packed)} sequences of {d.seq_len} tokens, "
         f"{packed.fill():.1%} of them real tokens"
     )
     return packed
@@ -121,14 +117,14 @@ def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: to
     scored model's (`narrows.core.app.inference`)."""
     from ..inference import load_base
 
-    cache = False if cfg.cache == "off" else (cfg.cache or True)
+    cache = False if cfg.memory.cache == "off" else (cfg.memory.cache or True)
     return load_base(
         folder,
         dtype=dtype,
-        quant=cfg.quant,
+        quant=cfg.base.quant,
         device=device,
-        streamed=cfg.gpu_budget != "off",
-        host_budget=cfg.host_budget,
+        streamed=cfg.memory.gpu_budget != "off",
+        host_budget=cfg.memory.host_budget,
         cache=cache,
     )[0]
 
@@ -148,17 +144,19 @@ def _targets(model: nn.Module, targets: str) -> str | list[str]:
 
 
 def apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
-    lmhead = cfg.lmhead
-    if lmhead == "auto":
-        lmhead = "mask,chunked" if is_available("narrows.lmhead") else "off"
-    if lmhead != "off":
+    options = lmhead_options(cfg.memory.lmhead)
+    if options is not None:
         import narrows.lmhead
 
-        spec = parse_lmhead(lmhead)
         # evaluation through the exact chunked loss too: the full logits of an eval batch
         # would take more than the budget the training fits (2.56 GB at 1900 MiB, 7B on the H100)
         narrows.lmhead.apply(
-            model, mask=spec.mask, chunked=spec.chunked, topk=spec.topk, fused=spec.fused, eval_logits=False
+            model,
+            mask=options.mask,
+            chunked=options.chunked,
+            topk=options.topk,
+            fused=options.fused,
+            eval_logits=False,
         )
 
 
@@ -171,19 +169,19 @@ def build_model(
 
     from .state import lora_config
 
-    target_modules = _targets(model, cfg.targets)
-    seed_all(cfg.seed)  # the adapter's initialisation
+    target_modules = _targets(model, cfg.lora.targets)
+    seed_all(cfg.training.seed)  # the adapter's initialisation
     model = get_peft_model(model, lora_config(cfg, target_modules))
-    if cfg.adapter == "dora":
+    if cfg.lora.adapter == "dora":
         import narrows.dora
 
         narrows.dora.use_narrows_dora(model)
     # each LoRA branch one autograd node, a shared input cast once: PEFT's bits, less saved
     # memory, 2-10% shorter steps on the H100 (cases fuse_* of benchmarks/results/h100.jsonl)
     fuse_lora(model)
-    tile = cfg.tile()
+    tile = cfg.memory.tile()
     kernels = "PEFT's modules (--kernels peft)"
-    if cfg.gpu_budget == "off":
+    if cfg.memory.gpu_budget == "off":
         model.to(device)
         apply_lmhead(cfg, model)
         if tile is not None:
@@ -191,16 +189,16 @@ def build_model(
 
             narrows.stream.tile_sequence(model, tile)
         # after the tiles: the fast layer runs them (not with LoRA dropout: it says so)
-        if cfg.kernels == "fast":
+        if cfg.base.kernels == "fast":
             kernels = str(
-                fuse_layers(model, lora_dtype=torch.float32 if cfg.lora_dtype == "float32" else None)
+                fuse_layers(model, lora_dtype=torch.float32 if cfg.base.lora_dtype == "float32" else None)
             )
     else:
         import narrows.stream
 
         apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
         model = narrows.stream.stream(model, stream_config(cfg, device, world_size))
-        if cfg.kernels == "fast":
+        if cfg.base.kernels == "fast":
             kernels = model.narrows_stream.kernels
     model.narrows_kernels = kernels  # what the run's summary says of them
     return model
@@ -213,20 +211,21 @@ def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1
     graphs asked for (else the planner's)."""
     import narrows.stream
 
-    host_state = "adapters" if cfg.offload_adapters else "optimizer" if cfg.offload_optimizer else "none"
+    m = cfg.memory
+    host_state = "adapters" if m.offload_adapters else "optimizer" if m.offload_optimizer else "none"
     return narrows.stream.StreamConfig(
-        gpu_budget=cfg.gpu_budget if cfg.gpu_budget in ("fit", "min") else parse_bytes(cfg.gpu_budget),
+        gpu_budget=m.gpu_budget if m.gpu_budget in ("fit", "min") else parse_bytes(m.gpu_budget),
         device=device,
-        batch_size=cfg.batch,
-        seq_len=cfg.seq_len,
-        seq_tile=cfg.tile(),
-        graphs="auto" if cfg.cuda_graphs is None else cfg.cuda_graphs,
-        grad_accum=cfg.grad_accum,
-        step_mode="auto" if cfg.step_mode is None else cfg.step_mode,
+        batch_size=cfg.training.batch,
+        seq_len=cfg.dataset.seq_len,
+        seq_tile=m.tile(),
+        graphs="auto" if m.cuda_graphs is None else m.cuda_graphs,
+        grad_accum=cfg.training.grad_accum,
+        step_mode="auto" if m.step_mode is None else m.step_mode,
         host_state=host_state,
         world_size=world_size,
-        kernels=cfg.kernels,
-        lora_dtype="float32" if cfg.lora_dtype == "float32" else None,
+        kernels=cfg.base.kernels,
+        lora_dtype="float32" if cfg.base.lora_dtype == "float32" else None,
     )
 
 
@@ -234,15 +233,15 @@ def choose_accumulation(cfg: FinetuneConfig, model: nn.Module) -> tuple[bool, st
     """Whether the step runs block-major (narrows.stream.StepTrainer) or in sequence, and
     why: as asked, or where neither was asked, the stream plan's decision.
     The numbers trained are the same either way. "" where a step has one micro-batch."""
-    if cfg.gpu_budget == "off":
+    if cfg.memory.gpu_budget == "off":
         return False, ""
-    if cfg.step_mode is not None:  # given, or the settings a resumed run started with
-        return cfg.step_mode, (
+    if cfg.memory.step_mode is not None:  # given, or the settings a resumed run started with
+        return cfg.memory.step_mode, (
             "block-major (asked for: --step-mode, --offload-optimizer or --offload-adapters)"
-            if cfg.step_mode
+            if cfg.memory.step_mode
             else "sequential (step mode off: --no-step-mode, or the settings this run started with)"
         )
-    if cfg.grad_accum < 2:
+    if cfg.training.grad_accum < 2:
         return False, ""
     plan = model.narrows_stream.plan  # the planner decided when it planned the stream
     return plan.accumulation == "block-major", plan.accumulation_choice

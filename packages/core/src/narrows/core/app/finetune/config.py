@@ -1,33 +1,317 @@
 """What a run depends on (`FinetuneConfig`, saved in the run folder), its checks, and
-which of its fields a resumed run may change without leaving the trajectory it started."""
+which of its settings a resumed run may change without leaving the trajectory it started.
+
+Each setting is a leaf field of one group (`BaseConfig`, `DataConfig`, ...) and carries its
+flag once (`setting`): `command` builds the parser from these fields, `checked` refuses
+values outside their choices and bounds. A setting's name is unique across the groups, so
+files and the resume tables name settings flat (``"steps"``), whatever group holds them."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ...errors import NarrowsError
-from ...optional import require
+from ...optional import is_available, require
 from ...sizes import parse_bytes
 from ..data import open_source, parse_columns
 from .reporters import parse_report_to
 
+if TYPE_CHECKING:  # narrows-lmhead is optional: imported where --lmhead asks for it
+    from narrows.lmhead import LossOptions
+
 __all__ = [
-    "ADAPTERS",
     "FIXED",
+    "GROUPS",
     "OVERRIDABLE",
-    "QUANTS",
     "RESUMABLE",
+    "SETTINGS",
+    "BaseConfig",
     "Changes",
+    "DataConfig",
+    "EvaluationConfig",
     "FinetuneConfig",
-    "LMHeadSpec",
-    "parse_lmhead",
+    "LoraConfig",
+    "MemoryConfig",
+    "ReportingConfig",
+    "TrainingConfig",
+    "flag_of",
+    "lmhead_options",
     "resume_changes",
+    "setting",
 ]
 
-ADAPTERS = ("lora", "dora")
-QUANTS = ("none", "nf4")
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | Mapping[str, str] | None = None,
+    at_least: int | None = None,
+    advanced: bool = False,
+    metavar: str | None = None,
+    default_help: str | None = None,
+    flag: bool = True,
+) -> Any:
+    """A leaf setting: its default and its flag, written once. The flag is ``--name-with-dashes``;
+    its parsing follows the annotation (int, float, str; ``bool`` a switch, ``bool | None``
+    a switch with its ``--no-`` form, None meaning not asked). `choices` (a mapping: each with
+    what it means) and `at_least` bound the value; `advanced` shows it under ``--help-advanced``
+    only; `default_help` says what a None default means; `flag=False`: not on the command line."""
+    meta = {
+        "help": help,
+        "choices": choices,
+        "at_least": at_least,
+        "advanced": advanced,
+        "metavar": metavar,
+        "default_help": default_help,
+        "flag": flag,
+    }
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class BaseConfig:
+    """The frozen base: which model, how it is held and which kernels run its layers."""
+
+    model: str | None = setting(
+        None,
+        "local HF model folder or .gguf file",
+        metavar="PATH",
+        default_help="the embedded SmolLM2-135M-Instruct",
+    )
+    quant: str = setting(
+        "none", "nf4: a QLoRA/QDoRA base, with narrows-core[nf4] installed", choices=("none", "nf4")
+    )
+    dtype: str = setting(
+        "auto",
+        "auto: bf16 on CUDA, fp32 on CPU",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        advanced=True,
+    )
+    kernels: str = setting(
+        "fast",
+        "the decoder layers' kernels: fast (narrows' fast layers — one autograd node a layer, LoRA in bf16 "
+        "on tensor cores with float32 masters and gradients — where they cover the model; the run says "
+        "which layers and why not the others) or peft (PEFT's modules: PEFT's bits)",
+        choices={
+            "fast": "narrows' fast decoder layers where they cover the model",
+            "peft": "PEFT's modules, PEFT's bits",
+        },
+        advanced=True,
+    )
+    lora_dtype: str = setting(
+        "auto",
+        "the fast layers' adapter arithmetic: auto (the activations' dtype, bf16 on tensor cores, with "
+        "float32 masters and gradients) or float32 (PEFT's: the adapters' matmuls and their sum with the "
+        "base in float32; slower, and more memory: the plan counts its float32 temporaries)",
+        choices={
+            "auto": "the fast layers' adapters compute in the activations' dtype",
+            "float32": "PEFT's arithmetic for them",
+        },
+        advanced=True,
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What the run trains and evaluates on, and how rows become sequences."""
+
+    data: str | None = setting(
+        None,
+        "training data, a local file (.jsonl, .parquet, .arrow, .csv, .json) or a save_to_disk folder: "
+        "messages, ShareGPT conversations, prompt/response or prompt/completion, Alpaca or text rows",
+        metavar="PATH",
+    )
+    eval_data: str | None = setting(None, "held-out data for the eval loss, as --data", metavar="PATH")
+    data_split: str | None = setting(
+        None,
+        "the split of a save_to_disk folder that holds several, e.g. train",
+        advanced=True,
+        metavar="SPLIT",
+    )
+    eval_split: str | None = setting(
+        None, "the split of --eval-data, e.g. test", advanced=True, metavar="SPLIT"
+    )
+    columns: str | None = setting(
+        None,
+        "rename your columns to the fields narrows reads, e.g. prompt=question,response=answer",
+        advanced=True,
+        metavar="RENAMES",
+    )
+    packing: bool = setting(
+        False,
+        "pack several examples into each --seq-len sequence (no padding); positions restart and attention "
+        "stays inside each example",
+    )
+    seq_len: int = setting(512, "tokens per sequence, longer rows are truncated", at_least=1, metavar="N")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The adapter's kind and shape (what PEFT's LoraConfig gets)."""
+
+    adapter: str = setting("lora", "lora, or dora with narrows-dora installed", choices=("lora", "dora"))
+    rank: int = setting(16, "adapter rank", at_least=1, metavar="N")
+    alpha: float | None = setting(None, "LoRA alpha", advanced=True, default_help="2 x rank")
+    dropout: float = setting(0.0, "adapter dropout", advanced=True)
+    targets: str = setting(
+        "all-linear", "all-linear or module names, e.g. q_proj,v_proj", advanced=True, metavar="MODULES"
+    )
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """Where the base lives and what the step does to fit a GPU budget; none changes what trains
+    except ``lmhead`` (topk) and ``seq_tile`` (summation order)."""
+
+    gpu_budget: str = setting(
+        "off",
+        "off, fit (what the GPU has free), min (the smallest footprint) or a size like 12GiB: stream the "
+        "base with narrows-stream",
+        metavar="SIZE",
+    )
+    host_budget: str | None = setting(
+        None,
+        "host RAM the streamed base may hold, e.g. 24GiB; layers beyond it are read from the prepared "
+        "cache on disk",
+        advanced=True,
+        metavar="SIZE",
+        default_help="85% of available",
+    )
+    cache: str | None = setting(
+        None,
+        "folder of the prepared-slab cache of a streamed base; off: none, everything must fit --host-budget",
+        advanced=True,
+        metavar="DIR",
+        default_help="$NARROWS_CACHE/slabs",
+    )
+    lmhead: str = setting(
+        "auto",
+        "auto (mask,chunked when narrows-lmhead is installed, else off), off, or e.g. mask,chunked,topk=1000 "
+        "with narrows-lmhead",
+        advanced=True,
+        metavar="SPEC",
+    )
+    seq_tile: str = setting(
+        "off",
+        "off, auto (the planner tiles the MLP over the sequence only when --gpu-budget needs it) or tokens "
+        "per tile, e.g. 2048, with narrows-stream; equal to untiled training up to summation order",
+        advanced=True,
+        metavar="TILE",
+    )
+    step_mode: bool | None = setting(
+        None,
+        "with --gpu-budget and --grad-accum N: each streamed layer loaded once for the forward of all N "
+        "micro-batches and once for their backward (narrows.stream.StepTrainer); the same numbers as "
+        "sequential accumulation. Not given: used where narrows-stream predicts it faster (the run says "
+        "which and why)",
+        advanced=True,
+    )
+    cuda_graphs: bool | None = setting(
+        None,
+        "with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
+        "counting their memory (faster at short sequences). Not given: the planner uses them where it "
+        "predicts them faster. A batch width is captured when it comes round again, and the four most recent "
+        "are kept (unpacked, each batch is as wide as its longest row; with --packing every batch is "
+        "--seq-len wide)",
+        advanced=True,
+    )
+    offload_optimizer: bool = setting(
+        False,
+        "in step mode (implies it): the optimizer state waits in host memory, each layer updated on the GPU "
+        "when its gradients are complete; the same numbers",
+        advanced=True,
+    )
+    offload_adapters: bool = setting(
+        False,
+        "with --offload-optimizer (implies it): the adapters wait in host memory too, each layer's on the "
+        "GPU only for its forward and its backward and update (one device slot, so CUDA graphs still "
+        "replay); the same numbers, less GPU memory",
+        advanced=True,
+    )
+
+    def tile(self) -> int | str | None:
+        """``--seq-tile`` as narrows-stream takes it: None, "auto" or tokens per tile."""
+        value = self.seq_tile
+        if value == "off":
+            return None
+        if value == "auto":
+            if self.gpu_budget == "off":
+                raise NarrowsError(
+                    "--seq-tile auto lets the planner of a streamed base decide: add --gpu-budget "
+                    "(e.g. --gpu-budget 6GiB), or give a tile size such as --seq-tile 2048"
+                )
+            require("narrows.stream", "--seq-tile")
+            return value
+        if not value.isdigit() or int(value) < 1:
+            raise NarrowsError(
+                f"--seq-tile must be off, auto or a number of tokens such as 2048, got {value!r}"
+            )
+        require("narrows.stream", "--seq-tile")
+        return int(value)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """The optimizer's steps and schedule, the data order, and the ranks they run on."""
+
+    steps: int = setting(
+        40, "optimizer steps; with --resume: where the run now ends", at_least=1, metavar="N"
+    )
+    batch: int = setting(4, "sequences per micro-batch", at_least=1, metavar="N")
+    grad_accum: int = setting(1, "micro-batches per step", at_least=1, metavar="N")
+    lr: float = setting(5e-4, "peak learning rate, cosine decay after warmup")
+    warmup: int | None = setting(
+        None, "warmup steps", advanced=True, metavar="N", default_help="5% of --steps"
+    )
+    seed: int = setting(0, "seed for the adapter init, data order and dropout", at_least=0, advanced=True)
+    save_every: int = setting(10, "checkpoint every N steps", at_least=1, advanced=True, metavar="N")
+    deterministic: bool = setting(
+        False,
+        "deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace): on CUDA the "
+        "condition for streamed == resident bit for bit; the CPU is deterministic anyway",
+    )
+    world_size: int = setting(
+        1, "ranks the run trains on (torchrun), set by the launch", at_least=1, flag=False
+    )
+
+
+@dataclass(frozen=True)
+class EvaluationConfig:
+    """What is scored on held-out rows, and when."""
+
+    eval_rows: int = setting(32, "held-out rows for the eval loss", at_least=0, advanced=True, metavar="N")
+    eval_every: int | None = setting(
+        None,
+        "held-out loss every N steps, plus step 0 and the last",
+        at_least=1,
+        advanced=True,
+        metavar="N",
+        default_help="a quarter of --steps, 5 points in loss.png for the default 40",
+    )
+    exact_match: int = setting(
+        8, "held-out GSM8K problems generated and scored, 0: off", at_least=0, advanced=True, metavar="N"
+    )
+
+
+@dataclass(frozen=True)
+class ReportingConfig:
+    """Where the run is written and shown."""
+
+    out: str = setting("runs/default", "run folder, new or empty", metavar="DIR")
+    report_to: str = setting(
+        "none",
+        "where the run shows up besides metrics.jsonl, as transformers' report_to: tensorboard (event files "
+        "in RUN/tensorboard, needs narrows-core[tensorboard]), wandb (honours WANDB_MODE, WANDB_PROJECT; "
+        "default project narrows; needs narrows-core[wandb]), comma-separated, all (those installed) or none, "
+        "as transformers 5's TrainingArguments",
+        metavar="LIST",
+    )
+
 
 # What a resumed run may change, field by field (`resume_changes`; README "Resuming a run").
 # Freely: the run still trains what it would have trained.
@@ -94,240 +378,231 @@ FIXED = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class FinetuneConfig:
-    """Everything a run depends on; saved in the run folder's ``config.json``."""
+    """Everything a run depends on, by concern; saved in the run folder's ``config.json``
+    with each setting under its own name (`settings`)."""
 
-    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
-    data: str | None = None  # None with model None: GSM8K train split
-    eval_data: str | None = None
-    data_split: str | None = None  # the split of a save_to_disk folder holding several
-    eval_split: str | None = None
-    columns: str | None = None  # renames of dataset columns, e.g. prompt=question,response=answer
-    packing: bool = False  # several examples per sequence, attention kept inside each
-    adapter: str = "lora"
-    rank: int = 16
-    alpha: float | None = None  # None: 2 * rank
-    dropout: float = 0.0
-    targets: str = "all-linear"
-    quant: str = "none"
-    gpu_budget: str = "off"  # off | fit | min (the smallest footprint) | a size such as 12GiB
-    host_budget: str | None = (
-        None  # host RAM for a streamed base (default: 85% of available); the rest on disk
-    )
-    cache: str | None = None  # prepared-slab cache folder (default $NARROWS_CACHE/slabs); "off": none
-    lmhead: str = (
-        "auto"  # auto: mask,chunked when narrows-lmhead is installed; off; or e.g. mask,chunked,topk=1000
-    )
-    steps: int = 40
-    batch: int = 4
-    grad_accum: int = 1
-    seq_len: int = 512
-    seq_tile: str = "off"  # off | auto (when the GPU budget needs it) | tokens per MLP tile
-    # block-major accumulation (narrows.stream.StepTrainer) over the streamed base (None: where it is predicted faster)
-    step_mode: bool | None = None
-    # the layers narrows-stream runs replayed as CUDA graphs (None: the planner's choice)
-    cuda_graphs: bool | None = None
-    # the decoder layers' kernels: "fast" (narrows' fast layers where they cover the layer) or "peft"
-    kernels: str = "fast"
-    # the fast layers' adapter arithmetic: "auto" (the activations' dtype) or "float32" (PEFT's)
-    lora_dtype: str = "auto"
-    offload_optimizer: bool = False  # step mode: optimizer state in host memory between layer updates
-    offload_adapters: bool = False  # and the adapters too (implies offload_optimizer)
-    lr: float = 5e-4
-    warmup: int | None = None  # None: 5% of the steps
-    seed: int = 0
-    save_every: int = 10
-    eval_rows: int = 32  # held-out rows used for the eval loss
-    eval_every: int | None = None  # held-out loss every N steps, 0 and the last too (None: steps / 4)
-    exact_match: int = 8  # held-out problems generated and scored (embedded default only)
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
-    deterministic: bool = False  # deterministic kernels: on CUDA, what makes runs reproducible bit for bit
-    out: str = "runs/default"
-    report_to: str = "none"  # tensorboard, wandb (comma-separated), all (those installed) or none
-    world_size: int = 1  # ranks the run trains on (torchrun); not a flag: set by the launch
+    base: BaseConfig = field(default_factory=BaseConfig)
+    dataset: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    reporting: ReportingConfig = field(default_factory=ReportingConfig)
 
     @classmethod
-    def from_dict(cls, fields: dict, where: str) -> FinetuneConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
+    def of(cls, **settings: Any) -> FinetuneConfig:
+        """The defaults with `settings` (by name: ``steps=200``) in their groups; an unknown
+        name is a TypeError."""
+        return cls().replace(**settings)
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any], where: str) -> FinetuneConfig:
+        """A configuration from a file's settings by name (`configfile` checks them first)."""
+        unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
             raise NarrowsError(
                 f"{where}: unknown settings {unknown}; it was written by another narrows version"
             )
-        if "kernels" not in fields:  # written before fast layers: that run trained PEFT's kernels
-            fields = {**fields, "kernels": "peft"}
-        return cls(**fields)
+        if "kernels" not in settings:  # written before fast layers: that run trained PEFT's kernels
+            settings = {**settings, "kernels": "peft"}
+        return cls.of(**settings)
+
+    def replace(self, **settings: Any) -> FinetuneConfig:
+        """A copy with `settings` (by name) changed; this one stays as it is."""
+        changed: dict[str, dict[str, Any]] = {}
+        for name, value in settings.items():
+            if name not in SETTINGS:
+                raise TypeError(f"FinetuneConfig has no setting {name!r}")
+            changed.setdefault(SETTINGS[name], {})[name] = value
+        groups = {g: dataclasses.replace(getattr(self, g), **v) for g, v in changed.items()}
+        return dataclasses.replace(self, **groups)
+
+    def settings(self) -> dict[str, Any]:
+        """Every setting by name, group after group (what ``config.json`` holds)."""
+        return {name: getattr(getattr(self, group), name) for name, group in SETTINGS.items()}
 
     @property
     def eval_interval(self) -> int:
         """Steps between held-out evaluations: a newcomer's 40 steps show 5 points (0, 10, ..., 40)."""
-        return self.eval_every if self.eval_every is not None else max(1, self.steps // 4)
+        every = self.evaluation.eval_every
+        return every if every is not None else max(1, self.training.steps // 4)
 
     @property
     def warmup_steps(self) -> int:
-        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+        warmup = self.training.warmup
+        return warmup if warmup is not None else max(1, self.training.steps // 20)
 
     def checked(self) -> FinetuneConfig:
         """This configuration checked, returned as a new one with what its settings imply
         filled in (``--offload-adapters`` implies ``--offload-optimizer``, which implies step
         mode); a bad one is refused (`NarrowsError`) before anything is loaded. The
         configuration it is called on is left as it is."""
-        cfg = dataclasses.replace(self)
-        cfg._refuse_or_fill()
-        return cfg
-
-    def _refuse_or_fill(self) -> None:
-        if self.adapter not in ADAPTERS:
-            raise NarrowsError(f"--adapter must be one of {ADAPTERS}, got {self.adapter!r}")
-        if self.quant not in QUANTS:
-            raise NarrowsError(f"--quant must be one of {QUANTS}, got {self.quant!r}")
-        for name in ("rank", "steps", "batch", "grad_accum", "seq_len", "save_every", "world_size"):
-            if getattr(self, name) < 1:
-                raise NarrowsError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.eval_every is not None and self.eval_every < 1:
-            raise NarrowsError(
-                f"--eval-every must be at least 1 (steps between held-out evaluations), got {self.eval_every}"
-            )
-        for name in ("eval_rows", "exact_match", "seed"):
-            if getattr(self, name) < 0:
-                raise NarrowsError(f"--{_flag(name)} must be 0 or more, got {getattr(self, name)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise NarrowsError(f"--lr must be a positive number (e.g. 5e-4), got {self.lr}")
-        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
-            raise NarrowsError(f"--warmup must be between 0 and --steps ({self.steps}), got {self.warmup}")
-        if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
-            raise NarrowsError(f"--dropout must be in [0, 1), got {self.dropout}")
-        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
-            raise NarrowsError(f"--alpha must be a positive number, got {self.alpha}")
-        if not self.targets.strip(", "):
+        for name, value, meta in _bounded(self):
+            choices = meta["choices"]
+            if choices is not None and value not in choices:
+                raise NarrowsError(f"--{flag_of(name)} must be {_either(choices)}, got {value!r}")
+            least = meta["at_least"]
+            if least is not None and value is not None and value < least:
+                more = "at least 1" if least == 1 else f"{least} or more"
+                raise NarrowsError(f"--{flag_of(name)} must be {more}, got {value}")
+        b, a, m, t = self.base, self.lora, self.memory, self.training
+        if not (math.isfinite(t.lr) and t.lr > 0):
+            raise NarrowsError(f"--lr must be a positive number (e.g. 5e-4), got {t.lr}")
+        if t.warmup is not None and not 0 <= t.warmup <= t.steps:
+            raise NarrowsError(f"--warmup must be between 0 and --steps ({t.steps}), got {t.warmup}")
+        if not (math.isfinite(a.dropout) and 0 <= a.dropout < 1):
+            raise NarrowsError(f"--dropout must be in [0, 1), got {a.dropout}")
+        if a.alpha is not None and not (math.isfinite(a.alpha) and a.alpha > 0):
+            raise NarrowsError(f"--alpha must be a positive number, got {a.alpha}")
+        if not a.targets.strip(", "):
             raise NarrowsError("--targets is empty; give all-linear or module names such as q_proj,v_proj")
-        if self.model is None and self.data is not None:
+        self._check_inputs()
+        if b.lora_dtype == "float32" and b.kernels != "fast":
+            raise NarrowsError(
+                "--lora-dtype float32 is the fast layers' option; with --kernels peft PEFT computes "
+                "the adapters in their own dtype already: give --lora-dtype auto (or leave it out)"
+            )
+        if a.adapter == "dora":
+            require("narrows.dora", "--adapter dora")
+        if b.quant == "nf4":
+            require("bitsandbytes", "--quant nf4")
+        memory = self._checked_memory()
+        if m.lmhead not in ("auto", "off"):  # auto and off import nothing: the CLI stays without torch
+            lmhead_options(m.lmhead)
+        m.tile()
+        parse_report_to(self.reporting.report_to)
+        return dataclasses.replace(self, memory=memory)
+
+    def _check_inputs(self) -> None:
+        b, d = self.base, self.dataset
+        if b.model is None and d.data is not None:
             raise NarrowsError(
                 "--data needs --model too (the embedded default model comes with its own data)"
             )
-        if self.model is not None and self.data is None:
+        if b.model is not None and d.data is None:
             raise NarrowsError(
                 "--model needs --data (a local JSONL, parquet, arrow, csv or json file, or a "
                 "save_to_disk folder)"
             )
         for flag, split, of, source in (
-            ("--data-split", self.data_split, "--data", self.data),
-            ("--eval-split", self.eval_split, "--eval-data", self.eval_data),
+            ("--data-split", d.data_split, "--data", d.data),
+            ("--eval-split", d.eval_split, "--eval-data", d.eval_data),
         ):
             if split is not None and source is None:
                 raise NarrowsError(f"{flag} chooses a split of {of}: give {of} too, or drop {flag}")
-        if self.columns is not None:
-            if self.data is None:
+        if d.columns is not None:
+            if d.data is None:
                 raise NarrowsError(
                     "--columns renames the columns of --data: give --data too, or drop --columns"
                 )
-            parse_columns(self.columns)
-        if self.data is not None:
-            open_source(self.data, self.data_split)  # a local path, of a kind narrows reads
-        if self.eval_data is not None:
-            open_source(self.eval_data, self.eval_split, flag="--eval-data")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise NarrowsError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.kernels not in ("fast", "peft"):
-            raise NarrowsError(
-                f"--kernels must be fast (narrows' fast decoder layers where they cover the model) "
-                f"or peft (PEFT's modules, PEFT's bits), got {self.kernels!r}"
-            )
-        if self.lora_dtype not in ("auto", "float32"):
-            raise NarrowsError(
-                f"--lora-dtype must be auto (the fast layers' adapters compute in the activations' "
-                f"dtype) or float32 (PEFT's arithmetic for them), got {self.lora_dtype!r}"
-            )
-        if self.lora_dtype == "float32" and self.kernels != "fast":
-            raise NarrowsError(
-                "--lora-dtype float32 is the fast layers' option; with --kernels peft PEFT computes "
-                "the adapters in their own dtype already: give --lora-dtype auto (or leave it out)"
-            )
-        if self.adapter == "dora":
-            require("narrows.dora", "--adapter dora")
-        if self.quant == "nf4":
-            require("bitsandbytes", "--quant nf4")
-        if self.gpu_budget != "off":
+            parse_columns(d.columns)
+        if d.data is not None:
+            open_source(d.data, d.data_split)  # a local path, of a kind narrows reads
+        if d.eval_data is not None:
+            open_source(d.eval_data, d.eval_split, flag="--eval-data")
+
+    def _checked_memory(self) -> MemoryConfig:
+        """The memory settings checked, with the offloads' implications filled in."""
+        m, t = self.memory, self.training
+        if m.gpu_budget != "off":
             require("narrows.stream", "--gpu-budget")
-            if self.gpu_budget not in ("fit", "min"):
-                size("--gpu-budget", self.gpu_budget)
-        if self.host_budget is not None:
-            if self.gpu_budget == "off":
+            if m.gpu_budget not in ("fit", "min"):
+                size("--gpu-budget", m.gpu_budget)
+        if m.host_budget is not None:
+            if m.gpu_budget == "off":
                 raise NarrowsError(
                     "--host-budget bounds the host copy of a streamed base: add --gpu-budget "
                     "(e.g. --gpu-budget 12GiB), or drop --host-budget"
                 )
-            size("--host-budget", self.host_budget)
-        if self.cache is not None and self.gpu_budget == "off":
+            size("--host-budget", m.host_budget)
+        if m.cache is not None and m.gpu_budget == "off":
             raise NarrowsError(
                 "--cache holds the prepared slabs of a streamed base: add --gpu-budget, or drop --cache"
             )
         for flag, on in (
-            ("step-mode", self.step_mode),
-            ("offload-optimizer", self.offload_optimizer),
-            ("offload-adapters", self.offload_adapters),
-            ("cuda-graphs", self.cuda_graphs),
+            ("step-mode", m.step_mode),
+            ("offload-optimizer", m.offload_optimizer),
+            ("offload-adapters", m.offload_adapters),
+            ("cuda-graphs", m.cuda_graphs),
         ):
-            if on and self.gpu_budget == "off":
+            if on and m.gpu_budget == "off":
                 raise NarrowsError(
                     f"--{flag} applies to the layers of a streamed base: add --gpu-budget "
                     f"(e.g. --gpu-budget 12GiB), or drop --{flag}"
                 )
         flag = "--step-mode"
-        hosted = "--offload-adapters" if self.offload_adapters else "--offload-optimizer"
-        if self.offload_adapters:
-            if self.grad_accum < 2:
+        hosted = "--offload-adapters" if m.offload_adapters else "--offload-optimizer"
+        if m.offload_adapters:
+            if t.grad_accum < 2:
                 raise NarrowsError(
                     "--offload-adapters keeps one layer's adapters on the GPU at a time, which a "
                     "block-major step of several micro-batches does: add --grad-accum N (N ≥ 2), "
                     "or use --offload-optimizer alone"
                 )
-            self.offload_optimizer = True  # each layer's adapters go back to host memory after its update
-        if self.offload_optimizer and self.step_mode is None:
-            self.step_mode = True  # the optimizer state waits in host memory between a step's layer updates
+            # each layer's adapters go back to host memory after its update
+            m = dataclasses.replace(m, offload_optimizer=True)
+        if m.offload_optimizer and m.step_mode is None:
+            m = dataclasses.replace(m, step_mode=True)  # the optimizer state waits in host memory
             flag = f"{hosted} (which runs in step mode)"
-        if self.step_mode and self.world_size > 1:
+        if m.step_mode and t.world_size > 1:
             raise NarrowsError(
-                f"{flag} is not supported on several ranks yet (this run has {self.world_size}): step mode writes "
+                f"{flag} is not supported on several ranks yet (this run has {t.world_size}): step mode writes "
                 f"each layer's gradients itself, past DistributedDataParallel's all-reduce. Drop {flag.split()[0]}, "
                 "or run it in one process"
             )
-        if self.offload_optimizer and self.step_mode is False:
+        if m.offload_optimizer and m.step_mode is False:
             raise NarrowsError(
                 f"{hosted} updates each layer inside a step-mode step, and step mode is off "
                 "(--no-step-mode, or the settings a resumed run started with): add --step-mode, or "
                 f"drop {hosted}"
             )
-        if self.lmhead not in ("auto", "off"):
-            require("narrows.lmhead", "--lmhead")
-            parse_lmhead(self.lmhead)
-        self.tile()
-        parse_report_to(self.report_to)
-
-    def tile(self) -> int | str | None:
-        """``--seq-tile`` as narrows-stream takes it: None, "auto" or tokens per tile."""
-        value = self.seq_tile
-        if value == "off":
-            return None
-        if value == "auto":
-            if self.gpu_budget == "off":
-                raise NarrowsError(
-                    "--seq-tile auto lets the planner of a streamed base decide: add --gpu-budget "
-                    "(e.g. --gpu-budget 6GiB), or give a tile size such as --seq-tile 2048"
-                )
-            require("narrows.stream", "--seq-tile")
-            return value
-        if not value.isdigit() or int(value) < 1:
-            raise NarrowsError(
-                f"--seq-tile must be off, auto or a number of tokens such as 2048, got {value!r}"
-            )
-        require("narrows.stream", "--seq-tile")
-        return int(value)
+        return m
 
 
-def _flag(name: str) -> str:
+GROUPS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(FinetuneConfig)}  # type: ignore[misc]
+# setting name -> the group that holds it; the names are unique across the groups
+SETTINGS: dict[str, str] = {f.name: group for group, kind in GROUPS.items() for f in dataclasses.fields(kind)}
+assert not set(SETTINGS) & set(GROUPS), "a group is named like a setting"
+
+
+def leaves() -> Iterator[tuple[str, dataclasses.Field]]:
+    """(group, field) of every setting, group after group."""
+    for group, kind in GROUPS.items():
+        for f in dataclasses.fields(kind):
+            yield group, f
+
+
+def _bounded(cfg: FinetuneConfig) -> Iterator[tuple[str, Any, Mapping[str, Any]]]:
+    for group, f in leaves():
+        yield f.name, getattr(getattr(cfg, group), f.name), f.metadata
+
+
+def _either(choices: tuple[str, ...] | Mapping[str, str]) -> str:
+    """``a, b or c``; with what each means where `choices` says: ``a (this) or b (that)``."""
+    said = [f"{c} ({choices[c]})" if isinstance(choices, Mapping) else c for c in choices]
+    return ", ".join(said[:-1]) + " or " + said[-1]
+
+
+def flag_of(name: str) -> str:
+    """A setting's flag without its dashes: ``grad_accum`` -> ``grad-accum``."""
     return name.replace("_", "-")
+
+
+def lmhead_options(text: str) -> LossOptions | None:
+    """``--lmhead`` as narrows-lmhead's own `LossOptions` (None: off); ``auto`` is
+    ``mask,chunked`` where narrows-lmhead is installed and off where it is not. A value other
+    than auto or off needs narrows-lmhead; a malformed one is a `NarrowsError` naming the flag."""
+    if text == "auto":
+        text = "mask,chunked" if is_available("narrows.lmhead") else "off"
+    if text == "off":
+        return None
+    lmhead = require("narrows.lmhead", "--lmhead")
+    try:
+        return lmhead.LossOptions.parse(text)
+    except ValueError as e:
+        raise NarrowsError(f"--lmhead {text!r}: {e}") from None
 
 
 def size(flag: str, text: str) -> int:
@@ -357,39 +632,11 @@ def resume_changes(started: FinetuneConfig, wanted: dict[str, object]) -> Change
     by hand) into changes of the settings the run last `started` with; values equal to
     those, and None (a flag not given), are no change."""
     free, overridden, fixed = {}, {}, {}
+    before = started.settings()
     for name, new in wanted.items():
-        old = getattr(started, name)
+        old = before[name]
         if new is None or new == old:
             continue
         kind = free if name in RESUMABLE else overridden if name in OVERRIDABLE else fixed
         kind[name] = (old, new)
     return Changes(free, overridden, fixed)
-
-
-@dataclass(frozen=True)
-class LMHeadSpec:
-    mask: bool = False
-    chunked: bool = False
-    topk: int | None = None
-    fused: str = "auto"  # narrows-lmhead's dispatch to a fused kernel library (auto | off | cce)
-
-
-def parse_lmhead(text: str) -> LMHeadSpec:
-    """``"mask,chunked,topk=1000,fused=off"`` -> LMHeadSpec; unknown parts are an error."""
-    spec: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        if part in ("mask", "chunked"):
-            spec[part] = True
-        elif part.startswith("topk="):
-            try:
-                spec["topk"] = int(part[5:])
-            except ValueError:
-                raise NarrowsError(f"--lmhead {text!r}: topk needs an integer, e.g. topk=1000") from None
-        elif part.startswith("fused=") and part[6:] in ("auto", "off", "cce"):
-            spec["fused"] = part[6:]
-        else:
-            raise NarrowsError(
-                f"--lmhead {text!r}: unknown part {part!r}; use mask, chunked, topk=K and/or "
-                "fused=auto|off|cce"
-            )
-    return LMHeadSpec(**spec)  # type: ignore[arg-type]

@@ -4,7 +4,9 @@ torchtune users write theirs; a run folder's own ``config.json`` works too) and 
 folder's ``config.json`` that ``--resume``, ``narrows eval`` and the run's state read.
 
 A run folder's file holds the settings (``config``), their ``history`` (one entry per start,
-each with the settings that start ran with) and the run's ``inputs`` by content. Whatever
+each with the settings that start ran with) and the run's ``inputs`` by content. Settings
+are written flat, each under its own name; a file may also hold them in their groups
+(``{"training": {"steps": 200}}``), and either layout reads into one `FinetuneConfig`. Whatever
 is wrong with it — not JSON, not UTF-8, not an object, a field missing, unknown or of the
 wrong type — is a `NarrowsError` naming the file and the field. Imports no torch: the CLI
 reads and checks a file before anything heavy is loaded."""
@@ -18,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import NarrowsError
-from .config import FinetuneConfig
+from .config import GROUPS, SETTINGS, FinetuneConfig, leaves
 
 __all__ = ["FORMAT", "RunFile", "check_settings", "read_config_file", "read_run_file"]
 
@@ -43,25 +45,43 @@ def _kinds(annotation: str) -> tuple[type, ...]:
 
 
 def check_settings(saved: object, where: str) -> dict[str, Any]:
-    """`saved` checked to be FinetuneConfig's fields by name and JSON type; `where` (a file,
-    or a flag and a file) begins every refusal."""
+    """`saved` checked to be FinetuneConfig's settings by name and JSON type, returned flat
+    (``{"steps": 200}``): each under its own name, or in its group (``{"training": {"steps":
+    200}}``), as files of either layout hold them; `where` (a file, or a flag and a file)
+    begins every refusal."""
     if not isinstance(saved, dict):
         raise NarrowsError(
             f'{where}: expected a JSON object of settings, e.g. {{"steps": 200}}, '
             f"found a JSON {type(saved).__name__}"
         )
-    fields = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
-    unknown = sorted(k for k in saved if k not in fields)
+    flat: dict[str, Any] = {}
+    named: dict[str, str] = {}  # setting -> how the file names it (``steps`` or ``training.steps``)
+    for key, value in saved.items():
+        if key in GROUPS and isinstance(value, dict):
+            inner = {f"{key}.{name}": name for name in value}
+            unknown = sorted(path for path, name in inner.items() if SETTINGS.get(name) != key)
+            if unknown:
+                known = [f"{key}.{f.name}" for f in dataclasses.fields(GROUPS[key])]
+                raise NarrowsError(f"{where}: unknown settings {unknown}; known: {', '.join(known)}")
+            entries = [(path, name, value[name]) for path, name in inner.items()]
+        else:
+            entries = [(key, key, value)]
+        for path, name, setting in entries:
+            if name in flat:
+                raise NarrowsError(f"{where}: {name} is given twice ({named[name]} and {path}): keep one")
+            flat[name], named[name] = setting, path
+    unknown = sorted(k for k in flat if k not in SETTINGS)
     if unknown:
-        dashed = [k for k in unknown if k.replace("-", "_") in fields]
+        dashed = [k for k in unknown if k.replace("-", "_") in SETTINGS]
         hint = f" (write {dashed[0].replace('-', '_')!r}: field names, not flags)" if dashed else ""
-        raise NarrowsError(f"{where}: unknown settings {unknown}{hint}; known: {', '.join(sorted(fields))}")
-    for name, value in saved.items():
+        raise NarrowsError(f"{where}: unknown settings {unknown}{hint}; known: {', '.join(sorted(SETTINGS))}")
+    fields = {f.name: f for _, f in leaves()}
+    for name, value in flat.items():
         kinds = _kinds(str(fields[name].type))  # the annotation as written: "int | None"
         if kinds and not (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
             wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
-            raise NarrowsError(f"{where}: {name} = {value!r} should be {wanted}")
-    return dict(saved)
+            raise NarrowsError(f"{where}: {named[name]} = {value!r} should be {wanted}")
+    return flat
 
 
 def _load_json(file: Path, where: str) -> object:

@@ -40,13 +40,11 @@ INPUTS = {
 _LOUD = 256 << 20  # inputs larger than this say that they are being hashed
 
 
-def absolute_inputs(cfg: FinetuneConfig) -> None:
-    """The paths of a new run made absolute (from the directory it is started in), so that
-    its config names the same files wherever it is resumed from."""
-    for name in INPUTS:
-        value = getattr(cfg, name)
-        if value is not None:
-            setattr(cfg, name, absolute(value))
+def absolute_inputs(cfg: FinetuneConfig) -> FinetuneConfig:
+    """`cfg` with the paths of a new run made absolute (from the directory it is started in),
+    so that its config names the same files wherever it is resumed from."""
+    named = {name: cfg.settings()[name] for name in INPUTS}
+    return cfg.replace(**{name: absolute(value) for name, value in named.items() if value is not None})
 
 
 def absolute(text: str) -> str:
@@ -56,10 +54,10 @@ def absolute(text: str) -> str:
 
 def _where(cfg: FinetuneConfig, name: str) -> Path | None:
     """The file behind an input field; the embedded default's files when it is unset."""
-    value = getattr(cfg, name)
+    value = cfg.settings()[name]
     if value is not None:
         return Path(value)
-    if cfg.model is None and name in ("model", "data"):
+    if cfg.base.model is None and name in ("model", "data"):
         from .. import bundled
 
         return bundled.smollm2_gguf() if name == "model" else bundled.gsm8k_file()
@@ -112,7 +110,7 @@ def require_inputs(folder: Path, cfg: FinetuneConfig) -> None:
         if path is None or path.exists():
             continue
         hint = f"if it moved, name its new place: narrows finetune --resume {folder} {flag} NEW_PATH"
-        if getattr(cfg, name) is None:
+        if cfg.settings()[name] is None:
             hint = "the embedded default's package is missing or was reinstalled elsewhere: pip install 'narrows-core[default]'"
         raise NarrowsError(
             f"--resume {folder}: the {what} the run trained on, {path}, is not there any more; {hint}"
@@ -164,7 +162,7 @@ def check_inputs(folder: Path, cfg: FinetuneConfig, recorded: dict | None, overr
                 f"{flag} {path} differs from what the run started with ({'; '.join(diffs)}); "
                 "continuing on it (--override, recorded in the run's history)"
             )
-        if getattr(cfg, name) is not None and os.path.normpath(old["path"]) != os.path.normpath(path):
+        if cfg.settings()[name] is not None and os.path.normpath(old["path"]) != os.path.normpath(path):
             check.moved[name] = [old["path"], str(path)]
             if not diffs:
                 check.notes.append(

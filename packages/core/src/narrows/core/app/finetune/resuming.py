@@ -6,7 +6,6 @@ heavy is loaded, and the job settles it again under the run folder's lock."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,16 +78,16 @@ def plan_resume(
     OVERRIDABLE one without `override`; steps below the newest checkpoint; a run whose
     checkpoints are gone after it logged steps past its first one, without `override`."""
     started = file.started_with or file.config  # before narrows kept it, the file is all there is
-    names = [f.name for f in dataclasses.fields(FinetuneConfig)]
-    edited = frozenset(n for n in names if getattr(file.config, n) != getattr(started, n))
-    wanted = {n: getattr(file.config, n) for n in edited}
+    now, before = file.config.settings(), started.settings()
+    edited = frozenset(n for n in now if now[n] != before[n])
+    wanted = {n: now[n] for n in edited}
     wanted.update({k: v for k, v in given.items() if v is not None and k != "out"})
     wanted.pop("out", None)  # the run folder's own name, edited: nothing a run trains
     places = {}
     for name in INPUTS:  # a new place for an input: its content is compared, not its path
         if wanted.get(name) is not None:
             value = wanted.pop(name)
-            if absolute(value) != getattr(started, name):
+            if absolute(value) != before[name]:
                 places[name] = absolute(value)
     wanted["world_size"] = world  # the launch says how each step's micro-batches spread and sum, not the file
     changes = resume_changes(started, wanted)
@@ -114,7 +113,7 @@ def plan_resume(
         hand = [k for k in changes.overridden if k in edited]
         back = (
             f"put {', '.join(hand)} back in {folder / 'config.json'} (its last start ran with "
-            f"{', '.join(f'{k} = {json.dumps(getattr(started, k))}' for k in hand)}), "
+            f"{', '.join(f'{k} = {json.dumps(before[k])}' for k in hand)}), "
             if hand
             else ""
         )
@@ -124,22 +123,22 @@ def plan_resume(
             "start a new run with --out, or add --override to apply and record the change (only "
             f"{', '.join(RESUMABLE)} may change freely)"
         )
-    cfg = dataclasses.replace(started, out=str(folder))
-    if "steps" in changes.all and started.warmup is None and "warmup" not in changes.all:
+    settings: dict = {"out": str(folder)}
+    if "steps" in changes.all and started.training.warmup is None and "warmup" not in changes.all:
         # the warmup stays what it was (a shorter run ends it early); only the decay stretches
-        cfg.warmup = min(started.warmup_steps, int(changes.all["steps"][1]))
-    for name, (_, new) in changes.all.items():
-        setattr(cfg, name, new)
+        settings["warmup"] = min(started.warmup_steps, int(changes.all["steps"][1]))
+    settings.update({name: new for name, (_, new) in changes.all.items()})
     for name, path in places.items():
-        if getattr(started, name) is None:
+        if before[name] is None:
             flag = INPUTS[name][0]
-            was = "the embedded default" if started.model is None and name != "eval_data" else "none"
+            was = "the embedded default" if started.base.model is None and name != "eval_data" else "none"
             raise NarrowsError(
                 f"--resume {folder}: the run started without {flag} ({was}); giving it now "
                 "would change what it trains on. Start a new run with --out instead"
             )
-        setattr(cfg, name, path)
-    if summarized and newest >= cfg.steps and not changes.all and not places:
+        settings[name] = path
+    cfg = started.replace(**settings)
+    if summarized and newest >= cfg.training.steps and not changes.all and not places:
         return Resumption(cfg, changes, edited, places)  # it ended: the job says so
     require_inputs(folder, cfg)  # a moved input: the way to name its new place, before any other check
     try:
@@ -150,16 +149,17 @@ def plan_resume(
         raise NarrowsError(
             f"{e} (with {', '.join(sorted(edited))} as edited in {folder / 'config.json'})"
         ) from None
-    if newest > cfg.steps:
+    if newest > cfg.training.steps:
         raise NarrowsError(
             f"--resume {folder}: the run is at step {newest} already; "
-            f"--steps {cfg.steps} would end it before that"
+            f"--steps {cfg.training.steps} would end it before that"
         )
-    restart = newest == 0 and logged >= started.save_every  # it wrote a checkpoint once: they were removed
+    # it wrote a checkpoint once: they were removed
+    restart = newest == 0 and logged >= started.training.save_every
     if restart and not override:
         raise NarrowsError(
             f"--resume {folder}: no checkpoint is left in {folder / 'checkpoints'}, though the run logged {logged} "
-            f"steps and saved every {started.save_every}: it would train again from step 0. Put the checkpoints "
+            f"steps and saved every {started.training.save_every}: it would train again from step 0. Put the checkpoints "
             "back, or add --override to start it again from step 0 (recorded in the run's history)"
         )
     return Resumption(cfg, changes, edited, places, restart)

@@ -169,9 +169,7 @@ class RunFolder:
         return read_run_file(self.config)
 
     def write_config(self, cfg: FinetuneConfig, history: list[dict], inputs: dict | None = None) -> None:
-        import dataclasses
-
-        body = {"format": FORMAT, "config": dataclasses.asdict(cfg), "history": history}
+        body = {"format": FORMAT, "config": cfg.settings(), "history": history}
         if inputs is not None:
             body["inputs"] = inputs
         self.guard(

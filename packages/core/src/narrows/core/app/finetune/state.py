@@ -39,7 +39,7 @@ class RunBase:
 
 def run_base(cfg: FinetuneConfig) -> RunBase:
     """The base of a run with these settings."""
-    if cfg.model is None:
+    if cfg.base.model is None:
         from ..bundled import smollm2_gguf
 
         gguf = smollm2_gguf()
@@ -51,7 +51,7 @@ def run_base(cfg: FinetuneConfig) -> RunBase:
             "weights, which differ slightly from the hub's",
             SMOLLM2_HUB_ID,
         )
-    path = Path(cfg.model).expanduser().absolute()
+    path = Path(cfg.base.model).expanduser().absolute()
     if path.is_file():
         return RunBase(path, str(path), f"the GGUF file {path}, dequantised to float32 by narrows")
     hub = _hub_id(path)
@@ -80,11 +80,11 @@ def lora_config(cfg: FinetuneConfig, target_modules: str | list[str]):
     from peft import LoraConfig
 
     return LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha or 2 * cfg.rank,
-        lora_dropout=cfg.dropout,
+        r=cfg.lora.rank,
+        lora_alpha=cfg.lora.alpha or 2 * cfg.lora.rank,
+        lora_dropout=cfg.lora.dropout,
         target_modules=target_modules,
-        use_dora=cfg.adapter == "dora",
+        use_dora=cfg.lora.adapter == "dora",
         task_type="CAUSAL_LM",
     )
 
@@ -116,7 +116,7 @@ class RunState:
     @property
     def steps(self) -> int:
         """The steps the run is set to (raised by ``--resume --steps N``)."""
-        return self.config.steps
+        return self.config.training.steps
 
     @property
     def newest(self) -> int:
@@ -144,7 +144,7 @@ class RunState:
         if not self.checkpoints:
             raise NarrowsError(
                 f"{self.root} has no checkpoint (checkpoints/step-N/); its steps are saved every "
-                f"{self.config.save_every}: finish the run with narrows finetune --resume {self.root}"
+                f"{self.config.training.save_every}: finish the run with narrows finetune --resume {self.root}"
             )
         if which == "latest":
             return self.newest
@@ -189,7 +189,7 @@ class RunState:
         else:
             from .build import _targets
 
-            config = lora_config(self.config, _targets(model, self.config.targets))
+            config = lora_config(self.config, _targets(model, self.config.lora.targets))
         config.inference_mode = True
         peft = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(
             model, config
