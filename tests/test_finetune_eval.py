@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
+import narrows.core as nc
 from narrows.core.app.finetune import FinetuneConfig
-from narrows.core.app.finetune.build import apply_lmhead
+from narrows.core.app.finetune.build import head_savings
 from narrows.core.app.finetune.evaluate import eval_row
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
@@ -21,7 +22,7 @@ def test_the_jobs_evaluation_takes_the_chunked_loss_and_gives_the_models_own():
     batch = tiny_batch()
     with torch.no_grad():
         own = model.eval()(**batch)
-    apply_lmhead(FinetuneConfig.of(lmhead="auto"), model)
+    nc.apply(model, head_savings(FinetuneConfig.of(lmhead="auto")))
     with torch.no_grad():
         job = model.eval()(**batch)
     assert own.logits is not None and job.logits is None  # no logits built

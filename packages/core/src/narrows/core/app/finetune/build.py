@@ -15,9 +15,11 @@ from torch import nn
 
 from ...errors import NarrowsError
 from ...io.checkpoint import CheckpointFolder
-from ...kernels.fastlayer import fuse_layers
+from ...kernels.fastlayer import FastLayers, coverage
 from ...kernels.lora_branches import fuse_lora
 from ...memory import parse_bytes
+from ...protocol.compose import apply
+from ...protocol.handle import state_of
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from .config import DataConfig, FinetuneConfig, lmhead_options
 
@@ -25,9 +27,9 @@ if TYPE_CHECKING:  # narrows-stream is optional: imported where a streamed run n
     from narrows.stream import StreamConfig
 
 __all__ = [
-    "apply_lmhead",
     "build_model",
     "check_model_files",
+    "head_savings",
     "load_data",
     "load_model",
     "run_dtype",
@@ -143,21 +145,16 @@ def _targets(model: nn.Module, targets: str) -> str | list[str]:
     return wanted
 
 
-def apply_lmhead(cfg: FinetuneConfig, model: nn.Module) -> None:
+def head_savings(cfg: FinetuneConfig):
+    """``--lmhead`` as narrows-lmhead's config for `narrows.core.apply` (None: off). Evaluation
+    runs through the exact chunked loss too: the full logits of an eval batch would take more
+    than the budget the training fits (2.56 GB at 1900 MiB, 7B on the H100)."""
     options = lmhead_options(cfg.memory.lmhead)
-    if options is not None:
-        import narrows.lmhead
+    if options is None:
+        return None
+    import narrows.lmhead
 
-        # evaluation through the exact chunked loss too: the full logits of an eval batch
-        # would take more than the budget the training fits (2.56 GB at 1900 MiB, 7B on the H100)
-        narrows.lmhead.apply(
-            model,
-            mask=options.mask,
-            chunked=options.chunked,
-            topk=options.topk,
-            fused=options.fused,
-            eval_logits=False,
-        )
+    return narrows.lmhead.HeadSavings(options, eval_logits=False)
 
 
 def build_model(
@@ -179,28 +176,28 @@ def build_model(
     # each LoRA branch one autograd node, a shared input cast once: PEFT's bits, less saved
     # memory, 2-10% shorter steps on the H100 (cases fuse_* of benchmarks/results/h100.jsonl)
     fuse_lora(model)
-    tile = cfg.memory.tile()
+    # narrows' transforms in their one order (narrows.core.apply): the loss first (a planner
+    # sizes the loss that will run), then the tiles, the fast layers (which run the tiles) or
+    # the stream (which runs its own tiles and fast layers)
+    configs = [c for c in (head_savings(cfg),) if c is not None]
     kernels = "PEFT's modules (--kernels peft)"
     if cfg.memory.gpu_budget == "off":
         model.to(device)
-        apply_lmhead(cfg, model)
+        tile = cfg.memory.tile()
         if tile is not None:
             import narrows.stream
 
-            narrows.stream.tile_sequence(model, tile)
-        # after the tiles: the fast layer runs them (not with LoRA dropout: it says so)
+            configs.append(narrows.stream.SequenceTiles(tile))
         if cfg.base.kernels == "fast":
-            kernels = str(
-                fuse_layers(model, lora_dtype=torch.float32 if cfg.base.lora_dtype == "float32" else None)
-            )
+            configs.append(FastLayers(lora_dtype=torch.float32 if cfg.base.lora_dtype == "float32" else None))
+        model = apply(model, *configs)
+        if cfg.base.kernels == "fast":  # (not with LoRA dropout in tiles: it says so)
+            kernels = str(coverage(model))
     else:
-        import narrows.stream
-
-        apply_lmhead(cfg, model)  # first: narrows-stream's planner then sizes the loss that will run
-        model = narrows.stream.stream(model, stream_config(cfg, device, world_size))
+        model = apply(model, *configs, stream_config(cfg, device, world_size))
         if cfg.base.kernels == "fast":
             kernels = model.narrows_stream.kernels
-    model.narrows_kernels = kernels  # what the run's summary says of them
+    state_of(model).kernels = kernels  # what the run's summary says of them
     return model
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ...io.files import atomic_write
 from ...memory import format_bytes, host_rss_high_water
-from ...protocol.anatomy import anatomy_of
+from ...protocol.handle import state_of
 from .config import FinetuneConfig
 from .evaluate import answer_scores, generate_answers, progress_bar, say
 from .state import RunBase
@@ -78,7 +78,7 @@ def summarize(
         "eval_rows": cfg.evaluation.eval_rows,
         "eval_loss_by_step": [[r["step"], r["eval_loss"]] for r in history if "eval_loss" in r],
     }
-    summary["kernels"] = getattr(model, "narrows_kernels", None)
+    summary["kernels"] = state_of(model).kernels
     stream = getattr(model, "narrows_stream", None)
     if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
         plan = stream.plan
@@ -108,7 +108,7 @@ def summarize(
                 cuda_graph_evictions=st.evicted,
                 cuda_graphs_refused={str(k): v for k, v in st.refused.items()},
             )
-    lm_handle = getattr(anatomy_of(model).model, "narrows_lmhead", None)
+    lm_handle = state_of(model).lmhead
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
     measures = ["eval_loss"]

@@ -64,6 +64,7 @@ def coverage(model: nn.Module) -> FuseReport:
         reason = why_not(layer)
         if reason is None:
             report.fused.append(i)
+            report.lora_dtype = FastLayer.of(layer).lora_dtype
         else:
             report.refused[i] = reason
     return report
