@@ -129,8 +129,8 @@ def test_the_predictions_choice_drives_the_loop_and_a_refusal_falls_back(tmp_pat
     CPU never gets it), and goes on in sequence, the same numbers, where StepTrainer then
     refuses the model; asked for with --step-mode, the refusal stands."""
     import narrows.stream as ns
-    from narrows.stream import stepmode
     from narrows.stream.planning import accumulation
+    from narrows.stream.stepmode.blockmajor import BlockMajorStep
 
     monkeypatch.setattr(accumulation, "choose_step_mode", lambda model, g, **kw: (True, "block-major (stub)"))
     assert run(tmp_path, "resident") == 0
@@ -145,7 +145,7 @@ def test_the_predictions_choice_drives_the_loop_and_a_refusal_falls_back(tmp_pat
     def refuse(self, micro):
         raise ns.StreamSetupError("step mode: the model changes the hidden states between layers 0 and 1")
 
-    monkeypatch.setattr(stepmode.StepTrainer, "_capture", refuse)
+    monkeypatch.setattr(BlockMajorStep, "_capture", refuse)
     capsys.readouterr()
     assert run(tmp_path, "fallback", "--gpu-budget", BUDGET) == 0
     assert "sequential, step mode refused this model (step mode: the model changes" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import narrows.stream as ns
 from narrows.core import HeadSweep, anatomy_of, loss_working_set
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 from narrows.stream.execution.head import StreamedHead
+from narrows.stream.stepmode.blockmajor import HeadSharing
 
 ROWS = 48  # head rows per chunk: the same tiling for the resident and the streamed head
 G = 4
@@ -149,7 +150,7 @@ def test_with_dropout_the_shared_pass_keeps_every_rng_draw():
 
 def test_one_micro_batch_at_a_time_reads_the_head_2g_times(monkeypatch):
     """Twin of the pass count: without sharing the head is read per micro-batch."""
-    monkeypatch.setattr(ns.StepTrainer, "_head_group", lambda self, micros: 1)
+    monkeypatch.setattr(HeadSharing, "group", lambda self, batches: 1)
     passes = _count_passes(monkeypatch)
     _stepped("qwen2")
     assert len(passes) == 2 * G * STEPS

@@ -245,15 +245,15 @@ def test_dropping_the_per_layer_rng_replay_changes_training(monkeypatch):
 def test_gradient_summation_order_matters(monkeypatch):
     """Fault injection: accumulating the micro-batches' gradients in reverse order is
     caught (floating-point addition is not associative)."""
-    from narrows.stream import stepmode
+    from narrows.stream.stepmode.blockmajor import BlockMajorStep
 
-    original = stepmode.StepTrainer._block_major
+    original = BlockMajorStep.run
 
-    def reversed_order(self, batches, starts):
-        ends, losses = original(self, batches[::-1], starts)  # wrong RNG too; order is the point
+    def reversed_order(self, batches, starts, **kwargs):
+        ends, losses = original(self, batches[::-1], starts, **kwargs)  # wrong RNG too; order is the point
         return ends, losses
 
-    monkeypatch.setattr(stepmode.StepTrainer, "_block_major", reversed_order)
+    monkeypatch.setattr(BlockMajorStep, "run", reversed_order)
     _, _, got = stepped(dropout=0.0)
     with pytest.raises(AssertionError):
         assert_identical(resident(dropout=0.0), got)

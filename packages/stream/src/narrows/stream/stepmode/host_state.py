@@ -7,9 +7,11 @@ a step within what the plan left on the device.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from ..errors import StreamSetupError
 from .host_optimizer import HostOptimizer
@@ -17,69 +19,100 @@ from .host_params import HostAdapters
 
 
 class HostState:
-    """`StepTrainer`'s part that keeps the training state where the plan put it."""
+    """The training state kept where the plan put it (``host_state``: "none", "optimizer" or "adapters").
 
-    def _follow_host_state(self, max_grad_norm: float | None) -> None:
-        """What of the training state waits in host memory is the plan's decision
-        (`host_state`): the optimizer's state (updated layer by layer, `HostOptimizer`),
-        and with it the adapters (`HostAdapters`)."""
-        state = self.handle.plan.host_state
-        if state != "none" and self.optimizer is None:
+    Invariant: every computation and update runs on the device on the same values; only
+    where the optimizer's state and (with "adapters") the parameters wait between uses
+    changes.
+    """
+
+    def __init__(
+        self,
+        mode: str,
+        optimizer: torch.optim.Optimizer | None,
+        params: Sequence[Tensor],
+        layers: Sequence[nn.Module],
+        layer_params: Sequence[Sequence[Tensor]],
+        device: torch.device,
+        max_grad_norm: float | None,
+    ) -> None:
+        if mode != "none" and optimizer is None:
             raise StreamSetupError(
-                f"the plan keeps the optimizer's state in host memory (host_state={state!r}), "
+                f"the plan keeps the optimizer's state in host memory (host_state={mode!r}), "
                 "which StepTrainer updates itself: pass it the optimizer"
             )
-        self.host_optimizer = (
-            HostOptimizer(self.optimizer, self.params, self.device, max_grad_norm)
-            if state != "none"
-            else None
-        )
-        self.adapters = self._host_adapters(state == "adapters")
+        self.mode = mode
+        self.optimizer = HostOptimizer(optimizer, params, device, max_grad_norm) if mode != "none" else None
+        self.adapters: HostAdapters | None = None
+        if mode == "adapters":
+            self.adapters = HostAdapters(layer_params, device)
+            self.adapters.serve(layers, layer_params)  # evaluation between steps
+            self.optimizer.adapters = self.adapters
 
-    def _host_adapters(self, hosted: bool) -> HostAdapters | None:
-        if not hosted:
-            return None
-        adapters = HostAdapters(self.layer_params, self.device)
-        adapters.serve(self.anat.layers, self.layer_params)  # evaluation between steps
-        self.host_optimizer.adapters = adapters
-        return adapters
-
-    def _check_host_state(self) -> None:
+    def check(self, grad_accum: int, resident_why: str | None) -> None:
         """A plan that keeps the adapters in host memory counts one layer's on the device at
         a time, as only a block-major step keeps them."""
-        state = self.handle.plan.host_state
-        if state == "adapters" and (self.grad_accum == 1 or self.resident_why):
-            why = "one micro-batch a step" if self.grad_accum == 1 else self.resident_why
+        if self.mode == "adapters" and (grad_accum == 1 or resident_why):
+            why = "one micro-batch a step" if grad_accum == 1 else resident_why
             raise StreamSetupError(
                 f"host_state='adapters' plans one layer's adapters on the device at a time, as a block-major step "
                 f"keeps them; with {why} step mode runs in sequential order, every layer's adapters on the device: "
                 "stream with host_state='optimizer' instead"
             )
 
-    def _sequential_over_budget(self, why: str) -> None:
+    def refuse_sequential(self, why: str) -> None:
         """A sequential step brings every layer's adapters to the device, which a plan
         with host_state='adapters' did not leave room for: refused before any work."""
-        if self.handle.plan.host_state == "adapters":
+        if self.mode == "adapters":
             raise StreamSetupError(
                 f"this step would run in sequential order ({why}) with every layer's adapters on the device, which "
                 "the plan (host_state='adapters') left no room for: pass seeds= to step() (one per micro-batch, as "
                 "narrows finetune does: nothing to predict), turn dropout off, or stream with host_state='optimizer'"
             )
 
-    def adapters_to_device(self) -> None:
-        """Every adapter parameter back on the device (after training, e.g. to merge them
-        or train them some other way); the next step returns them to host memory. A
-        no-op without `offload_adapters`."""
+    def to_device(self) -> None:
+        """Every adapter parameter on the device (a no-op unless they wait in host memory)."""
         if self.adapters is not None:
             self.adapters.bring(self.adapters.params)
 
-    def _adapter_bytes(self) -> int:
+    @property
+    def bytes_h2d(self) -> int:
+        """Adapter bytes copied to the device so far."""
         return 0 if self.adapters is None else self.adapters.bytes_h2d
 
-    def _bring(self, params: Sequence[Tensor]) -> None:
+    def bring(self, params: Sequence[Tensor]) -> None:
         if self.adapters is not None:
             self.adapters.bring(params)
 
-    def _park(self, params: Sequence[Tensor]) -> None:
+    def park(self, params: Sequence[Tensor]) -> None:
         if self.adapters is not None:
             self.adapters.park(params, changed=False)
+
+    def ready(self, params: Sequence[Tensor]) -> None:
+        """`params`' gradients are complete: the host optimizer may update them now."""
+        if self.optimizer is not None:
+            self.optimizer.ready(params)
+
+    def begin(self, params: Sequence[Tensor]) -> None:
+        """At a step's start: a state loaded onto the device goes back to host memory, and
+        parameters loaded, moved or replaced since the last step to their buffers."""
+        if self.optimizer is not None:
+            self.optimizer.to_host(params)
+        if self.adapters is not None:
+            self.adapters.rehome()
+
+    def end(self) -> None:
+        """At a step's end: the adapters without a gradient (never updated) back in host memory."""
+        if self.adapters is not None:
+            self.adapters.park(self.adapters.params, changed=False)
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """While a step's forward and backward run (not a forward between steps)."""
+        if self.adapters is not None:
+            self.adapters.stepping = True
+        try:
+            yield
+        finally:
+            if self.adapters is not None:
+                self.adapters.stepping = False

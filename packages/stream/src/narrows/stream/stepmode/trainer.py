@@ -31,7 +31,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -43,16 +44,22 @@ from narrows.core import (
     measure_peaks,
     trainable_parameters,
 )
+from narrows.core.kernels.rng import RngState
 from narrows.core.protocol.handle import state_of
 
 from ..errors import StreamSetupError
 from ..execution.offload import ActivationOffload
 from ..execution.side_outputs import router_logits_refusal
-from ..planning import held_weight_bytes, holds_weights, input_bytes
-from .blockmajor import BlockMajor
+from ..planning import Plan, held_weight_bytes, holds_weights, input_bytes
+from .blockmajor import BlockMajorStep, HeadSharing
+from .host_optimizer import HostOptimizer
+from .host_params import HostAdapters
 from .host_state import HostState
 from .order import StepOrder
 from .rng_plan import RandomOps
+
+if TYPE_CHECKING:
+    from ..api import StreamHandle
 
 log = logging.getLogger("narrows.stream")
 
@@ -84,7 +91,7 @@ def _model_loss(output: Any, batch: dict) -> Tensor:
     return output[0]
 
 
-class StepTrainer(BlockMajor, StepOrder, HostState):
+class StepTrainer:
     """One optimizer step per call over `grad_accum` micro-batches, block-major.
 
     `model` is a PEFT model streamed with `narrows.stream.stream` (or a plain one, which
@@ -111,6 +118,9 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
     A MoE model with router logits on (``output_router_logits``, config or batch) is
     refused with `StreamSetupError` before any gradient where a step could run
     block-major: the router's aux loss cannot be collected there (`side_outputs`).
+    Its parts, each given what it needs: ``host`` (`HostState`), ``heads`` (`HeadSharing`),
+    ``block_major`` (`BlockMajorStep`) and ``order`` (`StepOrder`, handed the block-major
+    run and the loss at each step).
 
     The result is `torch.equal` to resident sequential accumulation::
 
@@ -154,10 +164,10 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
                 "(stream(model, ...) or StreamConfig), not to StepTrainer"
             )
         self.model = model
-        self.handle = model.narrows_stream
-        self.anat = anatomy_of(model)
+        self.handle = handle = model.narrows_stream
+        self.anat = anat = anatomy_of(model)
         self.params = list(trainable_parameters(model).values())
-        if any(p.requires_grad for p in self.anat.embed.parameters()):
+        if any(p.requires_grad for p in anat.embed.parameters()):
             raise StreamSetupError(
                 "step mode needs a frozen embedding (it differentiates from the first layer's "
                 "input); train the embedding with the transparent mode (a plain loss.backward())"
@@ -173,26 +183,34 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         self.max_grad_norm = max_grad_norm
         self.scheduler = scheduler
         self.loss_fn = loss_fn or _model_loss
-        self._own_loss = loss_fn is None  # the model's loss: it may be filed with a head sweep
-        self.head_group = 1  # how many micro-batches the last step's head passes served
-        self.device = self.handle.device
-        self.engine = self.handle.engine
-        n = self.anat.num_layers
+        self.device = handle.device
+        self.engine = handle.engine
         self.offload = ActivationOffload(
-            self.device, set(range(n)), copy_stream=self.engine.copy_stream, stats=self.engine.stats
+            self.device,
+            set(range(anat.num_layers)),
+            copy_stream=self.engine.copy_stream,
+            stats=self.engine.stats,
         )
-        self.layer_params = [
-            tuple(p for p in layer.parameters() if p.requires_grad) for layer in self.anat.layers
-        ]
+        self.layer_params = [tuple(p for p in layer.parameters() if p.requires_grad) for layer in anat.layers]
         in_layers = {id(p) for params in self.layer_params for p in params}
         self.other_params = tuple(p for p in self.params if id(p) not in in_layers)  # e.g. a trained head
-        self._follow_host_state(max_grad_norm)
-        self.held, self.held_choice = self._held_weights()
-        self.resident_why = self._resident_sequential()
+        plan = handle.plan
+        self.host = HostState(
+            plan.host_state,
+            self.optimizer,
+            self.params,
+            anat.layers,
+            self.layer_params,
+            self.device,
+            max_grad_norm,
+        )
+        # the model's own loss may be filed with a head sweep
+        self.heads = HeadSharing(handle, model, loss_fn is None, self.other_params)
+        held, self.held_choice = _held_weights(model, handle, anat.layers, grad_accum)
+        self.resident_why = _resident_sequential(plan, held, self.heads.possible())
         if grad_accum > 1 and not self.resident_why:
-            self._refuse_router_logits()
-        self._check_host_state()
-        plan = self.handle.plan
+            _refuse_router_logits(anat.config)
+        self.host.check(grad_accum, self.resident_why)
         if grad_accum > 1 and plan.whole and not self.resident_why:
             log.warning(
                 "narrows.stream step mode: the plan keeps %d layers whole (every activation saved), but "
@@ -200,47 +218,74 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
                 "recompute='all' to spend it on resident layers",
                 len(plan.whole),
             )
-        self.random_ops: dict[tuple, RandomOps] = {}  # per batch signature: one micro-batch's RNG draws
-        self.unpredictable: set[tuple] = set()
+        self.block_major = BlockMajorStep(
+            model,
+            anat.layers,
+            self.engine,
+            handle.executor,
+            self.offload,
+            self.layer_params,
+            self.other_params,
+            held,
+            self.host,
+            self.heads,
+            self.device,
+        )
+        self.order = StepOrder(
+            model,
+            anat.config,
+            self.device,
+            handle.graphs,
+            self.host,
+            self.params,
+            self.resident_why,
+            partial(_refuse_router_logits, anat.config),
+        )
 
-    def _refuse_router_logits(self, batches: Sequence[dict[str, Any]] = ()) -> None:
-        """MoE router logits cannot be collected by a block-major step (`router_logits_refusal`):
-        refused before any gradient, so a caller can go on in sequential order."""
-        why = router_logits_refusal(self.anat.config, batches)
-        if why:
-            raise StreamSetupError(
-                f"step mode cannot train this model exactly: {why}. Train in sequential order (loss.backward() "
-                "per micro-batch on the streamed model; narrows finetune --no-step-mode), or set "
-                "config.output_router_logits = False to train without the router's auxiliary loss"
-            )
+    # ---- what the parts hold ----------------------------------------------------------
+    @property
+    def held(self) -> HeldWeights | None:
+        """The buffer each layer's 4-bit weights are dequantised into once per pass, or None."""
+        return self.block_major.held
 
-    def _resident_sequential(self) -> str | None:
-        """With every layer resident, why steps run in sequential order; None where
-        block-major still saves work (or layers stream)."""
-        plan = self.handle.plan
-        if plan.streamed:
-            return None
-        if plan.whole:
-            return f"every layer resident, {len(plan.whole)} kept whole: block-major would recompute them"
-        if self.held is None and not self._shares_head():
-            return "every layer resident: no copy, dequantisation or head pass to share"
-        return None
+    @held.setter
+    def held(self, held: HeldWeights | None) -> None:
+        self.block_major.held = held
 
-    def _held_weights(self) -> tuple[HeldWeights | None, str]:
-        """The buffer each layer's 4-bit weights are dequantised into once per pass (or
-        None), and why: the plan's decision, made again where this trainer runs another
-        number of micro-batches than the plan was made for."""
-        plan, config = self.handle.plan, self.handle.config
-        if plan.accumulation == "block-major" and plan.grad_accum == self.grad_accum:
-            hold, why = plan.held_weights, plan.held_choice
-        else:
-            choice = config.hold_weights if config is not None else "auto"
-            hold, why = holds_weights(plan, held_weight_bytes(self.model), self.grad_accum, choice)
-        if not hold:
-            return None, why
-        # one buffer: the one the streamed layers hold their backward in, where the plan made it
-        held = self.handle.held or HeldWeights(self.anat.layers, self.device)
-        return held, why
+    @property
+    def head_group(self) -> int:
+        """How many micro-batches the last block-major step's head passes served."""
+        return self.block_major.head_group
+
+    @property
+    def host_optimizer(self) -> HostOptimizer | None:
+        """The optimizer driven layer by layer with its state in host memory, or None."""
+        return self.host.optimizer
+
+    @property
+    def adapters(self) -> HostAdapters | None:
+        """The adapters' host buffers, where the plan keeps them in host memory, or None."""
+        return self.host.adapters
+
+    @property
+    def random_ops(self) -> dict[tuple, RandomOps]:
+        """Per batch signature: the RNG draws one micro-batch of that shape makes."""
+        return self.order.random_ops
+
+    @property
+    def unpredictable(self) -> set[tuple]:
+        """Batch signatures whose RNG draws were not where they were predicted."""
+        return self.order.unpredictable
+
+    def _head_group(self, micros: Sequence[Any]) -> int:
+        """How many of `micros` (each with its ``batch``) would share a pass over the head."""
+        return self.heads.group([m.batch for m in micros])
+
+    def adapters_to_device(self) -> None:
+        """Every adapter parameter back on the device (after training, e.g. to merge them
+        or train them some other way); the next step returns them to host memory. A
+        no-op without `offload_adapters`."""
+        self.host.to_device()
 
     @property
     def predicted_peak(self) -> int:
@@ -263,22 +308,18 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
         if len(batches) != self.grad_accum:
             raise ValueError(f"step() takes {self.grad_accum} micro-batches (grad_accum), got {len(batches)}")
         t0 = time.perf_counter()
-        h2d = self.engine.stats.bytes_h2d + self._adapter_bytes()
+        h2d = self.engine.stats.bytes_h2d + self.host.bytes_h2d
         with measure_peaks(self.device) as peaks:
-            if self.host_optimizer is not None:
-                self.host_optimizer.to_host(self.params)  # a state loaded onto the device
-            if self.adapters is not None:
-                self.adapters.rehome()  # parameters loaded, moved or replaced since the last step
+            self.host.begin(self.params)
             mode, losses = self.accumulate(batches, seeds=seeds)
-            if self.host_optimizer is not None:  # what the backward has not updated yet
-                grad_norm = self.host_optimizer.finish([*self.layer_params, self.other_params])
+            if self.host.optimizer is not None:  # what the backward has not updated yet
+                grad_norm = self.host.optimizer.finish([*self.layer_params, self.other_params])
             else:
                 grad_norm = None
                 if self.max_grad_norm is not None:
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
                 self.optimizer.step()
-            if self.adapters is not None:  # those without a gradient, never updated
-                self.adapters.park(self.adapters.params, changed=False)
+            self.host.end()
             if self.scheduler is not None:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -296,7 +337,7 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
             tokens=tokens,
             seconds=time.perf_counter() - t0,
             peak_allocated=getattr(peaks, "cuda_allocated", None),
-            bytes_h2d=self.engine.stats.bytes_h2d + self._adapter_bytes() - h2d,
+            bytes_h2d=self.engine.stats.bytes_h2d + self.host.bytes_h2d - h2d,
             head_group=group,
         )
 
@@ -333,12 +374,58 @@ class StepTrainer(BlockMajor, StepOrder, HostState):
             raise ValueError(
                 f"{len(seeds)} seeds for {len(batches)} micro-batches: give one seed per micro-batch"
             )
-        kept, self.divisor = self.divisor, self.divisor if divisor is None else divisor
-        if self.adapters is not None:
-            self.adapters.stepping = True
-        try:
-            return self._accumulate(batches, seeds)
-        finally:
-            self.divisor = kept
-            if self.adapters is not None:
-                self.adapters.stepping = False
+        divisor = self.divisor if divisor is None else divisor
+        loss_fn = self.loss_fn
+
+        def block_major(
+            batches: list[dict[str, Any]], starts: list[RngState], chained: bool = True
+        ) -> tuple[list | None, list[Tensor]]:
+            return self.block_major.run(batches, starts, loss_fn=loss_fn, divisor=divisor, chained=chained)
+
+        with self.host.stepping():
+            return self.order.accumulate(
+                batches, seeds, block_major=block_major, loss_fn=loss_fn, divisor=divisor
+            )
+
+
+def _refuse_router_logits(config: Any, batches: Sequence[dict[str, Any]] = ()) -> None:
+    """MoE router logits cannot be collected by a block-major step (`router_logits_refusal`):
+    refused before any gradient, so a caller can go on in sequential order."""
+    why = router_logits_refusal(config, batches)
+    if why:
+        raise StreamSetupError(
+            f"step mode cannot train this model exactly: {why}. Train in sequential order (loss.backward() "
+            "per micro-batch on the streamed model; narrows finetune --no-step-mode), or set "
+            "config.output_router_logits = False to train without the router's auxiliary loss"
+        )
+
+
+def _resident_sequential(plan: Plan, held: HeldWeights | None, shares_head: bool) -> str | None:
+    """With every layer resident, why steps run in sequential order; None where
+    block-major still saves work (or layers stream)."""
+    if plan.streamed:
+        return None
+    if plan.whole:
+        return f"every layer resident, {len(plan.whole)} kept whole: block-major would recompute them"
+    if held is None and not shares_head:
+        return "every layer resident: no copy, dequantisation or head pass to share"
+    return None
+
+
+def _held_weights(
+    model: nn.Module, handle: StreamHandle, layers: Sequence[nn.Module], grad_accum: int
+) -> tuple[HeldWeights | None, str]:
+    """The buffer each layer's 4-bit weights are dequantised into once per pass (or
+    None), and why: the plan's decision, made again where this trainer runs another
+    number of micro-batches than the plan was made for."""
+    plan, config = handle.plan, handle.config
+    if plan.accumulation == "block-major" and plan.grad_accum == grad_accum:
+        hold, why = plan.held_weights, plan.held_choice
+    else:
+        choice = config.hold_weights if config is not None else "auto"
+        hold, why = holds_weights(plan, held_weight_bytes(model), grad_accum, choice)
+    if not hold:
+        return None, why
+    # one buffer: the one the streamed layers hold their backward in, where the plan made it
+    held = handle.held or HeldWeights(layers, handle.device)
+    return held, why
