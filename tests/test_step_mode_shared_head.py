@@ -11,7 +11,8 @@ import torch
 
 import narrows.lmhead as lmh
 import narrows.stream as ns
-from narrows.core import HeadSweep, anatomy_of, loss_working_set
+from narrows.core import HeadSweep, loss_working_set
+from narrows.core.protocol.handle import state_of
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 from narrows.stream.execution.head import StreamedHead
 from narrows.stream.stepmode.blockmajor import HeadSharing
@@ -130,7 +131,7 @@ def test_the_choice_prices_the_streamed_head_per_group(monkeypatch):
     per, room = loss_working_set(model, 24), handle.plan.work_bytes  # 2 x 12 tokens a micro-batch
     group = min(G, room // per)
     assert group > 1 and use and f"the streamed head read once for every {group} micro-batches" in why, why
-    monkeypatch.setattr(anatomy_of(model).model, "narrows_loss_working_set", None)
+    monkeypatch.setattr(state_of(model), "loss_working_set", None)
     assert not ns.choose_step_mode(model, G, host_available=1 << 40)[0]
     monkeypatch.undo()
     plain = _build("qwen2")
