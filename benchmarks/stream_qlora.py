@@ -441,22 +441,40 @@ def device_categories(trace: dict) -> dict:
             )
         else:
             kind = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other kernels")
-            streams.setdefault(e.get("tid"), []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+            streams.setdefault(e.get("tid"), []).append(
+                (float(e["ts"]), float(e["ts"]) + float(e["dur"]), name[:70])
+            )
             if kind == "other kernels":
                 others[name[:70]] = others.get(name[:70], 0.0) + dur
         by_cat[kind] = by_cat.get(kind, 0.0) + dur
-    busiest = max(streams.values(), key=lambda iv: sum(b - a for a, b in iv), default=[])
-    busy, end = 0.0, None
-    for a, b in sorted(busiest):
+    busiest = max(streams.values(), key=lambda iv: sum(b - a for a, b, _ in iv), default=[])
+    busy, end, last = 0.0, None, ""
+    gaps: list[tuple[float, str, str]] = []  # idle µs between kernels, the kernel before, the one after
+    for a, b, name in sorted(busiest):
         if end is None or a > end:
+            if end is not None:
+                gaps.append((a - end, last, name))
             busy, end = busy + (b - a), b
         elif b > end:
             busy, end = busy + (b - end), b
-    span = (max(b for _, b in busiest) - min(a for a, _ in busiest)) / 1e6 if busiest else 0.0
+        if b >= end:
+            last = name
+    span = (max(b for _, b, _ in busiest) - min(a for a, _, _ in busiest)) / 1e6 if busiest else 0.0
     top_others = sorted(others.items(), key=lambda kv: -kv[1])[:12]
     return {
         "device_s_by_kind": {k: round(v, 4) for k, v in sorted(by_cat.items(), key=lambda kv: -kv[1])},
-        "compute_stream": {"span_s": round(span, 4), "busy_s": round(busy / 1e6, 4)},
+        "compute_stream": {
+            "span_s": round(span, 4),
+            "busy_s": round(busy / 1e6, 4),
+            # where it waits: idle time by gap size, and the longest gaps with their neighbours
+            "idle_s_by_gap": {
+                f"{lo}-{hi} µs": round(sum(g for g, _, _ in gaps if lo <= g < hi) / 1e6, 4)
+                for lo, hi in ((0, 20), (20, 100), (100, 1000), (1000, 10**9))
+            },
+            "longest_gaps": [
+                [round(g), before, after] for g, before, after in sorted(gaps, reverse=True)[:15]
+            ],
+        },
         "other_kernels_top": [[k, round(v, 4)] for k, v in top_others],
     }
 
