@@ -138,3 +138,18 @@ def test_the_call_parser_reads_positional_and_keyword_calls_alike():
     assert by_name == by_place and by_name.mask is mask and by_name.cos is cos
     assert read_call(layer, (), {"attention_mask": mask}) is None  # no rotary tables
     assert read_call(layer, (), {"position_embeddings": (cos, sin), "is_causal": False}) is None
+
+
+def test_a_fused_model_is_freed_when_its_user_lets_it_go():
+    """The fast layers hold their layers weakly: a fused, trained model does not outlive its
+    last reference (the GPU memory it holds would not come back)."""
+    import gc
+    import weakref
+
+    model = _model()
+    fuse_layers(model)
+    model(**tiny_batch()).loss.backward()
+    gone = [weakref.ref(layer) for layer in model.base_model.model.model.layers]
+    del model
+    gc.collect()
+    assert all(ref() is None for ref in gone)

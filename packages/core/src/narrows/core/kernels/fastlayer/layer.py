@@ -185,8 +185,9 @@ def _restored(
 @dataclass(frozen=True)
 class _Watched:
     """What a layer's parts were built from: its submodules (those with children, those with
-    parameters, PEFT's LoRA layers among them) and its parameters. Held strongly, so no
-    identity in a signature is reused while the parts are kept."""
+    parameters, PEFT's LoRA layers among them) and their parameters, held strongly so no
+    identity in a signature is reused while the parts are kept. The layer itself is not held
+    (its `FastLayer` lives as long as it does): the signature reads it from the call."""
 
     modules: list[nn.Module]
     parents: list[nn.Module]
@@ -196,7 +197,7 @@ class _Watched:
 
     @classmethod
     def of(cls, layer: nn.Module) -> _Watched:
-        modules, stack = [], [layer]
+        modules, stack = [], [m for m in layer._modules.values() if m is not None]
         while stack:
             module = stack.pop()
             modules.append(module)
@@ -217,6 +218,9 @@ class _Watched:
         return (
             fast.lora_dtype,
             getattr(config, "_attn_implementation", None),
+            tuple(layer._modules.values()),
+            tuple(map(id, layer._parameters.values())),
+            [p.requires_grad for p in layer._parameters.values() if p is not None],
             [
                 (
                     m.training,
@@ -225,7 +229,7 @@ class _Watched:
                     or m._backward_hooks
                     or m._backward_pre_hooks
                     or None,
-                    None if m is layer else m.__dict__.get("forward"),
+                    m.__dict__.get("forward"),
                 )
                 for m in self.modules
             ],
