@@ -75,9 +75,13 @@ TARGETS = (
 
 
 def add_lora(model, *, rank: int = 16, dropout: float = 0.0):
+    """LoRA on `TARGETS`; on a mixture of experts narrows' default targets (attention, dense
+    MLPs and shared experts; routers and routed experts frozen)."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(TARGETS), task_type="CAUSAL_LM"
-    )
+    from narrows.core import lora_targets
+
+    targets = lora_targets(model).modules
+    modules = list(TARGETS) if targets == "all-linear" else list(targets)
+    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)

@@ -262,14 +262,17 @@ def test_a_ring_of_no_buffers_is_refused(checkpoint, tmp_path):
 
 # --- 2. cold, then warm: the warm run reads the cache ------------------------------------------
 @pytest.mark.bnb
-def test_warm_load_reads_the_cache_and_trains_identically(checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # + NF4 expert stacks, rebuilt from the cache
+def test_warm_load_reads_the_cache_and_trains_identically(arch, checkpoint, tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
-    folder, cache = checkpoint("llama"), tmp_path / "cache"
-    ref = reference(folder, "nf4")
+    folder, cache = checkpoint(arch), tmp_path / "cache"
+    ref = reference(folder, "nf4", arch)
     cold = tiered(folder, "nf4", ref.slab, cache)
     path = cold.narrows.tiers.cache.path
     assert path == cache_file(cache)
     written = path.stat().st_mtime_ns
+    precision = str(nc.precision(cold))
+    assert arch != "qwen3_moe" or "expert stacks" in precision
     del cold
 
     monkeypatch.setattr(loader_module, "quantize_layer_nf4", boom)
@@ -278,11 +281,12 @@ def test_warm_load_reads_the_cache_and_trains_identically(checkpoint, tmp_path, 
     warm = tiered(folder, "nf4", ref.slab, cache)
     assert reads == [], "a warm load reads the layers from the cache, not the checkpoint"
     assert warm.narrows.tiers.disk == expected_disk()
-    assert_identical(ref.record, train_streamed(warm))
+    assert str(nc.precision(warm)) == precision
+    assert_identical(ref.record, train_streamed(warm, arch))
 
     pinned = ns.from_pretrained(folder, quant="nf4", dtype=F32, host_budget="1TiB", cache=cache)
     assert pinned.narrows.tiers.disk == ()
-    assert_identical(ref.record, train_streamed(pinned))
+    assert_identical(ref.record, train_streamed(pinned, arch))
     assert path.stat().st_mtime_ns == written and leftovers(cache) == [path.name]
 
 

@@ -104,6 +104,9 @@ if TYPE_CHECKING:
         trainable_parameters,
     )
 
+    # default LoRA targets (a mixture of experts' routers and routed experts left frozen, and said)
+    from .protocol.targets import LoraTargets, lora_targets
+
     # architecture checks
     from .protocol.twin import shrink_config, shrunk_twin, side_output_overrides
     from .protocol.verify import (
@@ -113,16 +116,29 @@ if TYPE_CHECKING:
         verify_architecture,
     )
 
-    # NF4
+    # NF4: linears and fused expert stacks; what stays in float, and why
+    from .quant.experts import (
+        MoEBlock,
+        dequantized_expert_bytes,
+        expert_names,
+        install_nf4_experts,
+        is_nf4_experts,
+        moe_blocks,
+        quantize_experts,
+    )
     from .quant.held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
     from .quant.nf4 import (
         NF4Rows,
         disable_cpu_repacking,
         is_nf4_linear,
+        nf4_parameter,
+        nf4_recipe,
         nf4_rows,
+        nf4_state,
         quantize_layer_nf4,
         quantize_nf4,
     )
+    from .quant.report import KeptInFloat, Precision, precision
 
 # each module -> the public names it holds, imported on first use (PEP 562): `narrows --help`
 # and the other light entry points never import torch
@@ -174,10 +190,24 @@ _MODULES = {
         "NF4Rows",
         "disable_cpu_repacking",
         "is_nf4_linear",
+        "nf4_parameter",
+        "nf4_recipe",
         "nf4_rows",
+        "nf4_state",
         "quantize_layer_nf4",
         "quantize_nf4",
     ),
+    "quant.experts": (
+        "MoEBlock",
+        "dequantized_expert_bytes",
+        "expert_names",
+        "install_nf4_experts",
+        "is_nf4_experts",
+        "moe_blocks",
+        "quantize_experts",
+    ),
+    "quant.report": ("KeptInFloat", "Precision", "precision"),
+    "protocol.targets": ("LoraTargets", "lora_targets"),
     "quant.held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
     "optional": ("distribution_version", "is_available", "require"),
     "protocol.slab": ("SLAB_ALIGNMENT", "SlabEntry", "SlabLayout"),
@@ -222,13 +252,17 @@ __all__ = [
     "HeadSweep",
     "HeldWeights",
     "InferenceModel",
+    "KeptInFloat",
     "LogitMath",
     "LoraBranch",
+    "LoraTargets",
     "MemoryPeaks",
     "MissingDependencyError",
+    "MoEBlock",
     "NF4Rows",
     "NarrowsError",
     "PeftLoraAdapter",
+    "Precision",
     "ResidentHead",
     "SlabEntry",
     "SlabLayout",
@@ -248,10 +282,12 @@ __all__ = [
     "chunked_logits",
     "copies",
     "dequantized_bytes",
+    "dequantized_expert_bytes",
     "deterministic",
     "disable_cpu_repacking",
     "distribution_version",
     "ensure_architecture",
+    "expert_names",
     "format_bytes",
     "frozen_slots",
     "fuse_layers",
@@ -261,18 +297,27 @@ __all__ = [
     "held_bytes",
     "held_token",
     "held_weight",
+    "install_nf4_experts",
     "is_announced",
     "is_available",
+    "is_nf4_experts",
     "is_nf4_linear",
     "load_base",
     "load_blockwise",
     "load_for_inference",
     "lora_branch_reference",
+    "lora_targets",
     "loss_working_set",
     "measure_peaks",
+    "moe_blocks",
+    "nf4_parameter",
+    "nf4_recipe",
     "nf4_rows",
+    "nf4_state",
     "parse_bytes",
     "pointed_at",
+    "precision",
+    "quantize_experts",
     "quantize_layer_nf4",
     "quantize_nf4",
     "read_peaks",

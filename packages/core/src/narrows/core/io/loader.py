@@ -35,7 +35,7 @@ from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import Anatomy, accepting_unannounced, anatomy_of
 from ..protocol.handle import state_of
-from ..quant.nf4 import quantize_layer_nf4
+from ..quant.nf4 import quantize_layer_nf4, say_precision
 from .checkpoint import BNB_STATS, CheckpointFolder
 
 log = logging.getLogger("narrows.core")
@@ -405,6 +405,8 @@ def load_blockwise(
         raise NarrowsError(f"{folder.path}: {left[0]!r} was not loaded; the checkpoint is incomplete")
     if quantise or stored:
         model.is_loaded_in_4bit = True
+    if quantise:
+        say_precision(model)
     model.eval()
     state_of(model).checkpoint = Path(folder.path)  # where it came from
     return model

@@ -30,6 +30,7 @@ class ModelState:
     checkpoint: Path | None = None  # the folder the model was loaded from, layer by layer
     file_sources: dict[int, Any] = field(default_factory=dict)  # each layer's tensors' places in that folder
     kernels: str | None = None  # what the decoder layers run, in words (the main job's summary)
+    targets: str | None = None  # what the adapter adapts and leaves frozen, in words (the main job's)
     data_parallel: bool = False  # replicated across ranks (narrows-stream's data_parallel)
 
 

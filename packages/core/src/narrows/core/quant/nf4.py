@@ -1,4 +1,5 @@
-"""NF4 quantisation of a causal LM's decoder linears through bitsandbytes, on CPU or CUDA.
+"""NF4 quantisation of a causal LM's decoder layers through bitsandbytes, on CPU or CUDA:
+their linears, and their fused mixture-of-experts stacks (`experts.py`).
 
 The result is what ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
 load_in_4bit=True, bnb_4bit_quant_type="nf4"))`` would build, done on a model already in
@@ -13,6 +14,7 @@ Every Linear4bit that passes through narrows gets that repacking turned off.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,15 +24,21 @@ from torch import nn
 from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import anatomy_of
+from .experts import expert_names, quantize_experts
 
 __all__ = [
     "NF4Rows",
     "disable_cpu_repacking",
     "is_nf4_linear",
+    "nf4_parameter",
+    "nf4_recipe",
     "nf4_rows",
+    "nf4_state",
     "quantize_layer_nf4",
     "quantize_nf4",
 ]
+
+log = logging.getLogger("narrows.core")
 
 
 def is_nf4_linear(module: nn.Module) -> bool:
@@ -71,7 +79,7 @@ def disable_cpu_repacking(model: nn.Module) -> int:
     return touched
 
 
-def _default_filter(name: str, module: nn.Linear) -> bool:
+def _default_filter(name: str, module: nn.Module) -> bool:
     return True
 
 
@@ -81,15 +89,19 @@ def quantize_nf4(
     compute_dtype: torch.dtype | None = None,
     double_quant: bool = True,
     blocksize: int = 64,
-    filter_fn: Callable[[str, nn.Linear], bool] = _default_filter,
+    filter_fn: Callable[[str, nn.Module], bool] = _default_filter,
     device: torch.device | str | None = None,
     park: torch.device | str | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` inside the decoder layers with a bitsandbytes NF4
-    ``Linear4bit`` (in place) and return the model.
+    ``Linear4bit`` and every fused expert stack with NF4 codes (`quantize_experts`), in
+    place, and return the model.
 
     Only decoder layers are quantised (as ``BitsAndBytesConfig`` does, the embedding and the
-    LM head stay in float). ``filter_fn(qualified_name, linear)`` can exclude layers. The
+    LM head stay in float); what they keep in float is logged, each kind with why
+    (`narrows.core.precision(model)` returns it; a tensor of no known kind is a warning).
+    ``filter_fn(qualified_name, module)`` can exclude linears (by their name) and expert
+    stacks (by the stack's name, ``….experts.gate_up_proj``). The
     quantisation runs on `device` (default: where each weight is) one layer at a time, so
     peak memory is one float layer above the quantised model. `park` moves each layer there
     once its linears are quantised (quantise on the GPU, keep a streamed base in host memory: the
@@ -115,7 +127,17 @@ def quantize_nf4(
     if n == 0:
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
     anat.model.is_loaded_in_4bit = True
+    say_precision(model)
     return model
+
+
+def say_precision(model: nn.Module) -> None:
+    """Log what `model`'s decoder layers hold in 4 bits and keep in float: a warning when
+    something is kept for no known reason, else at info level."""
+    from .report import precision
+
+    report = precision(model)
+    (log.warning if report.unexplained else log.info)("narrows: %s", report)
 
 
 def quantize_layer_nf4(
@@ -125,12 +147,13 @@ def quantize_layer_nf4(
     compute_dtype: torch.dtype,
     double_quant: bool = True,
     blocksize: int = 64,
-    filter_fn: Callable[[str, nn.Linear], bool] = _default_filter,
+    filter_fn: Callable[[str, nn.Module], bool] = _default_filter,
     device: torch.device | str | None = None,
     park: torch.device | str | None = None,
 ) -> int:
-    """Quantise the ``nn.Linear`` modules of one decoder layer (see `quantize_nf4`; the
-    block-streamed loader calls this as each layer arrives). Returns how many."""
+    """Quantise the ``nn.Linear`` modules and fused expert stacks of one decoder layer (see
+    `quantize_nf4`; the block-streamed loader calls this as each layer arrives). Returns
+    how many."""
     bnb = require("bitsandbytes", "NF4 quantisation")
     n = 0
     for name, child in list(layer.named_modules()):
@@ -163,6 +186,18 @@ def quantize_layer_nf4(
         parent_name, _, attr = name.rpartition(".")
         setattr(layer.get_submodule(parent_name) if parent_name else layer, attr, q)
         n += 1
+    for name, module in list(layer.named_modules()):
+        stacks = [
+            s for s in expert_names(module) if filter_fn(".".join(filter(None, (prefix, name, s))), module)
+        ]
+        if stacks:  # dequantised into their own dtype, the one the model's experts code computes in
+            n += quantize_experts(
+                module,
+                double_quant=double_quant,
+                blocksize=blocksize,
+                device=device,
+                names=stacks,
+            )
     if park is not None and n:
         layer.to(park)
     return n
@@ -226,4 +261,66 @@ def nf4_rows(module: nn.Module) -> NF4Rows:
         )
     return NF4Rows(
         (d_out, d_in), weight.data.reshape(-1), absmax.float(), qs.blocksize, qs.quant_type, qs.dtype
+    )
+
+
+def nf4_recipe(quant_state) -> dict:
+    """What rebuilds a bitsandbytes NF4 ``QuantState`` from its tensors alone (`nf4_state`):
+    shape, block sizes, dtypes, nesting — JSON-ready."""
+    qs = quant_state
+
+    def name(dtype: torch.dtype) -> str:
+        return str(dtype).removeprefix("torch.")
+
+    return {
+        "shape": list(qs.shape),
+        "blocksize": qs.blocksize,
+        "quant_type": qs.quant_type,
+        "dtype": name(qs.dtype),
+        "nested": bool(qs.nested),
+        "nested_blocksize": qs.state2.blocksize if qs.nested else None,
+        "nested_dtype": name(qs.state2.dtype) if qs.nested else None,
+    }
+
+
+def nf4_state(recipe: dict, tensors: dict[str, torch.Tensor], weight: str):
+    """The ``QuantState`` of `recipe` over `tensors`, keyed as `frozen_slots` names a 4-bit
+    parameter's state (``{weight}.quant_state.absmax``, ``….state2.absmax``, …)."""
+    from bitsandbytes.functional import QuantState
+
+    r, pre = recipe, f"{weight}.quant_state"
+    state2 = None
+    if r["nested"]:
+        state2 = QuantState(
+            absmax=tensors[f"{pre}.state2.absmax"],
+            blocksize=r["nested_blocksize"],
+            code=tensors[f"{pre}.state2.code"],
+            dtype=getattr(torch, r["nested_dtype"]),
+        )
+    return QuantState(
+        absmax=tensors[f"{pre}.absmax"],
+        shape=torch.Size(r["shape"]),
+        code=tensors[f"{pre}.code"],
+        blocksize=r["blocksize"],
+        quant_type=r["quant_type"],
+        dtype=getattr(torch, r["dtype"]),
+        offset=tensors.get(f"{pre}.offset"),
+        state2=state2,
+    )
+
+
+def nf4_parameter(packed: torch.Tensor, quant_state):
+    """A frozen bitsandbytes ``Params4bit`` over `packed` codes already quantised with
+    `quant_state` (nothing is quantised again)."""
+    import bitsandbytes as bnb
+
+    return bnb.nn.Params4bit(
+        packed,
+        requires_grad=False,
+        quant_state=quant_state,
+        blocksize=quant_state.blocksize,
+        compress_statistics=quant_state.nested,
+        quant_type=quant_state.quant_type,
+        quant_storage=packed.dtype,
+        bnb_quantized=True,
     )

@@ -17,8 +17,10 @@ from narrows.core import (
     Anatomy,
     anatomy_of,
     dequantized_bytes,
+    dequantized_expert_bytes,
     held_bytes,
     loss_working_set,
+    moe_blocks,
     trainable_parameters,
 )
 
@@ -35,6 +37,7 @@ __all__ = [
     "step_mode_reserve",
     "training_bytes",
     "whole_bytes",
+    "whole_overlap_bytes",
     "work_bytes",
 ]
 
@@ -58,6 +61,8 @@ class Shapes:
     kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
     lora_float32: bool = False  # the fast layers' adapters in float32 (their temporaries in float32)
     dropout: bool = False  # the fast layers' adapters drop out (each keeps its mask for the backward)
+    moe: MoEShape | None = None  # the mixture-of-experts MLP, where layers have one
+    dense_mlp: bool = True  # some layer has a dense MLP (of `intermediate`)
 
     @classmethod
     def of(
@@ -77,6 +82,7 @@ class Shapes:
         act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        moe = MoEShape.of(anat)
         return cls(
             layers=anat.num_layers,
             hidden=cfg.hidden_size,
@@ -94,11 +100,85 @@ class Shapes:
             kv_width=kv_heads * head_dim,
             lora_float32=fast and lora_float32,
             dropout=fast and dropout,
+            moe=moe,
+            dense_mlp=moe is None or moe.dense_layers > 0,
         )
 
     @property
     def kv(self) -> int:
         return self.kv_width or self.hidden
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A mixture-of-experts MLP as the planner prices it, read off the model's modules: E
+    experts of intermediate width I, k of them per token, a shared expert of width
+    `shared` (0: none), and the bytes its NF4 stacks take dequantised (the layer's largest:
+    both stacks, held through the experts' call and, saved by their matmuls, until the
+    layer's backward)."""
+
+    experts: int
+    top_k: int
+    intermediate: int
+    shared: int
+    dequant_bytes: int
+    dense_layers: int  # layers without one
+
+    @classmethod
+    def of(cls, anat: Anatomy) -> MoEShape | None:
+        cfg, found, dense = anat.config, None, 0
+        for layer in anat.layers:
+            blocks = list(moe_blocks(layer))
+            if not blocks:
+                dense += 1
+            elif found is None:
+                found = blocks[0]
+        if found is None:
+            return None
+        experts = found.experts
+        names = [n for n, p in experts.named_parameters(recurse=False) if n.endswith("down_proj")]
+        down = experts.get_parameter(names[0]) if names else None
+        shape = down.quant_state.shape if down is not None and hasattr(down, "quant_state") else down.shape
+        n_experts = int(shape[0])
+        width = int(shape[1]) * int(shape[2]) // cfg.hidden_size
+        top_k = int(getattr(cfg, "num_experts_per_tok", None) or getattr(experts, "top_k", 0) or 1)
+        shared = 0
+        for name, child in found.block.named_children():
+            if name != found.experts_name and name not in found.routers:
+                shared += sum(m.out_features for n, m in child.named_modules() if n.endswith("up_proj"))
+        return cls(
+            experts=n_experts,
+            top_k=top_k,
+            intermediate=width,
+            shared=shared,
+            dequant_bytes=max(map(dequantized_expert_bytes, anat.layers), default=0),
+            dense_layers=dense,
+        )
+
+    def kept(self, hidden: int, act: int) -> int:
+        """Bytes a token's MoE MLP keeps for its backward (transformers' grouped-matmul
+        experts): the router's logits and float32 probabilities and its top-k; per chosen
+        expert the token's copy, gate and up, the activation, their product and the
+        expert's output (2 hidden- and 4 intermediate-sized); the shared expert's gate, up,
+        activation and product."""
+        router = self.experts * (4 + act) + 16 * self.top_k
+        return router + (self.top_k * (2 * hidden + 4 * self.intermediate) + 4 * self.shared) * act
+
+    def work(self, hidden: int, act: int) -> int:
+        """Bytes a token's MoE MLP holds at the peak of its recompute and backward: what it
+        keeps, the gradients in flight through the chosen experts (the output's, the
+        product's, gate and up's, the token copy's: 2 hidden- and 3 intermediate-sized per
+        expert) and the shared expert's (3 intermediate-sized)."""
+        return (
+            self.kept(hidden, act)
+            + (self.top_k * (2 * hidden + 3 * self.intermediate) + 3 * self.shared) * act
+        )
+
+
+def _mlp(s: Shapes, dense: float, moe: int) -> float:
+    """A token's MLP term: the dense MLP's (`dense` bytes), the MoE MLP's (`moe`), or the
+    larger where the model has both kinds of layer."""
+    return max(dense if s.dense_mlp else 0, moe if s.moe is not None else 0)
 
 
 def input_bytes(s: Shapes) -> int:
@@ -128,15 +208,35 @@ def whole_bytes(s: Shapes) -> int:
     on the H100, bytes per token beyond the input / predicted: 151.9 / 153.3 KB at 7B,
     221.6 / 223.7 at 32B, 263.9 / 267.5 at 72B.) With dropout (`Shapes.dropout`) it keeps
     each adapter's mask too, the size of the adapter's input: six hidden-sized and one
-    intermediate-sized a token where all seven linears drop out (`dropout_mask_bytes`)."""
+    intermediate-sized a token where all seven linears drop out (`dropout_mask_bytes`).
+
+    A mixture of experts (`Shapes.moe`) keeps its MoE MLP's (`MoEShape.kept`) in place of
+    the dense MLP's five intermediate-sized tensors, and its dequantised NF4 stacks, which
+    the grouped matmuls save for the backward."""
     tokens = s.batch * s.seq
     if s.fast:
         kept = int(tokens * (6.25 * s.hidden + 2 * s.kv + 3 * s.intermediate) * s.act_bytes)
         return kept + dropout_mask_bytes(s)
-    kept = tokens * (18 * s.hidden + 5 * s.intermediate) * s.act_bytes
+    moe = s.moe.kept(s.hidden, s.act_bytes) if s.moe is not None else 0
+    kept = tokens * (18 * s.hidden * s.act_bytes + _mlp(s, 5 * s.intermediate * s.act_bytes, moe))
+    kept += s.moe.dequant_bytes if s.moe is not None else 0
     if s.eager_attention:
         kept += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
-    return kept
+    return int(kept)
+
+
+def whole_overlap_bytes(s: Shapes) -> int:
+    """What one whole layer and a recomputed layer's working set (`work_bytes`) never hold
+    at once: a whole layer's MoE MLP (what it keeps, and its dequantised expert stacks). The
+    whole layers run last in the forward and are differentiated first, so the last one's
+    backward happens with every whole layer still kept but no recompute; the recomputed
+    layers come after all of them are freed. (Qwen3-30B-A3B's shape, 6 layers, 8 × 512
+    tokens, two whole layers on the H100: measured 6.93 GB; the sum of both priced 9.22,
+    without one whole layer's MoE MLP 7.54.) 0 for a dense model, whose whole-layer prices
+    were fitted with both counted."""
+    if s.moe is None:
+        return 0
+    return s.batch * s.seq * s.moe.kept(s.hidden, s.act_bytes) + s.moe.dequant_bytes
 
 
 def dropout_mask_bytes(s: Shapes) -> int:
@@ -174,7 +274,13 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     LoRA (`Shapes.lora_float32`) adds its float32 temporaries, counted from the code, not
     measured. Dropout (`Shapes.dropout`; never with tiles) adds the layer's masks and one
     dropped-out input at a time, the widest down_proj's (`dropout_mask_bytes`, and an
-    intermediate-sized tensor a token)."""
+    intermediate-sized tensor a token).
+
+    A mixture of experts (`Shapes.moe`, PEFT's modules: no fast layer covers one) holds its
+    MoE MLP's working set (`MoEShape.work`) in place of the dense MLP's six
+    intermediate-sized tensors, and its dequantised NF4 stacks. (Qwen3-30B-A3B's shape, 6
+    layers, 8 × 512 tokens, narrows-lmhead's loss, on the H100: peaks of 3.73, 3.79 and
+    5.08 GB at the smallest footprint, 4 GiB and 6 GiB, priced 3.93, 4.00 and 5.29.)"""
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     if s.fast:
@@ -191,10 +297,12 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
         work = (tokens * 11 * s.hidden + tile * (5 * s.hidden + 3.6 * s.intermediate)) * s.act_bytes
         work += 2 * s.dequant_bytes
         return int(work) + wide
-    layer = (tokens * 26 * s.hidden + mlp_tokens * 6 * s.intermediate) * s.act_bytes
+    moe = s.moe.work(s.hidden, s.act_bytes) if s.moe is not None else 0
+    layer = tokens * 26 * s.hidden * s.act_bytes + mlp_tokens * _mlp(s, 6 * s.intermediate * s.act_bytes, moe)
+    layer += s.moe.dequant_bytes if s.moe is not None else 0
     if s.eager_attention:
         layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
-    return layer
+    return int(layer)
 
 
 GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the pool's rounding

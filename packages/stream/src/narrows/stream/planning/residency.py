@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from narrows.core import format_bytes
 
 from ..errors import BudgetTooSmallError
-from .memory import Shapes, graph_bytes, input_bytes, whole_bytes, work_bytes
+from .memory import Shapes, graph_bytes, input_bytes, whole_bytes, whole_overlap_bytes, work_bytes
 from .placement import most_resident
 from .record import HOST_STATE_NOTES, Plan
 from .steptime import Rates, step_seconds
@@ -180,9 +180,11 @@ class _Footprint:
         return max(self.layer_bytes)
 
     def saved(self, kept: int, whole: int = 0) -> int:
-        """Kept inputs, two offloaded ones in flight, and whole layers' activations."""
+        """Kept inputs, two offloaded ones in flight, and whole layers' activations (less
+        what the last whole layer and the working set never hold at once)."""
         a = input_bytes(self.shapes)
-        return (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes)
+        overlap = whole_overlap_bytes(self.shapes) if whole else 0
+        return (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes) - overlap
 
     def pool(self, t: int | None, whole: int) -> int:
         """The graphs' pool, while any layer is graphed."""

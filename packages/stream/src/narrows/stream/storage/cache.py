@@ -29,7 +29,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from narrows.core import NarrowsError, SlabEntry, SlabLayout, format_bytes, frozen_slots, is_nf4_linear
+from narrows.core import (
+    NarrowsError,
+    SlabEntry,
+    SlabLayout,
+    format_bytes,
+    frozen_slots,
+    is_nf4_experts,
+    is_nf4_linear,
+    nf4_recipe,
+)
 
 __all__ = ["FILE_ALIGNMENT", "CacheLayer", "PreparedCache", "SlabCacheWriter", "layer_recipe"]
 
@@ -56,24 +65,20 @@ def crc32(buffer: Tensor) -> int:
 
 
 def layer_recipe(layer: nn.Module) -> dict[str, dict[str, Any]]:
-    """How to rebuild each bitsandbytes 4-bit linear of `layer` from its slots alone."""
+    """How to rebuild each bitsandbytes 4-bit linear and each set of NF4 expert stacks of
+    `layer` from its slots alone (an experts module's entry has ``stacks``)."""
     out = {}
     for name, m in layer.named_modules():
+        if is_nf4_experts(m):
+            out[name] = {"stacks": {s: nf4_recipe(m._parameters[s].quant_state) for s in m._nf4_stacks}}
         if not is_nf4_linear(m):
             continue
-        qs = m.weight.quant_state
         out[name] = {
             "in": m.in_features,
             "out": m.out_features,
             "bias": m.bias is not None,
-            "shape": list(qs.shape),
-            "blocksize": qs.blocksize,
-            "quant_type": qs.quant_type,
-            "dtype": _dtype_name(qs.dtype),
             "compute_dtype": _dtype_name(m.compute_dtype),
-            "nested": bool(qs.nested),
-            "nested_blocksize": qs.state2.blocksize if qs.nested else None,
-            "nested_dtype": _dtype_name(qs.state2.dtype) if qs.nested else None,
+            **nf4_recipe(m.weight.quant_state),
         }
     return out
 

@@ -69,6 +69,7 @@ def _expect(folder: CheckpointFolder, dtype: torch.dtype, quant: str | None) -> 
             "prequantized": stored is not None,
             "blocksize": 64,
             "double_quant": True,
+            "experts": "nf4" if (quant == "nf4" or stored) else "none",  # fused expert stacks too
         },
     }
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from narrows.core import NarrowsError, SlabLayout, assign
+from narrows.core import NarrowsError, SlabLayout, assign, install_nf4_experts, nf4_parameter, nf4_state
 
 from .cache import FILE_ALIGNMENT, CacheLayer, PreparedCache, frozen_layer_slots
 
@@ -62,28 +62,17 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
     views = dict(zip((e.name for e in entry.layout.entries), tensors))
     if entry.recipe:
         import bitsandbytes as bnb
-        from bitsandbytes.functional import QuantState
 
         for name, r in entry.recipe.items():
+            if "stacks" in r:  # fused experts in NF4
+                stacks = {
+                    s: nf4_parameter(views[f"{name}.{s}"], nf4_state(sr, views, f"{name}.{s}"))
+                    for s, sr in r["stacks"].items()
+                }
+                install_nf4_experts(layer.get_submodule(name), stacks)
+                continue
             w = f"{name}.weight"
-            state2 = None
-            if r["nested"]:
-                state2 = QuantState(
-                    absmax=views[f"{w}.quant_state.state2.absmax"],
-                    blocksize=r["nested_blocksize"],
-                    code=views[f"{w}.quant_state.state2.code"],
-                    dtype=getattr(torch, r["nested_dtype"]),
-                )
-            qs = QuantState(
-                absmax=views[f"{w}.quant_state.absmax"],
-                shape=torch.Size(r["shape"]),
-                code=views[f"{w}.quant_state.code"],
-                blocksize=r["blocksize"],
-                quant_type=r["quant_type"],
-                dtype=getattr(torch, r["dtype"]),
-                offset=views.get(f"{w}.quant_state.offset"),
-                state2=state2,
-            )
+            qs = nf4_state(r, views, w)
             old = layer.get_submodule(name)
             q = bnb.nn.Linear4bit(
                 r["in"],
@@ -94,17 +83,8 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
                 quant_type=r["quant_type"],
                 device="meta",
             )
-            q.weight = bnb.nn.Params4bit(
-                views[w],
-                requires_grad=False,
-                quant_state=qs,
-                blocksize=r["blocksize"],
-                compress_statistics=r["nested"],
-                quant_type=r["quant_type"],
-                quant_storage=torch.uint8,
-                module=q,
-                bnb_quantized=True,
-            )
+            q.weight = nf4_parameter(views[w], qs)
+            q.weight.module = q
             q.quant_state = qs
             if r["bias"]:
                 q.bias = old.bias

@@ -18,8 +18,11 @@ from ...io.checkpoint import CheckpointFolder
 from ...kernels.fastlayer import FastLayers, coverage
 from ...kernels.lora_branches import fuse_lora
 from ...memory import parse_bytes
+from ...protocol.anatomy import anatomy_of
 from ...protocol.compose import apply
 from ...protocol.handle import state_of
+from ...protocol.targets import LoraTargets, lora_targets
+from ...quant.experts import expert_names, moe_blocks
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from .config import DataConfig, FinetuneConfig, lmhead_options
 
@@ -131,18 +134,34 @@ def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: to
     )[0]
 
 
-def _targets(model: nn.Module, targets: str) -> str | list[str]:
+def _targets(model: nn.Module, targets: str) -> LoraTargets:
+    """``--targets`` on this model: all-linear is `lora_targets`' (a mixture of experts leaves
+    its routers and routed experts frozen, and says so); names must be linears' names."""
     if targets == "all-linear":
-        return targets
+        return lora_targets(model)
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = [t for t in wanted if t not in linear]
     if missing or not wanted:
-        raise NarrowsError(
-            f"--targets {targets!r}: no linear module named {missing or targets!r} in this model; "
-            f"it has {sorted(linear)} (or use all-linear)"
+        stacks = sorted(
+            {
+                s
+                for layer in anatomy_of(model).layers
+                for b in moe_blocks(layer)
+                for s in expert_names(b.experts)
+            }
         )
-    return wanted
+        experts = [t for t in missing if t in stacks]
+        raise NarrowsError(
+            f"--targets {targets!r}: "
+            + (
+                f"{experts} are the routed experts' fused stacks, and LoRA on them is not supported yet; "
+                if experts
+                else ""
+            )
+            + f"no linear module named {missing or targets!r} in this model; it has {sorted(linear)} (or use all-linear)"
+        )
+    return LoraTargets(tuple(wanted))
 
 
 def head_savings(cfg: FinetuneConfig):
@@ -166,9 +185,11 @@ def build_model(
 
     from .state import lora_config
 
-    target_modules = _targets(model, cfg.lora.targets)
+    targets = _targets(model, cfg.lora.targets)
     seed_all(cfg.training.seed)  # the adapter's initialisation
-    model = get_peft_model(model, lora_config(cfg, target_modules))
+    modules = targets.modules if isinstance(targets.modules, str) else list(targets.modules)
+    model = get_peft_model(model, lora_config(cfg, modules))
+    state_of(model).targets = str(targets)
     if cfg.lora.adapter == "dora":
         import narrows.dora
 

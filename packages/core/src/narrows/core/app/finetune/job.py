@@ -12,6 +12,8 @@ import time
 import torch
 
 from ...io.files import atomic_write
+from ...protocol.handle import state_of
+from ...quant.report import precision
 from ..data import check_packing
 from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
 from .config import FinetuneConfig
@@ -226,6 +228,10 @@ def _run(
     loaded = load_model(cfg, folder, dtype, device)
     stage(f"building the {cfg.lora.adapter} adapter (rank {cfg.lora.rank}, {cfg.lora.targets})")
     model = build_model(cfg, loaded, device, dtype, ranks.world)
+    if ranks.main:
+        print(f"narrows: adapted: {state_of(model).targets}", file=sys.stderr, flush=True)
+        if getattr(loaded, "is_loaded_in_4bit", False):
+            print(f"narrows: base precision: {precision(model)}", file=sys.stderr, flush=True)
     step_mode, accumulation = choose_accumulation(cfg, model)
     if ranks.main and accumulation:
         print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)

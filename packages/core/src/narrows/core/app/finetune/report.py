@@ -15,7 +15,9 @@ from torch import nn
 
 from ...io.files import atomic_write
 from ...memory import format_bytes, host_rss_high_water
+from ...protocol.anatomy import unwrap_model
 from ...protocol.handle import state_of
+from ...quant.report import precision
 from .config import FinetuneConfig
 from .evaluate import answer_scores, generate_answers, progress_bar, say
 from .state import RunBase
@@ -79,6 +81,9 @@ def summarize(
         "eval_loss_by_step": [[r["step"], r["eval_loss"]] for r in history if "eval_loss" in r],
     }
     summary["kernels"] = state_of(model).kernels
+    summary["targets"] = state_of(model).targets
+    if getattr(unwrap_model(model), "is_loaded_in_4bit", False):
+        summary["precision"] = precision(model).as_dict()
     stream = getattr(model, "narrows_stream", None)
     if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
         plan = stream.plan
@@ -274,6 +279,18 @@ def format_summary(summary: dict) -> str:
     ]
     if summary.get("kernels"):
         rows.append(("kernels", summary["kernels"]))
+    if summary.get("targets"):
+        rows.append(("adapted", summary["targets"]))
+    if summary.get("precision"):
+        p = summary["precision"]
+        kept = ", ".join(f"{k['kind']} ({k['count']})" for k in p["kept_in_float"])
+        rows.append(
+            (
+                "base precision",
+                f"NF4: {p['nf4_linears']} linears, {p['nf4_expert_stacks']} expert stacks"
+                + (f"; kept in float: {kept}" if kept else ""),
+            )
+        )
     if "stream" in summary:
         st = summary["stream"]
         rows.append(
