@@ -210,6 +210,30 @@ def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arc
 
 
 @pytest.mark.gpu
+@pytest.mark.bnb
+@pytest.mark.parametrize("arch", [*MOE, "gpt_oss"])
+def test_cuda_nf4_experts_streamed_equal_resident_under_deterministic_kernels(arch):
+    """NF4 expert stacks (dequantised per call, grouped matmuls on CUDA) streamed as resident."""
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled()
+    nc.deterministic()
+    try:
+
+        def model():
+            m = build(arch, base="nf4", dtype=torch.bfloat16, dropout=0.05)
+            assert any(nc.is_nf4_experts(x) for x in m.modules())
+            return m
+
+        assert_identical(
+            train(model().to("cuda"), grad_accum=2, device="cuda"),
+            train(model(), grad_accum=2, device="cuda", stream_kwargs={"deterministic": True}),
+        )
+    finally:
+        nc.deterministic(before)
+
+
+@pytest.mark.gpu
 def test_cuda_an_unannounced_architecture_passes_its_twin_check_with_deterministic_kernels(forget_verified):
     import torch
 

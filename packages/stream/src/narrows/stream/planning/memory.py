@@ -59,6 +59,7 @@ class Shapes:
     dequant_bytes: int = 0  # the largest 4-bit weight dequantised at once (a fast layer's: gate + up)
     fast: bool = False  # every layer runs narrows.core's fast layer (it keeps and works in less)
     kv_width: int = 0  # keys' (and values') width per token; 0: taken as `hidden` (the most)
+    q_width: int = 0  # queries' width per token (heads × head dim); 0: taken as `hidden`
     lora_float32: bool = False  # the fast layers' adapters in float32 (their temporaries in float32)
     dropout: bool = False  # the fast layers' adapters drop out (each keeps its mask for the backward)
     moe: MoEShape | None = None  # the mixture-of-experts MLP, where layers have one
@@ -98,6 +99,7 @@ class Shapes:
             dequant_bytes=(2 if fast else 1) * max(map(dequantized_bytes, anat.layers), default=0),
             fast=fast,
             kv_width=kv_heads * head_dim,
+            q_width=cfg.num_attention_heads * head_dim,
             lora_float32=fast and lora_float32,
             dropout=fast and dropout,
             moe=moe,
@@ -107,6 +109,14 @@ class Shapes:
     @property
     def kv(self) -> int:
         return self.kv_width or self.hidden
+
+    @property
+    def wide_queries(self) -> int:
+        """Bytes a token's attention keeps beyond the hidden-sized fit where its queries are
+        wider than the hidden size (Qwen3-MoE: 32 heads of 128 on a hidden size of 2048):
+        three query-wide tensors (the projection, the rotated queries, the attention's
+        output) counted at their width."""
+        return 3 * max(0, (self.q_width or self.hidden) - self.hidden) * self.act_bytes
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,7 @@ class MoEShape:
     shared: int
     dequant_bytes: int
     dense_layers: int  # layers without one
+    gate_tensors: int = 4  # intermediate-sized tensors a chosen expert keeps (7: gpt-oss's clamped SwiGLU)
 
     @classmethod
     def of(cls, anat: Anatomy) -> MoEShape | None:
@@ -153,16 +164,20 @@ class MoEShape:
             shared=shared,
             dequant_bytes=max(map(dequantized_expert_bytes, anat.layers), default=0),
             dense_layers=dense,
+            # gpt-oss clamps gate and up, and keeps the clamped ones, the sigmoid and up + 1 too
+            gate_tensors=7 if hasattr(experts, "limit") else 4,
         )
 
     def kept(self, hidden: int, act: int) -> int:
         """Bytes a token's MoE MLP keeps for its backward (transformers' grouped-matmul
         experts): the router's logits and float32 probabilities and its top-k; per chosen
-        expert the token's copy, gate and up, the activation, their product and the
-        expert's output (2 hidden- and 4 intermediate-sized); the shared expert's gate, up,
-        activation and product."""
+        expert the token's copy, gate and up, the activation and their product (1 hidden-
+        and `gate_tensors` intermediate-sized); the shared expert's gate, up, activation and
+        product. (The saved tensors of transformers' MoE blocks, counted on the CPU:
+        Qwen3-MoE's, Mixtral's and gpt-oss's this within 1%, Qwen2-MoE's within 3%.)"""
         router = self.experts * (4 + act) + 16 * self.top_k
-        return router + (self.top_k * (2 * hidden + 4 * self.intermediate) + 4 * self.shared) * act
+        per_expert = hidden + self.gate_tensors * self.intermediate
+        return router + (self.top_k * per_expert + 4 * self.shared) * act
 
     def work(self, hidden: int, act: int) -> int:
         """Bytes a token's MoE MLP holds at the peak of its recompute and backward: what it
@@ -218,7 +233,9 @@ def whole_bytes(s: Shapes) -> int:
         kept = int(tokens * (6.25 * s.hidden + 2 * s.kv + 3 * s.intermediate) * s.act_bytes)
         return kept + dropout_mask_bytes(s)
     moe = s.moe.kept(s.hidden, s.act_bytes) if s.moe is not None else 0
-    kept = tokens * (18 * s.hidden * s.act_bytes + _mlp(s, 5 * s.intermediate * s.act_bytes, moe))
+    kept = tokens * (
+        18 * s.hidden * s.act_bytes + s.wide_queries + _mlp(s, 5 * s.intermediate * s.act_bytes, moe)
+    )
     kept += s.moe.dequant_bytes if s.moe is not None else 0
     if s.eager_attention:
         kept += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
@@ -226,17 +243,17 @@ def whole_bytes(s: Shapes) -> int:
 
 
 def whole_overlap_bytes(s: Shapes) -> int:
-    """What one whole layer and a recomputed layer's working set (`work_bytes`) never hold
-    at once: a whole layer's MoE MLP (what it keeps, and its dequantised expert stacks). The
-    whole layers run last in the forward and are differentiated first, so the last one's
-    backward happens with every whole layer still kept but no recompute; the recomputed
-    layers come after all of them are freed. (Qwen3-30B-A3B's shape, 6 layers, 8 × 512
-    tokens, two whole layers on the H100: measured 6.93 GB; the sum of both priced 9.22,
-    without one whole layer's MoE MLP 7.54.) 0 for a dense model, whose whole-layer prices
-    were fitted with both counted."""
-    if s.moe is None:
-        return 0
-    return s.batch * s.seq * s.moe.kept(s.hidden, s.act_bytes) + s.moe.dequant_bytes
+    """What the whole layers and a recomputed layer's working set (`work_bytes`) never hold
+    at once: one whole layer's keep. Whole layers run last in the forward and are
+    differentiated first, so the last one's backward (its own working set) happens with the
+    others still kept but no recompute, and the recomputed layers come after all of them
+    are freed: the peak is the working set plus every whole layer but one. Counted for a
+    mixture of experts, whose whole layers keep their dequantised expert stacks (Qwen3-30B-A3B's
+    shape, 6 layers, on the H100, 4096 and 8192 tokens, one to five whole layers: each
+    whole layer measured 1.87 and 2.53 GB more, 1.88 and 2.56 priced). A dense model's
+    whole-layer prices were fitted with every whole layer counted on top of the working
+    set: 0 there."""
+    return whole_bytes(s) if s.moe is not None else 0
 
 
 def dropout_mask_bytes(s: Shapes) -> int:
@@ -279,8 +296,9 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     A mixture of experts (`Shapes.moe`, PEFT's modules: no fast layer covers one) holds its
     MoE MLP's working set (`MoEShape.work`) in place of the dense MLP's six
     intermediate-sized tensors, and its dequantised NF4 stacks. (Qwen3-30B-A3B's shape, 6
-    layers, 8 × 512 tokens, narrows-lmhead's loss, on the H100: peaks of 3.73, 3.79 and
-    5.08 GB at the smallest footprint, 4 GiB and 6 GiB, priced 3.93, 4.00 and 5.29.)"""
+    layers, narrows-lmhead's loss, on the H100, every layer streamed: peaks of 3.47 and
+    3.53 GiB at 8 × 512 tokens (the smallest footprint, 4 GiB), 4.56 at 4 × 2048, priced
+    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.)"""
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     if s.fast:
@@ -298,7 +316,8 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
         work += 2 * s.dequant_bytes
         return int(work) + wide
     moe = s.moe.work(s.hidden, s.act_bytes) if s.moe is not None else 0
-    layer = tokens * 26 * s.hidden * s.act_bytes + mlp_tokens * _mlp(s, 6 * s.intermediate * s.act_bytes, moe)
+    layer = tokens * (26 * s.hidden * s.act_bytes + s.wide_queries)
+    layer += mlp_tokens * _mlp(s, 6 * s.intermediate * s.act_bytes, moe)
     layer += s.moe.dequant_bytes if s.moe is not None else 0
     if s.eager_attention:
         layer += 2 * s.batch * s.heads * s.seq * s.seq * s.act_bytes
