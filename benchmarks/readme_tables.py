@@ -884,3 +884,29 @@ def _others(r: Results) -> str:
         f"Architectures trained streamed `torch.equal` to resident: {'; '.join(probe)}.",
         _fingerprint(r),
     )
+
+
+MOE_PLAN = ("moe_plan_qwen3-30b-a3b-6l_8x512", "moe_plan_qwen3-30b-a3b-6l_4x2048")
+
+
+@generated("moe")
+def _moe(r: Results) -> str:
+    """Per token count, each budget's peak, the plan's price and the step."""
+    budgets = ["min", "4GiB", "6GiB", "8GiB", "10GiB", "12GiB", "14GiB"]
+
+    def at(m: dict) -> str:
+        planned = m.get("predicted_peak")
+        price = f" ({planned / m['peak_allocated'] - 1:+.1%} planned)" if planned else ""
+        return f"{gib(m['peak_allocated'])}{price}, {sec(m['s_per_step'])}"
+
+    lines = []
+    for c in MOE_PLAN:
+        rows = r.case(c)
+        args = rows[0]["arguments"]
+        names = [f"stream-{b}-lmhead" for b in budgets] + ["stream-min", "resident-ckpt"]
+        lines.append(
+            [run_cell(rows, f"{args['batch']} × {args['seq']}"), *(cell(r, c, n, at) for n in names)]
+        )
+    return table(
+        ["tokens", *(f"`{b}`" for b in budgets), "`min`, full logits", "PEFT + checkpointing"], lines
+    )

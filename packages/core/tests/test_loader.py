@@ -13,7 +13,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from narrows.core import NarrowsError, anatomy_of, disable_cpu_repacking, is_nf4_linear, quantize_nf4
+from narrows.core import (
+    NarrowsError,
+    anatomy_of,
+    disable_cpu_repacking,
+    expert_names,
+    is_nf4_linear,
+    precision,
+    quantize_experts,
+    quantize_nf4,
+)
 from narrows.core.io.loader import load_blockwise
 from narrows.core.io.models import load_causal_lm
 from narrows.core.testing import TINY_ARCHITECTURES, tiny_batch, tiny_model
@@ -185,8 +194,15 @@ WEIGHT = "model.layers.1.mlp.down_proj.weight"  # a 4-bit weight of the pre-quan
 @pytest.mark.bnb
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])
 def test_nf4_load_equals_transformers_bitsandbytes_load(arch, hf_quantized):
+    """Linears as transformers' bitsandbytes load quantises them; fused expert stacks, which
+    it leaves in bf16, in NF4 as `quantize_experts` makes them from its bf16 ones."""
     folder, ref, _ = hf_quantized(arch)
     got = load_blockwise(folder, dtype=BF16, quant="nf4", device="cpu")
+    stacks = [m for m in ref.modules() if expert_names(m)]
+    assert (arch == "mixtral") == bool(stacks)
+    for m in stacks:
+        quantize_experts(m)
+    assert precision(got).expert_stacks == 2 * len(stacks)
     # quantize_layer_nf4 freezes a quantised linear's bias, transformers leaves it trainable
     assert_same_model(got, ref, requires_grad=False)
 
