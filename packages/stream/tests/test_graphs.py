@@ -120,6 +120,44 @@ def test_a_hooked_layer_runs_eagerly_and_still_identically():
     assert model.narrows_stream.report()["graphs"]["refused"] == {"1": stats.refused[1]}
 
 
+@pytest.mark.parametrize("router_logits", [False, True])
+def test_moe_layers_are_graphed_while_their_router_logits_are_not_collected(router_logits):
+    """transformers hooks an MoE layer's router to collect its logits once a forward asked
+    for them: while no forward does, the hook does nothing and the layer is captured; a
+    forward that collects them (the router's aux loss) runs eagerly. Both train as resident
+    does."""
+    pytest.importorskip("bitsandbytes")
+    from narrows.core.testing import tiny_batch
+
+    cfg = dict(arch="qwen3_moe", base="nf4", output_router_logits=router_logits, router_aux_loss_coef=0.02)
+
+    def model():
+        m = build(**cfg)
+        with torch.no_grad():  # an evaluation that asked for them: the recorders are installed
+            m(**tiny_batch(), output_router_logits=True)
+        assert any(x._forward_hooks for x in m.modules())
+        return m
+
+    graphed = model()
+    got = train(graphed, steps=2, grad_accum=2, stream_kwargs={"graphs": True, "gpu_budget": None})
+    assert_identical(train(model(), steps=2, grad_accum=2), got)
+    stats = graphed.narrows_stream.graphs.stats
+    assert not stats.refused
+    if router_logits:
+        assert stats.captured == 0 and stats.eager > 0
+    else:
+        assert stats.captured > 0 and stats.replays > 0
+
+
+def test_a_hook_of_another_kind_beside_the_recorders_still_refuses():
+    """Fault injection's twin: the recorder check must not pass a hook of another kind."""
+    pytest.importorskip("bitsandbytes")
+    model = build(arch="qwen3_moe", base="nf4")
+    model.base_model.model.model.layers[1].mlp.gate.register_forward_hook(lambda m, a, out: None)
+    train(model, steps=1, grad_accum=2, stream_kwargs={"graphs": True, "gpu_budget": None})
+    assert set(model.narrows_stream.graphs.stats.refused) == {1}
+
+
 def test_hooks_on_the_layer_itself_run_around_its_replays():
     """The layer's own hooks run around the call narrows replays (as step mode's adapter
     serving does), so they refuse nothing; only its submodules' would be skipped."""

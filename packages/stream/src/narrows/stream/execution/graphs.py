@@ -31,7 +31,9 @@ may land in any device slab) and of its adapters (which may wait in host memory 
 uses), by what is differentiated, by the shapes, dtypes and
 strides of its tensor arguments, the values of the others, and by the autocast and
 attention settings. A layer that cannot be captured (forward hooks, a host sync in its forward, an
-argument that is not a tensor or a plain value) runs eagerly, with the reason kept in `refused`; a host sync is found
+argument that is not a tensor or a plain value) runs eagerly, with the reason kept in `refused`; transformers'
+output recorders (an MoE router's, once a forward asked for router logits) are no such hooks while no forward
+collects what they record, and a call that does collect it runs eagerly; a host sync is found
 in the warm-up, run under CUDA's sync check. A capture that fails anyway raises: it
 leaves the CUDA generator unusable.
 
@@ -56,6 +58,7 @@ from narrows.core import ambient_state, held_token
 
 from ..config import DEFAULT_SHAPES
 from .executor import LayerExecutor, LayerRun, SideGrads, eager_backward, eager_forward
+from .side_outputs import recorded_key, recording
 
 log = logging.getLogger("narrows.stream")
 
@@ -129,14 +132,25 @@ def _swapped(layer: nn.Module, params: Sequence[Tensor], aliases: Sequence[Tenso
             module._parameters[name] = p
 
 
-def _hooked(layer: nn.Module) -> bool:
-    """Hooks a replay would skip: those of the layer's submodules (and global ones). The
+def _hooks(layer: nn.Module) -> tuple[bool, set[str]]:
+    """Hooks a replay would skip, those of the layer's submodules (and global ones): whether
+    there are any but transformers' output recorders, and the outputs those record. The
     layer's own run around the call narrows replays, as they do eagerly."""
     from torch.nn.modules import module as m
 
     if m._global_forward_hooks or m._global_forward_pre_hooks:
-        return True
-    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in layer.modules() if mod is not layer)
+        return True, set()
+    other, recorded = False, set()
+    for mod in layer.modules():
+        if mod is layer:
+            continue
+        other = other or bool(mod._forward_pre_hooks)
+        for hook in mod._forward_hooks.values():
+            key = recorded_key(hook)
+            other = other or key is None
+            if key is not None:
+                recorded.add(key)
+    return other, recorded
 
 
 class LayerGraphs(LayerExecutor):
@@ -238,8 +252,12 @@ class LayerGraphs(LayerExecutor):
             self.stats.eager += 1
             return None
         why = None
-        if _hooked(layer):
+        other_hooks, recorded = _hooks(layer)
+        if other_hooks:
             why = "forward hooks inside the layer (a replay would not call them)"
+        elif recorded and recording(recorded):  # this call collects what the hooks record
+            self.stats.eager += 1
+            return None
         sig = []
         for x in leaves:
             if isinstance(x, Tensor):

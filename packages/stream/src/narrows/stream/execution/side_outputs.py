@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..errors import StreamSetupError
 
-__all__ = ["SideOutputs", "router_logits_refusal"]
+__all__ = ["SideOutputs", "recorded_key", "recording", "router_logits_refusal"]
 
 
 def router_logits_refusal(config: Any, batches: Sequence[dict[str, Any]] = ()) -> str | None:
@@ -54,6 +54,31 @@ def router_logits_refusal(config: Any, batches: Sequence[dict[str, Any]] = ()) -
     )
 
 
+def recorded_key(hook: Callable[..., Any]) -> str | None:
+    """The output a transformers output-recording hook collects (``router_logits``,
+    ``attentions``, …), or None for any other hook. transformers installs one on the
+    modules whose outputs a model can return (an MoE layer's router, its attention); it does
+    nothing unless a forward asked for that output."""
+    import inspect
+
+    fn = inspect.unwrap(hook)
+    if getattr(fn, "__module__", "") != "transformers.utils.output_capturing" or not fn.__closure__:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
+    key = cells.get("key")
+    return key.cell_contents if key is not None and isinstance(key.cell_contents, str) else None
+
+
+def recording(keys: set[str]) -> bool:
+    """Whether a forward running now collects any of `keys` (transformers' output recorder)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another transformers: take every recording hook as live
+        return True
+    collected = _active_collector.get()
+    return collected is not None and any(k in collected for k in keys)
+
+
 def _carries_grad(x: Any) -> bool:
     return isinstance(x, Tensor) and x.requires_grad
 
@@ -65,6 +90,9 @@ class SideOutputs:
         self.layer, self.index = layer, index
         self.originals: list[Tensor] = []  # what the layer computed (connected inside the run)
         self.stand_ins: list[Tensor] = []  # what the hooks were given (forward only)
+        # the outputs transformers' recorders collected in the forward: its recompute, outside
+        # the model's forward, collects the same (a recorder no forward asked for does nothing)
+        self.recorded: set[str] = set()
 
     def _substitute(self, output: Any, forward: bool) -> Any:
         if _carries_grad(output):
@@ -80,9 +108,13 @@ class SideOutputs:
             return type(output)(self._substitute(x, forward) for x in output)
         return output
 
-    def _wrap(self, module: nn.Module, hook: Callable[..., Any], forward: bool) -> Callable[..., Any]:
+    def _wrap(
+        self, module: nn.Module, hook: Callable[..., Any], forward: bool, key: str | None
+    ) -> Callable[..., Any]:
         def wrapped(*hook_args: Any) -> None:
             *head, output = hook_args
+            if key is not None and key not in self.recorded:  # a recorder no forward asked: it does nothing
+                return None
             given = self._substitute(output, forward)
             if not forward:
                 return None  # the recompute collects, it does not report again
@@ -95,6 +127,7 @@ class SideOutputs:
                 )
             return None
 
+        wrapped.__wrapped__ = hook  # type: ignore[attr-defined]  # what it wraps, for `inspect.unwrap`
         return wrapped
 
     @contextmanager
@@ -102,6 +135,8 @@ class SideOutputs:
         """Wrap every forward hook on the layer's submodules for the block."""
         self.originals, self.stand_ins = [], []
         saved: list[tuple[dict, Any, Callable[..., Any]]] = []
+        if forward:
+            self.recorded = set()
         try:
             stack = [m for m in self.layer._modules.values() if m is not None]
             while stack:  # every submodule, walked without `modules()`' names and memo
@@ -110,8 +145,11 @@ class SideOutputs:
                 if not module._forward_hooks:
                     continue
                 for key, hook in list(module._forward_hooks.items()):
+                    recorded = recorded_key(hook)
+                    if forward and recorded is not None and recording({recorded}):
+                        self.recorded.add(recorded)
                     saved.append((module._forward_hooks, key, hook))
-                    module._forward_hooks[key] = self._wrap(module, hook, forward)
+                    module._forward_hooks[key] = self._wrap(module, hook, forward, recorded)
             yield
         finally:
             for hooks, key, hook in saved:
