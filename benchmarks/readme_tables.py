@@ -137,7 +137,8 @@ def cell(
     m = r.m(case, name, device)
     if "error" in m:
         error = str(m["error"])
-        return "out of memory" if "OOM" in error else "refused" if "cannot hold" in error else "failed"
+        refused = "cannot hold" in error or "hold the minimum" in error  # (the tail of the message is kept)
+        return "out of memory" if "OOM" in error else "refused" if refused else "failed"
     return fmt(m)
 
 
@@ -886,7 +887,11 @@ def _others(r: Results) -> str:
     )
 
 
-MOE_PLAN = ("moe_plan_qwen3-30b-a3b-6l_8x512", "moe_plan_qwen3-30b-a3b-6l_4x2048")
+MOE_PLAN = (  # (case, the modes' suffix, what the suffix says)
+    ("moe_plan_qwen3-30b-a3b-6l_8x512", "", ""),
+    ("moe_plan_qwen3-30b-a3b-6l_4x2048", "", ""),
+    ("moe_graphs_qwen3-30b-a3b-6l_8x512", "-graphs", ", CUDA graphs"),
+)
 
 
 @generated("moe")
@@ -900,13 +905,11 @@ def _moe(r: Results) -> str:
         return f"{gib(m['peak_allocated'])}{price}, {sec(m['s_per_step'])}"
 
     lines = []
-    for c in MOE_PLAN:
+    for c, suffix, said in MOE_PLAN:
         rows = r.case(c)
-        args = rows[0]["arguments"]
-        names = [f"stream-{b}-lmhead" for b in budgets] + ["stream-min", "resident-ckpt"]
-        lines.append(
-            [run_cell(rows, f"{args['batch']} × {args['seq']}"), *(cell(r, c, n, at) for n in names)]
-        )
+        label = f"{rows[0]['metrics']['batch']} × {rows[0]['arguments']['seq']}{said}"
+        names = [f"stream-{b}-lmhead{suffix}" for b in budgets] + [f"stream-min{suffix}", "resident-ckpt"]
+        lines.append([run_cell(rows, label), *(cell(r, c, n, at) for n in names)])
     return table(
         ["tokens", *(f"`{b}`" for b in budgets), "`min`, full logits", "PEFT + checkpointing"], lines
     )
