@@ -15,6 +15,7 @@ weight, so the protocol's slots, slabs and streaming move them with no code of t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,9 +127,9 @@ def quantize_experts(
     names: list[str] | None = None,
 ) -> int:
     """Quantise `module`'s fused expert stacks (`names`, default all of `expert_names`) to
-    NF4 in place (dequantised, they come back in the dtype they had); returns how many. Each expert's weights start on a block boundary (a
-    stack whose per-expert size is not a multiple of `blocksize` is refused), so an expert
-    is dequantised from its own blocks alone."""
+    NF4 in place; returns how many. Dequantised, a stack comes back in the dtype it had.
+    Each expert starts on a block boundary (a stack whose per-expert size is not a multiple
+    of `blocksize` is refused), so an expert is dequantised from its own blocks alone."""
     import bitsandbytes as bnb
 
     from ..errors import NarrowsError
@@ -176,12 +177,5 @@ def dequantized_expert_bytes(layer: nn.Module) -> int:
         if is_nf4_experts(module):
             for name in module._nf4_stacks:
                 qs = module._parameters[name].quant_state
-                total += _numel(qs.shape) * qs.dtype.itemsize
+                total += math.prod(int(d) for d in qs.shape) * qs.dtype.itemsize
     return total
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
