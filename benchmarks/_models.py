@@ -83,5 +83,7 @@ def add_lora(model, *, rank: int = 16, dropout: float = 0.0):
 
     targets = lora_targets(model).modules
     modules = list(TARGETS) if targets == "all-linear" else list(targets)
-    cfg = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM")
+    cfg = LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, cfg)

@@ -18,11 +18,9 @@ ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in r
 def run(tmp_path, name, budget):
     model = tiny_model_folder(tmp_path / "model", "qwen3_moe")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    code = main(
-        ["finetune", "--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget]
-        + ["--steps", "2", "--batch", "2", "--seq-len", "32", "--rank", "4", "--eval-rows", "0"]
-        + ["--no-progress", "--out", str(tmp_path / name)]
-    )
+    base = ["--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget]
+    shape = ["--steps", "2", "--batch", "2", "--seq-len", "32", "--rank", "4", "--eval-rows", "0"]
+    code = main(["finetune", *base, *shape, "--no-progress", "--out", str(tmp_path / name)])
     assert code == 0
     folder = tmp_path / name
     return load_file(folder / "adapter_model.safetensors"), json.loads((folder / "summary.json").read_text())
