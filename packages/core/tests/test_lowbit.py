@@ -4,6 +4,7 @@ expert on blocks of its own, the refusals, and the Triton kernel against the ref
 (under Triton's CPU interpreter here, on CUDA where there is one)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -174,6 +175,27 @@ def test_a_stack_recipe_round_trips_through_json():
 
 
 # --- the Triton kernel ----------------------------------------------------------------------------
+def test_without_triton_the_reference_serves_and_asking_for_the_kernel_says_what_to_install(monkeypatch):
+    from narrows.core import optional
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
+    optional.is_available.cache_clear()
+    lowbit._kernel.cache_clear()
+    try:
+        assert not lowbit.triton_available()
+        stack = stack_of((2, 8, 64))
+        codes, absmax = lowbit.quantize(stack, 3)
+        spec = LowbitStack(3, (2, 8, 64), torch.float32)
+        assert torch.equal(
+            lowbit.dequantize(codes, absmax, spec), lowbit.dequantize_reference(codes, absmax, spec)
+        )
+        with pytest.raises(nc.MissingDependencyError, match="triton"):
+            lowbit.dequantize(codes, absmax, spec, impl="triton")
+    finally:
+        optional.is_available.cache_clear()
+        lowbit._kernel.cache_clear()
+
+
 _INTERPRETED = """
 import torch
 from narrows.core.quant import lowbit
@@ -194,7 +216,6 @@ def test_the_kernel_decodes_as_the_reference_under_tritons_interpreter():
     (The interpreter rounds to bf16 by truncation, so narrower dtypes are left to CUDA.)"""
     pytest.importorskip("triton")
     import subprocess
-    import sys
 
     from narrows.core.testing import child_env
 

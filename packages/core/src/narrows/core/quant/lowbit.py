@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import NarrowsError
-from ..optional import is_available
+from ..optional import is_available, require
 
 __all__ = [
     "BLOCK",
@@ -233,9 +233,22 @@ def dequantize_reference(codes: Tensor, absmax: Tensor, stack: LowbitStack) -> T
     return out
 
 
+@functools.cache
+def _kernel():
+    """The Triton kernel's module (`lowbit_kernel`), or None where Triton is missing or does
+    not import (the reference then serves CUDA too)."""
+    if not is_available("triton"):
+        return None
+    try:
+        from . import lowbit_kernel
+    except Exception:
+        return None
+    return lowbit_kernel
+
+
 def triton_available() -> bool:
-    """Whether the Triton kernel can run (Triton installed; it runs on CUDA tensors)."""
-    return is_available("triton")
+    """Whether the Triton kernel can run (it runs on CUDA tensors)."""
+    return _kernel() is not None
 
 
 def dequantize(codes: Tensor, absmax: Tensor, stack: LowbitStack, *, impl: str = "auto") -> Tensor:
@@ -249,6 +262,8 @@ def dequantize(codes: Tensor, absmax: Tensor, stack: LowbitStack, *, impl: str =
     if impl != "triton":
         raise ValueError(f"impl={impl!r}: 'auto', 'torch' or 'triton'")
     stack.check(codes, absmax)
-    from .lowbit_kernel import dequantize_triton
-
-    return dequantize_triton(codes, absmax, _levels_on(stack.bits, codes.device), stack)
+    kernel = _kernel()
+    if kernel is None:
+        require("triton", "the Triton dequantisation of NF2/NF3 expert stacks")  # says how to install it
+        from . import lowbit_kernel as kernel  # installed but failing: let its import error show
+    return kernel.dequantize_triton(codes, absmax, _levels_on(stack.bits, codes.device), stack)

@@ -10,6 +10,9 @@ reads the second one too. Each program writes TILE weights.
 
 Limits: the codes and absmax contiguous (`lowbit.dequantize` checks), the levels a float32
 table of 2^k entries on the stack's device.
+
+It sits in quant/, beside its reference, rather than in kernels/: the experts' forward
+(`experts.py`) calls it, and quant/ may not import the layer above it.
 """
 
 from __future__ import annotations
