@@ -10,10 +10,21 @@ from narrows.core import ResidentHead, anatomy_of, chunked_logits, quantize_nf4
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 
 
-def build(arch="llama", *, base="float", kind="lora", dropout=0.0, dtype=torch.float32, **config_overrides):
+def build(
+    arch="llama",
+    *,
+    base="float",
+    kind="lora",
+    dropout=0.0,
+    dtype=torch.float32,
+    experts="nf4",
+    **config_overrides,
+):
+    """A tiny `arch` with an adapter; `base="nf4"` quantises its linears to NF4 and its
+    fused expert stacks to `experts`."""
     model = tiny_model(arch, dtype=dtype, **config_overrides)
     if base == "nf4":
-        quantize_nf4(model)
+        quantize_nf4(model, experts=experts)
     model = with_adapter(model, kind, dropout=dropout)
     return model.train()
 

@@ -1,6 +1,6 @@
-"""Stream parity on every announced architecture (float and NF4 bases, adapter dropout,
-gradient accumulation), MoE router logits with their aux loss, and the twin check that
-guards architectures narrows does not announce."""
+"""Stream parity on every announced architecture (float and NF4 bases, NF2/NF3 routed
+experts, adapter dropout, gradient accumulation), MoE router logits with their aux loss,
+and the twin check that guards architectures narrows does not announce."""
 
 import pytest
 from helpers import assert_identical, build, train
@@ -64,6 +64,19 @@ def test_sdpa_attention_streamed_equals_resident(arch):
     fast = sdpa(**cfg)
     fuse_layers(fast)  # the default kernels: the fast layers where they cover the architecture
     assert_identical(train(fast, grad_accum=2), train(sdpa(**cfg), grad_accum=2, stream_kwargs={}))
+
+
+@pytest.mark.bnb
+@pytest.mark.parametrize(("arch", "experts"), [("qwen3_moe", "nf2"), ("gpt_oss", "nf3")])
+def test_low_bit_experts_streamed_at_the_least_budget_equal_resident(arch, experts):
+    """NF4 linears and NF2 / NF3 routed experts (their codes and scales moved as slots),
+    every layer streamed."""
+    cfg = dict(arch=arch, base="nf4", experts=experts, dropout=_dropout(arch, 0.05))
+    streamed = build(**cfg)
+    record = train(streamed, steps=2, grad_accum=2, stream_kwargs={"gpu_budget": "min"})
+    assert streamed.narrows_stream.plan.resident == ()
+    assert any(nc.lowbit_stacks(m) for m in streamed.modules())
+    assert_identical(train(build(**cfg), steps=2, grad_accum=2), record)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])

@@ -31,7 +31,7 @@ import narrows.core.io.loader as loader_module
 import narrows.stream as ns
 import narrows.stream.storage.cache as cache_module
 import narrows.stream.storage.pretrained as pretrained_module
-from narrows.core import NarrowsError, SlabLayout, anatomy_of, format_bytes, fuse_layers
+from narrows.core import CheckpointFolder, NarrowsError, SlabLayout, anatomy_of, format_bytes, fuse_layers
 from narrows.core.io.loader import load_blockwise
 from narrows.core.testing import tiny_batch, tiny_model, with_adapter
 from narrows.stream.planning import spread
@@ -55,7 +55,7 @@ def deterministic_tiers(monkeypatch, tmp_path):
     monkeypatch.setenv("NARROWS_CACHE", str(tmp_path / "default-cache"))
 
 
-_REFERENCES: dict[tuple[str, str | None], SimpleNamespace] = {}
+_REFERENCES: dict[tuple[str, str | None, str | None], SimpleNamespace] = {}
 
 
 @pytest.fixture(scope="module")
@@ -87,12 +87,14 @@ def state(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def reference(folder: Path, quant: str | None, arch: str = "llama") -> SimpleNamespace:
+def reference(
+    folder: Path, quant: str | None, arch: str = "llama", experts: str | None = None
+) -> SimpleNamespace:
     """`load_blockwise` of `folder` kept resident: its slab size, frozen state and the
     record of its (unstreamed) training — computed once per folder and settings."""
-    key = (str(folder), quant)
+    key = (str(folder), quant, experts)
     if key not in _REFERENCES:
-        model = load_blockwise(folder, dtype=F32, quant=quant)
+        model = load_blockwise(folder, dtype=F32, quant=quant, experts=experts)
         ref = SimpleNamespace(slab=slab_bytes(model), state=state(model))
         resident = with_adapter(model, "lora", dropout=dropout_for(arch)).train()
         fuse_layers(resident)  # streamed with the default kernels: the fast layers' bits
@@ -105,10 +107,21 @@ def fresh_state(folder: Path, quant: str | None) -> dict[str, torch.Tensor]:
     return state(load_blockwise(folder, dtype=F32, quant=quant))
 
 
-def tiered(folder: Path, quant: str | None, slab: int, cache, *, pinned: int = PINNED, ring: int = RING):
+def tiered(
+    folder: Path,
+    quant: str | None,
+    slab: int,
+    cache,
+    *,
+    pinned: int = PINNED,
+    ring: int = RING,
+    experts: str | None = None,
+):
     """from_pretrained under a budget that pins `pinned` layers; the rest on disk."""
     budget = (ring + pinned) * slab
-    return ns.from_pretrained(folder, quant=quant, dtype=F32, host_budget=budget, cache=cache, ring=ring)
+    return ns.from_pretrained(
+        folder, quant=quant, experts=experts, dtype=F32, host_budget=budget, cache=cache, ring=ring
+    )
 
 
 def expected_disk(pinned: int = PINNED) -> tuple[int, ...]:
@@ -262,29 +275,42 @@ def test_a_ring_of_no_buffers_is_refused(checkpoint, tmp_path):
 
 # --- 2. cold, then warm: the warm run reads the cache ------------------------------------------
 @pytest.mark.bnb
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])  # + NF4 expert stacks, rebuilt from the cache
-def test_warm_load_reads_the_cache_and_trains_identically(arch, checkpoint, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("arch", "experts"),
+    [
+        ("llama", None),
+        ("qwen3_moe", None),  # + NF4 expert stacks, rebuilt from the cache
+        ("qwen3_moe", "nf2"),  # + NF2 expert stacks (codes and scales), rebuilt from the cache
+    ],
+)
+def test_warm_load_reads_the_cache_and_trains_identically(arch, experts, checkpoint, tmp_path, monkeypatch):
     pytest.importorskip("bitsandbytes")
     folder, cache = checkpoint(arch), tmp_path / "cache"
-    ref = reference(folder, "nf4", arch)
-    cold = tiered(folder, "nf4", ref.slab, cache)
+    ref = reference(folder, "nf4", arch, experts)
+    cold = tiered(folder, "nf4", ref.slab, cache, experts=experts)
     path = cold.narrows.tiers.cache.path
     assert path == cache_file(cache)
     written = path.stat().st_mtime_ns
     precision = str(nc.precision(cold))
-    assert arch != "qwen3_moe" or "expert stacks" in precision
+    assert nc.precision(cold).stacks(experts or "nf4").count == (2 * LAYERS if arch == "qwen3_moe" else 0)
     del cold
 
     monkeypatch.setattr(loader_module, "quantize_layer_nf4", boom)
     monkeypatch.setattr(SlabCacheWriter, "__init__", boom)
     reads = spy_layer_reads(monkeypatch)
-    warm = tiered(folder, "nf4", ref.slab, cache)
+    warm = tiered(folder, "nf4", ref.slab, cache, experts=experts)
     assert reads == [], "a warm load reads the layers from the cache, not the checkpoint"
     assert warm.narrows.tiers.disk == expected_disk()
     assert str(nc.precision(warm)) == precision
+    assert_same_state(state(warm), ref.state)
     assert_identical(ref.record, train_streamed(warm, arch))
+    if experts is not None:  # another scheme is another cache: this one is not read for it
+        other, why = PreparedCache.open(path, pretrained_module._expect(CheckpointFolder(folder), F32, "nf4"))
+        assert other is None and "settings" in why
 
-    pinned = ns.from_pretrained(folder, quant="nf4", dtype=F32, host_budget="1TiB", cache=cache)
+    pinned = ns.from_pretrained(
+        folder, quant="nf4", experts=experts, dtype=F32, host_budget="1TiB", cache=cache
+    )
     assert pinned.narrows.tiers.disk == ()
     assert_identical(ref.record, train_streamed(pinned, arch))
     assert path.stat().st_mtime_ns == written and leftovers(cache) == [path.name]

@@ -116,17 +116,25 @@ if TYPE_CHECKING:
         verify_architecture,
     )
 
-    # NF4: linears and fused expert stacks; what stays in float, and why
+    # NF4: linears and fused expert stacks (these in NF3 / NF2 too); what stays in float, and why
     from .quant.experts import (
+        EXPERT_SCHEMES,
         MoEBlock,
+        absmax_name,
         dequantized_expert_bytes,
         expert_names,
+        expert_scheme,
+        expert_shape,
+        install_lowbit_experts,
         install_nf4_experts,
         is_nf4_experts,
+        is_quantized_experts,
+        lowbit_stacks,
         moe_blocks,
         quantize_experts,
     )
     from .quant.held import HeldWeights, dequantized_bytes, held_bytes, held_token, held_weight
+    from .quant.lowbit import LowbitStack, normal_float_levels
     from .quant.nf4 import (
         NF4Rows,
         disable_cpu_repacking,
@@ -138,7 +146,7 @@ if TYPE_CHECKING:
         quantize_layer_nf4,
         quantize_nf4,
     )
-    from .quant.report import KeptInFloat, Precision, precision
+    from .quant.report import ExpertStacks, KeptInFloat, Precision, precision
 
 # each module -> the public names it holds, imported on first use (PEP 562): `narrows --help`
 # and the other light entry points never import torch
@@ -198,15 +206,23 @@ _MODULES = {
         "quantize_nf4",
     ),
     "quant.experts": (
+        "EXPERT_SCHEMES",
         "MoEBlock",
+        "absmax_name",
         "dequantized_expert_bytes",
         "expert_names",
+        "expert_scheme",
+        "expert_shape",
+        "install_lowbit_experts",
         "install_nf4_experts",
         "is_nf4_experts",
+        "is_quantized_experts",
+        "lowbit_stacks",
         "moe_blocks",
         "quantize_experts",
     ),
-    "quant.report": ("KeptInFloat", "Precision", "precision"),
+    "quant.lowbit": ("LowbitStack", "normal_float_levels"),
+    "quant.report": ("ExpertStacks", "KeptInFloat", "Precision", "precision"),
     "protocol.targets": ("LoraTargets", "lora_targets"),
     "quant.held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
     "optional": ("distribution_version", "is_available", "require"),
@@ -236,6 +252,7 @@ __version__ = _installed_version("narrows-core")
 
 __all__ = [
     "DEFAULT_HEAD_ROWS",
+    "EXPERT_SCHEMES",
     "SLAB_ALIGNMENT",
     "AdapterChoice",
     "AdapterType",
@@ -245,6 +262,7 @@ __all__ = [
     "ArchitectureCheckError",
     "ArchitectureSpec",
     "CheckpointFolder",
+    "ExpertStacks",
     "FastLayers",
     "FrozenSlot",
     "FuseReport",
@@ -256,6 +274,7 @@ __all__ = [
     "LogitMath",
     "LoraBranch",
     "LoraTargets",
+    "LowbitStack",
     "MemoryPeaks",
     "MissingDependencyError",
     "MoEBlock",
@@ -269,6 +288,7 @@ __all__ = [
     "SlotMismatchError",
     "UnsupportedArchitectureError",
     "__version__",
+    "absmax_name",
     "adapter_type_of",
     "adapter_view",
     "adapter_views",
@@ -288,6 +308,8 @@ __all__ = [
     "distribution_version",
     "ensure_architecture",
     "expert_names",
+    "expert_scheme",
+    "expert_shape",
     "format_bytes",
     "frozen_slots",
     "fuse_layers",
@@ -297,23 +319,27 @@ __all__ = [
     "held_bytes",
     "held_token",
     "held_weight",
+    "install_lowbit_experts",
     "install_nf4_experts",
     "is_announced",
     "is_available",
     "is_nf4_experts",
     "is_nf4_linear",
+    "is_quantized_experts",
     "load_base",
     "load_blockwise",
     "load_for_inference",
     "lora_branch_reference",
     "lora_targets",
     "loss_working_set",
+    "lowbit_stacks",
     "measure_peaks",
     "moe_blocks",
     "nf4_parameter",
     "nf4_recipe",
     "nf4_rows",
     "nf4_state",
+    "normal_float_levels",
     "parse_bytes",
     "pointed_at",
     "precision",

@@ -8,8 +8,8 @@ layer at a time, so the full float model never exists in memory.
    prefixes), and checked against the model's shapes from the headers alone.
 3. The parts outside the layers (embedding, final norm, head) are read first; then each
    layer's tensors are read with plain file reads (no memory map, so host RSS counts
-   only what is held), loaded through transformers' converters, quantised to NF4 on
-   `device` (the GPU when there is one) with the very code of `quantize_nf4`, moved to
+   only what is held), loaded through transformers' converters, quantised to NF4 (a
+   mixture of experts' routed experts to NF4, NF3 or NF2) on `device` (the GPU when there is one) with the very code of `quantize_nf4`, moved to
    the CPU and handed to ``on_layer`` — which may pack it into a slab, write it to a
    cache or a disk tier — before the next layer is read.
 
@@ -35,6 +35,7 @@ from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import Anatomy, accepting_unannounced, anatomy_of
 from ..protocol.handle import state_of
+from ..quant.experts import EXPERT_SCHEMES
 from ..quant.nf4 import quantize_layer_nf4, say_precision
 from .checkpoint import BNB_STATS, CheckpointFolder
 
@@ -325,6 +326,7 @@ def load_blockwise(
     *,
     dtype: torch.dtype = torch.bfloat16,
     quant: str | None = None,
+    experts: str | None = None,
     device: torch.device | str | None = None,
     on_layer: LayerCallback | None = None,
     fill_layer: Callable[[int, str, nn.Module], bool] | None = None,
@@ -334,8 +336,9 @@ def load_blockwise(
     `dtype`: the float dtype of the model (and the NF4 compute dtype). `quant="nf4"`
     quantises each decoder layer's linears as `quantize_nf4` does (double quantisation,
     block size 64) on `device` (default: CUDA when available) and brings them back to the
-    CPU; a pre-quantised bitsandbytes NF4 checkpoint is loaded as it is whatever `quant`
-    says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
+    CPU, and a mixture of experts' fused stacks to `experts` ("nf4", the default; "nf3" or
+    "nf2": see `quantize_nf4`); a pre-quantised bitsandbytes NF4 checkpoint is loaded as
+    it is whatever `quant` says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
     the next is read (a pre-quantised layer carries ``narrows_file_sources``: the file
     and offset of each tensor it holds verbatim, by address, so a disk tier can read
     them in place). ``fill_layer(index, path, layer)`` is asked first: when it returns
@@ -349,6 +352,17 @@ def load_blockwise(
         raise NarrowsError(f"quant={quant!r}: narrows quantises to 'nf4' or loads float ('none')")
     # float weights whose config.json asks for NF4 are quantised, as transformers would
     quantise = stored is None and (quant == "nf4" or folder.asks_nf4)
+    if experts not in (None, *EXPERT_SCHEMES):
+        raise NarrowsError(f"experts={experts!r}: narrows quantises expert stacks to one of {EXPERT_SCHEMES}")
+    if experts not in (None, "nf4") and not quantise:
+        raise NarrowsError(
+            f"experts={experts!r} sets how the routed experts are quantised along with the linears: "
+            + (
+                f"{folder.path} is already quantised, and loads as stored"
+                if stored
+                else "load with quant='nf4'"
+            )
+        )
     if quantise or stored:
         require("bitsandbytes", "NF4 quantisation")
     if device is None:
@@ -395,7 +409,9 @@ def load_blockwise(
             if stored:  # a pre-quantised layer's tensors are the checkpoint's bytes: say where they lie
                 layer.narrows_file_sources = sources
             if quantise:
-                quantize_layer_nf4(layer, lpath, compute_dtype=dtype, device=device, park="cpu")
+                quantize_layer_nf4(
+                    layer, lpath, compute_dtype=dtype, device=device, park="cpu", experts=experts or "nf4"
+                )
             if on_layer is not None:
                 on_layer(i, lpath, layer)
             layer.__dict__.pop("narrows_file_sources", None)  # only the callback reads it

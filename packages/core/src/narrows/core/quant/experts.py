@@ -1,52 +1,108 @@
-"""Fused mixture-of-experts weights in NF4.
+"""Fused mixture-of-experts weights quantised: NF4 through bitsandbytes, or NF3 / NF2 codes
+of our own (`lowbit.py`).
 
 Since transformers 5 every MoE model keeps its routed experts as 3-D parameters of one
 module (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) and runs them
 with grouped matmuls, not as ``nn.Linear``s, so bitsandbytes' 4-bit conversion, which
-replaces linears, leaves them in float. Here each such stack becomes a bitsandbytes
-``Params4bit`` (blockwise NF4, double-quantised, every block inside one expert) in the same
-place, and the module's class a subclass whose ``forward`` dequantises the stacks and runs
-the model's own experts code on them: the same routing, grouped matmul and activation, on
-the values bitsandbytes' dequantisation gives.
+replaces linears, leaves them in float. Here each such stack is quantised in the same
+place, every block inside one expert, and the module's class becomes a subclass whose
+``forward`` dequantises the stacks (into the dtype they had) and runs the model's own
+experts code on them: the same routing, grouped matmul and activation, on the values the
+dequantisation gives.
 
-The quantised stacks are frozen parameters with a ``quant_state`` like a ``Linear4bit``'s
-weight, so the protocol's slots, slabs and streaming move them with no code of their own.
+* NF4: the stack becomes a bitsandbytes ``Params4bit`` (blockwise NF4, double-quantised)
+  with a ``quant_state``, like a ``Linear4bit``'s weight.
+* NF3 / NF2: the stack's place holds its packed codes (a frozen uint8 parameter [E, bytes])
+  and ``{name}_absmax`` beside it its block scales (a frozen float32 parameter [E, blocks]);
+  what turns them back into the stack (bits, shape, dtype) is the module's, by name
+  (`lowbit_stacks`).
+
+Either way the quantised stacks are frozen parameters (and quantisation state), so the
+protocol's slots, slabs and streaming move them with no code of their own.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from .lowbit import BLOCK, SCHEMES, LowbitStack, dequantize, quantize
 
 __all__ = [
+    "EXPERT_SCHEMES",
     "MoEBlock",
+    "absmax_name",
     "dequantized_expert_bytes",
     "expert_names",
+    "expert_scheme",
+    "expert_shape",
+    "install_lowbit_experts",
     "install_nf4_experts",
     "is_nf4_experts",
+    "is_quantized_experts",
+    "lowbit_stacks",
     "moe_blocks",
     "quantize_experts",
 ]
 
+EXPERT_SCHEMES = ("nf4", "nf3", "nf2")  # nf4: bitsandbytes'; nf3, nf2: `lowbit.py`'s codes
+
+
+def absmax_name(stack: str) -> str:
+    """The parameter beside an NF3/NF2 stack's codes that holds its block scales."""
+    return f"{stack}_absmax"
+
 
 def expert_names(module: nn.Module) -> list[str]:
     """The fused expert stacks `module` holds itself: its 3-D parameters (float, or already
-    NF4), by attribute name."""
+    NF4), and its NF3/NF2 stacks' codes, by attribute name."""
+    lowbit = lowbit_stacks(module)
     names = []
     for name, p in module.named_parameters(recurse=False):
         qs = getattr(p, "quant_state", None)
         shape = qs.shape if qs is not None else p.shape
-        if len(shape) == 3 and (qs is not None or p.is_floating_point()):
+        if name in lowbit or (len(shape) == 3 and (qs is not None or p.is_floating_point())):
             names.append(name)
     return names
 
 
+def is_quantized_experts(module: nn.Module) -> bool:
+    """Whether `module` is an experts module narrows quantised (any scheme)."""
+    return isinstance(module, _QuantizedExperts)
+
+
 def is_nf4_experts(module: nn.Module) -> bool:
-    return isinstance(module, _NF4Experts)
+    """Whether `module` holds expert stacks in bitsandbytes' NF4."""
+    return isinstance(module, _QuantizedExperts) and bool(module._nf4_stacks)
+
+
+def lowbit_stacks(module: nn.Module) -> dict[str, LowbitStack]:
+    """`module`'s NF3/NF2 stacks by name: what dequantises each one's codes and absmax."""
+    return dict(getattr(module, "_lowbit_stacks", None) or {})
+
+
+def expert_scheme(module: nn.Module, name: str) -> str:
+    """How stack `name` of `module` is held: "nf4", "nf3", "nf2", or its float dtype's name."""
+    lowbit = lowbit_stacks(module)
+    if name in lowbit:
+        return lowbit[name].scheme
+    p = module._parameters[name]
+    if getattr(p, "quant_state", None) is not None:
+        return "nf4"
+    return str(p.dtype).removeprefix("torch.")
+
+
+def expert_shape(module: nn.Module, name: str) -> torch.Size:
+    """Stack `name`'s shape as the model's code sees it ([E, 2I, H] …), whatever holds it."""
+    lowbit = lowbit_stacks(module)
+    if name in lowbit:
+        return torch.Size(lowbit[name].shape)
+    p = module._parameters[name]
+    qs = getattr(p, "quant_state", None)
+    return torch.Size(qs.shape) if qs is not None else p.shape
 
 
 @dataclass(frozen=True)
@@ -77,22 +133,36 @@ def moe_blocks(layer: nn.Module) -> Iterator[MoEBlock]:
                 yield MoEBlock(name, module, child_name, child)
 
 
-class _NF4Experts(nn.Module):
-    """Mixed into a model's experts class: the stacks in NF4, dequantised for each call."""
+class _QuantizedExperts(nn.Module):
+    """Mixed into a model's experts class: its stacks quantised, dequantised for each call."""
+
+    _nf4_stacks: tuple[str, ...] = ()
+    _lowbit_stacks: dict[str, LowbitStack] | None = None
+
+    def _dequantized(self) -> dict[str, Tensor]:
+        out = {}
+        if self._nf4_stacks:  # NF3/NF2 stacks alone need no bitsandbytes
+            from bitsandbytes.functional import dequantize_4bit
+
+            for name in self._nf4_stacks:
+                p = self._parameters.get(name)
+                if p is not None:
+                    out[name] = dequantize_4bit(p.data, p.quant_state)
+        for name, stack in (self._lowbit_stacks or {}).items():
+            codes = self._parameters.get(name)
+            if codes is not None:
+                out[name] = dequantize(codes.data, self._parameters[absmax_name(name)].data, stack)
+        return out
 
     def forward(self, *args, **kwargs):
-        from bitsandbytes.functional import dequantize_4bit
-
-        names = self._parameters.keys() & set(self._nf4_stacks)
+        stacks = self._dequantized()
         # the instance's own attribute shadows the parameter for the model's code: it reads
         # `self.gate_up_proj` and gets the dequantised stack, for this call only
-        for name in names:
-            p = self._parameters[name]
-            self.__dict__[name] = dequantize_4bit(p.data, p.quant_state)
+        self.__dict__.update(stacks)
         try:
             return super().forward(*args, **kwargs)
         finally:
-            for name in names:
+            for name in stacks:
                 self.__dict__.pop(name, None)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -103,55 +173,67 @@ class _NF4Experts(nn.Module):
                 destination[f"{prefix}{name}.{key}"] = value if keep_vars else value.detach()
 
     def extra_repr(self) -> str:
-        stacks = ", ".join(f"{n}={list(self._parameters[n].quant_state.shape)}" for n in self._nf4_stacks)
-        return f"nf4: {stacks}"
+        stacks = [f"{n}=nf4 {list(expert_shape(self, n))}" for n in self._nf4_stacks]
+        stacks += [f"{n}={s.scheme} {list(s.shape)}" for n, s in (self._lowbit_stacks or {}).items()]
+        return ", ".join(stacks)
 
 
 _CLASSES: dict[type, type] = {}
 
 
-def _nf4_class(cls: type) -> type:
-    if issubclass(cls, _NF4Experts):
+def _quantized_class(cls: type) -> type:
+    if issubclass(cls, _QuantizedExperts):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (_NF4Experts, cls), {"__module__": cls.__module__})
+        _CLASSES[cls] = type(cls.__name__, (_QuantizedExperts, cls), {"__module__": cls.__module__})
     return _CLASSES[cls]
 
 
 def quantize_experts(
     module: nn.Module,
     *,
+    scheme: str = "nf4",
     double_quant: bool = True,
-    blocksize: int = 64,
+    blocksize: int = BLOCK,
     device: torch.device | str | None = None,
     names: list[str] | None = None,
 ) -> int:
-    """Quantise `module`'s fused expert stacks (`names`, default all of `expert_names`) to
-    NF4 in place; returns how many. Dequantised, a stack comes back in the dtype it had.
-    Each expert starts on a block boundary (a stack whose per-expert size is not a multiple
-    of `blocksize` is refused), so an expert is dequantised from its own blocks alone."""
-    import bitsandbytes as bnb
-
+    """Quantise `module`'s fused expert stacks (`names`, default all of `expert_names`) in
+    place to `scheme` — "nf4" (bitsandbytes, `double_quant` applies), "nf3" or "nf2"
+    (`lowbit.py`, float32 block scales) — on `device` (default: where each stack is);
+    dequantised, they come back in the dtype they had. Stacks already quantised are left
+    as they are. Returns how many were quantised. Each expert's weights start on a block
+    boundary (a stack whose per-expert size is not a multiple of `blocksize` is refused),
+    so an expert is dequantised from its own blocks alone."""
     from ..errors import NarrowsError
 
-    todo = [n for n in (expert_names(module) if names is None else names) if not _is_nf4(module, n)]
+    if scheme not in EXPERT_SCHEMES:
+        raise ValueError(f"scheme={scheme!r}: expert stacks are quantised to one of {EXPERT_SCHEMES}")
+    todo = [n for n in (expert_names(module) if names is None else names) if not _is_quantized(module, n)]
     for name in todo:
         p = module._parameters[name]
         per_expert = p[0].numel()
         if per_expert % blocksize:
             raise NarrowsError(
                 f"{type(module).__name__}.{name} {list(p.shape)}: one expert's {per_expert} weights are not a "
-                f"multiple of the NF4 block size {blocksize}, so its blocks would straddle two experts"
+                f"multiple of the {scheme.upper()} block size {blocksize}, so its blocks would straddle two experts"
             )
         dev = torch.device(device) if device is not None else p.device
-        q = bnb.nn.Params4bit(
-            p.data,
-            requires_grad=False,
-            blocksize=blocksize,
-            compress_statistics=double_quant,
-            quant_type="nf4",
-        ).to(dev)
-        install_nf4_experts(module, {name: q})
+        if scheme == "nf4":
+            import bitsandbytes as bnb
+
+            q = bnb.nn.Params4bit(
+                p.data,
+                requires_grad=False,
+                blocksize=blocksize,
+                compress_statistics=double_quant,
+                quant_type="nf4",
+            ).to(dev)
+            install_nf4_experts(module, {name: q})
+            continue
+        stack = LowbitStack(SCHEMES[scheme], tuple(p.shape), p.dtype, blocksize)
+        codes, absmax = quantize(p.data.to(dev), stack.bits, block=blocksize)
+        install_lowbit_experts(module, {name: (codes, absmax, stack)})
     return len(todo)
 
 
@@ -160,22 +242,36 @@ def install_nf4_experts(module: nn.Module, stacks: dict[str, nn.Parameter]) -> N
     names and make it run them (a prepared cache rebuilds a layer this way)."""
     for name, p in stacks.items():
         module._parameters[name] = p
-    kept = tuple(getattr(module, "_nf4_stacks", ()))
-    module.__class__ = _nf4_class(type(module))
+    module.__class__ = _quantized_class(type(module))
+    kept = module._nf4_stacks
     module._nf4_stacks = kept + tuple(n for n in stacks if n not in kept)
 
 
-def _is_nf4(module: nn.Module, name: str) -> bool:
-    return getattr(module._parameters[name], "quant_state", None) is not None
+def install_lowbit_experts(module: nn.Module, stacks: dict[str, tuple[Tensor, Tensor, LowbitStack]]) -> None:
+    """Put NF3/NF2 stacks — (codes, absmax, `LowbitStack`) by name, as `lowbit.quantize`
+    makes them — in `module` as frozen parameters (the codes in the stack's place, the
+    absmax as ``{name}_absmax``) and make it run them (a prepared cache rebuilds a layer
+    this way, over views of its slab)."""
+    for name, (codes, absmax, stack) in stacks.items():
+        stack.check(codes, absmax)
+        module._parameters[name] = nn.Parameter(codes, requires_grad=False)
+        module._parameters[absmax_name(name)] = nn.Parameter(absmax, requires_grad=False)
+    module.__class__ = _quantized_class(type(module))
+    module._lowbit_stacks = {**(module._lowbit_stacks or {}), **{n: s for n, (*_, s) in stacks.items()}}
+
+
+def _is_quantized(module: nn.Module, name: str) -> bool:
+    return name in lowbit_stacks(module) or getattr(module._parameters[name], "quant_state", None) is not None
 
 
 def dequantized_expert_bytes(layer: nn.Module) -> int:
-    """Device bytes `layer`'s NF4 expert stacks take dequantised: what one call of its
+    """Device bytes `layer`'s quantised expert stacks take dequantised: what one call of its
     experts holds at once (all stacks, dequantised before the model's code runs)."""
     total = 0
     for module in layer.modules():
-        if is_nf4_experts(module):
-            for name in module._nf4_stacks:
-                qs = module._parameters[name].quant_state
-                total += math.prod(int(d) for d in qs.shape) * qs.dtype.itemsize
+        if is_quantized_experts(module):
+            for name in (*module._nf4_stacks, *(module._lowbit_stacks or {})):
+                qs = getattr(module._parameters[name], "quant_state", None)
+                dtype = qs.dtype if qs is not None else module._lowbit_stacks[name].dtype
+                total += expert_shape(module, name).numel() * dtype.itemsize
     return total

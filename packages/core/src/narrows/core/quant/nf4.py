@@ -1,5 +1,6 @@
 """NF4 quantisation of a causal LM's decoder layers through bitsandbytes, on CPU or CUDA:
-their linears, and their fused mixture-of-experts stacks (`experts.py`).
+their linears, and their fused mixture-of-experts stacks (`experts.py`: NF4 too, or NF3 /
+NF2 codes of our own for the routed experts alone).
 
 The result is what ``from_pretrained(..., quantization_config=BitsAndBytesConfig(
 load_in_4bit=True, bnb_4bit_quant_type="nf4"))`` would build, done on a model already in
@@ -24,7 +25,7 @@ from torch import nn
 from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import anatomy_of
-from .experts import expert_names, quantize_experts
+from .experts import EXPERT_SCHEMES, expert_names, quantize_experts
 
 __all__ = [
     "NF4Rows",
@@ -92,10 +93,13 @@ def quantize_nf4(
     filter_fn: Callable[[str, nn.Module], bool] = _default_filter,
     device: torch.device | str | None = None,
     park: torch.device | str | None = None,
+    experts: str = "nf4",
 ) -> nn.Module:
     """Replace every ``nn.Linear`` inside the decoder layers with a bitsandbytes NF4
-    ``Linear4bit`` and every fused expert stack with NF4 codes (`quantize_experts`), in
-    place, and return the model.
+    ``Linear4bit`` and every fused expert stack with `experts` codes (`quantize_experts`:
+    "nf4", bitsandbytes' like the linears; "nf3" or "nf2", blockwise codes of our own with
+    float32 block scales), in place, and return the model. A mixture of experts' shared
+    experts and attention are linears, so they stay NF4 whatever `experts` says.
 
     Only decoder layers are quantised (as ``BitsAndBytesConfig`` does, the embedding and the
     LM head stay in float); what they keep in float is logged, each kind with why
@@ -123,6 +127,7 @@ def quantize_nf4(
             filter_fn=filter_fn,
             device=device,
             park=park,
+            experts=experts,
         )
     if n == 0:
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
@@ -150,10 +155,13 @@ def quantize_layer_nf4(
     filter_fn: Callable[[str, nn.Module], bool] = _default_filter,
     device: torch.device | str | None = None,
     park: torch.device | str | None = None,
+    experts: str = "nf4",
 ) -> int:
-    """Quantise the ``nn.Linear`` modules and fused expert stacks of one decoder layer (see
-    `quantize_nf4`; the block-streamed loader calls this as each layer arrives). Returns
-    how many."""
+    """Quantise the ``nn.Linear`` modules and fused expert stacks (to `experts`) of one
+    decoder layer (see `quantize_nf4`; the block-streamed loader calls this as each layer
+    arrives). Returns how many."""
+    if experts not in EXPERT_SCHEMES:
+        raise ValueError(f"experts={experts!r}: routed experts are quantised to one of {EXPERT_SCHEMES}")
     bnb = require("bitsandbytes", "NF4 quantisation")
     n = 0
     for name, child in list(layer.named_modules()):
@@ -193,6 +201,7 @@ def quantize_layer_nf4(
         if stacks:  # dequantised into their own dtype, the one the model's experts code computes in
             n += quantize_experts(
                 module,
+                scheme=experts,
                 double_quant=double_quant,
                 blocksize=blocksize,
                 device=device,

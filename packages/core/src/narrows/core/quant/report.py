@@ -1,8 +1,9 @@
-"""What a model's decoder layers hold in 4 bits and what they keep in float, with why.
+"""What a model's decoder layers hold quantised (NF4 linears; expert stacks in NF4, NF3 or
+NF2) and what they keep in float, with why.
 
 A quantised base never keeps a tensor in float without saying so: `precision(model)`
-walks the decoder layers and sorts every frozen float tensor that is not NF4 into the
-kinds narrows keeps on purpose (routers, per-channel vectors, expert biases) or, for
+walks the decoder layers and sorts every frozen float tensor that is not quantised into
+the kinds narrows keeps on purpose (routers, per-channel vectors, expert biases) or, for
 anything else, by name: a tensor narrows did not know how to quantise.
 """
 
@@ -14,10 +15,10 @@ from torch import nn
 
 from ..memory import format_bytes
 from ..protocol.anatomy import anatomy_of
-from .experts import is_nf4_experts, moe_blocks
+from .experts import absmax_name, expert_scheme, is_quantized_experts, lowbit_stacks, moe_blocks
 from .nf4 import is_nf4_linear
 
-__all__ = ["KeptInFloat", "Precision", "precision"]
+__all__ = ["ExpertStacks", "KeptInFloat", "Precision", "precision"]
 
 _WHY = {
     "routers": "each token's choice of experts; small, and left as transformers builds it",
@@ -53,15 +54,37 @@ class KeptInFloat:
 
 
 @dataclass(frozen=True)
+class ExpertStacks:
+    """The expert stacks held in one scheme: how many, their bytes as stored (codes and
+    scales)."""
+
+    scheme: str  # "nf4", "nf3", "nf2"
+    count: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Precision:
-    """The decoder layers' precision: NF4 linears and expert stacks (count, bytes as
+    """The decoder layers' precision: NF4 linears, expert stacks by scheme (count, bytes as
     stored) and what stays in float."""
 
     linears: int
     linear_bytes: int
-    expert_stacks: int
-    expert_bytes: int
+    experts: tuple[ExpertStacks, ...]  # one per scheme, NF4 first
     kept: tuple[KeptInFloat, ...]
+
+    @property
+    def expert_stacks(self) -> int:
+        """Quantised expert stacks, all schemes."""
+        return sum(e.count for e in self.experts)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(e.nbytes for e in self.experts)
+
+    def stacks(self, scheme: str) -> ExpertStacks:
+        """The stacks held in `scheme` (a count of 0 where there are none)."""
+        return next((e for e in self.experts if e.scheme == scheme), ExpertStacks(scheme, 0, 0))
 
     @property
     def unexplained(self) -> tuple[KeptInFloat, ...]:
@@ -72,8 +95,9 @@ class Precision:
         return {
             "nf4_linears": self.linears,
             "nf4_linear_bytes": self.linear_bytes,
-            "nf4_expert_stacks": self.expert_stacks,
-            "nf4_expert_bytes": self.expert_bytes,
+            "nf4_expert_stacks": self.stacks("nf4").count,
+            "nf4_expert_bytes": self.stacks("nf4").nbytes,
+            "expert_stacks": {e.scheme: {"count": e.count, "bytes": e.nbytes} for e in self.experts},
             "kept_in_float": [
                 {"kind": k.kind, "count": len(k.names), "bytes": k.nbytes, "dtype": k.dtype, "why": k.why}
                 | ({"names": list(k.names)} if k.kind == "other" else {})
@@ -82,12 +106,14 @@ class Precision:
         }
 
     def __str__(self) -> str:
-        four = []
+        held: dict[str, list[str]] = {}  # scheme -> what it holds
         if self.linears:
-            four.append(f"{self.linears} linears ({format_bytes(self.linear_bytes)})")
-        if self.expert_stacks:
-            four.append(f"{self.expert_stacks} expert stacks ({format_bytes(self.expert_bytes)})")
-        head = "4-bit: " + (", ".join(four) if four else "nothing")
+            held["nf4"] = [f"{self.linears} linears ({format_bytes(self.linear_bytes)})"]
+        for e in self.experts:
+            held.setdefault(e.scheme, []).append(f"{e.count} expert stacks ({format_bytes(e.nbytes)})")
+        head = (
+            "; ".join(f"{s.upper()}: {', '.join(parts)}" for s, parts in held.items()) or "quantised: nothing"
+        )
         if not self.kept:
             return head
         return head + "; kept in float: " + "; ".join(map(str, self.kept))
@@ -105,7 +131,8 @@ def _stored_bytes(p) -> int:
 def precision(model: nn.Module) -> Precision:
     """`model`'s decoder layers sorted by precision (adapters, which train, are left out)."""
     anat = anatomy_of(model)
-    linears = linear_bytes = stacks = stack_bytes = 0
+    linears = linear_bytes = 0
+    schemes: dict[str, list[int]] = {}  # scheme -> [count, bytes]
     kinds: dict[str, list[tuple[str, tuple[int, ...], int, str]]] = {}
     for lpath, layer in zip(anat.layer_paths, anat.layers):
         routers = set()
@@ -124,15 +151,19 @@ def precision(model: nn.Module) -> Precision:
                 linears += 1
                 linear_bytes += _stored_bytes(p)
                 continue
-            if is_nf4_experts(module) and pname in module._nf4_stacks:
-                stacks += 1
-                stack_bytes += _stored_bytes(p)
-                continue
+            if is_quantized_experts(module):
+                stack = _stack_of(module, pname)
+                if stack is not None:
+                    scheme = expert_scheme(module, stack)
+                    counts = schemes.setdefault(scheme, [0, 0])
+                    counts[0] += pname == stack
+                    counts[1] += _stored_bytes(p) if scheme == "nf4" else p.numel() * p.element_size()
+                    continue
             if not p.is_floating_point():
                 continue
             if id(p) in routers:
                 kind = "routers"
-            elif is_nf4_experts(module) and p.dim() == 2:
+            elif is_quantized_experts(module) and p.dim() == 2:
                 kind = "expert biases"
             elif p.dim() <= 1:
                 kind = "vectors"
@@ -154,4 +185,18 @@ def precision(model: nn.Module) -> Precision:
             kinds.items(), key=lambda kv: ["other", "routers", "expert biases", "vectors"].index(kv[0])
         )
     )
-    return Precision(linears, linear_bytes, stacks, stack_bytes, kept)
+    experts = tuple(
+        ExpertStacks(scheme, *schemes[scheme]) for scheme in ("nf4", "nf3", "nf2") if scheme in schemes
+    )
+    return Precision(linears, linear_bytes, experts, kept)
+
+
+def _stack_of(module: nn.Module, pname: str) -> str | None:
+    """The quantised stack parameter `pname` of an experts module holds part of (its NF4
+    weight, an NF3/NF2 stack's codes or absmax), or None."""
+    if pname in module._nf4_stacks:
+        return pname
+    for name in lowbit_stacks(module):
+        if pname in (name, absmax_name(name)):
+            return name
+    return None

@@ -22,7 +22,7 @@ def with_adapter(
     """`model` wrapped by PEFT with LoRA or PEFT's DoRA on every linear layer but the head
     (``target_modules="all-linear"``, what users pass; for Mixtral and Qwen3-MoE PEFT also
     adapts the fused expert parameters, through ``lora.ParamWrapper``, which takes neither
-    dropout nor DoRA). Where the experts are in NF4 (PEFT's wrapper needs float ones), the
+    dropout nor DoRA). Where the experts are quantised (PEFT's wrapper needs float ones), the
     targets are narrows' defaults (`narrows.core.lora_targets`: routers and routed experts
     frozen).
 
@@ -36,11 +36,11 @@ def with_adapter(
 
     if kind not in ADAPTER_KINDS:
         raise ValueError(f"unknown adapter kind {kind!r}; choose one of {ADAPTER_KINDS}")
-    from ..quant.experts import is_nf4_experts
+    from ..quant.experts import is_quantized_experts
 
     exclude = _EXCLUDE if any(re.fullmatch(_EXCLUDE, n) for n, _ in model.named_modules()) else None
     targets = _TARGETS
-    if any(is_nf4_experts(m) for m in model.modules()):
+    if any(is_quantized_experts(m) for m in model.modules()):
         from ..protocol.targets import lora_targets
 
         targets = list(lora_targets(model).modules)

@@ -18,6 +18,8 @@ from narrows.core import (
     anatomy_of,
     dequantized_bytes,
     dequantized_expert_bytes,
+    expert_names,
+    expert_shape,
     held_bytes,
     loss_working_set,
     moe_blocks,
@@ -147,9 +149,8 @@ class MoEShape:
         if found is None:
             return None
         experts = found.experts
-        names = [n for n, p in experts.named_parameters(recurse=False) if n.endswith("down_proj")]
-        down = experts.get_parameter(names[0]) if names else None
-        shape = down.quant_state.shape if down is not None and hasattr(down, "quant_state") else down.shape
+        names = [n for n in expert_names(experts) if n.endswith("down_proj")]
+        shape = expert_shape(experts, names[0])
         n_experts = int(shape[0])
         width = int(shape[1]) * int(shape[2]) // cfg.hidden_size
         top_k = int(getattr(cfg, "num_experts_per_tok", None) or getattr(experts, "top_k", 0) or 1)

@@ -6,8 +6,8 @@ Layout: the slabs back to back, each at a 4096-byte aligned offset (page- and O_
 aligned), then a JSON footer and a 16-byte trailer (magic, footer length). The footer
 holds what makes the file valid for a run: the source checkpoint's identity (file names,
 sizes, header hashes, config hash), the settings (dtype, quantisation, block size), the
-narrows version, the slot layout of each layer, how to rebuild each 4-bit linear, and a
-CRC32 per slab. A file whose trailer is missing (truncated, or a write that died), whose
+narrows version, the slot layout of each layer, how to rebuild each 4-bit linear and each
+quantised experts module, and a CRC32 per slab. A file whose trailer is missing (truncated, or a write that died), whose
 identity or settings differ, or whose slab fails its CRC is refused and rebuilt; it is
 never used. The file is written under a temporary name and renamed into place, so an
 interrupted or disk-full write leaves nothing that could pass as valid.
@@ -35,8 +35,9 @@ from narrows.core import (
     SlabLayout,
     format_bytes,
     frozen_slots,
-    is_nf4_experts,
     is_nf4_linear,
+    is_quantized_experts,
+    lowbit_stacks,
     nf4_recipe,
 )
 
@@ -65,12 +66,16 @@ def crc32(buffer: Tensor) -> int:
 
 
 def layer_recipe(layer: nn.Module) -> dict[str, dict[str, Any]]:
-    """How to rebuild each bitsandbytes 4-bit linear and each set of NF4 expert stacks of
-    `layer` from its slots alone (an experts module's entry has ``stacks``)."""
+    """How to rebuild each bitsandbytes 4-bit linear and each quantised experts module of
+    `layer` from its slots alone (an experts module's entry has ``stacks``, its NF4 ones,
+    and ``lowbit``, its NF3/NF2 ones)."""
     out = {}
     for name, m in layer.named_modules():
-        if is_nf4_experts(m):
-            out[name] = {"stacks": {s: nf4_recipe(m._parameters[s].quant_state) for s in m._nf4_stacks}}
+        if is_quantized_experts(m):
+            out[name] = {
+                "stacks": {s: nf4_recipe(m._parameters[s].quant_state) for s in m._nf4_stacks},
+                "lowbit": {s: stack.recipe() for s, stack in lowbit_stacks(m).items()},
+            }
         if not is_nf4_linear(m):
             continue
         out[name] = {

@@ -52,12 +52,15 @@ class _Stale(Exception):
     """A cached slab failed its CRC: rebuild the cache."""
 
 
-def _expect(folder: CheckpointFolder, dtype: torch.dtype, quant: str | None) -> dict:
+def _expect(
+    folder: CheckpointFolder, dtype: torch.dtype, quant: str | None, experts: str | None = None
+) -> dict:
     import transformers
 
     from narrows.core import __version__
 
     stored = folder.check_quantization()
+    nf4 = quant == "nf4" or stored
     return {
         "format": FORMAT,
         "narrows": __version__,
@@ -65,13 +68,20 @@ def _expect(folder: CheckpointFolder, dtype: torch.dtype, quant: str | None) -> 
         "source": folder.identity(),
         "settings": {
             "dtype": str(dtype),
-            "quant": "nf4" if (quant == "nf4" or stored) else "none",
+            "quant": "nf4" if nf4 else "none",
             "prequantized": stored is not None,
             "blocksize": 64,
             "double_quant": True,
-            "experts": "nf4" if (quant == "nf4" or stored) else "none",  # fused expert stacks too
+            # the fused expert stacks' scheme: the loader quantises them with the linears
+            "experts": experts or ("nf4" if nf4 else "none"),
         },
     }
+
+
+def experts_scheme(expect: dict) -> str | None:
+    """The expert stacks' scheme the loader is asked for (None: it quantises none)."""
+    scheme = expect["settings"]["experts"]
+    return None if scheme == "none" else scheme
 
 
 def cache_path(folder: CheckpointFolder, expect: dict, cache: str | os.PathLike | None) -> Path:
@@ -125,6 +135,7 @@ def from_pretrained(
     path: str | os.PathLike,
     *,
     quant: str | None = None,
+    experts: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     host_budget: str | int | None = None,
     cache: str | os.PathLike | bool | None = True,
@@ -135,7 +146,8 @@ def from_pretrained(
     """Load a causal LM from a local folder (or ``.gguf``) block by block into host tiers.
 
     `quant="nf4"` quantises the decoder linears (a pre-quantised bitsandbytes NF4 folder
-    loads as stored). `host_budget` (bytes or ``"24GiB"``; default: 85% of available
+    loads as stored) and a mixture of experts' fused stacks to `experts` ("nf4", the
+    default; "nf3" or "nf2": `narrows.core.quantize_nf4`'s codes). `host_budget` (bytes or ``"24GiB"``; default: 85% of available
     memory) bounds the host RAM the base may take: layers that do not fit go to the disk
     tier, read from the prepared-slab cache. `cache`: True (``$NARROWS_CACHE/slabs``), a
     folder, or False (no cache: everything must fit the host budget). `device`: where to
@@ -150,7 +162,7 @@ def from_pretrained(
         raise NarrowsError(f"ring={ring}: the disk tier needs at least one read buffer (default 3)")
     folder_path = resolve_model_path(path)
     folder = CheckpointFolder(folder_path)
-    expect = _expect(folder, dtype, quant)
+    expect = _expect(folder, dtype, quant, experts)
     budget = default_host_budget() if host_budget is None else parse_bytes(host_budget)
     target = (
         cache_path(folder, expect, None if cache is True else cache) if cache not in (False, None) else None
@@ -336,7 +348,13 @@ def _load(
 
     try:
         model = load_blockwise(
-            folder.path, dtype=dtype, quant=quant, device=device, on_layer=place, fill_layer=fill
+            folder.path,
+            dtype=dtype,
+            quant=quant,
+            experts=experts_scheme(expect),
+            device=device,
+            on_layer=place,
+            fill_layer=fill,
         )
     except BaseException:
         if writer is not None:
@@ -444,13 +462,15 @@ def prepare(
     path: str | os.PathLike,
     *,
     quant: str | None = None,
+    experts: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     cache: str | os.PathLike | None = None,
     device: torch.device | str | None = None,
 ) -> Path:
-    """Build (or check) the prepared-slab cache of a checkpoint; returns the file's path."""
+    """Build (or check) the prepared-slab cache of a checkpoint; returns the file's path
+    (`quant` and `experts` as `from_pretrained` takes them)."""
     folder = CheckpointFolder(resolve_model_path(path))
-    expect = _expect(folder, dtype, quant)
+    expect = _expect(folder, dtype, quant, experts)
     target = cache_path(folder, expect, cache)
     prepared, why = PreparedCache.open(target, expect)
     if prepared is not None:

@@ -20,7 +20,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from narrows.core import NarrowsError, SlabLayout, assign, install_nf4_experts, nf4_parameter, nf4_state
+from narrows.core import (
+    LowbitStack,
+    NarrowsError,
+    SlabLayout,
+    absmax_name,
+    assign,
+    install_lowbit_experts,
+    install_nf4_experts,
+    nf4_parameter,
+    nf4_state,
+)
 
 from .cache import FILE_ALIGNMENT, CacheLayer, PreparedCache, frozen_layer_slots
 
@@ -60,38 +70,45 @@ def restore_layer(layer: nn.Module, entry: CacheLayer, tensors: list[Tensor]) ->
     entry was written from, its every frozen tensor one of `tensors` (views of a slab, or
     maps of the file), in the entry's order."""
     views = dict(zip((e.name for e in entry.layout.entries), tensors))
-    if entry.recipe:
-        import bitsandbytes as bnb
-
-        for name, r in entry.recipe.items():
-            if "stacks" in r:  # fused experts in NF4
+    for name, r in entry.recipe.items():
+        if "stacks" in r:  # fused experts: NF4 (bitsandbytes), NF3 / NF2 (narrows' codes)
+            experts = layer.get_submodule(name)
+            if r["stacks"]:
                 stacks = {
                     s: nf4_parameter(views[f"{name}.{s}"], nf4_state(sr, views, f"{name}.{s}"))
                     for s, sr in r["stacks"].items()
                 }
-                install_nf4_experts(layer.get_submodule(name), stacks)
-                continue
-            w = f"{name}.weight"
-            qs = nf4_state(r, views, w)
-            old = layer.get_submodule(name)
-            q = bnb.nn.Linear4bit(
-                r["in"],
-                r["out"],
-                bias=r["bias"],
-                compute_dtype=getattr(torch, r["compute_dtype"]),
-                compress_statistics=r["nested"],
-                quant_type=r["quant_type"],
-                device="meta",
-            )
-            q.weight = nf4_parameter(views[w], qs)
-            q.weight.module = q
-            q.quant_state = qs
-            if r["bias"]:
-                q.bias = old.bias
-            q.support_avx512bf16_for_cpu = False
-            q.train(old.training)
-            parent, _, attr = name.rpartition(".")
-            setattr(layer.get_submodule(parent) if parent else layer, attr, q)
+                install_nf4_experts(experts, stacks)
+            if r.get("lowbit"):
+                lowbit = {
+                    s: (views[f"{name}.{s}"], views[f"{name}.{absmax_name(s)}"], LowbitStack.from_recipe(sr))
+                    for s, sr in r["lowbit"].items()
+                }
+                install_lowbit_experts(experts, lowbit)
+            continue
+        import bitsandbytes as bnb
+
+        w = f"{name}.weight"
+        qs = nf4_state(r, views, w)
+        old = layer.get_submodule(name)
+        q = bnb.nn.Linear4bit(
+            r["in"],
+            r["out"],
+            bias=r["bias"],
+            compute_dtype=getattr(torch, r["compute_dtype"]),
+            compress_statistics=r["nested"],
+            quant_type=r["quant_type"],
+            device="meta",
+        )
+        q.weight = nf4_parameter(views[w], qs)
+        q.weight.module = q
+        q.quant_state = qs
+        if r["bias"]:
+            q.bias = old.bias
+        q.support_avx512bf16_for_cpu = False
+        q.train(old.training)
+        parent, _, attr = name.rpartition(".")
+        setattr(layer.get_submodule(parent) if parent else layer, attr, q)
     for full, param in list(layer.named_parameters()):
         if param.device.type == "meta" and full in views:  # a skeleton parameter: becomes its view
             owner, _, attr = full.rpartition(".")

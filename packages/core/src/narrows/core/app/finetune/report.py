@@ -230,6 +230,16 @@ def _os_errno(e: Exception) -> int | None:
     return int(found[1] or found[2]) if found else None
 
 
+def _quantised(p: dict) -> str:
+    """A summary's precision as "NF4: 8 linears, 4 expert stacks" (stacks by scheme; a
+    summary written before schemes were recorded counts NF4 ones)."""
+    stacks = p.get("expert_stacks") or {"nf4": {"count": p["nf4_expert_stacks"]}}
+    held = {"nf4": [f"{p['nf4_linears']} linears"]}
+    for scheme, e in stacks.items():
+        held.setdefault(scheme, []).append(f"{e['count']} expert stacks")
+    return "; ".join(f"{s.upper()}: {', '.join(parts)}" for s, parts in held.items())
+
+
 def format_summary(summary: dict) -> str:
     def fmt(v: object) -> str:
         if isinstance(v, float):
@@ -287,8 +297,7 @@ def format_summary(summary: dict) -> str:
         rows.append(
             (
                 "base precision",
-                f"NF4: {p['nf4_linears']} linears, {p['nf4_expert_stacks']} expert stacks"
-                + (f"; kept in float: {kept}" if kept else ""),
+                _quantised(p) + (f"; kept in float: {kept}" if kept else ""),
             )
         )
     if "stream" in summary:
