@@ -40,3 +40,32 @@ def test_moe_experts_in_nf4_stream_as_they_train_resident(tmp_path, capsys):
     assert not any(".experts." in k or ".mlp.gate." in k for k in streamed)
     assert "routers (gate)" in summary["targets"] and "routed experts" in summary["targets"]
     assert "expert stacks" in said and "not adapted: routers" in said
+
+
+def test_nf2_experts_on_request_and_refused_without_an_nf4_base(tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    model = tiny_model_folder(tmp_path / "model", "qwen3_moe")
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    args = [
+        "finetune",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq-len",
+        "32",
+    ]
+    args += ["--eval-rows", "0", "--no-progress", "--expert-quant", "nf2"]
+    assert main([*args, "--out", str(tmp_path / "float")]) == 2
+    assert "give --quant nf4 too" in capsys.readouterr().err and not (tmp_path / "float").exists()
+    assert main([*args, "--quant", "nf4", "--gpu-budget", "min", "--out", str(tmp_path / "nf2")]) == 0
+    precision = json.loads((tmp_path / "nf2" / "summary.json").read_text())["precision"]
+    assert precision["expert_stacks"] == {
+        "nf2": {"count": 6, "bytes": precision["expert_stacks"]["nf2"]["bytes"]}
+    }
+    assert precision["nf4_expert_stacks"] == 0 and precision["nf4_linears"] == 12
+    assert "NF2: 6 expert stacks" in capsys.readouterr().err

@@ -155,19 +155,27 @@ def load_base(
     streamed: bool = False,
     host_budget: str | int | None = None,
     cache: str | os.PathLike | bool = True,
+    experts: str | None = None,
 ) -> tuple[nn.Module, object]:
     """The frozen base and its tokenizer, as the main job loads them: resident on `device`,
     or (`streamed`) straight into narrows-stream's host tiers (pinned RAM within
-    `host_budget`, the rest on disk in the prepared-slab `cache`)."""
+    `host_budget`, the rest on disk in the prepared-slab `cache`). `experts`: the routed
+    experts' scheme of a mixture of experts with `quant="nf4"` (nf4, nf3 or nf2)."""
     from ..io.models import load_causal_lm
 
     if not streamed:
-        return load_causal_lm(path, dtype=dtype, quant=quant, device=device)
+        return load_causal_lm(path, dtype=dtype, quant=quant, device=device, experts=experts)
     stream = require("narrows.stream", "streaming the base (a GPU budget)")
     return load_causal_lm(
         path,
         load=lambda folder: stream.from_pretrained(
-            folder, quant=quant, dtype=dtype, host_budget=host_budget, cache=cache, device=device
+            folder,
+            quant=quant,
+            experts=experts,
+            dtype=dtype,
+            host_budget=host_budget,
+            cache=cache,
+            device=device,
         ),
     )
 

@@ -113,6 +113,7 @@ def load_causal_lm(
     device: torch.device | str | None = None,
     on_layer: LayerCallback | None = None,
     load: Callable[[Path], nn.Module] | None = None,
+    experts: str | None = None,
 ) -> tuple[nn.Module, object]:
     """(model, tokenizer) from a local HF folder or a ``.gguf`` file, checked for support.
 
@@ -122,12 +123,15 @@ def load_causal_lm(
     float model. The model is on the CPU in `dtype`, in eval mode; callers move it.
     `load(folder)` replaces that build (narrows-stream's ``from_pretrained``, which also
     places each layer in a host tier); the checks and the tokenizer stay the same.
+    `experts`: a mixture of experts' routed experts' scheme with `quant="nf4"` (`load_blockwise`).
     """
     path = resolve_model_path(path)
     from transformers import AutoTokenizer
 
     if load is None:
-        model = load_blockwise(path, dtype=dtype, quant=quant, device=device, on_layer=on_layer)
+        model = load_blockwise(
+            path, dtype=dtype, quant=quant, device=device, on_layer=on_layer, experts=experts
+        )
     else:
         model = load(path)
     ensure_architecture(model, "head")  # an unannounced architecture is checked on its twin first

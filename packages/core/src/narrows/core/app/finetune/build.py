@@ -131,6 +131,7 @@ def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: to
         streamed=cfg.memory.gpu_budget != "off",
         host_budget=cfg.memory.host_budget,
         cache=cache,
+        experts=cfg.base.expert_quant if cfg.base.quant == "nf4" else None,
     )[0]
 
 

@@ -86,6 +86,13 @@ class BaseConfig:
     quant: str = setting(
         "none", "nf4: a QLoRA/QDoRA base, with narrows-core[nf4] installed", choices=("none", "nf4")
     )
+    expert_quant: str = setting(
+        "nf4",
+        "with --quant nf4, a mixture of experts' routed experts in nf4, or in nf3 / nf2 (narrows' own codes: "
+        "3.5 / 2.5 bits a weight against 4.5, more error, less to hold and stream)",
+        choices=("nf4", "nf3", "nf2"),
+        advanced=True,
+    )
     dtype: str = setting(
         "auto",
         "auto: bf16 on CUDA, fp32 on CPU",
@@ -347,6 +354,8 @@ OVERRIDABLE = {
     "each adapter's contribution changes by the ratio at once",
     "quant": "the frozen base is quantised (or not) from the resumed step on: the adapter goes on training "
     "against other base weights",
+    "expert_quant": "the routed experts are quantised to the new scheme from the resumed step on: the adapter goes "
+    "on training against other base weights",
     "dtype": "the base's and the activations' dtype from the resumed step on; the adapters and the optimizer "
     "state are restored as saved and cast",
     "kernels": "the decoder layers' kernels from the resumed step on (other last bits)",
@@ -466,6 +475,11 @@ class FinetuneConfig:
             )
         if a.adapter == "dora":
             require("narrows.dora", "--adapter dora")
+        if b.expert_quant != "nf4" and b.quant != "nf4":
+            raise NarrowsError(
+                f"--expert-quant {b.expert_quant} sets how a mixture of experts' routed experts are quantised "
+                "along with the rest of the base: give --quant nf4 too (or leave --expert-quant out)"
+            )
         if b.quant == "nf4":
             require("bitsandbytes", "--quant nf4")
         memory = self._checked_memory()
