@@ -80,10 +80,11 @@ class StepTrainer:
     `model`: a streamed PEFT model (or a plain one, streamed here with `stream_options`);
     the host state and held weights come from its plan. `optimizer`: an optimizer or a
     callable building one; each step clips to `max_grad_norm` when given, steps `scheduler`,
-    and resets gradients to None. `loss_fn` maps (output, batch) to the micro-batch loss;
-    `scale_loss=False`: it is already normalised over the step. A MoE model with router
-    logits on is refused with `StreamSetupError` before any gradient where a step could run
-    block-major. The result is `torch.equal` to resident sequential accumulation::
+    and resets gradients to None. `loss_fn` maps (output, batch) to the micro-batch loss
+    (default ``output.loss``); `scale_loss=False`: it is already normalised over the step. A
+    MoE model with router logits on is refused with `StreamSetupError` before any gradient
+    where a step could run block-major. The result is `torch.equal` to resident sequential
+    accumulation::
 
         for batch in batches: (model(**batch).loss / G).backward()
         clip_grad_norm_(params, max_grad_norm); optimizer.step(); scheduler.step(); optimizer.zero_grad()
