@@ -1,18 +1,11 @@
 """narrows.dora — DoRA with a factored row norm and fused Triton compose kernels, drop-in for PEFT.
 
-The factored row norm (`factored_row_norm`, `base_row_norm_sq`) with its fp64 dense
-reference; the stable composition `compose`, a `torch.library` custom op with Triton
-forward/backward kernels on CUDA above a measured crossover (the fused backward also
-reduces the magnitude gradient, deterministically) and the eager formula everywhere else
-(`fused_reason` says which runs; training on CUDA saves one
-activation per module, ``inner``, instead of two); `assemble_norm`, the norm's last step
-(a Triton kernel on CUDA); QDoRA: a bitsandbytes NF4 base is read a few dequantised rows at
-a time; `use_narrows_dora(model)`, which makes PEFT's DoRA layers use all of it, with
-||W||²_row cached per frozen weight. Without PEFT: `DoraLinear`, narrows' own DoRA layer
-(`add_dora`, `save_dora` and `load_dora` read and write PEFT's adapter format), registered
-with the core adapter protocol so narrows-stream streams it like PEFT's layers. Both
-routes run the same `dora_delta` and give the same numbers. Not supported: conv and
-embedding layers.
+`use_narrows_dora(model)` (PEFT's DoRA layers) and `DoraLinear` (no PEFT, PEFT's adapter
+format on disk through `add_dora`, `save_dora`, `load_dora`) run the same `dora_delta` and
+give the same numbers; `fused_reason` says which composition path runs. Not supported:
+conv and embedding layers.
+
+why: docs/design.md#dora
 """
 
 from narrows.core.versions import installed_version as _installed_version

@@ -269,15 +269,12 @@ class _ComposeTrain(torch.autograd.Function):
 def compose(base: Tensor, lora: Tensor, g: Tensor, scale: float) -> Tensor:
     """(g - 1)·base + g·(scale·lora), broadcasting g [d_out] over the last dimension.
 
-    Under `torch.compile` it runs as `torch.library` custom ops (``torch.ops.narrows_dora.*``,
-    so the graph does not break) with hand-written backwards; in eager mode the same
-    implementations run through a plain autograd Function. Tier 1, training on CUDA above the
-    crossover (`fused_reason`): a dual-output Triton forward that also writes
-    ``inner = s·lora + base`` and a backward that reads only it (one saved activation per
-    module instead of two; the magnitude gradient then sums ``go·inner``, so it differs from
-    the eager one by the rounding of ``inner`` to the activation dtype). Tier 2, inference on
-    CUDA above the crossover: the Triton forward. Tier 3, everything else: the eager formula,
-    which saves base and lora.
+    The output equals the eager formula on every path. Training on CUDA above the crossover
+    (`fused_reason`) saves one activation, ``inner = s·lora + base``, so its magnitude gradient
+    differs from the eager one by the rounding of ``inner`` to the activation dtype. Under
+    `torch.compile` it is a custom op (``torch.ops.narrows_dora.*``): the graph does not break.
+
+    why: docs/design.md#the-composition-and-its-three-paths
     """
     scale = float(scale)
     train = (

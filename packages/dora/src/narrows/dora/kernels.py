@@ -1,29 +1,11 @@
 """Triton kernels of the DoRA composition (CUDA only; imported only when one runs).
 
-- `compose_forward`: ``out = (g - 1)·base + g·(s·lora)`` in one pass over [M, N]
-  activations, fp32 arithmetic in the eager reference's order, cast on store.
-- `compose_forward_dual`: the same output plus ``inner = s·lora + base`` (in the
-  activation dtype), the one tensor the training backward needs: saving it instead of
-  base and lora halves what each adapted module keeps for backward.
-- `compose_backward`: ``d_base = go·(g - 1)``, ``d_lora = (go·g)·s`` and the magnitude
-  gradient ``d_g = Σ_rows go·base + go·(s·lora)`` in the same pass: each program writes its
-  rows' partial column sums to a [row blocks, N] fp32 buffer, and a second stage sums that
-  buffer in a fixed order. No atomics, so the result is deterministic.
-  `compose_backward_inner` does the same from the saved ``inner`` (``d_g = Σ_rows go·inner``).
-- `assemble_norm`: ``sqrt(max(base_sq + 2s·cross + s²·ba_sq, 0))`` over [d_out] fp32, with
-  the PyTorch path's rounding (separate fp32 multiplies and adds, the IEEE ``sqrt_rn`` that
-  `narrows.dora.norm.sqrt_rn` gives on the CPU, NaN kept by the clamp).
-- `row_norm`: the whole factored norm in one launch: each program takes a block of W's
-  rows, accumulates U = W Aᵀ on the tensor cores block by block of A's rows (an fp32 A comes
-  split into three bf16 parts, hi + mid + lo = A exactly, so the products keep fp32
-  accuracy), reduces B ⊙ U and (B G) ⊙ B per row, and assembles the norm as
-  `assemble_norm` does. Nothing the size of W, U or B is written: its working set is the
-  [d_out] result. Rows are independent, so a 4-bit W can be fed a dequantised slice at a time.
+Each kernel computes its eager counterpart's formula with floating-point contraction off:
+forward outputs, ``d_base`` and ``d_lora`` equal the eager path bit for bit, ``d_g`` differs
+by summation order only and is deterministic (no atomics); `assemble_norm` rounds as the
+PyTorch path does. `row_norm` writes nothing the size of W, U or B.
 
-Both are compiled with floating-point contraction off (no FMA), so each element is the
-same IEEE operation sequence as the eager path: `compose_forward`, `d_base` and `d_lora`
-equal it bit for bit; `d_g` differs by summation order only. Block sizes are autotuned per
-device and shape class; Triton caches the choice on disk (``cache_results``).
+why: docs/design.md#the-triton-kernels
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """narrows' own DoRA layer, `DoraLinear`, and the DoRA delta it shares with the PEFT path.
 
-`dora_delta` is the whole DoRA step after the base layer ran: the factored row norm (||W||²
-cached per frozen weight, an NF4 base read a few rows at a time), g = m / ||W + sBA||, the
-LoRA branch and the stable compose. `use_narrows_dora` calls it from PEFT's DoRA layers and
-`DoraLinear` from its own forward, with the same arguments in the same order, so the two
-give bit-identical outputs and gradients for the same adapter weights.
+`use_narrows_dora`'s PEFT layers and `DoraLinear` call `dora_delta` with the same arguments
+in the same order, so both give bit-identical outputs and gradients for the same adapter
+weights. `DoraLinear` keeps PEFT's initialisation, dtype rules and tensor names on disk.
 
-`DoraLinear` wraps a frozen ``nn.Linear`` or bitsandbytes ``Linear4bit`` without PEFT: one
-adapter, PEFT's initialisation (A Kaiming-uniform, B zero, m = ||W||_row), PEFT's dtype rules
-(adapter weights fp32 by default, input cast to them, output cast back) and PEFT's tensor
-names on disk (see `save_dora`).
+why: docs/design.md#one-dora-step-two-front-doors
 """
 
 from __future__ import annotations

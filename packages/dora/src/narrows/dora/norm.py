@@ -1,19 +1,12 @@
-"""DoRA's row norm ||W + s·B·A||_row without the dense B·A (Scaling DoRA,
-arXiv:2603.22276, §2, Algorithm 1).
+"""DoRA's row norm ||W + s·B·A||_row without the dense B·A (Scaling DoRA, arXiv:2603.22276).
 
-    ||W + sBA||²_row = ||W||²_row + 2s·<W, BA>_row + s²·||BA||²_row
-                     = base_sq     + 2s·rowsum(B ⊙ (W Aᵀ)) + s²·rowsum((B G) ⊙ B),  G = A Aᵀ
+    ||W + sBA||²_row = base_sq + 2s·rowsum(B ⊙ (W Aᵀ)) + s²·rowsum((B G) ⊙ B),  G = A Aᵀ
 
-On CUDA (a bf16/fp16 W with an adapter of its dtype, or a bf16 W with an fp32 adapter) the
-whole norm is one Triton launch (`kernels.row_norm`) whose only intermediates are G [r, r]
-and, for an fp32 A, its exact three-part bf16 split; a 4-bit W (core's `NF4Rows`) is fed to
-it as dequantised row slices. Elsewhere PyTorch reads W in row chunks of at most
-`chunk_budget` bytes, so every intermediate is one slice of rows: W_rows, U_rows = W_rows Aᵀ
-[rows, r] and the products with B's rows. (The paper chunks along d_in, which keeps a full
-[d_out, r] U and accumulates G per chunk; rows need neither, and a 4-bit W is naturally read
-by rows, so its full-size float copy never exists.) Everything accumulates in fp32 with
-autocast off, under no_grad: DoRA treats the norm as a constant. The three per-row terms
-meet in `assemble_norm`'s rounding on both paths. `dense_row_norm` is the fp64 reference.
+fp32 accumulation with autocast off, under no_grad (the norm is a constant to DoRA); no
+intermediate is larger than a slice of W's rows; both paths round as `assemble_norm` does.
+`dense_row_norm` is the fp64 reference.
+
+why: docs/design.md#the-factored-row-norm
 """
 
 from __future__ import annotations
@@ -59,14 +52,11 @@ def _tensor_core_ready(w: Tensor) -> bool:
 def _right_operand(lora_a: Tensor, w: Tensor) -> tuple[Tensor, int]:
     """Aᵀ for U = W Aᵀ, and in how many parts it was split.
 
-    A bf16/fp16 W on CUDA multiplies on the tensor cores with fp32 accumulation and output
-    (each product of two half-precision values is exact in fp32), with no fp32 copy of W.
-    When A has W's dtype it is used as it is. An fp32 A (PEFT keeps adapters in fp32) with a
-    bf16 W is split into three bf16 parts, A = hi + mid + lo *exactly* (bf16 has fp32's
-    exponent range and 8 of its 24 significant bits; each residual is exact in fp32), stacked
-    as [3r, d_in]: one tensor-core GEMM then gives W·hiᵀ, W·midᵀ, W·loᵀ, whose fp32 sum is
-    W·Aᵀ to fp32 accuracy, several times faster than an fp32 GEMM. Anything else (CPU, fp16
-    W with fp32 A — fp16's range would flush the small parts) upcasts both to fp32.
+    A of W's half-precision dtype on CUDA is used as it is; an fp32 A with a bf16 W on CUDA
+    becomes three bf16 parts with hi + mid + lo = A exactly, stacked [3r, d_in]; anything else
+    is upcast to fp32.
+
+    why: docs/design.md#the-factored-row-norm
     """
     if _tensor_core_ready(w) and lora_a.dtype == w.dtype:
         return lora_a.t(), 1

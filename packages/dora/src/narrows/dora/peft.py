@@ -1,12 +1,10 @@
 """Make PEFT's DoRA layers compute with narrows' factored norm: `use_narrows_dora(model)`.
 
-PEFT (0.21 included) builds the dense B·A through an identity matrix for every DoRA
-layer's row norm. After this call each ``DoraLinearLayer`` keeps its parameters (the
-magnitude vector stays ``lora_magnitude_vector[adapter].weight``, so a saved adapter is a
-plain PEFT adapter) but its forward uses `factored_row_norm` and the stable `compose`. On a
-bitsandbytes 4-bit base (QDoRA) the norm reads the weight a few dequantised rows at a time
-whenever PEFT hands over the base output (dropout 0, or eval): only a dropout-on training
-forward, which must recompute W·x itself, still dequantises the whole weight.
+Each ``DoraLinearLayer`` keeps its parameters (a saved adapter is a plain PEFT adapter); its
+forward uses `factored_row_norm` and the stable `compose`. On a 4-bit base only a
+dropout-on training forward still dequantises the whole weight.
+
+why: docs/design.md#pefts-dora-layers
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """narrows.eval — downstream checks through lm-evaluation-harness.
 
-- the lm-eval model ``narrows`` (`NarrowsLM`): a base (HF folder or GGUF, float or NF4) plus
-  an optional PEFT adapter, resident or streamed through narrows-stream (``gpu_budget``);
-  ``lm_eval --model narrows`` finds it with nothing imported first
-- task files for ARC-Easy, PIQA, HellaSwag, MMLU subjects, LAMBADA and the GSM8K held-out
-  split in `TASK_DIR` (``--include_path``), their data read from installed packages
-- `evaluate` / ``narrows eval``: base and adapted in one go, and a report (JSON, Markdown,
-  bar chart) that flags differences beyond two standard errors; ``narrows eval runs/NAME``
-  takes the base and defaults from the run, and scores only its newest state (`choose_adapter`)
+The lm-eval model ``narrows`` (`NarrowsLM`, found by ``lm_eval --model narrows`` with
+nothing imported first), task files in `TASK_DIR` (``--include_path``), and `evaluate` /
+``narrows eval``: base and adapted in one go, a report that flags differences beyond two
+standard errors.
+
+why: docs/design.md#eval
 """
 
 from typing import TYPE_CHECKING

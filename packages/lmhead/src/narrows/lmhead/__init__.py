@@ -1,13 +1,11 @@
 """narrows.lmhead — stop the LM head from being the memory peak.
 
 ``narrows.lmhead.apply(model, mask=True, chunked=True, topk=None)`` replaces a causal LM's
-loss: the head runs only at trainable positions (labels != -100), the cross-entropy is
-computed in tiles without the [tokens, vocab] logits, and optionally over the union of
-the targets' top-k neighbour tokens (an approximation; evaluation keeps the full softmax).
-The head weight comes through narrows.core's head hook, so it composes with narrows-stream
-without importing it. The pieces are usable alone: `causal_lm_loss`,
-`linear_cross_entropy` (and `linear_cross_entropies`: several micro-batches' losses in
-one read of a streamed head), `neighbour_table`.
+training loss: exact up to summation order unless `topk` is set (an approximation;
+evaluation keeps the full softmax). The pieces are usable alone: `causal_lm_loss`,
+`linear_cross_entropy`, `linear_cross_entropies`, `neighbour_table`.
+
+why: docs/design.md#lmhead
 """
 
 from narrows.core import register_architecture_check as _register_check

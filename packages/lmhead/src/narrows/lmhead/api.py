@@ -1,14 +1,11 @@
 """`apply(model, ...)`: one call that replaces a causal LM's loss computation.
 
-The model's forward is wrapped: when labels are given and the model is training, the
-decoder runs as usual and the loss is computed from its last hidden states by
-`causal_lm_loss` — the head only at trainable positions, exact CE in tiles, or top-k —
-and the output carries ``loss`` with ``logits=None``. In eval mode (and without labels)
-the original forward runs: full logits, full softmax. Inside core's `sharing_head_pass`
-a loss that reads a streamed head chunk by chunk is filed with the sweep instead (the
-output's loss is None), to be computed with other micro-batches' in one pass. The head weight is read through
-core's head hook, so a head that narrows-stream keeps in host memory is served from
-there, whichever of the two calls came first.
+Training with labels: the output carries ``loss`` with ``logits=None`` (inside core's
+`sharing_head_pass`, a streamed head's loss is filed with the sweep and the output's loss is
+None). Eval mode or no labels: the original forward runs. The head weight is read through
+core's head hook, in whichever order this and narrows-stream were applied.
+
+why: docs/design.md#the-wrapped-forward
 """
 
 from __future__ import annotations
@@ -58,20 +55,16 @@ def apply(
     head_rows: int | None = None,
     fused: str = "auto",
 ) -> nn.Module:
-    """Replace the loss of `model` (a causal LM, PEFT-wrapped or not).
+    """Replace the loss of `model` (a causal LM, PEFT-wrapped or not); returns the same model.
 
-    `mask` computes the head only where labels are not -100; `chunked` never builds the
-    [tokens, vocab] logits (exact up to floating-point summation order); `topk=K` trains
-    on the union of the targets' K nearest tokens — an approximation of the loss (the
-    neighbour table is computed once and cached in `neighbour_cache`). `eval_logits=False`
-    also evaluates through the exact chunked loss (no logits returned); by default eval
-    mode runs the model's own forward. `fused="auto"` (default) hands the chunked loss to
-    Cut Cross-Entropy's fused kernels where that library is installed and applies (CUDA,
-    bf16/fp16, resident head without bias; on the H100 it was 2.9x faster than the
-    PyTorch tiles at 16K tokens, with the same exactness); "off" always keeps the tiles.
-    An architecture narrows does not announce is first checked on its shrunk twin
-    (`narrows.core.verify_architecture`): this loss must equal the model's own there.
-    Returns the same model.
+    `mask`: the head only where labels are not -100; `chunked`: no [tokens, vocab] logits,
+    exact up to summation order; `topk=K`: the union of the targets' K nearest tokens, an
+    approximation (table cached in `neighbour_cache`); `eval_logits=False`: eval through the
+    exact chunked loss, no logits; `fused`: "auto" uses Cut Cross-Entropy where installed and
+    applicable, "off" keeps the tiles. An unannounced architecture is first checked on its
+    shrunk twin (`narrows.core.verify_architecture`).
+
+    why: docs/design.md#fused-kernels
     """
     ensure_architecture(model, "head", "lmhead")
     anat = anatomy_of(model)

@@ -1,14 +1,11 @@
 """The auxiliary losses a causal LM adds to its cross-entropy, reproduced when
 narrows-lmhead replaces the model's loss.
 
-transformers' MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, …) add
-``router_aux_loss_coef * load_balancing_loss_func(router_logits, num_experts, top_k,
-attention_mask)`` to the loss when router logits are output. narrows-lmhead computes the
-cross-entropy itself, so it calls the model's own function from the model's own module
-with the model's own attributes — the same tensors in the same order — and adds it the
-same way. A model that outputs router logits but whose module has no such function adds
-nothing in its own forward either (Llama 4); the twin check (`twincheck`) holds both to
-the model's own loss.
+A MoE model's router load-balancing loss is computed by the model's own function from its
+own module with its own attributes and added as the model adds it; a model whose module
+has no such function adds nothing. The twin check (`twincheck`) holds both to the model's loss.
+
+why: docs/design.md#auxiliary-losses
 """
 
 from __future__ import annotations

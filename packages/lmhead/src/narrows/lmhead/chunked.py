@@ -1,27 +1,12 @@
 """Exact cross-entropy through the LM head without the [tokens, vocab] logits.
 
-`linear_cross_entropy` computes ``sum_i w_i * CE(h_i @ W.T + b, y_i)`` in tiles of
-(vocabulary chunk x token chunk). The weight comes from a core `HeadSource`, one
-vocabulary chunk at a time, so a head kept in host memory by narrows-stream is read once
-in forward and once in backward and never needs to be on the device whole:
+`linear_cross_entropy` computes ``sum_i w_i * CE(h_i @ W.T + b, y_i)`` in (vocabulary chunk
+x token chunk) tiles, reading a core `HeadSource` once in forward and once in backward; it
+saves only the per-token log-sum-exp [N] fp32. Logits in the head's dtype upcast to fp32,
+`LogitMath` and every reduction fp32. `linear_cross_entropies` gives each item its own
+call's numbers in one pass. `reference_cross_entropy` is the full-logits reference.
 
-- forward: an online log-sum-exp over vocabulary chunks (running max and rescaled sum
-  per token) and the target logit; only the per-token log-sum-exp [N] fp32 is saved;
-- backward: each tile's logits are recomputed and turned into the softmax gradient,
-  multiplied into the hidden-state gradient (an fp32 accumulator per token chunk) and,
-  for a head that trains, into the weight gradient (fp32).
-
-Logits are computed in the head's dtype and upcast to fp32 (as HF's loss does); the
-architecture's `LogitMath` (Cohere's scale, Granite's divisor, Gemma's softcapping) and
-every reduction are fp32. Tile arithmetic runs in place, so the
-working set is about one fp32 tile plus its head-dtype matmul output.
-
-`linear_cross_entropies` does the same for several items (the micro-batches of a step)
-in one pass: vocabulary chunks outermost, each item tiled inside as it would be alone, so
-a streamed head is read once per pass for all of them and every item's numbers are its
-own call's.
-
-`reference_cross_entropy` is the plain full-logits computation the tests hold it to.
+why: docs/design.md#the-chunked-cross-entropy
 """
 
 from __future__ import annotations

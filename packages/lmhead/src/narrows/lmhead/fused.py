@@ -1,16 +1,11 @@
 """Optional dispatch of the chunked loss to an installed fused kernel library.
 
-Cut Cross-Entropy (`cut-cross-entropy`, Apple) fuses the head matmul, the log-sum-exp and
-the gradient into Triton kernels that keep the logits tiles in on-chip memory, so its
-working set is the hidden-state gradient alone. narrows calls it with its gradient filter
-off (``filter_eps=None``: every gradient entry is computed, the loss stays exact up to
-summation order) and per-token losses, which it weights itself. It applies only where the
-library can: CUDA, a resident head without bias, bf16/fp16. Everywhere else — and when the
-library is not installed — the pure-PyTorch tiles in `chunked` run. Whether it is faster is
-measured by `benchmarks/lmhead_memory.py` (time and memory side by side), not assumed:
-on the H100 at 16K tokens it took 123 ms against the tiles' 360 ms, at the same memory as
-Cut Cross-Entropy alone. Its backward is not promised to be run-to-run deterministic;
-``fused="off"`` keeps the pure-PyTorch tiles, which are.
+Cut Cross-Entropy runs with its gradient filter off (exact up to summation order), only on
+CUDA with a resident head without bias in bf16/fp16; everywhere else, or uninstalled, the
+`chunked` tiles run. Its backward is not promised run-to-run deterministic;
+``fused="off"`` keeps the tiles, which are.
+
+why: docs/design.md#fused-kernels
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""Top-k softmax approximation ("Techniques for Peak Memory Reduction for LoRA
-Fine-tuning of LLMs on Edge Devices", §4.3): the loss over a vocabulary subset made of
-the targets' nearest neighbours in the frozen head (or embedding) matrix.
+"""Top-k softmax approximation: the loss over the union of the targets' nearest neighbours.
 
-`neighbour_table` precomputes, for every token, its k nearest tokens by cosine
-similarity (the token itself first), in row chunks within a memory budget, and caches
-the int32 [V, k] table on disk under a hash of the matrix. Per batch, `vocabulary_subset`
-takes the union of the trainable targets' rows; `subset_head` serves those head rows to
-the chunked loss. This is an approximation of the training loss — evaluation always uses
-the full softmax.
+`neighbour_table` caches an int32 [V, k] table of each token's k nearest tokens by cosine
+similarity (the token itself first) on disk under a hash of the matrix; `vocabulary_subset`
+and `subset_head` serve the batch's rows. An approximation of the training loss:
+evaluation always uses the full softmax.
+
+why: docs/design.md#top-k-softmax
 """
 
 from __future__ import annotations

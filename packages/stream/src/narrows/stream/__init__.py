@@ -1,18 +1,13 @@
 """narrows.stream — train adapters on a frozen base that lives in host memory.
 
-``narrows.stream.stream(model, "12GiB")`` (or ``stream(model, StreamConfig(...))``: every
-setting in one frozen object) parks every decoder layer's frozen
-storage (NF4 quantisation state included) in one host slab per layer and streams it to the
-GPU with prefetch; backward recomputes each layer under its saved RNG state (resident
-layers the budget can afford run whole, without the recompute). Training is
+``stream(model, "12GiB")`` (or ``stream(model, StreamConfig(...))``) parks each decoder
+layer's frozen storage in host memory and streams it to the device; training is
 bit-identical (`torch.equal`) to the same model trained fully resident.
-``StepTrainer(model, optimizer, grad_accum=G)`` runs each optimizer step block-major: every
-streamed layer crosses the link once for the forward of all G micro-batches and once for
-their backward, `torch.equal` to sequential accumulation; there each layer's 4-bit weights
-are dequantised once per pass for all G. ``stream(model, budget, grad_accum=G)`` plans for
-it: the plan (``model.narrows_stream.plan``, from the planning room `planning`) says
-whether block-major steps pay and why, and leaves their room. ``data_parallel(model)`` wraps
-a streamed model in DistributedDataParallel over its adapters, for torchrun.
+``StepTrainer(model, optimizer, grad_accum=G)`` runs each step block-major, `torch.equal`
+to sequential accumulation; ``data_parallel(model)`` wraps a streamed model in DDP over its
+adapters. The plan (``model.narrows_stream.plan``) gives every decision with its reason.
+
+why: docs/design.md#stream
 """
 
 from typing import TYPE_CHECKING

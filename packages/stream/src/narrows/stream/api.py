@@ -219,20 +219,15 @@ def _refuse_alora(model: nn.Module) -> None:
 def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, **options: Any) -> nn.Module:
     """Stream the frozen decoder layers of `model` (a PEFT model on the CPU) to the device.
 
-    `config`: a `StreamConfig` (what each setting means is there), or its budget with any
-    other fields as keywords: ``stream(model, "12GiB", seq_len=1024)``. The planner
-    (`plan`) decides every setting left at "auto", once; the handle left on the model,
-    ``model.narrows_stream``, keeps the config and the plan with its reasons.
-    Training afterwards is bit-identical to training the same model fully resident, given
-    deterministic kernels: always on the CPU; on CUDA pass ``deterministic=True`` (or call
-    `narrows.core.deterministic()`), which makes the resident run itself reproducible.
-    An architecture narrows does not announce is first checked on its shrunk twin.
-    The model's config is left as it was given (``use_cache`` included: a streamed layer
-    drops the KV cache per call in training, and with packed rows the cache decides the
-    attention mask, so pass ``use_cache=False`` yourself for per-sequence masks). A model
-    with LayerDrop (``layerdrop`` > 0) is refused for training, whatever the RNG state;
-    one with an aLoRA adapter (``alora_invocation_tokens``) is refused.
-    Returns the same model object.
+    `config`: a `StreamConfig`, or its budget with other fields as keywords
+    (``stream(model, "12GiB", seq_len=1024)``); the planner decides every "auto" once, and
+    ``model.narrows_stream`` keeps the config and the plan with its reasons. Training is then
+    bit-identical to fully resident training given deterministic kernels (always on the CPU;
+    on CUDA pass ``deterministic=True``). The model's config, ``use_cache`` included, is left as
+    given. Refused: LayerDrop (``layerdrop`` > 0) for training, an aLoRA adapter. An
+    unannounced architecture is first checked on its shrunk twin. Returns the same model.
+
+    why: docs/design.md#the-stream-call
     """
     cfg = StreamConfig.of(config, **options)
     if getattr(model, "narrows_stream", None) is not None:

@@ -1,16 +1,10 @@
 """`StreamConfig`: everything a user may set about streaming a model, in one frozen
 object, validated once here, each refusal naming its field.
 
-Every mode defaults to "the planner decides" where the planner can decide (``"auto"``).
-`stream(model, config)` and `plan(model, config)` take it; both also take the same
-settings as keywords (``stream(model, "12GiB", seq_len=1024)``), which become a config
-here, so there is one place that knows what a setting may be.
+Every mode defaults to "the planner decides" (``"auto"``) where the planner can decide;
+`stream` and `plan` take a config or the same settings as keywords, which become one here.
 
-Names say one thing each: ``prefetch_depth`` is how many layers ahead the copy of the
-frozen weights runs (the device slabs beyond the one in use); ``offload_inputs`` is
-where each layer's saved *input* waits for its backward; ``host_state`` is what of the
-*training state* (optimizer state, adapters) step mode keeps in host memory. Held 4-bit
-weights have one setting, ``hold_weights``; the room they take is the planner's to leave.
+why: docs/design.md#streamconfig
 """
 
 from __future__ import annotations
@@ -42,69 +36,15 @@ RENAMED = {"offload": "offload_inputs", "prefetch": "prefetch_depth"}
 class StreamConfig:
     """What `narrows.stream.stream` may be told; each field's comment gives its values.
 
-    `gpu_budget`: bytes or a size like ``"12GiB"`` the run may use on the device; ``"fit"``
-    keeps as many layers resident as the free memory allows; None streams every layer
-    with the smallest footprint. `batch_size` × `seq_len` size the activation estimate.
-    `head="stream"` keeps a frozen LM head in host memory and serves it in vocabulary
-    chunks of `head_rows` through core's head hook (with a tied embedding, both read the
-    one host copy); its input gradient is then summed over chunks, so it equals the
-    resident head up to summation order — bit-exact against the same chunked head
-    resident. `check` runs a one-layer streamed-vs-resident self-check first (False for
-    layers known to be nondeterministic). `inference=True` streams for forward passes
-    only: nothing needs to train, and the self-check (which compares gradients) and the
-    graphs are off.
-    `offload_inputs`: where each layer's saved input waits for its backward. "auto" keeps
-    it on the device while the budget allows and moves the rest to host memory
-    (bit-identical either way; with no budget, all of them move); "off" never moves one;
-    "all" moves every one. `seq_tile`: None never tiles; "auto" runs the MLPs over
-    sequence tiles only when the budget cannot hold the whole-sequence working set; a
-    number of tokens always does. Tiled training is `torch.equal` to the same tiling
-    resident (`narrows.stream.tile_sequence`) and equal to untiled training up to
-    summation order. `recompute`: "auto" runs resident layers *whole* — as resident
-    training runs them, activations saved, no recompute — while the budget holds their
-    activations (with every layer whole, a step is plain PEFT training without
-    checkpointing); "all" recomputes every layer in backward.
-    `graphs=True` replays each layer narrows runs itself (streamed or recomputed) as CUDA
-    graphs — its forward, and its recompute with its backward — the same kernels on the
-    same inputs, so still bit-identical, without the host's per-kernel cost; a layer
-    whose forward waits for the host runs eagerly (``model.narrows_stream.graphs.stats.
-    refused`` says why). The plan then counts the graphs' pool and prices graphed layers
-    without the host's per-kernel cost, so at short sequences it recomputes resident
-    layers rather than keep them whole. "auto": on a CUDA device with a budget, graphs
-    when the plan with them fits and is predicted faster (the plan says which and why);
-    off for the smallest footprint, for inference, and on a CPU, which has no graphs
-    (True there runs the same buffer path eagerly, for tests). A batch shape is captured
-    when it comes round again, and graphs are kept for the four most recent shapes, so
-    batches padded to varying widths hold bounded memory (the plan counts it).
-    `grad_accum`: micro-batches per optimizer step. With 2 or more the plan also decides
-    the accumulation (`Plan.accumulation`): `step_mode` True runs each step block-major
-    (`StepTrainer`: every streamed layer copied twice a step instead of twice per
-    micro-batch, the same numbers), False in sequence, "auto" block-major where the
-    step-time model predicts it at least 5% faster and the host has room for the
-    micro-batches' saved inputs (`choose_step_mode` says why). A plan for step mode on a
-    CUDA device leaves room for what a block-major step keeps beyond the plan (the held
-    weights and the micro-batches' layer boundaries: `step_mode_reserve`) and keeps no
-    layer whole (block-major recomputes every layer). `hold_weights`: each layer's 4-bit
-    weights dequantised once into a held buffer the size of the largest layer's
-    (`narrows.core.HeldWeights`: bitsandbytes' own matmuls on the held copy, the same
-    bits) — in step mode once per pass for every micro-batch, in sequential steps once
-    for each recomputed layer's backward (recompute and input gradient: two
-    dequantisations a micro-batch instead of three). True, False, or "auto": where the
-    plan has the room and the step-time model predicts it faster (not at the smallest
-    footprint). `host_state`: what of the training state the plan may leave out of the
-    device budget, for `StepTrainer` to keep in host memory: "none" (the adapters, their
-    gradients and AdamW's state all on the device), "optimizer" (one layer's optimizer
-    state on the device, each layer updated as its gradients complete) or "adapters"
-    (one layer's adapters, gradients and state; block-major steps only). `world_size`:
-    data-parallel ranks training the model (several keep accumulation sequential).
-    `reserve`: device bytes the plan leaves free within the budget, for the caller.
-    `keep_attention`: each recomputed fast layer's attention (SDPA's node: q, k, v, its
-    output and log-sum-exp) kept from the forward for the backward in host memory, so the
-    recompute runs no attention and no Q/K/V base matmul: True, False, or "auto" — at long
-    context, where attention is a large share of a layer's recompute, with a budget that
-    holds one more layer's attention in flight and host memory every recomputed layer's
-    (not at the smallest footprint, nor with CUDA graphs or block-major steps, which
-    replay the recompute as it is).
+    Guarantees per setting: `offload_inputs`, `recompute`, `graphs`, `keep_attention`,
+    `hold_weights`, `step_mode` and `host_state` never change the numbers (bit-identical to
+    resident training); `head="stream"` equals the resident head up to summation order
+    (bit-exact against the same chunked head resident); `seq_tile` is `torch.equal` to the same
+    tiling resident and equal to untiled up to summation order — None never tiles, "auto"
+    tiles only when the budget needs it, a number of tokens always tiles. `inference=True`
+    trains nothing (no self-check, no graphs). `reserve`: device bytes left free in the budget.
+
+    why: docs/design.md#streamconfig
     """
 
     # budget and the batch the plan sizes activations for

@@ -1,23 +1,12 @@
 """Data parallel over a streamed base: `data_parallel(model)` wraps a streamed (or resident)
 PEFT model in `DistributedDataParallel` over its adapters only.
 
-DDP on its own would take the frozen base too: at construction it broadcasts every
-parameter from rank 0 (for a streamed base, the whole host copy, through the collective
-backend), and it refuses a module whose parameters sit on two device types — the
-adapters on the GPU, the frozen slabs in host memory. The base is frozen and every rank
-holds the same one, so the wrapper leaves it out of DDP altogether; only the trainable
-parameters are synchronised at start and all-reduced in backward.
+Only the trainable parameters are synchronised and all-reduced; ranks that differ in
+versions, trainable parameters or stream layout stop every rank with a message naming the
+rank. With two ranks the result equals one process accumulating both micro-batches bit
+for bit; with more, it equals resident DDP over the same ranks.
 
-Before wrapping, the ranks compare what they are about to train — narrows' versions, the
-trainable parameters (names, shapes, dtypes), the stream plan's layout — and a rank that
-differs stops every rank with a message naming it, rather than train apart silently.
-
-Exactness: DDP averages the ranks' gradients. With two ranks, each running one
-micro-batch of the global batch with an unscaled loss, that is (g0 + g1) / 2 — one
-addition and an exact division by two — which equals, bit for bit, one process
-accumulating g0/2 + g1/2 over the same micro-batches (given the same per-micro-batch
-dropout seeds and deterministic kernels). With more ranks the sum's order is the
-collective's (NCCL's ring, gloo's algorithm): equal to resident DDP over the same ranks.
+why: docs/design.md#data-parallel
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The overlap audit: per layer, how long it computed, how long its copies took, and how
-much of that copy time the compute stream waited for (exposed), over whatever ran inside
-``with model.narrows_stream.profiling() as prof:`` — then what the planner would choose
-with the rates measured there instead of its fitted ones.
+"""The overlap audit: per layer, compute time, copy time and the copy time the compute
+stream waited for (exposed), over ``with model.narrows_stream.profiling() as prof:`` —
+then what the planner would choose with the rates measured there.
 
-How it is timed: on CUDA, events. A layer's use begins with an event recorded on the
-compute stream *before* it waits for the layer's copy, and ends after its work; the copy
-is bracketed by events on the copy stream. Exposed copy time is how long after the
-compute stream arrived the copy finished (zero when it was already there), compute is
-the rest of the use. On the CPU every copy is synchronous, so all of it is exposed; the
-host clock stands in for events. Layers run whole (as resident training runs them) are
-not timed one by one: they do not pass through the engine.
+Layers run whole are not timed one by one. On the CPU every copy counts as exposed.
+Reading the events waits for the device: profile a few steps, not a run.
 
-Events with timing cost a little, and reading them waits for the device: a profile is
-for a few steps, not for every step of a run.
+why: docs/design.md#the-overlap-audit
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The layer executor: what runs one decoder layer's forward, and its recompute and
-differentiation in backward, for every layer narrows runs itself (a streamed layer in
-`remat.StreamedLayer`, every layer of a block-major step in `stepmode`).
+differentiation in backward, for every layer narrows runs itself.
 
-The callers own everything around the call — which weights are on the device (the
-engine), the RNG state and autocast settings replayed (`rng`, `narrows.core.protocol.ambient`),
-saved inputs in host memory (`offload`), hooked tensors (`side_outputs`) — and the executor
-owns how the layer computes: `EagerExecutor` runs it as resident training would,
-`graphs.LayerGraphs` replays the same kernels as CUDA graphs (eager where it cannot).
-A fused layer (its own kernels and recompute tiers) plugs in as another `LayerExecutor`,
-chosen where `wiring.executor_for` reads the plan, with no new ``.forward`` replacement.
+Callers own what surrounds the call (weights on the device, RNG and autocast replay, saved
+inputs, hooked tensors); executors own how the layer computes. Every executor gives the
+results eager would, bit for bit (the streamed-versus-resident tests use `torch.equal`).
 
-Every executor gives the results eager would, bit for bit: the streamed-versus-resident
-tests compare with `torch.equal`.
+why: docs/design.md#the-layer-executor
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""The fast layer as a layer executor: a streamed or recomputed decoder layer that
-`narrows.core.kernels.fastlayer` covers runs its entry points directly — the forward with
-nothing kept, then in backward the selective recompute (no down_proj output) and the
-written-out backward — instead of the layer's modules under autograd.
+"""The fast layer as a layer executor: a covered decoder layer runs `narrows.core.kernels.fastlayer`'s
+entry points (forward, selective recompute, written-out backward) directly.
 
-Its bits are resident `fuse_layers`'s: the same functions on the same inputs, the RNG
-replayed around the recompute by the streamed layer as for any executor. It is the
-resident door's object (`FastLayer.of(layer)`: one call parser, one coverage decision, parts
-built once). A layer or a call it does not cover (hooked side outputs, a KV cache,
-``is_causal=False``) goes to the executor it wraps (eager: the layer's forward, which `stream` made the fast layer's where it covers
-it). Under CUDA graphs this executor is not used: the graphs replay that same forward.
-While a layer's 4-bit weights are held (the plan's `held_weights`) the recompute and the
-backward read the held copies; otherwise each dequantises its own, as the plan priced it.
-Where the plan keeps a layer's attention (`kept_attention.HostAttention`), its forward keeps it
-in the call's state and its recompute reads it instead of running it.
+Its bits are resident `fuse_layers`'s. A layer or call it does not cover (hooked side
+outputs, a KV cache, ``is_causal=False``) goes to the executor it wraps; under CUDA graphs
+it is not used. Held 4-bit weights and kept attention are read where the plan has them.
+
+why: docs/design.md#the-fast-executor
 """
 
 from __future__ import annotations

@@ -1,44 +1,13 @@
-"""CUDA graphs for the layers narrows runs itself: a streamed or recomputed layer's
-forward, and its recompute-and-differentiate in backward, each replayed as one graph
-(`LayerGraphs` is a layer executor, `executor.py`; what it cannot capture runs eagerly).
+"""CUDA graphs for the layers narrows runs itself: a layer's forward, and its
+recompute-and-differentiate in backward, each replayed as one graph (`LayerGraphs`).
 
-Why: at a few hundred tokens per micro-batch a QLoRA layer is bound by the host — Python,
-dispatch and one launch per kernel — not by the GPU (the H100 sat idle two thirds of a
-7B step). A graph replays the same kernels with one launch.
+Replays give eager's results bit for bit (same kernels, same inputs, the restored RNG).
+A shape is captured on its second appearance; at most `max_shapes` keep graphs (least
+recently used evicted). A layer that cannot be captured runs eagerly with the reason in
+`refused`; a capture that fails anyway raises. On a CPU, `LayerGraphs(emulate=True)` runs
+the same buffer path eagerly.
 
-Why it stays exact: a replay runs the kernels the eager run chose, on the same inputs;
-dropout inside a graph draws from the generator's (seed, offset) read at replay, so the
-RNG state the caller restores (`rng.replay`) gives the masks eager would have drawn.
-Results are cloned out of the graph's buffers before autograd sees them (accumulation
-would otherwise keep a gradient that the next replay overwrites).
-
-Memory: every tensor a capture creates is freed when the capture ends, except what it
-writes into buffers allocated outside the graphs' shared pool (inputs, outputs,
-gradients — one set per signature, shared by all layers). So the pool holds only scratch,
-which any replay may overwrite: graphs run one at a time on one stream and nothing lives
-in the pool between replays. The pool is sized by the largest single capture (one
-layer's forward-and-backward working set), the memory the eager recompute needed anyway.
-Copies into the static buffers run without grad: a recorded copy would hang each call's
-autograd graph on the long-lived buffer and keep every step's activations alive.
-
-Batch shapes: a shape is captured only when it comes round again (a layer sees it a
-second time); its first pass runs eagerly. At most `max_shapes` shapes keep graphs and
-buffers: a new one evicts the least recently used, so batches padded to varying widths
-cost a bounded amount of memory, and a width that never repeats is never captured.
-
-A graph is keyed by layer, by the device address of its frozen storage (a streamed layer
-may land in any device slab) and of its adapters (which may wait in host memory between
-uses), by what is differentiated, by the shapes, dtypes and
-strides of its tensor arguments, the values of the others, and by the autocast and
-attention settings. A layer that cannot be captured (forward hooks, a host sync in its forward, an
-argument that is not a tensor or a plain value) runs eagerly, with the reason kept in `refused`; transformers'
-output recorders (an MoE router's, once a forward asked for router logits) are no such hooks while no forward
-collects what they record, and a call that does collect it runs eagerly; a host sync is found
-in the warm-up, run under CUDA's sync check. A capture that fails anyway raises: it
-leaves the CUDA generator unusable.
-
-On a CPU there are no graphs; `LayerGraphs(emulate=True)` runs the same static-buffer
-path with the body called again in place of a replay, so CPU tests cover the plumbing.
+why: docs/design.md#cuda-graphs
 """
 
 from __future__ import annotations

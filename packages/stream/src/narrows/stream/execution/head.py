@@ -1,12 +1,10 @@
 """The LM head streamed in vocabulary chunks.
 
-The head weight (vocab x hidden, not quantised: 1.1 GB for a 7B Qwen, 1.6 GB for 32B) is
-often the largest frozen tensor a streamed model would otherwise keep on the device. Here
-it lives in pinned host memory and is served through core's `HeadSource` hook: two device
-buffers of `rows` vocabulary rows, the next chunk copied on the engine's copy stream while
-the current one is used. Any consumer of the hook — core's `chunked_logits` for HF's own
-loss, narrows-lmhead's chunked cross-entropy — gets the same numbers it would get from
-the resident head with the same chunk size.
+The head lives in pinned host memory and is served through core's `HeadSource` hook from
+two device buffers of `rows` vocabulary rows; every consumer of the hook gets the numbers
+it would get from the resident head with the same chunk size.
+
+why: docs/design.md#the-streamed-head
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """The fast layers' attention kept in host memory from a layer's forward to its backward.
 
-A recomputed fast layer can keep its attention — SDPA's one autograd node, with the q, k,
-v, output and log-sum-exp its backward reads saved in it — so the recompute runs no
-attention forward (`narrows.core.kernels.fastlayer.compute.forward_keeping_attention`). At long
-context that is most of a layer's recompute, and those tensors are too large to stay on
-the device for every layer: the node runs under saved-tensor hooks that copy each large
-tensor it saves to a page-locked host buffer (`offload.ActivationOffload`, on its own
-device→host stream), and hand back a handle. In backward, `prefetch(i)` starts bringing
-layer i's tensors back on the engine's copy stream, behind its weights, while layer i+1's
-backward computes; the recompute reads the output through its handle and the backward
-calls the node, which reads the rest through theirs. The bytes go out and come back
-unchanged (each in the layout it had: a transposed tensor is copied as the dense block it
-is and transposed back), so the backward is bit-identical to one that recomputed them.
+Each large tensor SDPA's node saves goes to a page-locked host buffer and comes back
+unchanged, in its layout, so the backward is bit-identical to one that recomputed the
+attention. The attention mask, small tensors and tensors not laid out densely stay where
+they are.
 
-The attention mask (an input every layer shares) and small tensors (a dropout seed) stay
-where they are; so does any tensor not laid out densely.
+why: docs/design.md#kept-attention
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Saved layer inputs in host memory: the one activation a rematerialised layer keeps for
-its backward, moved off the device while the rest of the forward runs and brought back
-just ahead of the layer's backward.
+"""Saved layer inputs in host memory: the one activation a rematerialised layer keeps,
+moved off the device in the forward and brought back just ahead of its backward.
 
-A streamed (or resident-recomputed) layer saves only its input; at long sequences those
-inputs are most of what stays on the device (7B at 32K tokens: 28 × 235 MB). For each
-layer the plan offloads, `save` copies the input to a host buffer on a device→host stream
-of its own (so it runs beside the weight prefetch, which goes the other way), and the
-device tensor is freed once that copy has read it. In backward, `prefetch(i)` starts the
-host→device copy of layer i's input on the engine's copy stream, queued behind the
-weights of the same layer, and `fetch` hands it to the recompute after waiting for it.
-The bytes go out and come back unchanged, so the recompute sees a bit-identical input.
+The bytes come back unchanged, so the recompute sees a bit-identical input. Host buffers
+are page-locked at their exact size and reused across steps, one per offloaded layer in
+flight.
 
-Host buffers are page-locked at their exact size (torch's pinned allocator would round
-each one up to a power of two) and reused across steps: one per offloaded layer in
-flight. On a CPU-only machine the "device" is the CPU and the copies are plain memcpy
-into and out of the same pool, so the bookkeeping (which buffer belongs to which layer,
-prefetch order, reuse) is exercised by the CPU tests.
+why: docs/design.md#offloaded-inputs
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Streamed execution of one decoder layer, with rematerialised backward.
 
-Forward: bring the layer's frozen storage to the device, run the layer through the layer
-executor (`executor.py`: eager or CUDA graphs; as resident training would, same grad mode,
-so the same kernels), keep only its input and the RNG state captured just before, hand
-the storage back. Backward: bring it again, replay the RNG inside `fork_rng` and the
-forward's autocast and attention settings (`narrows.core.protocol.ambient`), and have the executor
-recompute the layer and differentiate it with respect to its input and its adapter
-parameters only — with its 4-bit weights dequantised once for both when the plan holds
-them (`narrows.core.HeldWeights`). Frozen weights never see a gradient.
+Forward keeps only the layer's input and the RNG state before it; backward recomputes the
+layer under that RNG state and the forward's autocast and attention settings, and
+differentiates with respect to the input and the adapters only: frozen weights never see
+a gradient. Tensors handed to forward hooks are extra outputs, so their gradients flow as
+in resident training.
 
-Tensors the layer's submodules hand to forward hooks (MoE router logits for the aux loss)
-are extra outputs of the node (`side_outputs.py`), so their gradients flow as in resident
-training: the executor's backward takes their gradients (`executor.SideGrads`).
+why: docs/design.md#rematerialised-layers
 """
 
 from __future__ import annotations

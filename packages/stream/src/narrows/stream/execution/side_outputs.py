@@ -1,24 +1,11 @@
 """Side outputs of a streamed layer: tensors its submodules hand to forward hooks.
 
-transformers collects per-layer tensors besides the hidden states — MoE router logits
-for the auxiliary loss, attention weights — through forward hooks on submodules of each
-decoder layer (``OutputRecorder``). A streamed layer runs inside one autograd node on a
-detached input, so a tensor such a hook stores would be cut off from the graph: the aux
-loss would still be computed, but its gradient would never reach the adapters.
+`SideOutputs` makes every gradient-carrying tensor a hook stores an extra output of the
+layer's autograd node, so its gradient reaches the adapters as in resident training. A
+hook that replaces a submodule's output is refused. In step mode router logits cannot
+reach the aux loss: `router_logits_refusal` says so.
 
-`SideOutputs` wraps every forward hook on the layer's submodules for the duration of one
-run. In the forward it hands each hook a detached stand-in for every tensor that carries
-a gradient and remembers the stand-ins; the autograd node returns them as extra outputs,
-which makes the very objects the hook stored part of the graph. In the backward
-recompute it calls no hook and returns the recomputed originals in the same order, so
-their incoming gradients are differentiated together with the layer's output.
-
-A hook that replaces a submodule's output (returns a value) would compute on a stand-in
-and break the layer's own graph: that is refused, never trained through.
-
-Step mode's block-major order computes the loss in a forward without the layers' routers,
-so MoE router logits cannot reach the aux loss there: `router_logits_refusal` says so,
-for `StepTrainer` to refuse and `choose_step_mode` to stay sequential.
+why: docs/design.md#side-outputs
 """
 
 from __future__ import annotations

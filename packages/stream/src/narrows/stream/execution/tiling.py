@@ -1,18 +1,11 @@
-"""Sequence tiling of a decoder layer's MLP: the position-wise part runs over tiles of the
-sequence, forward and backward, so its working set is [tile, intermediate] instead of
-[seq, intermediate] (at 7B and 32K tokens: 0.6 GB per tile of 4096 instead of 5 GB).
+"""Sequence tiling of a decoder layer's MLP: working set [tile, intermediate] instead of
+[seq, intermediate].
 
-Each tile's forward is independent of the others; only the MLP input is saved, and the
-backward recomputes one tile at a time (under the RNG state its forward drew from, so
-adapter dropout draws the same masks), writes that tile's input gradient and adds its
-parameter gradients to the running sum, tile after tile in order. The result is
-`torch.equal` to the same tiling run resident; against an untiled MLP it is equal up to
-summation order (the parameter gradients are sums over tiles, and a matmul over fewer
-rows may pick another kernel).
+`torch.equal` to the same tiling run resident; equal to an untiled MLP up to summation
+order. Dropout masks are those the tile's forward drew. `tile_sequence(model, tokens)`
+applies it to any model; `stream(seq_tile=...)` when asked or when the planner needs it.
 
-`tile_sequence(model, tokens)` applies it to a model (streamed or not, so a resident run
-with the same tiling is the reference); `narrows.stream.stream(seq_tile=...)` applies it
-when asked or when the planner needs it.
+why: docs/design.md#sequence-tiles
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Where `stream` replaces forwards on the user's model, and in which order.
 
-Every ``.forward`` narrows.stream replaces for good is replaced here, in this order (step
-mode swaps the layers' forwards only for the length of one pass, `remat.replaced_forwards`):
+Every ``.forward`` narrows.stream replaces for good is replaced here: the tiled MLPs first
+(the one replacement that can refuse, so a refusal leaves the model as it was), then the
+streamed layers (their own forward kept as ``narrows_original``), the streamed head and
+the host embedding. Whole layers are untouched.
 
-1. each decoder layer's MLP, over sequence tiles (`tiling.py`), when the plan tiles —
-   first, before anything moves: it is the one replacement that can refuse the model (an
-   MLP without ``.mlp``, or with forward hooks), so a refusal leaves the model as it was.
-   It sits inside the layer: the layer's own forward calls ``self.mlp`` when it runs, so
-   the streamed forward, its recompute and a whole layer all run the tiled MLP.
-2. each streamed layer's forward (`remat.streamed_call`, running through the plan's
-   layer executor, `executor.py`): after the layers are parked, since it needs the
-   engine. It keeps the layer's own forward as ``narrows_original`` (what step mode and
-   the self-check call). Whole layers stay untouched: they run as in resident training.
-3. the streamed head's forward, logits in vocabulary chunks: after its weight points at
-   the head's host copy (a tied embedding shares it).
-4. the host embedding's forward: rows gathered on the host around the embedding's own.
-
-Steps 2-4 replace different modules, so among them the order is free; it is kept fixed.
-Outside the package, `narrows.lmhead` replaces the model's own forward before `stream`
-(`narrows.core.app.finetune.build_model`), so the planner sizes the loss that will run.
+why: docs/design.md#wiring-order
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The planning room: ``plan(model, config)`` → one `Plan`, every decision with its reason.
 
-- `measure`: what the planner reads off the model (device, budget, frozen bytes);
-- `memory`: the memory formulas (saved inputs, working sets, graphs' pool, trained state);
-- `steptime`: the step-time model that ranks plans;
-- `residency`: the residency decisions (resident, whole, slabs, offloaded inputs, tiles, graphs),
-  `placement` which layers they are;
-- `accumulation`: sequential or block-major steps, and held 4-bit weights;
-- `record`: the `Plan` itself and how it reads;
-- `planner`: the entry that runs them in order, once per start.
+Modules: `measure`, `memory`, `steptime`, `residency`, `placement`, `accumulation`,
+`attention`, `record` and `planner`, the entry that runs them in order, once per start.
+
+why: docs/design.md#the-planner
 """
 
 from .accumulation import choose_step_mode, holds_weights

@@ -1,24 +1,11 @@
-"""Which accumulation a streamed model should train with: sequential (each micro-batch's
-forward and backward in turn, every streamed layer copied twice per micro-batch) or
-block-major (`StepTrainer`: every streamed layer copied twice a step). Both train the same
-numbers, so the choice is only about time and host memory, and `choose_step_mode` says
-why it chose. The planner asks it when a config plans for several
-micro-batches a step (``StreamConfig(grad_accum=G)``) and leaves ``step_mode`` to it.
+"""Which accumulation a streamed model trains with: sequential or block-major (`StepTrainer`).
 
-Block-major is chosen where the step-time model (`plan.step_seconds`) predicts it at least
-5% faster: where a streamed layer's copy takes longer than the compute it hides behind —
-short sequences, small batches, a narrow link — or, with every layer resident, where
-the 4-bit weights dequantised once per pass and a streamed head read once for a group of
-micro-batches save that much (a plan with layers kept whole stays sequential: block-major
-recomputes every layer). It costs host memory: the layer inputs of every
-micro-batch of the step wait in pinned host memory, so it is also refused when they would
-take more than half of what the host has available.
+Both train the same numbers; `choose_step_mode` says why it chose. Block-major is taken
+where the step-time model predicts it at least 5% faster and its micro-batches' saved
+inputs take at most half of the host's available memory; a plan with whole layers stays
+sequential. `holds_weights` says whether a `StepTrainer` holds 4-bit weights.
 
-In block-major order each layer runs for every micro-batch in a row, so its 4-bit weights
-can be dequantised once per pass and held (`narrows.core.HeldWeights`) instead of
-dequantised in every call: `holds_weights` says whether a `StepTrainer` will, and the
-prediction counts it. The held copy of the largest layer takes device memory, which a
-plan for step mode leaves free (`memory.step_mode_reserve`).
+why: docs/design.md#accumulation
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Whether the fast layers keep their attention from forward to backward, in host memory.
 
-A kept attention (`narrows.stream.execution.kept_attention`) spares each recomputed layer its attention
-forward and its Q/K/V base matmul, for the bytes of q, k, v, the output and the
-log-sum-exp going to host memory in the forward and back in the backward — beside the
-weights on the same copy engine, behind the layer's compute. Its share of a layer's
-recompute grows with the sequence: attention's forward is ``2·seq·(heads·head_dim)``
-multiply-adds a token against the layer's matmuls' fixed count, so "auto" keeps it where
-that share reaches `KEEP_SHARE` (7B: from about 12K tokens a sequence; at 512 it is 1%).
-The device holds one more layer's kept attention in flight (the next backward's, brought
-back early); host memory holds every recomputed layer's.
+"auto" keeps it where attention's share of a layer's recompute reaches `KEEP_SHARE`; the
+device then holds one more layer's kept attention in flight, host memory every recomputed
+layer's.
+
+why: docs/design.md#kept-attention
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
-"""The planner's one entry: ``plan(model, config)`` reads the model (its anatomy, each
-layer's frozen bytes, what goes to the device outside the layers, the trained state),
-decides once, and returns one `Plan` with every decision and its reason:
+"""The planner's one entry: ``plan(model, config)`` reads the model, decides once, and
+returns one `Plan` with every decision and its reason.
 
-1. residency, prefetch, saved inputs, tiles, whole layers and graphs (`residency`);
-2. with several micro-batches a step (``grad_accum``), the accumulation: a plan for step
-   mode leaves room for what a block-major step keeps beyond it and recomputes every
-   layer; it is taken where asked for or where `choose_step_mode` predicts it faster,
-   else the plan for sequential steps (`accumulation`);
-3. whether each layer's 4-bit weights are dequantised once and held: for block-major
-   steps through a pass of every micro-batch (`holds_weights`), for sequential steps
-   through each recomputed layer's backward (`_held_in_backward`);
-4. whether the fast layers keep their attention in host memory for the backward
-   (`attention.keep_attention`).
+Order: residency (`residency`), then with ``grad_accum`` ≥ 2 the accumulation
+(`accumulation`), held 4-bit weights, kept attention (`attention.keep_attention`).
+`stream` applies the plan; `StepTrainer` reads accumulation, held weights and host state.
 
-`stream` applies the plan; `StepTrainer` reads the accumulation, the held weights and the
-host state from it.
+why: docs/design.md#the-planner
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
-"""The residency decisions: given a device budget, which decoder layers stay on the
-device for good (and which of those run whole), how many device slabs to prefetch into,
-which saved inputs go to host memory, whether the MLP runs in sequence tiles and whether
-the layers replay as CUDA graphs — and what peak and transfer to expect.
+"""The residency decisions for a device budget: resident and whole layers, prefetch slabs,
+offloaded inputs, sequence tiles and CUDA graphs — and the expected peak and transfer.
 
-Costs the budget must hold whatever the plan (the "fixed" part): non-layer frozen tensors
-placed on the device (final norm, head, a tied embedding), the trainable parameters with
-their gradients and AdamW state, the transient working set of one layer's recompute, and
-the logits of the loss. Then the saved layer inputs (one hidden-state tensor per layer):
-on the device, or offloaded to host memory with two in flight on the device.
+The budget always holds the fixed costs; the minimum is one device slab with every saved
+input offloaded (and tiles only when asked for and still needed). Options arrive
+validated (`StreamConfig`); `make_plan` does not check them again.
 
-The minimum is one device slab, every saved input offloaded (when offloading is allowed)
-and, only when that is still too much and tiling was asked for, the MLP run in sequence
-tiles (the largest tile that fits). What the budget has beyond it buys, in this order:
-device slabs for prefetch, saved inputs kept on the device (the last layers first: their
-backward comes first), then resident layers — spread evenly through the stack, so every
-streamed layer's copy can hide behind the compute of its neighbours (partial residency, as in
-"NVMe Weight Streaming: Partial-Resident QLoRA Training") — or resident layers kept *whole*: run as resident training runs them, every
-activation saved, no recompute. A whole layer saves a quarter of its step time (the
-recompute forward) for the memory of its activations; a resident layer saves the copy
-time its neighbours' compute cannot hide. The step-time model (`steptime.step_seconds`)
-picks the mix. Whole layers are the last layers: the streamed layer before them is still
-in its device slab when backward turns, so no copy has to be started from inside their
-plain autograd backward. With every layer whole a step is plain PEFT training without
-checkpointing.
-
-With CUDA graphs (`graphs=True`) the layers narrows runs itself (streamed, or resident and
-recomputed) replay as graphs: the budget also holds the graphs' scratch pool, and the
-step-time model prices those layers without the host's per-kernel cost, so at short
-sequences a graphed recompute beats an eager whole layer and the planner picks it.
-
-The options arrive validated (`narrows.stream.StreamConfig`); `make_plan` does not check
-them again.
+why: docs/design.md#residency
 """
 
 from __future__ import annotations
@@ -95,21 +70,14 @@ def make_plan(
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
-    `head_h2d_bytes`: what a streamed LM head adds to the transfer per step. `disk`: the
-    layers whose host copy is on disk; they are the first made resident, since a resident
-    layer is read once instead of twice a step. `host_bytes`/`host_budget`: the host tiers'
-    predicted footprint and its budget, for the report. `offload`: "auto" (saved inputs
-    stay on the device while the budget allows), "off" (never offloaded) or "all".
-    `tile`: None (never tiled), "auto" (tiled only when the budget needs it) or a tile
-    size in tokens (always). `recompute`: "auto" (resident layers are kept whole while
-    the budget allows) or "all" (every layer is recomputed in backward). `rates`: the
-    machine's transfer and compute times for the step-time model (default: fitted).
-    `graphs`: the layers narrows runs replay as CUDA graphs (their pool is counted, and
-    they are priced without the host's per-kernel cost); "auto": on a CUDA device with a
-    budget, the plan with graphs if it fits and its predicted step time is lower.
-    `reserved`: how much of `fixed_bytes` the caller reserved (for the report).
-    `host_state`: what of the training state `fixed_bytes` left in host memory (for the
-    report and for `StepTrainer`, which must then keep it there)."""
+    `offload`, `tile`, `recompute` and `graphs` take `StreamConfig`'s values; `disk`: layers
+    whose host copy is on disk (made resident first); `head_h2d_bytes`: a streamed head's
+    transfer per step; `rates`: the step-time model's (default: fitted); `host_bytes`,
+    `host_budget`, `reserved`, `host_state`: carried into the plan's report (`host_state` also
+    for `StepTrainer`, which must keep that state in host memory).
+
+    why: docs/design.md#residency
+    """
     if graphs == "auto":
         return _either(dict(locals()))
     layer_bytes = tuple(layer_bytes)

@@ -1,13 +1,11 @@
-"""The step-time model that ranks plans: one layer's compute and copy time, and a step's
-layer time for a residency, with or without CUDA graphs, sequential or block-major
-accumulation, held 4-bit weights, PEFT's layers or narrows.core's fast layers. Not a
-prediction the report shows — a way to compare plans; a profile's measured rates
-(`narrows.stream.Profile.rates`) replace the fitted ones.
+"""The step-time model that ranks plans: a layer's compute and copy time and a step's layer
+time for a residency and its options.
 
-A layer's work is counted in forwards. PEFT's layers under autograd: a whole layer runs a
-forward and a backward of two forwards, a recomputed one a forward more. Fast layers: the
-backward is `FAST_BACKWARD` forwards (the input's gradient and the adapters'), and the
-recompute skips down_proj, the share of a forward `recompute_share` gives.
+A way to compare plans, not a prediction the report shows; a profile's measured rates
+(`narrows.stream.Profile.rates`) replace the fitted ones. Work is counted in forwards
+(`FAST_BACKWARD`, `recompute_share` for the fast layers).
+
+why: docs/design.md#the-step-time-model
 """
 
 from __future__ import annotations
@@ -110,19 +108,14 @@ def step_seconds(
     block_major: bool = False,
     held: bool = False,
 ) -> float:
-    """Predicted time of one step's layers with `resident` resident layers of which
-    `whole` run without recompute: forward, backward, the recompute of every other layer
-    (`passes`), and what a streamed layer's copies cannot hide — behind the
-    previous layer's forward, and behind the next layer's backward and recompute. With
-    `graphs` the layers narrows runs (all but the whole ones) are priced as graph replays;
-    whole layers run eagerly either way. Over `micro_batches`: sequential accumulation
-    copies each streamed layer twice per micro-batch; `block_major` (step mode) twice a
-    step, each copy behind the compute of every micro-batch, and every layer recomputed
-    (step mode keeps no layer whole). `held`: each layer's 4-bit weights are dequantised
-    once and held (`narrows.core.HeldWeights`) — block-major, once per pass for all
-    micro-batches instead of three times per micro-batch (forward, recompute, input
-    gradient); sequential, once for each recomputed layer's backward (recompute and input
-    gradient share it), two per micro-batch instead of three."""
+    """Predicted time of one step's layers with `resident` resident layers of which `whole`
+    run without recompute, in seconds.
+
+    Counts forward, backward, recompute and the copy time the neighbouring compute cannot
+    hide, over `micro_batches`, sequential or `block_major`, with `graphs` and `held` weights.
+
+    why: docs/design.md#the-step-time-model
+    """
     n = len(layer_bytes)
     whole = 0 if block_major else whole
     eager, c = layer_seconds(max(layer_bytes), s, rates)

@@ -1,20 +1,12 @@
-"""`transformers.Trainer` with step mode: the Trainer's own loop — data, clipping,
-optimizer, scheduler, logging, checkpoints, callbacks — with each optimizer step's
+"""`transformers.Trainer` with step mode: the Trainer's own loop, with each optimizer step's
 micro-batches run block-major by `StepTrainer.accumulate`.
 
-Why it is the same training: the Trainer calls `training_step` once per micro-batch and,
-after the last one of a step (``accelerator.sync_gradients``), clips and steps. Here the
-micro-batches before the last are only kept; the last one runs the whole step's forward
-and backward block-major, leaving in ``.grad`` what the Trainer's sequential
-``accelerator.backward(loss)`` calls would have left — each loss computed as the default
-`compute_loss` does (the model's own loss, ``num_items_in_batch`` passed when the model
-takes it) and divided by the step's micro-batch count exactly when the Trainer would
-divide it. What narrows cannot reproduce this way is refused at construction: an
-overridden `compute_loss`, a `compute_loss_func` or label smoother, mixed precision by
-autocast (``bf16``/``fp16`` arguments: give the model its dtype instead), several
-processes. The logged training loss is the same sum in another order (the last
-micro-batch reports the step's total), so it may differ from the plain Trainer's in its
-last bits; the weights do not.
+Leaves in ``.grad`` what the Trainer's sequential backward calls would have left; refuses
+at construction what it cannot reproduce (an overridden `compute_loss`, a
+`compute_loss_func` or label smoother, ``bf16``/``fp16`` autocast, several processes). The
+logged loss may differ in its last bits; the weights do not.
+
+why: docs/design.md#step-mode-in-transformers-trainer
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Optimizer state in host memory, each layer's update run on the device as soon as its
-gradients are complete (step mode with a plan's ``host_state="optimizer"``).
+gradients are complete (step mode with ``host_state="optimizer"``).
 
-Why: AdamW keeps two fp32 tensors per adapter parameter. At rank 16 on every linear of a
-7B model that is 320 MB, at 72B 1.7 GB — more than a streamed layer, all of it on the
-device for the whole step although each layer's part is used once, by its update. Here
-it lives in (pinned) host memory and visits the device only for that update; without
-clipping, the update runs right after the layer's backward, so a layer's gradients are
-freed as soon as they exist and the device never holds more than one layer's gradients
-and state.
+The same arithmetic as one `optimizer.step()` for every optimizer in `SUPPORTED`,
+clipping by the global norm included (formed as `clip_grad_norm_` forms it). Between steps
+the state is in host memory, where `optimizer.state_dict()` finds it.
 
-Why it is the same training: every torch optimizer named in `SUPPORTED` updates each
-parameter from that parameter's gradient and state alone, so stepping the layers one at
-a time (each call sees only that layer's gradients; the others are None and skipped) is
-the full `optimizer.step()` done in parts, elementwise the same arithmetic. Gradient
-clipping by the global norm needs every gradient first. So with `max_grad_norm` each
-layer's per-parameter norms are taken when its gradients are complete (the same kernel
-`clip_grad_norm_` uses per tensor), its gradients wait in host memory, and after the last
-layer the total is formed exactly as `clip_grad_norm_` forms it — the per-tensor norms
-stacked in its order (grouped by device and dtype, then parameter order) — and every
-layer is brought back, scaled by `clip_grads_with_norm_` and stepped: a second, small
-pass over the adapters alone.
-
-Parameters stay on the device (every micro-batch's forward and backward reads them)
-unless `adapters` keeps them in host memory too (`host_params`): then each update brings
-its layer's parameters to the device and sends them back updated. Optimizer state
-between steps is in host memory, where `optimizer.state_dict()` finds it
-for a checkpoint. A state loaded onto the device (`load_state_dict` moves it there) goes
-back to host memory at the next step.
+why: docs/design.md#optimizer-state-in-host-memory
 """
 
 from __future__ import annotations

@@ -1,30 +1,12 @@
-"""Adapter parameters in host memory between their uses (step mode with a plan's
+"""Adapter parameters in host memory between their uses (step mode with
 ``host_state="adapters"``).
 
-Why: LoRA r16 on every linear of Qwen2.5-72B is 2.6 M parameters per layer, 0.84 GB in
-fp32 over its 80 layers — more than a quarter of step mode's smallest footprint — yet a
-block-major step reads a layer's adapters only twice: in that layer's forward of every
-micro-batch and in their backward. With the optimizer's state already waiting in host
-memory (`host_optimizer`), the parameters can wait there too: a layer's adapters come to the
-device for its forward and leave unchanged, come again for its backward and update, and
-leave updated. The device then holds one layer's adapters at a time.
+Copies are bitwise and every computation runs on the device, so training is unchanged. A
+layer's adapters have the same device addresses at every use. Between steps each
+parameter's ``.data`` is its host buffer, so state dicts, saving and in-place loads see
+the trained values.
 
-Why it is the same training: copies are bitwise and every computation — forward,
-backward, the optimizer's update — still runs on the device on the same values; only
-where those values wait between uses changes.
-
-Where they land: one device slot the size of the largest layer's adapters, each layer's
-parameters at the same offsets in it, so a layer's adapters have the same device
-addresses at every use — which a CUDA graph's replay needs (it reads the addresses it
-captured; `LayerGraphs` keys its graphs by them too). A bring that would put two layers'
-adapters in the slot at once (every layer's, for a sequential step) gets fresh copies.
-
-Between steps each parameter's ``.data`` is its host buffer (pinned on a CUDA run), so
-``model.state_dict()``, PEFT's ``save_pretrained`` and in-place loads (``p.copy_(w)``) see
-and change the trained values. A parameter found elsewhere at the start of a step (moved
-to the device, or assigned new data) is copied back into its buffer first. Forward passes
-between steps without gradients (evaluation, generation) bring each layer's adapters for
-that layer's call only (`serve`), so they too hold one layer's at a time.
+why: docs/design.md#adapters-in-host-memory
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Where the global RNG stands at the start of each micro-batch of a step, before the
 micro-batches before it have run.
 
-Block-major accumulation runs layer 0 of every micro-batch before layer 1 of any. In the
-sequential order it must reproduce, micro-batch k starts where micro-batch k-1's forward
-left the generator (the backward consumes nothing: recomputes replay saved states). So
-the start of micro-batch k is predicted by replaying the *random* operations one
-micro-batch of that shape performed — the ops PyTorch tags `nondeterministic_seeded`
-(dropout's bernoulli, native_dropout, rand…), recorded once with a dispatch mode and
-re-run on empty tensors of the same shapes, which advances the generator exactly as the
-originals did, whatever the backend's generator. A prediction is only trusted after the
-fact: the step compares each micro-batch's actual end state with the predicted start of
-the next, and a mismatch makes the caller redo the step in sequential order.
+Predicted by replaying one micro-batch's seeded random ops on empty tensors; trusted only
+after the fact: a mismatch with a micro-batch's actual end state makes the caller redo
+the step in sequential order.
+
+why: docs/design.md#predicting-the-rng
 """
 
 from __future__ import annotations

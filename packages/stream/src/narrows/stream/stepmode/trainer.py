@@ -1,28 +1,11 @@
 """Step mode: one optimizer step over G micro-batches with every streamed layer loaded
 once for the forward of all G and once for their backward (block-major accumulation).
 
-Sequential gradient accumulation loads each streamed layer 2·G times a step; here it is
-2 times, so the host→device floor of a step no longer grows with G. Per micro-batch k
-and layer L the layer runs on its own saved input, so the step keeps every layer
-boundary of every micro-batch — in pinned host memory (the offload machinery of
-`offload.py`), brought back one ahead of its backward.
+`torch.equal` to sequential accumulation; a step whose RNG cannot be predicted is redone
+sequentially, never trained with other dropout masks. The decoder's layers must be chained
+directly (``h = layer(h, ...)``), which the capture checks.
 
-What makes it the *same* training as sequential accumulation:
-
-* every layer call is the one resident training makes: same grad mode, same arguments
-  (captured per micro-batch from the model's own forward), same kernels;
-* each adapter parameter's gradient is summed over micro-batches in micro-batch order —
-  one autograd.grad per (micro-batch, layer) whose result is added to ``.grad`` as
-  autograd's accumulation would;
-* each (micro-batch, layer) forward starts from the RNG state the sequential order gives
-  it: layer L+1 from where layer L left off, and the first layer of micro-batch k from
-  where micro-batch k-1's forward would have left the generator, predicted and then
-  checked (`rng_plan.py`). An unpredictable step is redone sequentially — never trained
-  through with different dropout masks.
-
-The loss is computed by the model's own forward (its head and loss function), re-run on
-the last layer's output; the decoder's layers must be chained directly
-(``h = layer(h, ...)``), which the capture checks.
+why: docs/design.md#step-mode
 """
 
 from __future__ import annotations
@@ -94,38 +77,19 @@ def _model_loss(output: Any, batch: dict) -> Tensor:
 class StepTrainer:
     """One optimizer step per call over `grad_accum` micro-batches, block-major.
 
-    `model` is a PEFT model streamed with `narrows.stream.stream` (or a plain one, which
-    is streamed here with `stream_options`, planned for `grad_accum` micro-batches in
-    step mode). The trainer takes no mode of its own: it reads the model's plan
-    (``model.narrows_stream.plan``) — what of the training state waits in host memory
-    (``host_state``: "optimizer" keeps the optimizer's state there and updates each layer
-    as soon as its gradients are complete, see `host_optimizer`; "adapters" keeps the adapter
-    parameters there too, each layer's on the device for its forward and for its
-    backward and update, see `host_params`; between steps their ``.data`` is the host
-    buffer, a forward under ``torch.no_grad()`` brings each layer's for its call, and
-    `adapters_to_device()` puts them all back) and whether each layer's 4-bit weights
-    are dequantised once per pass into a held buffer (``hold_weights``;
-    `narrows.core.HeldWeights`: bitsandbytes' own matmuls on the held copy, so the same
-    bits). `grad_accum`: micro-batches a step (default: what the plan was made for).
-    `optimizer`: an optimizer over the model's
-    trainable parameters, or a callable building one from them. After each step the
-    optimizer steps (after clipping the global gradient norm to `max_grad_norm` when
-    given), `scheduler` steps when given, and gradients are reset to None. `loss_fn`
-    maps (model output, batch) to the micro-batch loss (default: the model's own, ``output.loss``).
-    `scale_loss=False`: `loss_fn`'s loss is already normalised over the whole step (e.g.
-    transformers' ``num_items_in_batch``) and is not divided by `grad_accum` again.
-    ``held_choice`` says whether weights are held and why.
-    A MoE model with router logits on (``output_router_logits``, config or batch) is
-    refused with `StreamSetupError` before any gradient where a step could run
-    block-major: the router's aux loss cannot be collected there (`side_outputs`).
-    Its parts, each given what it needs: ``host`` (`HostState`), ``heads`` (`HeadSharing`),
-    ``block_major`` (`BlockMajorStep`) and ``order`` (`StepOrder`, handed the block-major
-    run and the loss at each step).
-
-    The result is `torch.equal` to resident sequential accumulation::
+    `model`: a streamed PEFT model (or a plain one, streamed here with `stream_options`);
+    the host state and held weights come from its plan. `optimizer`: an optimizer or a
+    callable building one; each step clips to `max_grad_norm` when given, steps `scheduler`,
+    and resets gradients to None. `loss_fn` maps (output, batch) to the micro-batch loss
+    (default ``output.loss``); `scale_loss=False`: it is already normalised over the step. A
+    MoE model with router logits on is refused with `StreamSetupError` before any gradient
+    where a step could run block-major. The result is `torch.equal` to resident sequential
+    accumulation::
 
         for batch in batches: (model(**batch).loss / G).backward()
         clip_grad_norm_(params, max_grad_norm); optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+    why: docs/design.md#steptrainer
     """
 
     def __init__(

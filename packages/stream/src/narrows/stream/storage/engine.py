@@ -1,15 +1,11 @@
 """The transfer engine: where each decoder layer's frozen storage lives and how it gets
 to the compute device.
 
-Every streamed layer owns one host slab (pinned on CUDA machines) holding all its frozen
-slots — the authoritative copy; nothing is ever copied back. A small pool of device slabs,
-allocated once and reused, receives layers one host→device copy at a time on a dedicated
-copy stream; events order the copy after the slab's previous user and the compute after
-the copy. Resident layers are copied to the device once and never move.
+Each streamed layer's host slab is the authoritative copy; nothing is copied back. Device
+slabs are allocated once and reused; events order each copy after the slab's previous
+user and the compute after the copy. Resident layers are copied once and never move.
 
-On a CPU-only machine the device is the CPU: "copies" are memcpy between two host
-buffers and there are no streams, but every slot re-pointing and every ordering decision
-is the same code, so CPU tests exercise the mechanism itself.
+why: docs/design.md#the-transfer-engine
 """
 
 from __future__ import annotations
