@@ -1,21 +1,12 @@
 """narrows.core — the hallway every narrows package talks through.
 
-- anatomy: where a causal LM keeps its layers, embedding, final norm and head
-- adapter protocol: which module is an adapter layer, what trains, what it wraps
-- frozen slots and slabs: every frozen tensor (NF4 quantisation state included) as a
-  re-pointable reference, and the packed layout that moves a layer in one copy
-- NF4 quantisation through bitsandbytes (optional extra ``narrows-core[nf4]``)
-- PEFT's LoRA branches as one autograd node each, a shared input cast once (PEFT's bits)
-- fast layers: a Llama-family decoder layer as one node with a written-out backward and
-  LoRA on tensor cores (`fuse_layers`; its own bits, shared by resident and streamed runs)
-- checkpoint folders read one decoder layer at a time (the full float model never exists)
-- the LM-head hook: the head's weight served in vocabulary chunks, resident or streamed
-- memory measurement and byte sizes
-- architecture checks: shrunk twins of unannounced architectures, checked before training
-- deterministic kernels: the condition for bit-identical results on a GPU
-- optional packages: what is installed, and the install line when it is not
-- inference: a base plus a PEFT adapter or a ``narrows finetune`` run, loaded to be scored,
-  resident or streamed (narrows-stream) — the main job's way of loading the base
+Model anatomy, the adapter protocol, frozen slots and slabs, NF4 quantisation
+(``narrows-core[nf4]``), PEFT's LoRA branches as one node, the fast layers
+(`fuse_layers`), checkpoints read one decoder layer at a time, the LM-head hook, memory
+and sizes, architecture checks on shrunk twins, deterministic kernels, optional
+packages, and inference loading. Siblings import only this package, never each other.
+
+why: docs/design.md#core
 """
 
 from typing import TYPE_CHECKING

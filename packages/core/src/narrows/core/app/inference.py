@@ -1,12 +1,9 @@
 """A base plus an adapter, loaded for inference: one path for whoever scores a model
-(``narrows eval``, lm-eval's ``narrows`` model), sharing the main job's way of loading the
-base, so a score is taken on the model as the job loads it.
+(``narrows eval``, lm-eval's ``narrows`` model), loading the base as the main job does.
 
-The base is an HF folder or GGUF file, float or NF4, resident on the device or streamed
-through narrows-stream within a GPU budget; the adapter is a PEFT folder, a ``narrows
-finetune`` run's final adapter, or one of its checkpoints. DoRA layers run through
-narrows-dora where it is installed. Core composes the siblings here (as the main job does),
-each imported only when asked for and checked to be installed first.
+Siblings are imported only when asked for and checked to be installed first.
+
+why: docs/design.md#inference-loading
 """
 
 from __future__ import annotations
@@ -198,20 +195,14 @@ def load_for_inference(
     """Load `pretrained` (+ `adapter`) for forward-only use; every refusal comes before the
     slow load.
 
-    `quant="nf4"` quantises the decoder linears (bitsandbytes). `gpu_budget` (bytes, a size
-    like ``"8GiB"``, or ``"fit"``/``"min"``) streams the frozen base through narrows-stream:
-    only what fits the budget stays on the device, the rest comes from host memory layer by
-    layer with prefetch, no autograd state kept; its layers run their own modules (PEFT's,
-    not the fast layers), so it scores exactly as the resident model does. A DoRA adapter runs through narrows-dora
-    when it is installed (same numbers as PEFT's, without the dense B·A). `pretrained` may
-    also be a model already in host memory (then pass its `tokenizer`), or None for the base
-    a run folder given as `adapter` trained on. A run folder is used at its final adapter,
-    and refused while that is not its newest state, unless `checkpoint` (a step or
-    ``"latest"``) asks for a checkpoint's weights; a run's base is checked by content against
-    the one it trained on (`check_run_base`: its own refused when changed, one given as
-    `pretrained` said and recorded in `InferenceModel.base_differs`). `adapter` may be an
-    `AdapterChoice` its caller made and checked (narrows eval). `caller` is the function a
-    user called, named where a message shows how to call it.
+    `quant="nf4"`: decoder linears in NF4; `gpu_budget`: the base streamed through
+    narrows-stream, scoring exactly as the resident model does. `pretrained` may be a model in
+    host memory (pass its `tokenizer`) or None for a run folder's base. A run folder is used at
+    its final adapter and refused while that is not its newest state, unless `checkpoint`
+    (a step or ``"latest"``) is given; its base is checked by content (`check_run_base`).
+    `adapter` may be a checked `AdapterChoice`; `caller` is named in messages.
+
+    why: docs/design.md#inference-loading
     """
     dev = (
         torch.device(device)

@@ -1,24 +1,13 @@
 """What a run's inputs are, by content: fingerprints of a model (HF folder or GGUF file)
 and of data files, and the differences between two fingerprints in words.
 
-A run records these when it starts, so ``--resume`` from any directory finds the same
-files or refuses, naming what changed, and a moved file can be named anew when its
-content matches; ``narrows eval`` and the lm-eval backend check a run's base the same way.
-Data files and GGUF files are hashed whole (sha256, read in 8 MiB blocks: about 1.7 GB/s
-on a core with SHA extensions, so a 1 GB file costs a second or two when cached in RAM,
-its disk read when not). Hashing every weight of a 72B checkpoint would read 145 GB, so
-a safetensors shard is fingerprinted by its size, the hash of its header (names, dtypes,
-shapes, offsets) and a sampled hash of its weights: every tensor's bytes whole when they
-are at most 64 KiB (norms, biases), else 16 blocks of 4 KiB spread evenly from its first
-byte to its last. Weights rewritten under the same header (a re-export, a fine-tuned copy
-saved over the original) change every sampled block; a change confined to bytes between
-the samples goes unseen. It reads 64 KiB a tensor: ~22 MB at 7B, ~63 MB at 72B
-(README, "What a run trusts"). Other files of a model folder (config, index, tokenizer,
-chat template) are hashed whole.
+Data files, GGUF files and a model folder's non-weight files are hashed whole (sha256). A
+safetensors shard is fingerprinted by its size, its header's hash and a sampled hash of its
+weights: tensors of at most 64 KiB whole, larger ones as 16 blocks of 4 KiB spread evenly
+from first to last byte. A change confined to bytes between the samples goes unseen.
+Hashes are remembered per process, keyed by inode, size and change time.
 
-Hashes are remembered for the life of the process, keyed by the file's inode, size and
-change time (which every write moves, whatever the modification time is set back to),
-so a file fingerprinted and then read for the token cache is hashed once.
+why: docs/design.md#fingerprints
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """PEFT's LoRA linears with the adapter branch as one autograd node, and one cast of a
 shared input: the same bits as PEFT, fewer nodes, less saved memory.
 
-PEFT computes a LoRA linear as ``base(x) + B(A(dropout(x))) * s``. With float32 adapters
-on a bf16 model (QLoRA's usual setup) it first casts ``x`` to float32, and the A matmul
-saves that copy for its backward. Q, K and V read the same ``x``, so a decoder layer
-keeps three float32 copies of its attention input, and gate and up two of their input.
-`fuse_lora(model)` makes each covered linear run its branch as one autograd node
-(`LoraBranch`) that takes the input already cast; the cast is made once for every
-linear that reads the same tensor, and saved once. Autograd's ~10 nodes per linear
-(cast, two folded matmuls with their views and transposes, scale, add, cast) become one.
+`fuse_lora(model)` covers PEFT's ``lora.Linear`` and bitsandbytes ``lora.Linear4bit``; a call
+it does not cover goes to PEFT's forward unchanged. The shared cast trusts PyTorch's
+version counters: an input changed in place through ``.data`` between two linears that
+read it reaches the second with the first's cast.
 
-Why the bits are PEFT's: the node's forward runs PEFT's operations in PEFT's order
-(`lora_branch_reference` is that formula). Its backward issues what autograd issues
-for them — for a matmul ``x2 @ w.t()`` of a row-major ``x2`` and a transposed weight,
-``grad @ w`` for the input and ``grad.t() @ x2`` for the weight (`mm_mat1_backward` /
-`mm_mat2_backward` in PyTorch), the casts back to each input's dtype, the scale as a
-float32 multiply — and it returns the gradient of ``x`` through its own edge when PEFT's
-branch would have (the node is created where PEFT's branch is, after the base layer),
-so ``x``'s gradient is summed in the same order as PEFT's graph sums it.
-
-A call the node does not cover goes to PEFT's forward unchanged: an active dropout,
-several active adapters, a LoRA variant (DoRA), merged or disabled adapters, autocast,
-a bias on the adapter, hooks on the adapter's modules, a non-contiguous input, extra
-arguments. Only PEFT's ``lora.Linear`` and bitsandbytes ``lora.Linear4bit`` are covered
-(their forwards differ: the first adds in the promoted dtype, the second casts first).
-The shared cast trusts PyTorch's version counters: an input changed in place through
-``.data`` (which bumps none) between two linears that read it would reach the second
-with the first's cast.
+why: docs/design.md#lora-branches
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The adapter-layer protocol: how narrows sees a module that wraps a frozen base layer
 with trainable adapter weights.
 
-An adapter type answers three questions about a module — is it mine, which base layer
-does it wrap, which of its parameters are adapter weights (and of what role) — and core
-derives the rest (frozen slots, trainable sets) the same way for every type. PEFT's
-LoRA layers (plain LoRA and PEFT's DoRA variant, on float or bitsandbytes bases) are the
-first implementation; narrows-dora registers its own layer the same way, and so can a
-third party. Streaming, LM-head replacement and evaluation only ever talk to views.
+An adapter type says whether a module is its own, which base layer it wraps and which
+parameters are adapter weights; core derives frozen slots and trainable sets from that
+alike for every type. Streaming, LM-head replacement and evaluation only talk to views.
+
+why: docs/design.md#the-adapter-protocol
 """
 
 from __future__ import annotations

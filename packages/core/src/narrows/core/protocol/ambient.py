@@ -1,15 +1,10 @@
 """The ambient settings a recompute must run under, as the forward it repeats did:
 autocast, and the scaled-dot-product-attention backends.
 
-Why: a forward under ``torch.autocast`` runs its matmuls in the autocast dtype, and one
-inside ``torch.nn.attention.sdpa_kernel([...])`` uses the attention kernels it allows;
-resident training differentiates those results. Every recompute narrows does in a
-backward (a streamed layer, an MLP tile, a logits tile) runs where the caller's contexts
-are no longer active. Without them the recompute runs in full precision, or picks another
-attention kernel, and the gradients differ silently (measured on tiny models on the CPU:
-1e-3 under bf16 autocast; 5e-8 under the math SDPA backend, which the recompute left for
-the CPU's flash kernel). So each forward records the settings (`ambient_state`) and its
-recompute enters them again (`ambient_as`).
+Each forward records them (`ambient_state`); its recompute enters them again
+(`ambient_as`).
+
+why: docs/design.md#ambient-settings
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Model anatomy: where a Hugging Face causal LM keeps its decoder layers, embedding,
 final norm and LM head.
 
-Everything is found by structure (``get_decoder()``, ``get_input_embeddings()``, the
-``ModuleList`` holding ``config.num_hidden_layers`` blocks); the architecture table
-records which ``model_type`` values are announced (tested in CI with the contract suite,
-stream parity and the lmhead loss), what each does to its logits, and any path structure
-cannot find. A model type outside the table is accepted only once it has been checked on
-a shrunk twin in this process (`narrows.core.verify_architecture`); until then it is
-refused, never silently half-supported.
+Found by structure; the architecture table records the announced ``model_type`` values.
+Any other type is refused until checked on a shrunk twin in this process
+(`narrows.core.verify_architecture`), never silently half-supported.
+
+why: docs/design.md#anatomy
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """`apply(model, *configs)`: narrows' transforms of a model, each given as its package's
-config object, applied in the one order that works — the way torchao's
-``quantize_(model, config)`` dispatches on the config's type.
+config object, applied in the one order that works.
 
-Each package registers its config types with the stage they belong to when it is imported
-(`register`). The stages, in the order they run:
+Stages, in order: ``"loss"``, ``"tiles"``, ``"layers"``, ``"residency"`` (with a residency
+config, give neither ``"tiles"`` nor ``"layers"``). Packages register their config types
+when imported (`register`).
 
-1. ``"loss"`` — the LM-head savings (narrows-lmhead): first, so a planner that runs after it
-   sizes the loss that will run.
-2. ``"tiles"`` — the MLP cut into sequence tiles (narrows-stream): before the fast layers,
-   which read the tiles and run them.
-3. ``"layers"`` — the decoder layers' kernels: fast layers (`narrows.core.FastLayers`).
-4. ``"residency"`` — where the frozen base lives (narrows-stream's `StreamConfig`): last, as
-   it plans the model the stages before it left (and runs its own fast layers and tiles
-   from its config: with it, give neither ``"tiles"`` nor ``"layers"``).
+why: docs/design.md#the-order-of-transforms
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Deterministic kernels: the condition under which "bit-identical" is checkable on a GPU.
 
-Streamed training replays each layer exactly as resident training runs it, so the two are
-`torch.equal` whenever the resident run is itself reproducible. On CUDA it is not by
-default: SDPA's backward and some cuBLAS paths accumulate in a run-to-run varying order
-(measured on the H100: gradients differ by up to 3e-5 between two identical runs).
-`deterministic()` turns that off — ``torch.use_deterministic_algorithms(True)``, cuBLAS's
-fixed workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, read when cuBLAS starts, so set it
-before the first GPU matmul: the CLI does so at start-up) and deterministic cuDNN. SDPA
-then picks its deterministic flash backward on Hopper, at no measured cost. On the CPU
-every kernel narrows uses is already deterministic.
+`deterministic()` sets ``torch.use_deterministic_algorithms(True)``, cuBLAS's fixed
+workspace (``CUBLAS_WORKSPACE_CONFIG=:4096:8``: set it before the first GPU matmul) and
+deterministic cuDNN. On the CPU every kernel narrows uses is already deterministic.
+
+why: docs/design.md#deterministic-kernels
 """
 
 from __future__ import annotations

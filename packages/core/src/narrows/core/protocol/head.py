@@ -1,28 +1,11 @@
 """The LM-head hook: where the head's weight rows come from, one vocabulary chunk at a time.
 
-Two siblings care about the head and must not know each other: narrows-stream can keep
-the head weight in host memory and bring it to the device a chunk of vocabulary rows at a
-time, and narrows-lmhead computes the loss chunk by chunk without ever building the full
-logits. They meet here. A `HeadSource` yields ``(rows, weight_chunk, bias_chunk)`` on the
-compute device; `head_source(model)` returns the source attached to the model's head (by
-narrows-stream, say) or a `ResidentHead` over the head's own weight. Whoever consumes the
-chunks gets the same numbers from either source for the same chunk size.
+A `HeadSource` yields ``(rows, weight_chunk, bias_chunk)`` on the compute device; any
+source gives the same numbers for the same chunk size. `chunked_logits` equals the
+one-matmul head up to summation order. `sharing_head_pass` serves several forwards'
+losses from one read; `LogitMath` travels with every source.
 
-`chunked_logits` is the consumer for code that still wants full logits (HF's own loss):
-it computes them chunk by chunk, so the weight need not be on the device all at once.
-Its input gradient is summed over vocabulary chunks (in fp32), so it equals the
-one-matmul head up to floating-point summation order, not bitwise.
-
-`sharing_head_pass(model)` lets one read of a streamed head serve the losses of several
-forwards: inside it, a loss replacement that can (narrows-lmhead's exact chunked loss)
-leaves the loss out of the forward's output and files it with the `HeadSweep`; the
-caller (narrows-stream's step mode) then computes every filed loss in one pass over the
-head's chunks instead of one pass per micro-batch.
-
-`LogitMath` is what an architecture does to the head's output before the loss (Cohere's
-``logit_scale``, Granite's ``logits_scaling``, Gemma's ``final_logit_softcapping``): it is
-declared per architecture in `anatomy` and travels with every source, so a loss computed
-from the hook applies it exactly where the model's own forward does.
+why: docs/design.md#the-lm-head-hook
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Frozen slots: every tensor a module's forward reads but never trains, as named,
 re-pointable references.
 
-A slot is one place a frozen tensor is held — a frozen parameter's ``.data``, a buffer,
-or one tensor of a bitsandbytes ``QuantState`` (packed weight, absmax, nested absmax,
-code tables, offset). Pointing a slot at another tensor of the same shape, dtype and
-strides (on another device, or a view into a slab) changes what the module reads
-without rebuilding it, so PEFT wrappers, optimizer references and hooks keep working.
-The module's own objects (Parameter, QuantState) stay the same; only their storage moves.
+Pointing a slot at a tensor of the same shape, dtype and strides changes what the module
+reads without rebuilding it; the module's own objects (Parameter, QuantState) stay the
+same, only their storage moves.
+
+why: docs/design.md#frozen-slots
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Checking an architecture narrows does not announce, on its shrunk twin, before training it.
 
-Each package contributes the check for what it changes: core checks that its head hook
-(weight, bias and `LogitMath`) reproduces the model's own logits in train and eval mode;
-narrows-stream checks streamed against resident training (dropout, gradient accumulation,
-side outputs such as MoE router logits); narrows-lmhead checks its loss against the
-model's own loss. An entry point calls `ensure_architecture(model, *checks)`: announced
-architectures pass at once; an unannounced one has its twin built and the named checks
-run — all pass, and it is accepted for the rest of the process (said in the log); one
-differs, and it is refused with what differed. Nothing trains through a difference.
+`ensure_architecture(model, *checks)`: announced architectures pass at once; an
+unannounced one is accepted for the process once every named check passes on its twin,
+and refused with what differed otherwise. Nothing trains through a difference.
+
+why: docs/design.md#architecture-checks
 """
 
 from __future__ import annotations

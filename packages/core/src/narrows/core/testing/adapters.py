@@ -19,15 +19,12 @@ _EXCLUDE = r".*(\.router|vision_tower\..*|multi_modal_projector\..*)"
 def with_adapter(
     model: nn.Module, kind: str, *, rank: int = 4, seed: int = 0, dropout: float = 0.0
 ) -> nn.Module:
-    """`model` wrapped by PEFT with LoRA or PEFT's DoRA on every linear layer but the head
-    (``target_modules="all-linear"``, what users pass; for Mixtral and Qwen3-MoE PEFT also
-    adapts the fused expert parameters, through ``lora.ParamWrapper``, which takes neither
-    dropout nor DoRA). Where the experts are quantised (PEFT's wrapper needs float ones), the
-    targets are narrows' defaults (`narrows.core.lora_targets`: routers and routed experts
-    frozen).
+    """`model` wrapped by PEFT with LoRA or PEFT's DoRA on every linear layer but the head.
 
-    lora_B is randomised (PEFT initialises it to zero) so the adapter path changes the
-    output and any mistake in it shows.
+    Targets are ``"all-linear"``, or narrows' defaults (`narrows.core.lora_targets`) where the
+    experts are quantised (PEFT's wrapper needs float ones). lora_B is randomised, so the adapter path changes the output.
+
+    why: docs/design.md#test-models
     """
     if kind == "none":
         return model

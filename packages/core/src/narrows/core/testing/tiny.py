@@ -1,17 +1,10 @@
 """Tiny random causal LMs of every supported architecture, for tests.
 
-Seeded and built from transformers configs (no hub). Dimensions are small but keep the
-features that matter to narrows: grouped-query attention, untied and tied heads,
-Qwen2's attention bias, Qwen3's q/k norms, Gemma's logit softcapping and alternating
-sliding/global attention. Widths are multiples of 64 so NF4 blocks divide them.
+Seeded and built from transformers configs (no hub); widths are multiples of 64 so NF4
+blocks divide them; each keeps the features of its architecture a trainer must get
+right. MoE router logits stay off until a test asks for them.
 
-Beyond the Llama family, each architecture keeps what a trainer must get right: scaled
-logits (Granite divides by ``logits_scaling``; Cohere multiplies by ``logit_scale``), Phi's
-biased head and partial rotary, GPT-NeoX's parallel residual and ``embed_out`` head, the
-mixture-of-experts routers (4 experts, top-2, a non-zero ``router_aux_loss_coef``; the
-router logits stay off until a test asks for them), Qwen2-MoE's shared expert, gpt-oss's
-attention sinks, Llama 4's dense/MoE and RoPE/NoPE interleave, and Gemma 3's multimodal
-model (a vision tower beside the text decoder).
+why: docs/design.md#test-models
 """
 
 from __future__ import annotations

@@ -2,13 +2,11 @@
 tokenised with the prompt masked, checked row by row before training, cached, and batched
 padded or packed.
 
-- `sources`: a JSONL file, any file `datasets` reads (parquet, arrow, csv, json) or a
-  ``save_to_disk`` folder; local paths only;
-- `formats`: messages, ShareGPT, prompt/response or completion (TRL's conversational
-  form too), Alpaca and text rows, and ``--columns`` renames;
-- `encode`: one row to token ids and labels (-100 where nothing trains);
-- `store`: the tokenised corpus as flat arrays, cached under ``$NARROWS_CACHE/data``;
-- `batches`: padded or packed batches, and the seeded micro-batch stream a resume re-reads.
+Modules: `sources` (local paths only), `formats`, `encode` (labels -100 where nothing
+trains), `store` (cached under ``$NARROWS_CACHE/data``), `batches` (the seeded
+micro-batch stream a resume re-reads).
+
+why: docs/design.md#training-data
 """
 
 from typing import TYPE_CHECKING

@@ -106,15 +106,13 @@ def _window(
     shape: Chat | Pair | Text, tokenizer, seq_len: int, where: str
 ) -> tuple[list[int], list[int], bool]:
     """(ids, labels, whole): the row's tokens, at least its first `seq_len` as tokenising it
-    whole gives them, without tokenising a long row whole (a 50 MB row took 10 GiB).
+    whole gives them, without tokenising a long row whole.
 
-    Every text is cut to C characters and encoded, then cut to 2C and encoded again. Text
-    beyond a cut changes only the tokens near it (a token spans a few characters, a
-    tokenizer's pre-split looks a character or so ahead), so when both encodings hold more
-    than `seq_len` tokens and agree on the first `seq_len` + 1 (the one after the window
-    too, so the last kept token cannot grow), the cut lies far behind the window and every
-    longer cut, the whole row included, gives the same window. Otherwise C doubles, up to
-    the whole row. `whole`: no text was cut, so the ids are the whole row's."""
+    The window equals the whole row's first `seq_len` tokens; `whole`: no text was cut, so
+    the ids are the whole row's.
+
+    why: docs/design.md#tokenising-long-rows
+    """
     chars = _CHARS_PER_TOKEN * (seq_len + 1) + 64
     short, cut = _cut(shape, chars)
     if not cut:

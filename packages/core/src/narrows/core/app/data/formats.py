@@ -1,19 +1,11 @@
 """Row formats: what users' datasets look like, each mapped to one of three shapes narrows
 tokenises (`Chat`, `Pair`, `Text`).
 
-Recognised from the row's fields, in this order:
+Recognised from the row's fields, in this order: ``messages``, ``conversations``
+(ShareGPT), ``prompt`` + ``response``/``completion``, ``instruction`` + ``output``
+(Alpaca), ``text``. `rename` (``--columns``) renames a dataset's columns to these first.
 
-- ``messages`` — ``[{role, content}, ...]``, every assistant turn trains (TRL, OpenAI);
-- ``conversations`` — ShareGPT: ``[{from, value}, ...]`` with ``from`` one of
-  ``human``/``gpt``/``system`` (mapped to user/assistant/system);
-- ``prompt`` + ``response`` or ``completion`` — strings: the answer trains; or TRL's
-  conversational prompt/completion, two message lists: the completion's turns train;
-- ``instruction`` + ``output`` (``input``, ``system`` optional) — Alpaca: one user turn and
-  the answer, rendered with the chat template, or with the Alpaca prompt when the
-  tokenizer has none;
-- ``text`` — every token trains.
-
-`rename` (``--columns``) renames a dataset's own column names to these first.
+why: docs/design.md#row-formats
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """A run's settings read from JSON, checked by name and type, one reader for every file:
-``narrows finetune --config FILE`` (settings instead of a long command line, as axolotl and
-torchtune users write theirs; a run folder's own ``config.json`` works too) and the run
-folder's ``config.json`` that ``--resume``, ``narrows eval`` and the run's state read.
+``narrows finetune --config FILE`` and a run folder's ``config.json``.
 
-A run folder's file holds the settings (``config``), their ``history`` (one entry per start,
-each with the settings that start ran with) and the run's ``inputs`` by content. Settings
-are written flat, each under its own name; a file may also hold them in their groups
-(``{"training": {"steps": 200}}``), and either layout reads into one `FinetuneConfig`. Whatever
-is wrong with it — not JSON, not UTF-8, not an object, a field missing, unknown or of the
-wrong type — is a `NarrowsError` naming the file and the field. Imports no torch: the CLI
-reads and checks a file before anything heavy is loaded."""
+Flat or grouped layouts read into one `FinetuneConfig`; anything wrong with the file is a
+`NarrowsError` naming the file and the field. Imports no torch.
+
+why: docs/design.md#config-files
+"""
 
 from __future__ import annotations
 

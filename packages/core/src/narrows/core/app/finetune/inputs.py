@@ -1,12 +1,11 @@
 """What a run trains on, by content: the model and data it started with, recorded in
-``config.json`` (absolute paths and fingerprints, `narrows.core.io.fingerprint`), and checked
-again when it resumes.
+``config.json`` (paths and fingerprints), and checked again when it resumes.
 
-A resumed run finds the same files wherever it is started from, or refuses, naming what
-changed; ``--override`` continues on the changed files and records it. A file or folder
-that moved is named anew with its flag (``--data NEW``) and accepted when its content is
-the one recorded. The embedded default (``--model`` and ``--data`` not given) is
-fingerprinted too: a reinstalled wheel with other bytes is a change like any other.
+A resumed run finds the same files or refuses, naming what changed; ``--override``
+continues on changed files and records it; a moved file named anew with its flag is
+accepted when its content is the one recorded. The embedded default is fingerprinted too.
+
+why: docs/design.md#run-inputs
 """
 
 from __future__ import annotations

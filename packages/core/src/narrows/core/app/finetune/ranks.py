@@ -1,17 +1,12 @@
 """Several ranks of one fine-tune (launched by torchrun): which rank this process is, the
 process group, agreement between the ranks, and the data-parallel model.
 
-Every rank loads the model and trains its share of each optimizer step. A step is the
-``grad_accum × world`` micro-batches one process would read next from the seeded stream
-(`narrows.core.app.data.micro_batches`); rank r runs the r-th run of ``grad_accum`` of them.
-Each micro-batch is seeded from (seed, its index in the stream), so whichever rank runs
-it draws the dropout masks one process would. The loss is normalised over the trainable
-tokens of the whole step, and the ranks' gradients are *summed*, not averaged. With two
-ranks and ``--grad-accum 1`` the all-reduce is one addition, g0 + g1: what one process
-accumulating both micro-batches (``--grad-accum 2``) computes, bit for bit. With more
-ranks or longer accumulation, each rank sums its own micro-batches first and the
-collective sums the ranks in its own order (gloo's, NCCL's ring): equal to the same run
-on the same number of ranks. Rank 0 alone writes the run folder.
+Each micro-batch draws the dropout masks one process would; gradients are summed over
+ranks. Two ranks with ``--grad-accum 1`` equal one process with ``--grad-accum 2`` bit for
+bit; otherwise a run equals the same run on the same number of ranks. Rank 0 alone writes
+the run folder.
+
+why: docs/design.md#several-ranks
 """
 
 from __future__ import annotations

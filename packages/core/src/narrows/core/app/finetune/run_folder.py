@@ -1,15 +1,10 @@
 """The run folder: owned by one process at a time, and never mixed with anything else.
 
-A run folder holds ``config.json`` (the settings and their history), ``checkpoints/step-N/``
-(``state.pt`` — adapter, optimizer, scheduler, RNG states — and ``meta.json`` with its size
-and sha256; each written whole under a temporary name and renamed), ``checkpoints/latest``,
-``metrics.jsonl``, and at the end the PEFT adapter, ``summary.json`` and ``loss.png``.
+An exclusive ``flock`` on ``.lock`` refuses a second run on the folder at once, naming the
+first. A new run takes only a missing or empty folder; an existing run continues only
+through ``--resume``. Checkpoint files are written whole under a temporary name and renamed.
 
-Ownership: a run holds an exclusive ``flock`` on ``.lock`` (the kernel drops it when the
-process dies, however it dies), so a second run on the same folder is refused at once,
-naming the first. A new run takes only a folder that does not exist or is empty; an
-existing run continues only through ``--resume``. Leftover temporary files of a killed
-run are removed when the next one takes the folder.
+why: docs/design.md#the-run-folder
 """
 
 from __future__ import annotations

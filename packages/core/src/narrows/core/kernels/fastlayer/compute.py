@@ -1,37 +1,11 @@
 """One decoder layer's forward, its recompute and its backward, written out: what the
 fast layer runs instead of the layer's modules and autograd's graph of them.
 
-Three entry points share one forward: `forward` (the output, nothing kept: a streamed
-layer's forward, or a checkpointed one), `recompute` (what the backward needs, without
-down_proj's output, which it does not) and `forward_keeping` (both, for resident
-training without checkpointing). `backward` takes what either kept and the output's
-gradient, and gives the input's gradient and the adapters' (float32).
+`forward` (nothing kept), `recompute` (what the backward needs, no down_proj output),
+`forward_keeping` (both) and `forward_keeping_attention` share one forward and give the
+same bits; `backward` gives the input's gradient and the adapters' (float32).
 
-Between the two, a recomputed layer may keep its attention (`forward_keeping_attention`):
-SDPA's one autograd node, whose saved q, k, v, output and log-sum-exp live where `store`
-puts them (`narrows.stream` moves them to host memory at long context). Its recompute
-then runs no attention forward and, without per-head norms, no Q/K/V base matmul: it
-reads the kept output, and the backward calls the kept node. The same kernels on the
-same inputs as a recompute would run, so the same bits.
-
-The steps, for ``x`` of (batch, seq, hidden): ``n1 = norm(x)``; Q/K/V (a `LinearGroup`);
-the heads (Qwen3's per-head norms), rotary embeddings; attention through SDPA (flash
-or cuDNN on CUDA) with grouped-query heads and the model's mask; ``h1 = x + o(attn)``
-(the residual added in o's matmul); ``n2 = norm(h1)``; gate/up; ``a = silu(gate) · up``;
-``out = h1 + down(a)``. Attention is the one step whose backward is autograd's: the
-forward records SDPA alone (its inputs as leaves), and the backward differentiates that
-one node, so the attention output and its log-sum-exp are kept, not recomputed.
-
-Every dequantised 4-bit weight comes through `cache` when one is given: the recompute
-and the backward of one layer share it, so a weight is dequantised twice a step, not
-three times (a held weight — `narrows.core.HeldWeights` — is used as it is).
-
-An MLP tiled over the sequence (`LayerParts.mlp_tiles`, long contexts) runs tile by tile:
-the forward writes each tile's output; the recompute stops at the MLP's input; the
-backward recomputes one tile's gate, up and activation, differentiates it, writes that
-tile's input gradient and adds its adapter gradients to the running sums, in tile order.
-So the MLP's working set is one tile's, and its forward runs twice a step, not three
-times. Its weights are dequantised once for all of a pass's tiles.
+why: docs/design.md#the-written-out-layer
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """`fuse_layers(model)`: a resident PEFT model's decoder layers run as fast layers — one
-autograd node a layer, its backward written out (`compute`), LoRA on tensor cores in the
-activation dtype with float32 masters and gradients.
+autograd node a layer, LoRA on tensor cores with float32 masters and gradients.
 
-With the model's gradient checkpointing on (``model.gradient_checkpointing_enable()``,
-before or after fusing; read at each call), or ``recompute=True``, a layer keeps only its
-input and recomputes in backward what that needs (not down_proj's output), replaying the
-RNG so dropout draws the same masks; otherwise it keeps what its backward reads. Either way
-the bits are the same.
+With gradient checkpointing or ``recompute=True`` a layer keeps only its input; either way
+the bits are the same. A layer or call not covered keeps its own forward
+(`FuseReport.refused` says why).
 
-A layer the fast layer does not cover keeps its own forward (`FuseReport.refused` says
-why: another architecture, eager attention, bidirectional attention, DoRA, hooks, a weight
-outside the adapters that trains), as does a call it does not cover: a KV cache being read,
-no position embeddings, ``is_causal=False``, merged or disabled adapters.
+why: docs/design.md#fuse-layers
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The one door into the fast layer: `FastLayer.of(layer)`, one object per decoder layer,
-which the resident verb (`fuse_layers`: the object is the layer's ``forward``) and
-narrows.stream's executor both run. It reads a transformers layer call once
-(`read_call`), decides coverage once (`FastLayer.parts`), replays the RNG one way
-(`narrows.core.kernels.rng`) and differentiates through one pair of functions
-(`FastLayer.gradients`, which `FastLayerFunction`'s backward calls too).
+run by `fuse_layers` and by narrows.stream's executor alike.
 
-What a layer's fast path needs (`LayerParts`) is built on first use and kept. It is
-rebuilt when the layer changes, which a signature compared at every call detects: the
-layer's and its submodules' identities, training flags, hooks and replaced forwards,
-its parameters' identities and ``requires_grad``, PEFT's adapter state (active,
-merged, disabled, scales), the attention implementation, and the fast layer's own
-options. Weights are read through their modules at each call, so moving, casting or
+`LayerParts` is built on first use and rebuilt when a signature compared at every call
+changes; weights are read through their modules at each call, so moving, casting or
 streaming them needs no rebuild.
+
+why: docs/design.md#the-fast-layer-door
 """
 
 from __future__ import annotations

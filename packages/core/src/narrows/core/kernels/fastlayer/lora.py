@@ -2,36 +2,11 @@
 the activation dtype, and the adapters' matmuls on tensor cores in that dtype too, from
 the float32 masters cast once per call — with float32 gradients for the masters.
 
-Forward of a group on input ``n`` (tokens × in): ``h = n @ cat(A)ᵀ`` (one matmul for
-every adapter of the group when none drops out), then ``s · h @ Bᵀ`` (the scale in the
-matmul's float32 epilogue, one rounding) with the base matmul accumulated onto it in its
-epilogue (`adapter_math.adapter_then_base`: one pass over the output, not two). Backward: the
-input's gradient sums every linear's ``grad_p @ W_p`` and ``(s · grad_p @ B_p) @ A``, the
-adapters' branch written first and the base accumulated onto it; ``A`` and ``B``'s
-gradients come out of the matmuls in float32 (``mm_f32``), never rounded to the
-activation dtype.
+With ``lora_dtype=torch.float32`` the adapters compute as PEFT's float32 adapters do.
+Dropout masks are drawn per adapter in the group's order from the device's generator;
+replaying the generator redraws them (`masks`).
 
-A group of 4-bit linears (Q/K/V, gate/up) runs its base as one matmul on the weights
-stacked, ``n @ [W_q; W_k; W_v]ᵀ``, each linear's output a column block of the result, and
-its input gradient as one, ``[g_q g_k g_v] @ [W_q; W_k; W_v]``: held weights lie stacked
-already (`narrows.core.HeldWeights` keeps a layer's in order), and otherwise each is
-dequantised straight into its rows of one buffer. A group of plain weights keeps one
-matmul per linear: stacking the model's own tensors would copy them at every call.
-
-With ``lora_dtype=torch.float32`` (`fuse_layers`'s option) the adapters compute as PEFT's
-do on a bf16 model with float32 adapters: their input cast to float32 once per group, their
-matmuls in float32 (on tensor cores where ``torch.set_float32_matmul_precision`` allows
-TF32), the adapter's output added to the base's in float32 and the sum rounded once.
-
-Dropout draws one mask per adapter, in the group's order, from the device's generator:
-the caller replays the generator to redraw them (`masks`). A mask is a bool tensor drawn
-by `torch.nn.functional.dropout`'s kernel over the group's input (on CUDA the fused one:
-PEFT's masks under one generator state where PEFT's adapters run in the activations'
-dtype; PEFT's float32 adapters drop out a float32 copy, which that kernel maps to random
-numbers differently), and a dropped-out tensor is computed from it by dropout's backward
-kernel (`adapter_math.dropped`). On CUDA the forward's adapters read the draw's own output
-instead (`Masks.outs`: the same bits, one pass over the input fewer per adapter); the
-backward, which keeps only the mask, computes it again.
+why: docs/design.md#lora-groups
 """
 
 from __future__ import annotations

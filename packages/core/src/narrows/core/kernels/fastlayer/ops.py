@@ -1,16 +1,12 @@
 """The element-wise pieces of a fast decoder layer, each a forward and a hand-written
 backward: RMSNorm, rotary embeddings, SwiGLU.
 
-Each op has one pure-PyTorch reference (what runs on CPU, and what the tests hold the
-library kernels to); on CUDA the SwiGLU, the layer's two RMSNorms and its rotary embeddings come from
-Liger-Kernel when it is installed (``pip install narrows-core[liger]``), since a well-kept
-Triton kernel beats one of our own (its "llama" casting: the normalised value rounded to
-the activation dtype before the weight multiplies it, as here). The SwiGLU of a stacked
-gate/up matmul — gate and up the two halves of one buffer, which Liger's kernel cannot
-read — runs narrows' own Triton kernel (`swiglu`), with this module's formula. Which ran is
-`kernels_in_use()`'s answer; ``NARROWS_LIGER=0`` in the environment keeps the references
-on CUDA too (to compare). Precision: statistics and derivatives in float32, one
+Each op has one pure-PyTorch reference; on CUDA, Liger-Kernel's where installed and
+narrows' `swiglu` for a stacked gate/up. `kernels_in_use()` says which ran;
+``NARROWS_LIGER=0`` keeps the references. Statistics and derivatives in float32, one
 rounding to the activation dtype per output.
+
+why: docs/design.md#element-wise-ops
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Which decoder layers the fast layer computes, and what it reads off one: the norms,
 the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the heads.
 
-Covered: the Llama family's layer — ``LlamaDecoderLayer``, ``Qwen2DecoderLayer``,
-``Qwen3DecoderLayer`` (with its per-head Q/K norms) and ``MistralDecoderLayer`` — with
-SiLU, rotary embeddings as the model computes them (its RoPE scaling included), biases,
-grouped-query attention, and the attention mask the model builds (a sliding window
-included), with the model loaded for SDPA attention (the fast layer runs SDPA, whose
-masked rows differ from eager attention's in backward). Each linear is a plain ``nn.Linear``, a bitsandbytes ``Linear4bit``, or one of
-those inside PEFT's LoRA wrapper with one active adapter. Anything else is refused with
-its reason (`build_parts`), and the layer runs as it would without narrows.
+Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
+linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
+active adapter. Anything else is refused with its reason (`build_parts`) and runs as it
+would without narrows.
+
+why: docs/design.md#coverage
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """SwiGLU over the two halves of one (tokens, 2·I) buffer — a stacked gate/up matmul's
 output — as Triton kernels (CUDA only; imported when one runs).
 
-No library kernel reads halves: Liger-Kernel's SwiGLU takes gate and up as two tensors
-sharing one row stride with its output. The forward reads both halves and writes
-``silu(gate) · up``; the backward writes the gate's and the up's gradients over the two
-halves in place, so the buffer becomes the stacked gradient that gate/up's input gradient
-reads in one matmul. Arithmetic as `ops.swiglu`'s reference: float32, one rounding per
-output; `test_fastlayer.py` holds them to it.
+The backward writes the gate's and up's gradients over the two halves in place.
+Arithmetic as `ops.swiglu`'s reference: float32, one rounding per output.
+
+why: docs/design.md#element-wise-ops
 """
 
 from __future__ import annotations
