@@ -67,6 +67,34 @@ def test_sdpa_attention_streamed_equals_resident(arch):
 
 
 @pytest.mark.bnb
+@pytest.mark.parametrize(
+    "setting",
+    [dict(gpu_budget="min"), dict(graphs=True, gpu_budget=None), dict(gpu_budget="min", experts="nf3")],
+    ids=["least-budget", "graphs", "nf3-experts"],
+)
+@pytest.mark.parametrize("arch", MOE)
+def test_fast_moe_layers_streamed_equal_the_same_layers_resident(arch, setting):
+    """The fast MoE layer (router, grouped matmuls over NF4 or NF3 experts, Qwen2-MoE's
+    shared expert with its adapters' dropout) streamed at the least budget or replayed as
+    graphs trains the bits `fuse_layers` trains resident."""
+    setting = dict(setting)
+    experts = setting.pop("experts", "nf4")
+
+    def model():
+        m = build(arch, base="nf4", experts=experts, dropout=0.05)
+        m.set_attn_implementation("sdpa")
+        return m
+
+    resident = model()
+    assert not fuse_layers(resident).refused
+    streamed = model()
+    got = train(streamed, grad_accum=2, stream_kwargs=setting)
+    assert_identical(train(resident, grad_accum=2), got)
+    layers = streamed.base_model.model.model.layers
+    assert all(nc.kernels.fastlayer.FastLayer.of(layer).parts().moe is not None for layer in layers)
+
+
+@pytest.mark.bnb
 @pytest.mark.parametrize(("arch", "experts"), [("qwen3_moe", "nf2"), ("gpt_oss", "nf3")])
 def test_low_bit_experts_streamed_at_the_least_budget_equal_resident(arch, experts):
     """NF4 linears and NF2 / NF3 routed experts (their codes and scales moved as slots),

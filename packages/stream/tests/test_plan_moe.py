@@ -73,3 +73,24 @@ def test_what_an_moe_mlp_keeps_is_priced_from_above(arch, overrides, experts, to
     assert whole_bytes(shapes) > priced
     assert whole_overlap_bytes(shapes) == whole_bytes(shapes)
     assert whole_overlap_bytes(Shapes.of(anatomy_of(tiny_model("llama")), 1, tokens)) == 0
+
+
+def test_the_fast_moe_layers_kept_state_is_what_the_planner_prices():
+    """The planner's price of a token's MoE state in the fast layer (`MoEShape.fast_kept`)
+    against the tensors `narrows.core.kernels.fastlayer.moe` keeps, counted."""
+    import torch
+
+    from narrows.core import anatomy_of
+    from narrows.core.kernels.fastlayer import FastLayer, moe
+    from narrows.core.testing import tiny_model
+    from narrows.stream.planning.memory import MoEShape
+
+    for arch in ("qwen3_moe", "mixtral"):
+        model = tiny_model(arch).requires_grad_(False)  # the fast layer trains adapters only
+        model.config._attn_implementation = "sdpa"
+        parts = FastLayer.of(model.model.layers[0]).parts()
+        tokens, hidden = 24, model.config.hidden_size
+        _, state = moe.forward(parts.moe, torch.randn(tokens, hidden), None, output=False, keep=True)
+        kept = [state.probs, state.chosen, state.order, state.back, state.weights, state.h, state.a]
+        counted = sum(t.numel() * t.element_size() for t in kept)
+        assert counted == tokens * MoEShape.of(anatomy_of(model)).fast_kept(hidden, 4)

@@ -39,6 +39,7 @@ __all__ = [
     "expert_names",
     "expert_scheme",
     "expert_shape",
+    "expert_stacks",
     "install_lowbit_experts",
     "install_nf4_experts",
     "is_nf4_experts",
@@ -60,13 +61,12 @@ def expert_names(module: nn.Module) -> list[str]:
     """The fused expert stacks `module` holds itself: its 3-D parameters (float, or already
     NF4), and its NF3/NF2 stacks' codes, by attribute name."""
     lowbit = lowbit_stacks(module)
-    names = []
-    for name, p in module.named_parameters(recurse=False):
-        qs = getattr(p, "quant_state", None)
-        shape = qs.shape if qs is not None else p.shape
-        if name in lowbit or (len(shape) == 3 and (qs is not None or p.is_floating_point())):
-            names.append(name)
-    return names
+    return [
+        name
+        for name, p in module.named_parameters(recurse=False)
+        if name in lowbit
+        or (len(expert_shape(module, name)) == 3 and (_is_quantized(module, name) or p.is_floating_point()))
+    ]
 
 
 def is_quantized_experts(module: nn.Module) -> bool:
@@ -103,6 +103,13 @@ def expert_shape(module: nn.Module, name: str) -> torch.Size:
     p = module._parameters[name]
     qs = getattr(p, "quant_state", None)
     return torch.Size(qs.shape) if qs is not None else p.shape
+
+
+def expert_stacks(module: nn.Module, names: tuple[str, ...]) -> list[Tensor]:
+    """Stacks `names` of `module` as the model's code computes with them: quantised ones
+    dequantised (a new tensor each call), float ones as they are."""
+    dequantized = module._dequantized() if isinstance(module, _QuantizedExperts) else {}
+    return [dequantized[n] if n in dequantized else module._parameters[n] for n in names]
 
 
 @dataclass(frozen=True)
@@ -261,7 +268,7 @@ def install_lowbit_experts(module: nn.Module, stacks: dict[str, tuple[Tensor, Te
 
 
 def _is_quantized(module: nn.Module, name: str) -> bool:
-    return name in lowbit_stacks(module) or getattr(module._parameters[name], "quant_state", None) is not None
+    return expert_scheme(module, name) in EXPERT_SCHEMES
 
 
 def dequantized_expert_bytes(layer: nn.Module) -> int:
@@ -270,8 +277,8 @@ def dequantized_expert_bytes(layer: nn.Module) -> int:
     total = 0
     for module in layer.modules():
         if is_quantized_experts(module):
-            for name in (*module._nf4_stacks, *(module._lowbit_stacks or {})):
-                qs = getattr(module._parameters[name], "quant_state", None)
-                dtype = qs.dtype if qs is not None else module._lowbit_stacks[name].dtype
+            lowbit = lowbit_stacks(module)
+            for name in (*module._nf4_stacks, *lowbit):
+                dtype = lowbit[name].dtype if name in lowbit else module._parameters[name].quant_state.dtype
                 total += expert_shape(module, name).numel() * dtype.itemsize
     return total

@@ -9,6 +9,7 @@ measured CPU-side sizes where they can.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -149,10 +150,10 @@ class MoEShape:
         if found is None:
             return None
         experts = found.experts
-        names = [n for n in expert_names(experts) if n.endswith("down_proj")]
-        shape = expert_shape(experts, names[0])
-        n_experts = int(shape[0])
-        width = int(shape[1]) * int(shape[2]) // cfg.hidden_size
+        # every stack is [E, …]; the down projection's per-expert size, hidden × width, is the least
+        shapes = [expert_shape(experts, n) for n in expert_names(experts)]
+        n_experts = int(shapes[0][0])
+        width = min(math.prod(shape[1:]) for shape in shapes) // cfg.hidden_size
         top_k = int(getattr(cfg, "num_experts_per_tok", None) or getattr(experts, "top_k", 0) or 1)
         shared = 0
         for name, child in found.block.named_children():
@@ -188,6 +189,29 @@ class MoEShape:
         return (
             self.kept(hidden, act)
             + (self.top_k * (2 * hidden + 3 * self.intermediate) + 3 * self.shared) * act
+        )
+
+    def fast_kept(self, hidden: int, act: int) -> int:
+        """Bytes a token's MoE MLP keeps for its backward in narrows' fast layer
+        (`narrows.core.kernels.fastlayer.moe.MoEState`): the float32 softmax, the chosen
+        experts, the sort and its inverse, the weights; per chosen expert gate/up's output
+        and the activation (3 intermediate-sized); the shared expert's gate, up, product and
+        output. No dequantised stack: the fast layer dequantises them again for the backward."""
+        router = 4 * self.experts + 28 * self.top_k
+        shared = 3 * self.shared + (hidden if self.shared else 0)
+        return router + (3 * self.top_k * self.intermediate + shared) * act
+
+    def fast_work(self, hidden: int, act: int) -> int:
+        """Bytes a token's MoE MLP holds at the peak of the fast layer's recompute and
+        backward: what it keeps, and per chosen expert the output's gradient gathered, its
+        gradient through down and the weighted one (a hidden- and two intermediate-sized),
+        or the input's gradient before and after un-sorting (two hidden-sized), whichever
+        is more; the router's float32 gradients; the shared expert's three."""
+        per_expert = max(hidden + 2 * self.intermediate, 2 * hidden)
+        return (
+            self.fast_kept(hidden, act)
+            + 12 * self.experts
+            + (self.top_k * per_expert + 3 * self.shared) * act
         )
 
 
@@ -231,7 +255,9 @@ def whole_bytes(s: Shapes) -> int:
     the grouped matmuls save for the backward."""
     tokens = s.batch * s.seq
     if s.fast:
-        kept = int(tokens * (6.25 * s.hidden + 2 * s.kv + 3 * s.intermediate) * s.act_bytes)
+        moe = s.moe.fast_kept(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
+        mlp = _mlp(s, 3 * s.intermediate * s.act_bytes, moe)
+        kept = int(tokens * ((6.25 * s.hidden + 2 * s.kv) * s.act_bytes + mlp))
         return kept + dropout_mask_bytes(s)
     moe = s.moe.kept(s.hidden, s.act_bytes) if s.moe is not None else 0
     kept = tokens * (
@@ -309,7 +335,10 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
             (tokens * 2 * s.hidden + mlp_tokens * 2 * s.intermediate) * s.act_bytes if s.lora_float32 else 0
         )
         if mlp_tokens == tokens:
-            work = int(tokens * (16 * s.hidden + 3.6 * s.intermediate) * s.act_bytes) + s.dequant_bytes + wide
+            moe = s.moe.fast_work(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
+            mlp = _mlp(s, 3.6 * s.intermediate * s.act_bytes, moe)
+            work = int(tokens * (16 * s.hidden * s.act_bytes + mlp)) + s.dequant_bytes + wide
+            work += s.moe.dequant_bytes if s.moe is not None else 0
             if s.dropout:
                 work += dropout_mask_bytes(s) + tokens * s.intermediate * s.act_bytes
             return work

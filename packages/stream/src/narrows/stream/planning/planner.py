@@ -19,6 +19,7 @@ from torch import nn
 from narrows.core import Anatomy, anatomy_of, ensure_architecture, format_bytes
 from narrows.core.kernels.fastlayer import coverage
 from narrows.core.protocol.handle import state_of
+from narrows.core.quant.experts import moe_blocks
 
 from ..config import StreamConfig, tile_option
 from ..errors import BudgetTooSmallError
@@ -44,8 +45,11 @@ __all__ = ["plan", "planned_shapes", "runs_fast"]
 
 def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     """Whether every decoder layer will run as a fast layer, whose activations the plan
-    then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's)."""
-    return cfg.kernels == "fast" and not coverage(model).refused
+    then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's). An MoE block
+    in sequence tiles runs the model's own code (the fast layer routes all tokens at once)."""
+    if cfg.kernels != "fast" or coverage(model).refused:
+        return False
+    return tile_option(cfg) is None or not any(moe_blocks(layer) for layer in anatomy_of(model).layers)
 
 
 def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes:

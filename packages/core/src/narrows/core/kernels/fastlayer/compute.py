@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from . import moe
 from .lora import GroupState
 from .ops import (
     NormState,
@@ -115,6 +116,8 @@ class Saved:
     down: GroupState | None
     n2: Tensor | None = None  # the tiled MLP's input
     kept: KeptAttention | None = None  # the forward's attention (then `leaves` is None)
+    moe: moe.MoEState | None = None  # an MoE block's routed experts (gate_up, down: its shared expert)
+    shared: tuple[Tensor, Tensor] | None = None  # the shared expert's gate and output
 
 
 def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -224,7 +227,12 @@ def _rest(
     (h1,), st_o = parts.o.forward(o_in, parts.o.masks(o_in), cache, residual=f.x2)
     n2, rstd2 = rms_norm(h1, parts.norm2.weight, parts.norm2.eps)
     tiles = parts.mlp_tiles(batch, seq)
-    if tiles is not None:
+    extra = {}
+    if parts.moe is not None:
+        out, gate, up, st_gu, st_d, extra = _moe_mlp(parts, n2, cache, h1 if output else None, keep)
+        out = None if out is None else out.view(batch, seq, hidden)
+        mlp = (st_gu, gate, up, st_d, None)
+    elif tiles is not None:
         out = _tiled_mlp(parts, n2, h1, (batch, seq), tiles, cache) if output else None
         mlp: tuple = (None, None, None, None, n2)
     else:
@@ -248,6 +256,7 @@ def _rest(
         rstd2,
         *mlp,
         kept=kept,
+        **extra,
     )
     return out, saved, kept
 
@@ -266,6 +275,41 @@ def _mlp(
     skip = () if residual is not None else ("down",)
     (out,), st_d = parts.down.forward(a, parts.down.masks(a), cache, skip=skip, residual=residual)
     return out, gate, up, st_gu, st_d
+
+
+def _moe_mlp(
+    parts: LayerParts, n: Tensor, cache: dict[str, Tensor] | None, residual: Tensor | None, keep: bool
+) -> tuple[Tensor | None, Tensor | None, Tensor | None, GroupState | None, GroupState | None, dict]:
+    """An MoE block on `n`: ``residual + experts(n) + sigmoid(gate(n)) · shared(n)`` when
+    `residual` is given (the shared expert where the block has one); the shared expert's
+    gate, up and states, and what `Saved` keeps of the block (`keep`)."""
+    out, state = moe.forward(parts.moe, n, cache, output=residual is not None, keep=keep)
+    gate = up = st_gu = st_d = shared = None
+    if parts.gate_up is not None:  # its output is kept for the gate's gradient: no skip
+        (gate, up), st_gu = parts.gate_up.forward(n, parts.gate_up.masks(n), cache)
+        a = swiglu(gate, up)
+        (s_out,), st_d = parts.down.forward(a, parts.down.masks(a), cache)
+        s_gate = moe.shared_gate_forward(parts.moe, n)
+        out = None if out is None else out + s_gate * s_out
+        shared = (s_gate, s_out)
+    if residual is not None:
+        out = residual + out
+    return out, gate, up, st_gu, st_d, dict(moe=state, shared=shared)
+
+
+def _moe_backward(
+    parts: LayerParts, saved: Saved, g_out: Tensor, cache: dict[str, Tensor] | None
+) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+    """An MoE block's input gradient, and its shared expert's adapters' (gate/up, down)."""
+    g_n2 = moe.backward(parts.moe, saved.moe, g_out, cache)
+    if parts.gate_up is None:
+        return g_n2, [], []
+    s_gate, s_out = saved.shared
+    g_shared, g_n_gate = moe.shared_gate_backward(parts.moe, s_gate, s_out, g_out)
+    g_a, p_down = parts.down.backward([g_shared], saved.down, cache)
+    d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
+    g_ns, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
+    return g_n2.add_(g_ns).add_(g_n_gate), p_gu, p_down
 
 
 def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:
@@ -376,7 +420,9 @@ def backward(
     batch, seq, hidden = saved.shape
     with torch.no_grad():
         g_out = grad.reshape(-1, hidden)
-        if saved.down is None:  # the MLP ran in tiles: recomputed and differentiated tile by tile
+        if saved.moe is not None:
+            g_n2, p_gu, p_down = _moe_backward(parts, saved, g_out, cache)
+        elif saved.down is None:  # the MLP ran in tiles: recomputed and differentiated tile by tile
             g_n2, p_gu, p_down = _tiled_mlp_backward(parts, saved, g_out, parts.mlp_tiles(batch, seq), cache)
         else:
             g_a, p_down = parts.down.backward([g_out], saved.down, cache)

@@ -3,7 +3,8 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
-active adapter. Anything else is refused with its reason (`build_parts`) and runs as it
+active adapter; and the Qwen3-MoE, Qwen2-MoE and Mixtral layers, whose MoE block `moe.py`
+reads (a shared expert's linears are then the gate/up and down groups). Anything else is refused with its reason (`build_parts`) and runs as it
 would without narrows.
 
 why: docs/design.md#coverage
@@ -20,10 +21,19 @@ from ...quant.held import held_weight
 from ...quant.nf4 import is_nf4_linear
 from ..lora_branches import _FusedForward
 from .lora import Linear, LinearGroup
+from .moe import MOE_BLOCKS, MoEParts, build_moe
 
 __all__ = ["FAST_LAYER_TYPES", "LayerParts", "build_parts"]
 
-FAST_LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+FAST_LAYER_TYPES = (
+    "LlamaDecoderLayer",
+    "Qwen2DecoderLayer",
+    "Qwen3DecoderLayer",
+    "MistralDecoderLayer",
+    "Qwen3MoeDecoderLayer",
+    "Qwen2MoeDecoderLayer",
+    "MixtralDecoderLayer",
+)
 
 
 @dataclass
@@ -42,13 +52,14 @@ class LayerParts:
     k_norm: Norm | None
     qkv: LinearGroup
     o: LinearGroup
-    gate_up: LinearGroup
-    down: LinearGroup
+    gate_up: LinearGroup | None  # the MLP's, or an MoE block's shared expert's (None: it has none)
+    down: LinearGroup | None
     heads: int
     kv_heads: int
     head_dim: int
     scaling: float
     mlp_tile: int | None = None  # the MLP runs over sequence tiles of this many tokens
+    moe: MoEParts | None = None  # the MLP is a mixture of experts
 
     def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
         """The position slices the MLP runs over for a (batch, seq) input, or None for one
@@ -61,7 +72,7 @@ class LayerParts:
 
     @property
     def groups(self) -> tuple[LinearGroup, ...]:
-        return (self.qkv, self.o, self.gate_up, self.down)
+        return tuple(g for g in (self.qkv, self.o, self.gate_up, self.down) if g is not None)
 
     def params(self) -> list[nn.Parameter]:
         """The adapters' tensors in the order the backward returns their gradients."""
@@ -244,15 +255,37 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
     norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)]
     for name in ("q_norm", "k_norm"):
         norms.append(_norm(getattr(attn, name)) if hasattr(attn, name) else None)
+    moe, dense = None, mlp
+    if type(mlp).__name__ in MOE_BLOCKS:
+        moe = build_moe(mlp)
+        if isinstance(moe, str):
+            return moe
+        if _tile_of(mlp) is not None:
+            return "its MoE block runs in sequence tiles (the fast layer routes all tokens at once)"
+        inner = [
+            m for m in (mlp.gate, mlp.experts, getattr(mlp, "shared_expert_gate", None)) if m is not None
+        ]
+        if any(map(_hooked, inner)):
+            return "its router or experts have hooks or a replaced forward (router logits being recorded?)"
+        dense = getattr(mlp, "shared_expert", None)
+        if dense is not None and _hooked(dense):
+            return "its shared expert has hooks or a replaced forward"
+        if dense is not None:
+            gate = _linear("shared_gate", mlp.shared_expert_gate)
+            if isinstance(gate, str) or gate.a is not None or gate.bias is not None:
+                return "its shared expert's gate is not a bias-free linear without an adapter"
+            moe.shared_gate = gate.weight
     linears = {}
     for name, module in (
         ("q", attn.q_proj),
         ("k", attn.k_proj),
         ("v", attn.v_proj),
         ("o", attn.o_proj),
-        ("gate", mlp.gate_proj),
-        ("up", mlp.up_proj),
-        ("down", mlp.down_proj),
+        *(
+            (("gate", dense.gate_proj), ("up", dense.up_proj), ("down", dense.down_proj))
+            if dense is not None
+            else ()
+        ),
     ):
         linears[name] = _linear(name, module)
     bad = next((r for r in (*norms, *linears.values()) if isinstance(r, str)), None)
@@ -274,11 +307,12 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         norms[3],
         g([linears["q"], linears["k"], linears["v"]]),
         g([linears["o"]]),
-        g([linears["gate"], linears["up"]]),
-        g([linears["down"]]),
+        g([linears["gate"], linears["up"]]) if dense is not None else None,
+        g([linears["down"]]) if dense is not None else None,
         config.num_attention_heads,
         config.num_key_value_heads,
         attn.head_dim,
         float(attn.scaling),
         tile,
+        moe,
     )
