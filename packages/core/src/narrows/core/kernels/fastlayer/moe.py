@@ -155,8 +155,9 @@ def backward(p: MoEParts, s: MoEState, g: Tensor, cache: dict[str, Tensor] | Non
     tokens, k = g.shape[0], p.top_k
     gate_up, down = p.stacks(g, cache)
     u = grouped_mm(g[s.order // k], down, s.ends)  # each slot's gradient through down, unweighted
-    # d out / d weight of a slot = <g, down(a)> = <g @ down, a>: no down output needed
-    g_weights = (u.float() * s.a.float()).sum(dim=-1)
+    # d out / d weight of a slot = <g, down(a)> = <g @ down, a>: no down output needed; the
+    # products rounded to the activations' dtype, as autograd's of ``y * weight`` are
+    g_weights = (u * s.a).sum(dim=-1, dtype=torch.float32)
     g_a = (u * s.weights[:, None]).to(u.dtype)
     d_gate, d_up = swiglu_backward(g_a, s.h[:, : p.intermediate], s.h[:, p.intermediate :], inplace=True)
     del g_a, u
