@@ -891,6 +891,8 @@ MOE_PLAN = (  # (case, the modes' suffix, what the suffix says)
     ("moe_plan_qwen3-30b-a3b-6l_8x512", "", ""),
     ("moe_plan_qwen3-30b-a3b-6l_4x2048", "", ""),
     ("moe_graphs_qwen3-30b-a3b-6l_8x512", "-graphs", ", CUDA graphs"),
+    ("moe_fast_qwen3-30b-a3b-6l_8x512", "-fast", ", fast MoE layers"),
+    ("moe_fast_qwen3-30b-a3b-6l_8x512", "-fast-graphs", ", fast MoE layers, CUDA graphs"),
 )
 
 
