@@ -1,6 +1,7 @@
 """`narrows finetune` on a mixture of experts with `--quant nf4`: the experts are stored in
 NF4 and the summary says so, the adapter leaves routers and routed experts frozen and says
-why, and streamed training (every layer streamed) trains the adapter the resident run does."""
+why, and streamed training (every layer streamed) trains the adapter the resident run does,
+both through the fast MoE layer."""
 
 import json
 
@@ -30,8 +31,10 @@ def test_moe_experts_in_nf4_stream_as_they_train_resident(tmp_path, capsys):
     pytest.importorskip("bitsandbytes")
     streamed, summary = run(tmp_path, "streamed", "min")
     said = capsys.readouterr().err
-    resident, _ = run(tmp_path, "resident", "off")
+    resident, resident_summary = run(tmp_path, "resident", "off")
     assert summary["stream"]["resident_layers"] == 0
+    # the fast MoE layer on both sides: streamed training equal to the same kernels resident
+    assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
     assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
     layers = 3
     precision = summary["precision"]

@@ -101,17 +101,39 @@ def _swapped(layer: nn.Module, params: Sequence[Tensor], aliases: Sequence[Tenso
             module._parameters[name] = p
 
 
-def _hooks(layer: nn.Module) -> tuple[bool, set[str]]:
-    """Hooks a replay would skip, those of the layer's submodules (and global ones): whether
-    there are any but transformers' output recorders, and the outputs those record. The
-    layer's own run around the call narrows replays, as they do eagerly."""
+def _submodules(layer: nn.Module) -> list[nn.Module]:
+    """`layer`'s submodules in `modules()`' order, itself left out (walked without its
+    names and memo: this runs at every call)."""
+    out, stack = [], [m for m in reversed(layer._modules.values()) if m is not None]
+    while stack:
+        module = stack.pop()
+        out.append(module)
+        stack.extend(m for m in reversed(module._modules.values()) if m is not None)
+    return out
+
+
+def _parameters(layer: nn.Module, modules: list[nn.Module]) -> list[nn.Parameter]:
+    """`layer.parameters()`'s parameters (each once) from its submodules `modules`."""
+    seen, out = set(), []
+    for mod in (layer, *modules):
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _hooks(modules: list[nn.Module]) -> tuple[bool, set[str]]:
+    """Hooks a replay would skip, those of a layer's submodules `modules` (and global ones):
+    whether there are any but transformers' output recorders, and the outputs those record.
+    The layer's own run around the call narrows replays, as they do eagerly."""
     from torch.nn.modules import module as m
 
     if m._global_forward_hooks or m._global_forward_pre_hooks:
         return True, set()
     other, recorded = False, set()
-    for mod in layer.modules():
-        if mod is layer:
+    for mod in modules:
+        if not (mod._forward_pre_hooks or mod._forward_hooks):
             continue
         other = other or bool(mod._forward_pre_hooks)
         for hook in mod._forward_hooks.values():
@@ -221,7 +243,8 @@ class LayerGraphs(LayerExecutor):
             self.stats.eager += 1
             return None
         why = None
-        other_hooks, recorded = _hooks(layer)
+        modules = _submodules(layer)
+        other_hooks, recorded = _hooks(modules)
         if other_hooks:
             why = "forward hooks inside the layer (a replay would not call them)"
         elif recorded and recording(recorded):  # this call collects what the hooks record
@@ -248,11 +271,12 @@ class LayerGraphs(LayerExecutor):
             self.stats.first_seen += 1
             return None
         spec = pytree.tree_structure((args, kwargs))
-        first = next((p for p in layer.parameters() if not p.requires_grad), None)
+        params = _parameters(layer, modules)
+        first = next((p for p in params if not p.requires_grad), None)
         where = first.data_ptr() if first is not None else 0
         # the adapters' addresses: in host memory between uses (step mode's offload_adapters)
         # they come back to the same device slot, and a replay reads what it captured
-        trained = tuple((p.data_ptr(), p.shape, p.dtype) for p in layer.parameters() if p.requires_grad)
+        trained = tuple((p.data_ptr(), p.shape, p.dtype) for p in params if p.requires_grad)
         # held_token: the 4-bit weights read from the held dequantised copies (step mode)
         return (
             kind,
