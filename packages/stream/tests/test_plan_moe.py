@@ -94,3 +94,17 @@ def test_the_fast_moe_layers_kept_state_is_what_the_planner_prices():
         kept = [state.probs, state.chosen, state.order, state.back, state.weights, state.h, state.a]
         counted = sum(t.numel() * t.element_size() for t in kept)
         assert counted == tokens * MoEShape.of(anatomy_of(model)).fast_kept(hidden, 4)
+
+
+def test_moe_blocks_in_sequence_tiles_are_planned_as_the_models_own_code():
+    """The fast layer routes all of a batch's tokens at once and refuses an MoE block in
+    tiles, so such a plan sizes the model's own code; a dense model's tiled layers stay fast."""
+    from narrows.core.testing import tiny_model
+    from narrows.stream import StreamConfig
+    from narrows.stream.planning.planner import runs_fast
+
+    for arch, tiled_fast in (("qwen3_moe", False), ("mistral", True)):
+        model = tiny_model(arch).requires_grad_(False)
+        model.config._attn_implementation = "sdpa"
+        assert runs_fast(model, StreamConfig(device="cpu"))
+        assert runs_fast(model, StreamConfig(device="cpu", seq_tile=4)) is tiled_fast
