@@ -1,5 +1,6 @@
-"""Real architectures' shapes with seeded random weights, quantised to NF4 one layer at a
-time so the full-precision model never exists (a 72B bf16 model would not fit host RAM)."""
+"""Real architectures' shapes with seeded random weights, built one layer at a time: quantised
+to NF4 so the full-precision model never exists (a 72B bf16 model would not fit host RAM), or
+kept in bf16 where it fits (`random_model(..., nf4=False)`)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,18 @@ def load_config(name: str):
     return AutoConfig.for_model(**spec)
 
 
-@torch.no_grad()
 def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa"):
-    """A causal LM of `config`'s shape on the CPU: decoder linears in NF4 (double quant),
-    everything else bf16. Each layer is materialised and quantised on `work_device`, then
-    parked on the CPU before the next one exists."""
+    """A causal LM of `config`'s shape on the CPU: decoder linears (and a mixture of experts'
+    fused expert stacks) in NF4 (double quant), everything else bf16. Each layer is
+    materialised and quantised on `work_device`, then parked on the CPU before the next one
+    exists."""
+    return random_model(config, seed=seed, work_device=work_device, attn=attn, nf4=True)
+
+
+@torch.no_grad()
+def random_model(config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa", nf4: bool = True):
+    """`random_nf4_model`, or with ``nf4=False`` the same seeded weights left in bf16 (the whole
+    model on the CPU at the end: its bf16 size in host RAM)."""
     from transformers import AutoModelForCausalLM
 
     from narrows.core import anatomy_of, quantize_nf4
@@ -53,12 +61,13 @@ def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: s
     for path, layer in zip(anat.layer_paths, anat.layers):
         layer.to_empty(device=work_device)
         init_(layer)
-        quantize_nf4(
-            model,
-            compute_dtype=torch.bfloat16,
-            device=work_device,
-            filter_fn=lambda name, _, p=path + ".": name.startswith(p),
-        )
+        if nf4:
+            quantize_nf4(
+                model,
+                compute_dtype=torch.bfloat16,
+                device=work_device,
+                filter_fn=lambda name, _, p=path + ".": name.startswith(p),
+            )
         layer.to("cpu")
     return model.eval()
 
@@ -74,15 +83,17 @@ TARGETS = (
 )  # every benchmark's LoRA
 
 
-def add_lora(model, *, rank: int = 16, dropout: float = 0.0):
-    """LoRA on `TARGETS`; on a mixture of experts narrows' default targets (attention, dense
-    MLPs and shared experts; routers and routed experts frozen)."""
+def add_lora(model, *, rank: int = 16, dropout: float = 0.0, targets: tuple[str, ...] | None = None):
+    """LoRA on `targets`; by default on `TARGETS`, or on a mixture of experts narrows' default
+    targets (attention, dense MLPs and shared experts; routers and routed experts frozen)."""
     from peft import LoraConfig, get_peft_model
 
-    from narrows.core import lora_targets
+    if targets is None:
+        from narrows.core import lora_targets
 
-    targets = lora_targets(model).modules
-    modules = list(TARGETS) if targets == "all-linear" else list(targets)
+        found = lora_targets(model).modules
+        targets = TARGETS if found == "all-linear" else found
+    modules = list(targets)
     cfg = LoraConfig(
         r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM"
     )

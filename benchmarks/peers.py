@@ -2,13 +2,26 @@
 Unsloth, and PEFT with and without HF gradient checkpointing, on the same random checkpoint and
 the same token stream, each mode in its own process.
 
-What every row shares: one pre-quantised bitsandbytes NF4 checkpoint *folder* per model
-(transformers' 4-bit serialisation, `quantization_config` in config.json, a byte-level tokenizer),
-built once from `_models.random_nf4_model` (seeded, quantised layer by layer) and loaded by every
-mode; LoRA r16, alpha 32, on q, k, v, o, gate, up and down, no dropout unless ``--dropout P`` gives
+What every row shares: one checkpoint *folder* per model, built once from seeded random weights
+(`_models.random_model`, layer by layer) with a byte-level tokenizer, and loaded by every mode;
+LoRA r16, alpha 32, on the same modules in every row; no dropout unless ``--dropout P`` gives
 every row's adapters (the twins' too) that dropout; AdamW at lr 1e-4; bf16
 compute; seeded random token ids over the model's vocabulary, the same batches in the same order
 (stream_qlora.py's stream); G micro-batches per optimizer step, each loss scaled by 1/G.
+`base_of` tells the two kinds of model apart, the one place that does:
+
+- a dense model: the folder is pre-quantised bitsandbytes NF4 (transformers' 4-bit serialisation,
+  `quantization_config` in config.json), loaded as stored by every mode; LoRA on q, k, v, o,
+  gate, up and down.
+- a mixture of experts (``qwen3-30b-a3b-6l-8x512``: Qwen3-30B-A3B's shape, 6 of 48 layers):
+  bitsandbytes cannot quantise transformers 5's fused 3-D expert stacks, so the folder is bf16
+  (`save_pretrained`, ~9 GB) and each mode quantises it as it loads: the main job with ``--quant
+  nf4`` and the stream_qlora.py modes through narrows' loader (attention linears and expert
+  stacks in NF4), Unsloth with ``load_in_4bit=True`` (its own MoE handling), PEFT through
+  transformers' `BitsAndBytesConfig` (NF4, double quant: its expert stacks stay bf16). Every
+  row says how its experts ended up (``experts``: tensor classes, dtypes, bytes). LoRA on q, k,
+  v and o only, narrows' default on a MoE (routers and routed experts frozen); each row lists
+  the modules its adapters sit on (``lora_targets``).
 
 Per row: peak allocated GPU memory over the timed steps (`max_memory_allocated` after a reset),
 the median seconds a step over the timed steps after the warm-up (the device synchronised around
@@ -22,7 +35,8 @@ train are ``torch.equal`` (the row's ``twin``, the table's last column).
 Modes: ``unsloth`` (FastLanguageModel over the folder, its own gradient checkpointing
 ``use_gradient_checkpointing="unsloth"``, run from its own site directory: see
 benchmarks/stage_unsloth.sh); ``peft`` and ``peft-ckpt`` (transformers' own load of the folder,
-PEFT's LoRA, with HF gradient checkpointing for ``-ckpt``: no narrows code in the process); any
+PEFT's LoRA on the targets `base_of` names, with HF gradient checkpointing for ``-ckpt``: no
+narrows code in the process); any
 ``finetune-<budget>`` (the main job: see below); any other is a mode of stream_qlora.py run
 over the folder (``stream-8GiB-lmhead-fast``, ``stream-min-lmhead``, ``resident-ckpt-fast``,
 ``resident``, ...: see its docstring).
@@ -32,9 +46,11 @@ suffixes ``-eager``: ``--no-cuda-graphs``, ``-graphs``: ``--cuda-graphs``, ``-pe
 peft``): ``python -m narrows.core.app.cli finetune --model FOLDER --data FILE --packing
 --gpu-budget <budget> --batch B --grad-accum G --seq-len S --steps <warm-up + timed> --rank 16
 --alpha 32 --lr 1e-4 --eval-rows 0 --exact-match 0 ...`` in its own process, as a user runs it:
-no ``--quant`` (the folder's quantization_config says NF4, and the loader takes its packed
-weights as they are whatever ``--quant`` says), the default ``--targets all-linear`` (the row
-checks its adapter_config.json names the seven projections), the job's own AdamW and cosine
+over a pre-quantised folder no ``--quant`` (its quantization_config says NF4, and the loader
+takes its packed weights as they are whatever ``--quant`` says), over a bf16 one ``--quant
+nf4``; the default ``--targets all-linear`` (the seven projections on a dense model, attention
+on Qwen3-MoE: the row checks its adapter_config.json names the other rows' targets,
+``same_lora_as_peers``), the job's own AdamW and cosine
 schedule. Its data (written once into --work): text rows of seeded random ASCII, every token
 trained, each longer than S tokens under the byte-level tokenizer, so the job truncates each to
 S and ``--packing`` fills every sequence with one whole row (B × S real tokens a micro-batch).
@@ -55,6 +71,10 @@ Stage here first (PyPI reachable): ../shared/gpu/stage && bash benchmarks/stage_
 the GPU machine, from the checkout root, carrying .gpu and .gpu-unsloth:
 
     source .gpu/env && python3 benchmarks/peers.py --shape 7b-8x512 --timeout 240 --out $OUT/peers_7b-8x512.json
+
+The mixture of experts the same way (the bf16 folder takes about a minute to write):
+
+    source .gpu/env && python3 benchmarks/peers.py --shape qwen3-30b-a3b-6l-8x512 --steps 10 --warmup 3 --out $OUT/peers_qwen3-30b-a3b-6l-8x512.json
 
 (`bash -c 'source .gpu-unsloth/env && python3 benchmarks/peers.py --check-unsloth'` lists what
 Unsloth's staged packages declare and that machine lacks.) The folder is kept under --work and
@@ -139,19 +159,57 @@ SHAPES = {
         1,
         "stream-16GiB-lmhead-fast,stream-24GiB-lmhead-fast,stream-min-lmhead-fast,stream-16GiB-lmhead",
     ),
+    # a mixture of experts: Qwen3-30B-A3B's shape, 6 of its 48 layers (see `base_of`)
+    "qwen3-30b-a3b-6l-8x512": Shape(
+        "qwen3-30b-a3b-6l", 8, 512, 1, "finetune-8GiB,finetune-min,stream-8GiB-lmhead-fast,unsloth,peft-ckpt"
+    ),
     "tiny": Shape(
         "qwen2-tiny", 2, 64, 1, "stream-min-lmhead-fast,resident-ckpt-fast,resident,unsloth,peft,peft-ckpt"
     ),
 }
 
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class Base:
+    """What every row of one model shares beyond its shape: how its folder stores the weights
+    and which modules every mode's LoRA adapts."""
+
+    moe: bool  # routed experts in fused 3-D stacks (transformers 5)
+    stored: str  # the folder's weights: "nf4" (pre-quantised, loaded as stored) or "bf16" (quantised at load)
+    targets: tuple[str, ...]  # every row's LoRA targets
+
+
+def base_of(model: str) -> Base:
+    """The one place that tells a dense model from a mixture of experts. Dense: a pre-quantised
+    NF4 folder, LoRA on the seven projections. A mixture of experts: bitsandbytes cannot quantise
+    transformers 5's fused 3-D expert stacks, so a pre-quantised folder would hold them in bf16
+    anyway; its folder is bf16 and each mode quantises it as it loads, and LoRA is on attention
+    only, narrows' default there (`narrows.core.lora_targets`: routers and routed experts
+    frozen; with no shared experts, as in Qwen3-MoE, that leaves the attention linears)."""
+    config = _models.load_config(model)
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        return Base(moe=True, stored="bf16", targets=ATTENTION)
+    return Base(moe=False, stored="nf4", targets=_models.TARGETS)
+
+
+def folder_of(args: argparse.Namespace) -> Path:
+    """The model's folder under --work, named by config and storage."""
+    # (not .stem: "qwen2.5-7b" and "qwen2.5-32b" both have the stem "qwen2", and the second reused the first's folder)
+    return Path(args.work) / f"{Path(args.model).name.removesuffix('.json')}-{base_of(args.model).stored}"
+
 
 # --- the checkpoint folder ---------------------------------------------------------------------
 def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: int = 4 << 30) -> Path:
-    """A pre-quantised NF4 checkpoint folder of `config_name`'s shape with seeded random weights,
-    as transformers saves a bitsandbytes 4-bit model: each packed weight beside its quant state
-    (absmax, quant_map, nested_absmax, nested_quant_map, quant_state.bitsandbytes__nf4), the
-    embedding and head in bf16, `quantization_config` in config.json, and a byte-level tokenizer.
-    Kept and reused while its `complete` marker is there."""
+    """A checkpoint folder of `config_name`'s shape with seeded random weights
+    (`_models.random_model`) and a byte-level tokenizer, stored as `base_of` says. NF4: a
+    pre-quantised folder, as transformers saves a bitsandbytes 4-bit model: each packed weight
+    beside its quant state (absmax, quant_map, nested_absmax, nested_quant_map,
+    quant_state.bitsandbytes__nf4), the embedding and head in bf16, `quantization_config` in
+    config.json. bf16 (a mixture of experts): transformers' `save_pretrained` of the bf16 model,
+    no quantization_config (the whole model passes through host RAM: ~9 GB for Qwen3-30B-A3B's
+    6 layers). Kept and reused while its `complete` marker is there."""
     if (folder / "complete").is_file():
         kept = json.loads((folder / "config.json").read_text())
         want = _models.load_config(config_name)
@@ -161,15 +219,35 @@ def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: 
                 f"{folder} holds another model's shape than {config_name}: remove it or pick another --work"
             )
         return folder
-    from safetensors.torch import save_file
-    from transformers import BitsAndBytesConfig
-
     from narrows.core.testing import tiny_tokenizer
 
     part = folder.with_name(folder.name + ".part")
-    part.mkdir(parents=True, exist_ok=True)
+    if part.exists():  # an interrupted earlier attempt
+        shutil.rmtree(part)
+    part.mkdir(parents=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = _models.random_nf4_model(_models.load_config(config_name), seed=seed, work_device=device)
+    nf4 = base_of(config_name).stored == "nf4"
+    model = _models.random_model(_models.load_config(config_name), seed=seed, work_device=device, nf4=nf4)
+    tokenizer = tiny_tokenizer()
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if nf4:
+        save_nf4(model, part, shard_bytes)
+    else:
+        model.save_pretrained(part, max_shard_size=shard_bytes)
+    tokenizer.save_pretrained(part)
+    (part / "complete").write_text(json.dumps({"config": config_name, "seed": seed}))
+    del model
+    if folder.exists():  # an incomplete earlier attempt
+        shutil.rmtree(folder)
+    part.rename(folder)
+    return folder
+
+
+def save_nf4(model, part: Path, shard_bytes: int) -> None:
+    """A bitsandbytes NF4 model's tensors and config, as transformers saves a 4-bit model."""
+    from safetensors.torch import save_file
+    from transformers import BitsAndBytesConfig
+
     # bitsandbytes' Linear4bit puts its packed quant state into the state dict: transformers' format
     state = model.state_dict()
     shards: list[list[str]] = [[]]
@@ -198,18 +276,7 @@ def build_folder(config_name: str, folder: Path, *, seed: int = 0, shard_bytes: 
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=torch.bfloat16,
     ).to_dict()
-    tokenizer = tiny_tokenizer()
-    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     config.save_pretrained(part)
-    tokenizer.save_pretrained(part)
-    (part / "complete").write_text(json.dumps({"config": config_name, "seed": seed}))
-    del model, state
-    if folder.exists():  # an incomplete earlier attempt
-        import shutil
-
-        shutil.rmtree(folder)
-    part.rename(folder)
-    return folder
 
 
 # --- one training loop, for the rows peers.py owns ---------------------------------------------
@@ -272,6 +339,26 @@ def adapter_fingerprint(model) -> list[float]:
     return [float(sum(x.sum() for x in a)), float(sum((x * x).sum() for x in a))]
 
 
+def lora_modules(model) -> list[str]:
+    """The names (last part) of the modules that carry LoRA adapters: every row's, to compare."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")})
+
+
+def experts_stored(model) -> dict | None:
+    """How a mixture of experts' routed experts are held once a mode has loaded the model: the
+    tensors under an ``experts`` module, their classes and dtypes, and their bytes as held (a
+    4-bit tensor's quant state apart). None on a dense model."""
+    held = [
+        t
+        for n, t in itertools.chain(model.named_parameters(), model.named_buffers())
+        if ".experts." in f".{n}"
+    ]
+    if not held:
+        return None
+    kinds = sorted({f"{type(t).__name__} {t.dtype}" for t in held})
+    return {"tensors": len(held), "kinds": kinds, "bytes": sum(t.nbytes for t in held)}
+
+
 def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -286,19 +373,31 @@ def versions() -> dict[str, str | None]:
 
 # --- the rows ----------------------------------------------------------------------------------
 def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> dict:
-    """PEFT as its users run it: transformers loads the pre-quantised folder (bitsandbytes
-    Linear4bit), PEFT adds the adapters; `-ckpt`: HF gradient checkpointing, non-reentrant. No
-    `prepare_model_for_kbit_training`: it would cast the head and norms to float32, and every
-    row computes in bf16."""
-    from transformers import AutoModelForCausalLM
+    """PEFT as its users run it: transformers loads the folder in NF4 (bitsandbytes Linear4bit:
+    the pre-quantised folder as stored; a bf16 folder quantised as it loads, through
+    `BitsAndBytesConfig`, which leaves a mixture of experts' fused expert stacks in bf16: the
+    row's `experts` says), PEFT adds the adapters; `-ckpt`: HF gradient checkpointing,
+    non-reentrant. No `prepare_model_for_kbit_training`: it would cast the head and norms to
+    float32, and every row computes in bf16."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    base = base_of(args.model)
     t = time.perf_counter()
     place = {"": torch.cuda.current_device() if device.type == "cuda" else "cpu"}
+    quant = {}
+    if base.stored != "nf4":
+        quant["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
     model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, attn_implementation=args.attn, device_map=place
+        folder, dtype=torch.bfloat16, attn_implementation=args.attn, device_map=place, **quant
     )
+    experts = experts_stored(model)
     torch.manual_seed(0)  # as stream_qlora.run_one before add_lora: the same initial adapters
-    model = _models.add_lora(model, dropout=args.dropout).train()
+    model = _models.add_lora(model, dropout=args.dropout, targets=base.targets).train()
     model.config.use_cache = False
     if args.run_one.endswith("-ckpt"):
         stream_qlora.checkpointing(model, offload=False)
@@ -307,12 +406,16 @@ def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> di
     return {
         "load_s": load_s,
         "adapters_init": adapter_fingerprint(model),
+        "lora_targets": lora_modules(model),
+        "experts": experts,
         **train(model, args, model.config.vocab_size, device),
     }
 
 
 def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) -> dict:
-    """Unsloth as its users run it: FastLanguageModel loads the pre-quantised folder, its
+    """Unsloth as its users run it: FastLanguageModel loads the folder in 4 bits (the
+    pre-quantised folder as stored; a bf16 folder quantised as it loads, a mixture of experts'
+    fused expert stacks as Unsloth does: the row's `experts` says how they ended up), its
     get_peft_model adds the same adapters with its own gradient checkpointing; then the same
     plain loop as every other row (no TRL trainer: the optimizer and batches stay the same).
     The row says which attention Unsloth found (xformers, flash-attn or PyTorch's SDPA) and
@@ -324,12 +427,13 @@ def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) ->
     model, _ = FastLanguageModel.from_pretrained(
         str(folder), max_seq_length=args.seq, dtype=torch.bfloat16, load_in_4bit=True, random_state=0
     )
+    experts = experts_stored(model)
     model = FastLanguageModel.get_peft_model(
         model,
         r=16,
         lora_alpha=32,
         lora_dropout=args.dropout,
-        target_modules=list(_models.TARGETS),
+        target_modules=list(base_of(args.model).targets),
         bias="none",
         use_gradient_checkpointing="unsloth",
         random_state=0,
@@ -346,6 +450,8 @@ def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) ->
     return {
         "load_s": load_s,
         "adapters_init": adapter_fingerprint(model),
+        "lora_targets": lora_modules(model),
+        "experts": experts,
         "attention": attention,
         "embedding_device": str(model.get_input_embeddings().weight.device),
         "unmet_requirements": unmet_requirements("unsloth"),
@@ -369,9 +475,11 @@ class _StepClock(torch.optim.AdamW):
 
 
 def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) -> dict:
-    """A stream_qlora.py mode, its model read from the folder (narrows' block loader) instead
-    of built by `_models.random_nf4_model`: stream_qlora.run_one imports both names at call
-    time, so the child swaps them here; nothing else of the mode changes."""
+    """A stream_qlora.py mode, its model read from the folder (narrows' block loader, in NF4: a
+    pre-quantised folder as stored, a bf16 one quantised layer by layer as it loads, a mixture
+    of experts' expert stacks included) instead of built by `_models.random_nf4_model`, its
+    adapters on the run's targets: stream_qlora.run_one imports both names at call time, so
+    the child swaps them here; nothing else of the mode changes."""
     from narrows.core.io.loader import load_blockwise
 
     add_lora = _models.add_lora
@@ -380,17 +488,19 @@ def run_narrows(args: argparse.Namespace, folder: Path, device: torch.device) ->
     def from_folder(config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa"):
         t = time.perf_counter()
         with torch.random.fork_rng(devices=[]):  # the loader draws nothing the adapters' init would see
-            model = load_blockwise(folder, dtype=torch.bfloat16, device=work_device)
+            model = load_blockwise(folder, dtype=torch.bfloat16, quant="nf4", device=work_device)
         model.set_attn_implementation(attn)
         seen["load_s"] = time.perf_counter() - t
+        seen["experts"] = experts_stored(model)
         return model
 
     def lora(model, **kw):
         if args.dropout:  # the run's dropout over the mode's
             kw["dropout"] = args.dropout
         seen["lora_dropout"] = kw.get("dropout", 0.0)
-        model = add_lora(model, **kw)
+        model = add_lora(model, targets=base_of(args.model).targets, **kw)
         seen["adapters_init"] = adapter_fingerprint(model)
+        seen["lora_targets"] = lora_modules(model)
         return model
 
     _models.random_nf4_model, _models.add_lora = from_folder, lora
@@ -518,8 +628,11 @@ def job_argv(
     unknown = [x for x in suffixes if x not in JOB_SUFFIXES]
     if unknown:
         raise ValueError(f"{mode}: unknown suffix {unknown}; known: {sorted(JOB_SUFFIXES)}")
-    # no --quant: the folder is NF4 already (its quantization_config), loaded as it is
-    argv = ["finetune", "--model", str(folder), "--data", str(data), "--packing", "--gpu-budget", budget]
+    # a pre-quantised folder: no --quant (its quantization_config says NF4, loaded as it is);
+    # a bf16 one (a mixture of experts'): --quant nf4, the linears and expert stacks quantised as it loads
+    quant = ["--quant", "nf4"] if base_of(args.model).stored != "nf4" else []
+    argv = ["finetune", "--model", str(folder), *quant]
+    argv += ["--data", str(data), "--packing", "--gpu-budget", budget]
     argv += ["--batch", str(args.batch), "--grad-accum", str(args.grad_accum), "--seq-len", str(args.seq)]
     argv += ["--steps", str(steps), "--rank", "16", "--alpha", "32", "--dropout", str(args.dropout)]
     argv += ["--lr", "1e-4", "--eval-rows", "0", "--exact-match", "0", "--save-every", str(steps)]
@@ -583,7 +696,7 @@ def run_job(args: argparse.Namespace, mode: str, folder: Path, prof: Path | None
         plan=summary.get("stream"),  # resident layers, CUDA graphs and why, accumulation: streamed runs only
         lora={k: lora.get(k) for k in ("r", "lora_alpha", "lora_dropout")}
         | {"target_modules": sorted(lora.get("target_modules") or [])},
-        same_lora_as_peers=sorted(lora.get("target_modules") or []) == sorted(_models.TARGETS)
+        same_lora_as_peers=sorted(lora.get("target_modules") or []) == sorted(base_of(args.model).targets)
         and lora.get("r") == 16
         and lora.get("lora_alpha") == 32,
         data={"file": str(data), "format": "text, every token trained", "packing": True},
@@ -859,8 +972,8 @@ def main() -> None:
     out = Path(args.out or f"benchmarks/results/peers_{args.shape}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    folder = build_folder(args.model, Path(args.work) / f"{Path(args.model).name.removesuffix('.json')}-nf4")
-    # (not .stem: "qwen2.5-7b" and "qwen2.5-32b" both have the stem "qwen2", and the second reused the first's folder)
+    base = base_of(args.model)
+    folder = build_folder(args.model, folder_of(args))
     build_s = time.perf_counter() - t
     bw = stream_qlora.pinned_bandwidth()
     if torch.cuda.is_available():
@@ -871,6 +984,9 @@ def main() -> None:
             k: getattr(args, k) for k in ("model", "batch", "seq", "grad_accum", "steps", "warmup", "dropout")
         },
         "folder": str(folder),
+        "moe": base.moe,
+        "folder_stored": base.stored,
+        "lora_targets": list(base.targets),
         "folder_bytes": folder_bytes(folder),
         "folder_build_s": build_s,
         "pinned_bw": bw,
@@ -917,7 +1033,7 @@ def main() -> None:
         out.write_text(json.dumps(run, indent=2))  # after every row: a run cut short keeps what it measured
     g = f", G {args.grad_accum}" if args.grad_accum > 1 else ""
     print(
-        f"\n{args.model}, {args.batch}x{args.seq}{g}, NF4, LoRA r16 x7, AdamW; {run['device']}, "
+        f"\n{args.model}, {args.batch}x{args.seq}{g}, NF4, LoRA r16 on {','.join(base.targets)}, AdamW; {run['device']}, "
         f"pinned H2D {bw / 1e9:.1f} GB/s; {args.steps} timed steps after {args.warmup}\n"
     )
     print(table(run["rows"]))
