@@ -188,6 +188,13 @@ HEADLINE = (  # README.md's results: (case, what ran, narrows' rows, the baselin
         ["unsloth"],
     ),
     (
+        "peers_qwen3-30b-a3b-6l_8x512",
+        "Qwen3-30B-A3B's shape (6 of 48 layers, NF4 experts, LoRA on attention), 8 × 512, the main job "
+        "at `8GiB`; smallest footprint",
+        ["finetune-8GiB", "finetune-min"],
+        ["unsloth", "peft-ckpt"],
+    ),
+    (
         "peers_qwen2.5-7b_512_g1",
         "7B, 1 × 512, `12GiB`",
         ["stream-12GiB-auto"],
