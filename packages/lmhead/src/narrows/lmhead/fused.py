@@ -1,9 +1,11 @@
 """Optional dispatch of the chunked loss to an installed fused kernel library.
 
-Cut Cross-Entropy runs with its gradient filter off (exact up to summation order), only on
-CUDA with a resident head without bias in bf16/fp16; everywhere else, or uninstalled, the
-`chunked` tiles run. Its backward is not promised run-to-run deterministic;
-``fused="off"`` keeps the tiles, which are.
+Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy (its gradient filter off)
+each compute the head's matmul, the log-sum-exp and the gradient with their own kernels,
+exact up to summation order; they run on CUDA with a resident head without bias in
+bf16/fp16 and no logit scaling. ``fused="auto"`` takes the first of them that runs
+(`AUTO_ORDER`); where none does, or none is installed, the `chunked` tiles run.
+``fused="off"`` keeps the tiles.
 
 why: docs/design.md#fused-kernels
 """
@@ -16,15 +18,20 @@ from torch import Tensor
 from narrows.core import HeadSource, ResidentHead
 from narrows.core.optional import is_available, require
 
-__all__ = ["FUSED_CHOICES", "fused_cross_entropy", "fused_reason"]
+from .chunked import DEFAULT_TILE_BYTES
 
-FUSED_CHOICES = ("off", "auto", "cce")
+__all__ = ["AUTO_ORDER", "FUSED_CHOICES", "fused_cross_entropy", "fused_library", "fused_reason"]
+
+FUSED_CHOICES = ("off", "auto", "liger", "cce")
+AUTO_ORDER = ("liger", "cce")  # fastest first (benchmarks/lmhead_memory.py)
+_MODULES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
 
 
-def fused_reason(hidden: Tensor, source: HeadSource) -> str | None:
-    """Why the fused library cannot run here, or None when it can."""
-    if not is_available("cut_cross_entropy"):
-        return "cut-cross-entropy is not installed (pip install cut-cross-entropy)"
+def fused_reason(hidden: Tensor, source: HeadSource, library: str = "cce") -> str | None:
+    """Why fused `library` ("liger" or "cce") cannot run here, or None when it can."""
+    module, package = _MODULES[library]
+    if not is_available(module):
+        return f"{package} is not installed (pip install {package})"
     if hidden.device.type != "cuda":
         return "it runs on CUDA only"
     if not isinstance(source, ResidentHead) or source.bias is not None:
@@ -36,12 +43,44 @@ def fused_reason(hidden: Tensor, source: HeadSource) -> str | None:
     return None
 
 
+def fused_library(hidden: Tensor, source: HeadSource, fused: str) -> tuple[str | None, str | None]:
+    """The library `fused` ("auto", "liger", "cce") runs here, or None and why not."""
+    reasons = []
+    for library in AUTO_ORDER if fused == "auto" else (fused,):
+        why = fused_reason(hidden, source, library)
+        if why is None:
+            return library, None
+        reasons.append(f"{library}: {why}")
+    return None, "; ".join(reasons)
+
+
 def fused_cross_entropy(
-    hidden: Tensor, targets: Tensor, source: ResidentHead, token_weights: Tensor
+    hidden: Tensor,
+    targets: Tensor,
+    source: ResidentHead,
+    token_weights: Tensor,
+    library: str = "cce",
+    tile_bytes: int = DEFAULT_TILE_BYTES,
 ) -> Tensor:
-    """``sum_i w_i * CE(head(hidden_i), targets_i)`` through Cut Cross-Entropy's kernels."""
-    cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")
-    nll = cce.linear_cross_entropy(
-        hidden, source.weight, targets, softcap=source.math.softcap, reduction="none", filter_eps=None
-    )
+    """``sum_i w_i * CE(head(hidden_i), targets_i)`` through `library`'s kernels; Liger's
+    logits chunks are sized to about `tile_bytes`, as the tiles' are."""
+    if library == "liger":
+        require("liger_kernel", "fused cross-entropy (fused='liger')")
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        # Liger bounds a chunk's logits to chunk_mem_const × tokens × hidden elements
+        per_unit = hidden.shape[0] * hidden.shape[1] * hidden.element_size()
+        nll = liger_fused_linear_cross_entropy(
+            hidden,
+            source.weight,
+            targets,
+            reduction="none",
+            softcap=source.math.softcap,
+            chunk_mem_const=max(1, tile_bytes // max(1, per_unit)),
+        )
+    else:
+        cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")
+        nll = cce.linear_cross_entropy(
+            hidden, source.weight, targets, softcap=source.math.softcap, reduction="none", filter_eps=None
+        )
     return (nll.float() * token_weights).sum()

@@ -21,7 +21,7 @@ from .chunked import (
     linear_cross_entropies,
     linear_cross_entropy,
 )
-from .fused import FUSED_CHOICES, fused_cross_entropy, fused_reason
+from .fused import FUSED_CHOICES, fused_cross_entropy, fused_library
 from .topk import subset_head, vocabulary_subset
 
 __all__ = [
@@ -53,7 +53,8 @@ class LossOptions:
     tile_bytes: int = DEFAULT_TILE_BYTES
     ignore_index: int = -100
     fused: str = (
-        "auto"  # Cut Cross-Entropy where installed and applicable (fused.py); "off"; "cce": it or an error
+        "auto"  # Liger-Kernel's or Cut Cross-Entropy's where installed and applicable (fused.py); "off";
+        # "liger" / "cce": that one or an error
     )
 
     def __post_init__(self) -> None:
@@ -189,11 +190,13 @@ def rows_loss(rows: LossRows, options: LossOptions) -> Tensor:
     """The loss of `rows`: fused, chunked or from logits, as `options` say."""
     flat, targets, source, weights = rows.hidden, rows.targets, rows.source, rows.weights
     if options.chunked and options.fused != "off":
-        why_not = fused_reason(flat, source)
-        if why_not is None:
-            return fused_cross_entropy(flat, targets, source, weights)  # type: ignore[arg-type]
-        if options.fused == "cce":
-            raise NarrowsError(f"fused='cce' cannot run here: {why_not}; use fused='auto' to fall back")
+        library, why_not = fused_library(flat, source, options.fused)
+        if library is not None:
+            return fused_cross_entropy(flat, targets, source, weights, library, options.tile_bytes)  # type: ignore[arg-type]
+        if options.fused != "auto":
+            raise NarrowsError(
+                f"fused={options.fused!r} cannot run here: {why_not}; use fused='auto' to fall back"
+            )
     if options.chunked:
         return linear_cross_entropy(
             flat, targets, source, weights, head_rows=options.head_rows, tile_bytes=options.tile_bytes
@@ -217,7 +220,7 @@ def shares_head_pass(rows: LossRows, options: LossOptions) -> bool:
         and source.trainable_weight is None
         and (
             options.fused == "off"
-            or (options.fused == "auto" and fused_reason(rows.hidden, source) is not None)
+            or (options.fused == "auto" and fused_library(rows.hidden, source, "auto")[0] is None)
         )
     )
 
