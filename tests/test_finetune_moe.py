@@ -35,6 +35,7 @@ def test_moe_experts_in_nf4_stream_as_they_train_resident(tmp_path, capsys):
     assert summary["stream"]["resident_layers"] == 0
     # the fast MoE layer on both sides: streamed training equal to the same kernels resident
     assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
+    assert summary["loss_kernels"] == ["tiles"]  # narrows-lmhead's tiles (no fused library on the CPU)
     assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
     layers = 3
     precision = summary["precision"]

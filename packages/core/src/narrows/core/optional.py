@@ -1,7 +1,7 @@
 """Every check of what is installed lives here, so that a missing optional package
 always produces the same actionable message (which distribution, which extra).
 
-Public: the sibling packages check their own optional backends (triton, cut-cross-entropy)
+Public: the sibling packages check their own optional backends (triton, liger-kernel, cut-cross-entropy)
 through `is_available` and `require` too, so the message is the same wherever it is raised.
 """
 
@@ -25,6 +25,7 @@ OPTIONAL: dict[str, tuple[str, str | None]] = {
     "gguf": ("gguf", "narrows-core[gguf]"),
     "matplotlib": ("matplotlib", "narrows-core[plot]"),
     "cut_cross_entropy": ("cut-cross-entropy", None),
+    "liger_kernel": ("liger-kernel", "narrows-core[liger]"),
     "tensorboard": ("tensorboard", "narrows-core[tensorboard]"),
     "wandb": ("wandb", "narrows-core[wandb]"),
 }

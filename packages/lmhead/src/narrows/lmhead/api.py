@@ -42,6 +42,7 @@ class LMHeadHandle:
     eval_logits: bool
     original_forward: Any
     subset_sizes: list[int] = field(default_factory=list)  # top-k: vocabulary rows per training batch
+    kernels: set[str] = field(default_factory=set)  # what computed a training loss ("liger", "tiles", ...)
 
 
 def apply(
@@ -114,9 +115,11 @@ def apply(
 
         sweep = head_sweep(model)
         if sweep is not None and shares_head_pass(rows, used):  # computed with other forwards' losses
+            if training:
+                handle.kernels.add("tiles")  # the shared pass runs the tiles
             sweep.file((rows.source, used), rows, partial(rows_losses, options=used), finish)
             return _output(None, out, aux)
-        return _output(finish(rows_loss(rows, used)), out, aux)
+        return _output(finish(rows_loss(rows, used, handle.kernels if training else None)), out, aux)
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     lm.forward = forward

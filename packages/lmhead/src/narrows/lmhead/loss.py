@@ -186,21 +186,26 @@ def loss_rows(
     return LossRows(flat, targets, weights, source)
 
 
-def rows_loss(rows: LossRows, options: LossOptions) -> Tensor:
-    """The loss of `rows`: fused, chunked or from logits, as `options` say."""
+def rows_loss(rows: LossRows, options: LossOptions, ran: set[str] | None = None) -> Tensor:
+    """The loss of `rows`: fused, chunked or from logits, as `options` say; `ran`, when
+    given, receives which ("liger", "cce", "tiles" or "logits")."""
     flat, targets, source, weights = rows.hidden, rows.targets, rows.source, rows.weights
+    said = ran if ran is not None else set()
     if options.chunked and options.fused != "off":
         library, why_not = fused_library(flat, source, options.fused)
         if library is not None:
+            said.add(library)
             return fused_cross_entropy(flat, targets, source, weights, library, options.tile_bytes)  # type: ignore[arg-type]
         if options.fused != "auto":
             raise NarrowsError(
                 f"fused={options.fused!r} cannot run here: {why_not}; use fused='auto' to fall back"
             )
     if options.chunked:
+        said.add("tiles")
         return linear_cross_entropy(
             flat, targets, source, weights, head_rows=options.head_rows, tile_bytes=options.tile_bytes
         )
+    said.add("logits")
     weight = source.trainable_weight
     if weight is None:  # frozen (maybe streamed) head: logits for the kept positions, chunk by chunk
         logits = chunked_logits(flat, source, options.head_rows)

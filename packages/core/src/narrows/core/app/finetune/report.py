@@ -114,6 +114,8 @@ def summarize(
                 cuda_graphs_refused={str(k): v for k, v in st.refused.items()},
             )
     lm_handle = state_of(model).lmhead
+    if getattr(lm_handle, "kernels", None):  # which kernels computed the training loss
+        summary["loss_kernels"] = sorted(lm_handle.kernels)
     if getattr(lm_handle, "subset_sizes", None):
         summary["topk_mean_vocabulary"] = sum(lm_handle.subset_sizes) / len(lm_handle.subset_sizes)
     measures = ["eval_loss"]
@@ -289,6 +291,8 @@ def format_summary(summary: dict) -> str:
     ]
     if summary.get("kernels"):
         rows.append(("kernels", summary["kernels"]))
+    if summary.get("loss_kernels"):
+        rows.append(("loss kernels", ", ".join(summary["loss_kernels"])))
     if summary.get("targets"):
         rows.append(("adapted", summary["targets"]))
     if summary.get("precision"):
