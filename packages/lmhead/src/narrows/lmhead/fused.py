@@ -5,7 +5,8 @@ each compute the head's matmul, the log-sum-exp and the gradient with their own 
 exact up to summation order; they run on CUDA with a resident head without bias in
 bf16/fp16 and no logit scaling. ``fused="auto"`` takes the first of them that runs
 (`AUTO_ORDER`); where none does, or none is installed, the `chunked` tiles run.
-``fused="off"`` keeps the tiles.
+Liger's chunks sum in a fixed order (the same bits run to run); Cut Cross-Entropy's
+backward is not promised run-to-run deterministic. ``fused="off"`` keeps the tiles.
 
 why: docs/design.md#fused-kernels
 """
