@@ -101,7 +101,6 @@ class MoEParts:
 class MoEState:
     """What a block's forward keeps for its backward."""
 
-    n: Tensor  # the block's input, (tokens, hidden)
     probs: Tensor  # the router's softmax, float32 (tokens, E)
     chosen: Tensor  # the k experts of each token, (tokens, k)
     order: Tensor  # the (token, k) slots sorted by expert, (S,)
@@ -145,7 +144,7 @@ def forward(
     if output:
         y = grouped_mm(a, down.transpose(-2, -1), ends) * weights[:, None]
         out = y[back].view(tokens, k, -1).sum(dim=1).to(n.dtype)
-    state = MoEState(n, probs, chosen, order, back, ends, weights, h, a) if keep else None
+    state = MoEState(probs, chosen, order, back, ends, weights, h, a) if keep else None
     return out, state
 
 
