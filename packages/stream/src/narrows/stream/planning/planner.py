@@ -46,8 +46,13 @@ __all__ = ["plan", "planned_shapes", "runs_fast"]
 def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     """Whether every decoder layer will run as a fast layer, whose activations the plan
     then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's). An MoE block
-    in sequence tiles runs the model's own code (the fast layer routes all tokens at once)."""
+    in sequence tiles runs the model's own code (the fast layer routes all tokens at once),
+    and so does every layer of a model whose router logits are collected for the auxiliary
+    loss (transformers' recorders, installed at the first forward, are hooks the fast layer
+    refuses)."""
     if cfg.kernels != "fast" or coverage(model).refused:
+        return False
+    if getattr(anatomy_of(model).config, "output_router_logits", False):
         return False
     layers = anatomy_of(model).layers
     return tile_option(cfg) is None or not any(True for layer in layers for _ in moe_blocks(layer))
