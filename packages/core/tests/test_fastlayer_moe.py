@@ -103,6 +103,37 @@ def test_a_lost_routing_gradient_would_show(monkeypatch, what):
     assert not _close(good, _steps(model))
 
 
+def test_layers_give_way_while_transformers_records_their_outputs(monkeypatch):
+    """transformers hooks the routers (and attention) once a forward asks for their outputs;
+    a hook records only in a forward that asks. While one does (the aux loss), the model's
+    own code runs — the same bits as unfused, aux loss included; once no forward asks, the
+    fast layers run again with the hooks in place."""
+    from narrows.core.kernels.fastlayer import compute
+
+    def model(collect):
+        m = _model("qwen3_moe")
+        m.base_model.model.config.output_router_logits = collect
+        return m
+
+    own = model(True)
+    want = _steps(own)
+    aux = own(**tiny_batch()).aux_loss
+    fused = model(True)
+    assert not fuse_layers(fused).refused
+    calls = []
+    original = compute.forward_keeping
+    monkeypatch.setattr(compute, "forward_keeping", lambda *a, **k: calls.append(1) or original(*a, **k))
+    assert _equal(_steps(fused), want) and not calls  # every forward recorded: the model's code ran
+    assert torch.equal(fused(**tiny_batch()).aux_loss, aux)
+    layer = fused.base_model.model.model.layers[0]
+    assert any(m._forward_hooks for m in layer.modules())  # the recorders stay installed
+    assert why_not(layer) is None  # inert outside a forward that records
+    fused.base_model.model.config.output_router_logits = False
+    fuse_layers(fused, recompute=False)
+    _steps(fused)
+    assert calls  # no forward records: the fast layers run
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_recompute_trains_the_same_bits_as_keeping(arch, dropout):

@@ -117,6 +117,29 @@ def test_router_aux_loss_gradient_flows_through_streamed_layers(arch, dropout):
     assert_identical(resident, train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={}))
 
 
+@pytest.mark.bnb
+@pytest.mark.parametrize("gpu_budget", [None, "min"])
+@pytest.mark.parametrize("arch", MOE)
+def test_router_aux_loss_with_the_fast_layers_streamed_equals_resident(arch, gpu_budget):
+    """SDPA and the default kernels: every training forward records the router logits, so
+    the fast MoE layers give way to the model's own code, streamed as resident; the plan
+    sizes that code."""
+
+    def model():
+        m = build(arch, base="nf4", dropout=0.05, output_router_logits=True, router_aux_loss_coef=0.02)
+        m.set_attn_implementation("sdpa")
+        return m
+
+    resident = model()
+    assert not fuse_layers(resident).refused  # covered: the layers give way only while recording
+    streamed = model()
+    got = train(streamed, steps=2, grad_accum=2, stream_kwargs={"gpu_budget": gpu_budget})
+    assert_identical(train(resident, steps=2, grad_accum=2), got)
+    from narrows.stream.planning.planner import runs_fast
+
+    assert not runs_fast(streamed, streamed.narrows_stream.config)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_router_aux_loss_with_dropout_on_attention_adapters(arch):
     """Where PEFT refuses dropout on fused experts, adapters on attention alone take it."""

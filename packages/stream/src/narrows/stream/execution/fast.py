@@ -35,6 +35,7 @@ class FastExecutor(LayerExecutor):
         parts = fast.parts()
         call = None if parts is None else read_call(run.layer, run.args, run.kwargs)
         if call is None or call.kv is not None:
+            run.eager = True  # (a recorder collecting this forward's outputs among the reasons)
             return self.fallback.forward(run, hidden)
         keeps = run.may_keep and self.attention is not None and run.index in self.attention.layers
         out, run.kept = fast.forward(parts, hidden, call, self.attention.store(run.index) if keeps else None)
@@ -49,7 +50,7 @@ class FastExecutor(LayerExecutor):
         side: SideGrads | None = None,
     ) -> list[Tensor | None]:
         fast = FastLayer.of(run.layer)
-        parts = fast.parts()
+        parts = None if run.eager else fast.parts()
         call = None if parts is None else read_call(run.layer, run.args, run.kwargs)
         if call is None or call.kv is not None or (side is not None and side.grads) or grad_out is None:
             return self.fallback.backward(run, hidden, grad_out, params, side)

@@ -11,10 +11,12 @@ why: docs/design.md#side-outputs
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from torch import Tensor, nn
+
+from narrows.core.protocol.recorders import recorded_key, recording, replaying
 
 from ..errors import StreamSetupError
 
@@ -39,31 +41,6 @@ def router_logits_refusal(config: Any, batches: Sequence[dict[str, Any]] = ()) -
         + "): step mode computes the loss in a forward whose decoder layers are replaced by their outputs, "
         "where no router runs, so the router's auxiliary loss could not be computed"
     )
-
-
-def recorded_key(hook: Callable[..., Any]) -> str | None:
-    """The output a transformers output-recording hook collects (``router_logits``,
-    ``attentions``, …), or None for any other hook. transformers installs one on the
-    modules whose outputs a model can return (an MoE layer's router, its attention); it does
-    nothing unless a forward asked for that output."""
-    import inspect
-
-    fn = inspect.unwrap(hook)
-    if getattr(fn, "__module__", "") != "transformers.utils.output_capturing" or not fn.__closure__:
-        return None
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__, strict=True))
-    key = cells.get("key")
-    return key.cell_contents if key is not None and isinstance(key.cell_contents, str) else None
-
-
-def recording(keys: set[str]) -> bool:
-    """Whether a forward running now collects any of `keys` (transformers' output recorder)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # another transformers: take every recording hook as live
-        return True
-    collected = _active_collector.get()
-    return collected is not None and any(k in collected for k in keys)
 
 
 def _carries_grad(x: Any) -> bool:
@@ -119,7 +96,8 @@ class SideOutputs:
 
     @contextmanager
     def collecting(self, *, forward: bool) -> Iterator[None]:
-        """Wrap every forward hook on the layer's submodules for the block."""
+        """Wrap every forward hook on the layer's submodules for the block (a recompute's,
+        `forward=False`, inside `replaying` what its forward recorded)."""
         self.originals, self.stand_ins = [], []
         saved: list[tuple[dict, Any, Callable[..., Any]]] = []
         if forward:
@@ -137,7 +115,10 @@ class SideOutputs:
                         self.recorded.add(recorded)
                     saved.append((module._forward_hooks, key, hook))
                     module._forward_hooks[key] = self._wrap(module, hook, forward, recorded)
-            yield
+            # a recompute records what its forward did: the fast layers give way to the
+            # layer's own code again where the forward's did (`narrows.core.protocol.recorders`)
+            with nullcontext() if forward else replaying(self.recorded):
+                yield
         finally:
             for hooks, key, hook in saved:
                 hooks[key] = hook

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...protocol.recorders import recording
 from .. import rng
 from . import compute
 from .parts import LayerParts, build_parts
@@ -104,12 +105,16 @@ class FastLayer:
     def parts(self) -> LayerParts | None:
         """The layer as the fast layer computes it, or None where `why_not` has a reason."""
         built = self._current()
-        return None if isinstance(built, str) else built
+        return None if isinstance(built, str) or _recording(built) else built
 
     def why_not(self) -> str | None:
         """Why the fast layer does not compute the layer (None when it does)."""
         built = self._current()
-        return built if isinstance(built, str) else None
+        if isinstance(built, str):
+            return built
+        if _recording(built):
+            return f"this forward collects {', '.join(sorted(built.recorded))} (transformers records them)"
+        return None
 
     def _current(self) -> LayerParts | str:
         layer = self.layer
@@ -166,6 +171,12 @@ class FastLayer:
         if saved is None:
             saved = compute.recompute(parts, hidden, call.cos, call.sin, call.mask, cache, kept=kept)
         return compute.backward(parts, saved, grad, cache)
+
+
+def _recording(parts: LayerParts) -> bool:
+    """Whether the forward running now collects what the layer's recorders record: the
+    layer's own forward runs then, so they see its modules' outputs."""
+    return bool(parts.recorded) and recording(parts.recorded)
 
 
 def _restored(

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ...protocol.recorders import recorded_key
 from ...quant.held import held_weight
 from ...quant.nf4 import is_nf4_linear
 from ..lora_branches import _FusedForward
 from .lora import Linear, LinearGroup
 from .moe import MOE_BLOCKS, MoEParts, build_moe
 
-__all__ = ["FAST_LAYER_TYPES", "LayerParts", "build_parts"]
+__all__ = ["FAST_LAYER_TYPES", "LayerParts", "build_parts", "recorders_of"]
 
 FAST_LAYER_TYPES = (
     "LlamaDecoderLayer",
@@ -60,6 +61,7 @@ class LayerParts:
     scaling: float
     mlp_tile: int | None = None  # the MLP runs over sequence tiles of this many tokens
     moe: MoEParts | None = None  # the MLP is a mixture of experts
+    recorded: frozenset[str] = frozenset()  # what transformers' recorders inside it collect
 
     def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
         """The position slices the MLP runs over for a (batch, seq) input, or None for one
@@ -82,15 +84,27 @@ class LayerParts:
 def _hooked(module: nn.Module) -> bool:
     """Hooks, or a forward someone replaced (`fuse_lora`'s computes PEFT's formula, which
     the fast layer replaces as it replaces PEFT's; a forward that only tiles the sequence
-    says how many tokens a tile, `_tile_of`)."""
+    says how many tokens a tile, `_tile_of`). transformers' output recorders do not count:
+    `FastLayer` gives way to the layer's own forward while one records (`recorders_of`)."""
     forward = module.__dict__.get("forward")
     return bool(
-        module._forward_hooks
+        any(recorded_key(h) is None for h in module._forward_hooks.values())
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
         or (forward is not None and not isinstance(forward, _FusedForward) and _tile_of(module) is None)
     )
+
+
+def recorders_of(layer: nn.Module) -> frozenset[str]:
+    """The outputs transformers' recorders on `layer`'s submodules collect (the layer's own
+    run around the fast forward, as any hook of its own does)."""
+    keys, stack = set(), [m for m in layer._modules.values() if m is not None]
+    while stack:
+        module = stack.pop()
+        stack.extend(m for m in module._modules.values() if m is not None)
+        keys.update(k for k in map(recorded_key, module._forward_hooks.values()) if k is not None)
+    return frozenset(keys)
 
 
 def _tile_of(mlp: nn.Module) -> int | None:
@@ -266,7 +280,7 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
             m for m in (mlp.gate, mlp.experts, getattr(mlp, "shared_expert_gate", None)) if m is not None
         ]
         if any(map(_hooked, inner)):
-            return "its router or experts have hooks or a replaced forward (router logits being recorded?)"
+            return "its router or experts have hooks or a replaced forward"
         dense = getattr(mlp, "shared_expert", None)
         if dense is not None and _hooked(dense):
             return "its shared expert has hooks or a replaced forward"
@@ -315,4 +329,5 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         float(attn.scaling),
         tile,
         moe,
+        recorders_of(layer),
     )
