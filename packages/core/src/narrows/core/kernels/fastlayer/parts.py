@@ -4,8 +4,8 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
 active adapter; and the Qwen3-MoE, Qwen2-MoE and Mixtral layers, whose MoE block `moe.py`
-reads (a shared expert's linears are then the gate/up and down groups). Anything else is refused with its reason (`build_parts`) and runs as it
-would without narrows.
+reads (a shared expert's linears are then the gate/up and down groups). Anything else is
+refused with its reason (`build_parts`) and runs as it would without narrows.
 
 why: docs/design.md#coverage
 """
