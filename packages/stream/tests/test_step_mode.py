@@ -508,3 +508,14 @@ def test_step_mode_plans_no_whole_layers(caplog, monkeypatch):
         ns.StepTrainer(given, _optimizer, grad_accum=G)
     assert "recompute='all'" in caplog.text
     assert len(own.narrows_stream.plan.resident) > len(given.narrows_stream.plan.resident)
+
+
+@pytest.mark.bnb
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_fast_moe_layers_block_major_equal_resident(arch):
+    """The fast MoE layers (NF4 experts, Qwen2-MoE's shared expert with dropout) trained
+    block-major after the first step's learning pass: bit-identical to resident fast layers."""
+    model, stats, got = stepped(arch, dropout=0.05, base="nf4", fast=True)
+    assert "fast layers: all" in model.narrows_stream.kernels
+    assert [s.mode for s in stats[1:]] == ["block-major"] * (STEPS - 1)
+    assert_identical(resident(arch, dropout=0.05, base="nf4", fast=True), got)
