@@ -1,6 +1,6 @@
 """Fast MoE decoder layers (`narrows.core.kernels.fastlayer.moe`): close to the model's own
-code in float32 on Qwen3-MoE, Qwen2-MoE (its shared expert adapted) and Mixtral, the
-router's gradient included; recompute and keeping train the same bits; quantised experts
+code in float32 on Qwen3-MoE, Qwen2-MoE (its shared expert adapted), Mixtral and OLMoE
+(Q/K norms over all heads), the router's gradient included; recompute and keeping train the same bits; quantised experts
 dequantised once per pass; torch's grouped matmul equal to its reference; uncovered
 blocks refused with their reason. Each claim has a twin that would show it broken."""
 
@@ -15,13 +15,18 @@ from narrows.core.kernels.fastlayer import moe, parts_of, why_not
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
 def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0):
     """A tiny MoE with LoRA on narrows' default targets (attention, shared experts)."""
     model = tiny_model(arch, dtype=dtype, seed=seed)
     model.config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]), torch.no_grad():  # Q/K norms that are not all ones
+        torch.manual_seed(seed)
+        for name, p in model.named_parameters():
+            if ".q_norm." in name or ".k_norm." in name:
+                p.normal_(1.0, 0.2)
     if scheme is not None:
         for layer in model.model.layers:
             for block in moe_blocks(layer):
@@ -182,6 +187,9 @@ def test_uncovered_moe_layers_are_refused_with_their_reason():
     gpt = tiny_model("gpt_oss")
     gpt.config._attn_implementation = "sdpa"
     assert "GptOssDecoderLayer" in why_not(gpt.model.layers[0])
+    clipped = _model("olmoe")
+    clipped.base_model.model.config.clip_qkv = 8.0
+    assert "clip_qkv" in why_not(clipped.base_model.model.model.layers[0])
     hooked = _model("qwen3_moe")
     layers = hooked.base_model.model.model.layers
     layers[1].mlp.gate.register_forward_hook(lambda *a: None)

@@ -12,7 +12,7 @@ from narrows.core.protocol.verify import _PASSED
 from narrows.core.testing import TINY_ARCHITECTURES
 from narrows.stream.execution import side_outputs as sideouts
 
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 NEW = tuple(
     a for a in TINY_ARCHITECTURES if a not in ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 )

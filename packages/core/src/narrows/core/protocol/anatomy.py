@@ -96,6 +96,7 @@ for _spec in (
     ArchitectureSpec("mixtral"),
     ArchitectureSpec("qwen2_moe"),
     ArchitectureSpec("qwen3_moe"),
+    ArchitectureSpec("olmoe"),
     ArchitectureSpec("llama4_text"),
     ArchitectureSpec("gpt_oss"),
 ):

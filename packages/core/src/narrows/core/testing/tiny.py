@@ -35,6 +35,7 @@ TINY_ARCHITECTURES = (
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
+    "olmoe",
     "llama4_text",
     "gpt_oss",
     # multimodal: the text decoder inside Gemma3ForConditionalGeneration
@@ -159,6 +160,9 @@ def tiny_config(arch: str, **overrides):
     elif arch == "mixtral":
         cfg_cls = tf.MixtralConfig
         kw.update(_MOE, num_local_experts=4, tie_word_embeddings=False)
+    elif arch == "olmoe":  # Q/K norms over all heads, before they split
+        cfg_cls = tf.OlmoeConfig
+        kw.update(_MOE, num_experts=4, intermediate_size=64, tie_word_embeddings=False)
     elif arch == "llama4_text":  # layers: dense+RoPE (chunked), MoE+RoPE (chunked), dense+NoPE (global)
         cfg_cls = tf.Llama4TextConfig
         kw.update(

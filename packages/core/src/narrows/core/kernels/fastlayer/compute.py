@@ -176,14 +176,13 @@ def _run(
         front = _Front(x, x2, rstd1, parts.qkv.state(n1, masks), None, cos, sin)
         return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
     (q, k, v), st_qkv = parts.qkv.forward(n1, masks, cache)
+    heads_pre = None
+    if parts.q_norm is not None and parts.full_qk_norm:  # OLMo's: over all heads, before they split
+        q, k, heads_pre = _qk_norms(parts, q, k)
     q = q.view(batch, seq, parts.heads, parts.head_dim)
     k = k.view(batch, seq, parts.kv_heads, parts.head_dim)
-    heads_pre = None
-    if parts.q_norm is not None:
-        q_pre, k_pre = q, k
-        q, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
-        k, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
-        heads_pre = (q_pre, k_pre, rq, rk)
+    if parts.q_norm is not None and not parts.full_qk_norm:  # Qwen3's: each head's
+        q, k, heads_pre = _qk_norms(parts, q, k)
     front = _Front(x, x2, rstd1, st_qkv, heads_pre, cos, sin)
     if kept is not None:  # per-head norms: their inputs recomputed, the attention still kept
         return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
@@ -208,6 +207,13 @@ def _run(
     else:
         leaves, attn = None, _attention(parts, q, k, v, mask)
     return _rest(parts, front, attn, leaves, new_kept, cache, output=output, keep=keep)
+
+
+def _qk_norms(parts: LayerParts, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, tuple]:
+    """Q and K through their norms, and what the backward needs (`Saved.heads_pre`)."""
+    qn, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
+    kn, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
+    return qn, kn, (q, k, rq, rk)
 
 
 def _rest(
@@ -442,6 +448,8 @@ def backward(
         gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)
         if saved.heads_pre is not None:
             q_pre, k_pre, rq, rk = saved.heads_pre
+            if parts.full_qk_norm:  # the norms' inputs are (tokens, all heads)
+                gq, gk = gq.reshape(q_pre.shape), gk.reshape(k_pre.shape)
             gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)
             gk = rms_norm_backward(gk, k_pre, parts.k_norm.weight, rk)
         flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]

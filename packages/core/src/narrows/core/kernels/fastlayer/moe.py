@@ -3,7 +3,7 @@ as two grouped matmuls over their stacks (dequantised once per pass), the weight
 back into token order, a sigmoid-gated shared expert where the family has one; and its
 backward written out (input gradients only: the router and the experts are frozen).
 
-Covered: transformers 5's Qwen3-MoE, Qwen2-MoE and Mixtral blocks, with their stacks in
+Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE blocks, with their stacks in
 float or quantised by `narrows.core.quant.experts`. The routing is the family's own:
 softmax in float32 over the router's logits, the top k, renormalised where the family
 does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral).
@@ -35,6 +35,7 @@ MOE_BLOCKS = {
     "Qwen3MoeSparseMoeBlock": False,
     "Qwen2MoeSparseMoeBlock": False,
     "MixtralSparseMoeBlock": True,
+    "OlmoeSparseMoeBlock": False,
 }
 _STACKS = ("gate_up_proj", "down_proj")
 

@@ -3,7 +3,7 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
-active adapter; and the Qwen3-MoE, Qwen2-MoE and Mixtral layers, whose MoE block `moe.py`
+active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE layers, whose MoE block `moe.py`
 reads (a shared expert's linears are then the gate/up and down groups). Anything else is
 refused with its reason (`build_parts`) and runs as it would without narrows.
 
@@ -34,6 +34,7 @@ FAST_LAYER_TYPES = (
     "Qwen3MoeDecoderLayer",
     "Qwen2MoeDecoderLayer",
     "MixtralDecoderLayer",
+    "OlmoeDecoderLayer",
 )
 
 
@@ -61,6 +62,7 @@ class LayerParts:
     scaling: float
     mlp_tile: int | None = None  # the MLP runs over sequence tiles of this many tokens
     moe: MoEParts | None = None  # the MLP is a mixture of experts
+    full_qk_norm: bool = False  # the Q/K norms span all heads, before they split (OLMo's), not each head
     recorded: frozenset[str] = frozenset()  # what transformers' recorders inside it collect
 
     def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
@@ -260,6 +262,8 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
             f"attention runs as {getattr(config, '_attn_implementation', None)!r}; the fast layer runs SDPA "
             "(load the model with attn_implementation='sdpa')"
         )
+    if getattr(config, "clip_qkv", None) is not None:
+        return "its queries, keys and values are clipped (clip_qkv)"
     if _trains_outside_adapters(layer):
         return (
             "a weight or bias outside the adapters trains (the fast layer differentiates the adapters only)"
@@ -328,6 +332,7 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         attn.head_dim,
         float(attn.scaling),
         tile,
-        moe,
-        recorders_of(layer),
+        moe=moe,
+        recorded=recorders_of(layer),
+        full_qk_norm=norms[2] is not None and norms[2].weight.shape[-1] != attn.head_dim,
     )
