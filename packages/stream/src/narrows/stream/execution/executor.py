@@ -34,9 +34,8 @@ class LayerRun:
     kwargs: dict
     kept: Any = None  # what the executor keeps from the forward for the backward (the fast layer's attention)
     may_keep: bool = True  # whether the same run reaches the backward, so the forward may keep something
-    eager: bool = (
-        False  # the forward ran the layer's own code where a faster executor would not: so does its backward
-    )
+    # the forward ran the layer's own code where a faster executor would not: so does its backward
+    eager: bool = False
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,7 @@ def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     then sizes (where one layer keeps PEFT's modules, the plan sizes PEFT's). An MoE block
     in sequence tiles runs the model's own code (the fast layer routes all tokens at once),
     and so does every layer of a model whose router logits are collected for the auxiliary
-    loss (transformers' recorders, installed at the first forward, are hooks the fast layer
-    refuses)."""
+    loss (the fast layers give way to it while transformers records)."""
     if cfg.kernels != "fast" or coverage(model).refused:
         return False
     if getattr(anatomy_of(model).config, "output_router_logits", False):
