@@ -694,18 +694,9 @@ def test_the_halves_kernel_computes_the_reference_under_tritons_interpreter():
     reference's. (The interpreter rounds to bf16 by truncation, so bf16 is left to the
     CUDA test.)"""
     pytest.importorskip("triton")
-    import subprocess
-    import sys
+    from narrows.core.testing import under_triton_interpreter
 
-    from narrows.core.testing import child_env
-
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED],
-        capture_output=True,
-        text=True,
-        env=child_env(TRITON_INTERPRET="1"),
-        timeout=300,
-    )
+    done = under_triton_interpreter(_INTERPRETED)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

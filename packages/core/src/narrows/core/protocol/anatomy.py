@@ -28,6 +28,7 @@ __all__ = [
     "is_announced",
     "mark_verified",
     "register_architecture",
+    "submodules",
     "supported_architectures",
     "unwrap_model",
 ]
@@ -300,3 +301,14 @@ def anatomy_of(model: nn.Module) -> Anatomy:
         logit_math=LogitMath.of(spec.logits, config),
         announced=announced,
     )
+
+
+def submodules(module: nn.Module) -> list[nn.Module]:
+    """`module`'s submodules in ``modules()``' order, itself left out, walked without its
+    names and memo (what runs at every layer call)."""
+    out, stack = [], [m for m in reversed(module._modules.values()) if m is not None]
+    while stack:
+        child = stack.pop()
+        out.append(child)
+        stack.extend(m for m in reversed(child._modules.values()) if m is not None)
+    return out

@@ -14,7 +14,7 @@ from .contract import (
 )
 from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
 from .maps import mapped_file, mapping_memory
-from .processes import child_env, interruptible, private_cache
+from .processes import child_env, interruptible, private_cache, under_triton_interpreter
 from .runs import finetune_cli
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
@@ -41,6 +41,7 @@ __all__ = [
     "tiny_model",
     "tiny_model_folder",
     "tiny_tokenizer",
+    "under_triton_interpreter",
     "with_adapter",
     "write_jsonl",
 ]

@@ -1,8 +1,11 @@
-"""The environment of a test's Python child processes (the CLI, torchrun ranks) and its caches."""
+"""The environment of a test's Python child processes (the CLI, torchrun ranks, Triton's
+interpreter) and its caches."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +22,18 @@ def child_env(**extra: str) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONPYCACHEPREFIX=str(cache))
     env.update(extra)
     return env
+
+
+def under_triton_interpreter(script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Python `script` run in a child process with Triton's CPU interpreter on
+    (``TRITON_INTERPRET=1``): a kernel's indexing checked where there is no GPU."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=child_env(TRITON_INTERPRET="1"),
+        timeout=timeout,
+    )
 
 
 def interruptible() -> None:

@@ -24,10 +24,11 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from narrows.core import ambient_state, held_token
+from narrows.core.protocol.anatomy import submodules
+from narrows.core.protocol.recorders import recorded_key, recording
 
 from ..config import DEFAULT_SHAPES
 from .executor import LayerExecutor, LayerRun, SideGrads, eager_backward, eager_forward
-from .side_outputs import recorded_key, recording
 
 log = logging.getLogger("narrows.stream")
 
@@ -99,17 +100,6 @@ def _swapped(layer: nn.Module, params: Sequence[Tensor], aliases: Sequence[Tenso
     finally:
         for module, name, p in saved:
             module._parameters[name] = p
-
-
-def _submodules(layer: nn.Module) -> list[nn.Module]:
-    """`layer`'s submodules in `modules()`' order, itself left out (walked without its
-    names and memo: this runs at every call)."""
-    out, stack = [], [m for m in reversed(layer._modules.values()) if m is not None]
-    while stack:
-        module = stack.pop()
-        out.append(module)
-        stack.extend(m for m in reversed(module._modules.values()) if m is not None)
-    return out
 
 
 def _parameters(layer: nn.Module, modules: list[nn.Module]) -> list[nn.Parameter]:
@@ -243,7 +233,7 @@ class LayerGraphs(LayerExecutor):
             self.stats.eager += 1
             return None
         why = None
-        modules = _submodules(layer)
+        modules = submodules(layer)
         other_hooks, recorded = _hooks(modules)
         if other_hooks:
             why = "forward hooks inside the layer (a replay would not call them)"

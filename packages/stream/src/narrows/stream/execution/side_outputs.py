@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from narrows.core.protocol.anatomy import submodules
 from narrows.core.protocol.recorders import recorded_key, recording, replaying
 
 from ..errors import StreamSetupError
@@ -103,10 +104,7 @@ class SideOutputs:
         if forward:
             self.recorded = set()
         try:
-            stack = [m for m in self.layer._modules.values() if m is not None]
-            while stack:  # every submodule, walked without `modules()`' names and memo
-                module = stack.pop()
-                stack.extend(m for m in module._modules.values() if m is not None)
+            for module in submodules(self.layer):
                 if not module._forward_hooks:
                     continue
                 for key, hook in list(module._forward_hooks.items()):

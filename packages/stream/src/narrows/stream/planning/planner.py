@@ -51,10 +51,10 @@ def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
     loss (the fast layers give way to it while transformers records)."""
     if cfg.kernels != "fast" or coverage(model).refused:
         return False
-    if getattr(anatomy_of(model).config, "output_router_logits", False):
+    anat = anatomy_of(model)
+    if getattr(anat.config, "output_router_logits", False):
         return False
-    layers = anatomy_of(model).layers
-    return tile_option(cfg) is None or not any(True for layer in layers for _ in moe_blocks(layer))
+    return tile_option(cfg) is None or not any(True for layer in anat.layers for _ in moe_blocks(layer))
 
 
 def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...protocol.anatomy import submodules
 from ...protocol.recorders import recording
 from .. import rng
 from . import compute
@@ -202,11 +203,7 @@ class _Watched:
 
     @classmethod
     def of(cls, layer: nn.Module) -> _Watched:
-        modules, stack = [], [m for m in layer._modules.values() if m is not None]
-        while stack:
-            module = stack.pop()
-            modules.append(module)
-            stack.extend(m for m in module._modules.values() if m is not None)
+        modules = submodules(layer)
         owners = [m for m in modules if m._parameters]
         return cls(
             modules,

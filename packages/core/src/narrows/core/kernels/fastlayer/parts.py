@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ...protocol.anatomy import submodules
 from ...protocol.recorders import recorded_key
 from ...quant.held import held_weight
 from ...quant.nf4 import is_nf4_linear
@@ -101,12 +102,9 @@ def _hooked(module: nn.Module) -> bool:
 def recorders_of(layer: nn.Module) -> frozenset[str]:
     """The outputs transformers' recorders on `layer`'s submodules collect (the layer's own
     run around the fast forward, as any hook of its own does)."""
-    keys, stack = set(), [m for m in layer._modules.values() if m is not None]
-    while stack:
-        module = stack.pop()
-        stack.extend(m for m in module._modules.values() if m is not None)
-        keys.update(k for k in map(recorded_key, module._forward_hooks.values()) if k is not None)
-    return frozenset(keys)
+    return frozenset(
+        k for m in submodules(layer) for k in map(recorded_key, m._forward_hooks.values()) if k is not None
+    )
 
 
 def _tile_of(mlp: nn.Module) -> int | None:
