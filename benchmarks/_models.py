@@ -83,9 +83,17 @@ TARGETS = (
 )  # every benchmark's LoRA
 
 
-def add_lora(model, *, rank: int = 16, dropout: float = 0.0, targets: tuple[str, ...] | None = None):
+def add_lora(
+    model,
+    *,
+    rank: int = 16,
+    dropout: float = 0.0,
+    targets: tuple[str, ...] | None = None,
+    parameters: tuple[str, ...] = (),
+):
     """LoRA on `targets`; by default on `TARGETS`, or on a mixture of experts narrows' default
-    targets (attention, dense MLPs and shared experts; routers and routed experts frozen)."""
+    targets (attention, dense MLPs and shared experts; routers and routed experts frozen); and
+    on the fused expert stacks `parameters` (PEFT's ``target_parameters``)."""
     from peft import LoraConfig, get_peft_model
 
     if targets is None:
@@ -95,6 +103,11 @@ def add_lora(model, *, rank: int = 16, dropout: float = 0.0, targets: tuple[str,
         targets = TARGETS if found == "all-linear" else found
     modules = list(targets)
     cfg = LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM"
+        r=rank,
+        lora_alpha=2 * rank,
+        lora_dropout=dropout,
+        target_modules=modules,
+        target_parameters=list(parameters) or None,
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, cfg)

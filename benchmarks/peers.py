@@ -179,18 +179,30 @@ class Base:
     moe: bool  # routed experts in fused 3-D stacks (transformers 5)
     stored: str  # the folder's weights: "nf4" (pre-quantised, loaded as stored) or "bf16" (quantised at load)
     targets: tuple[str, ...]  # every row's LoRA targets
+    experts: tuple[str, ...] = ()  # with --experts: the routed experts' stacks every row adapts too
+
+    @property
+    def unsloth_targets(self) -> list[str]:
+        """Unsloth's target_modules: its get_peft_model turns gate/up/down names into the
+        routed experts' target_parameters on a mixture of experts."""
+        return list(self.targets) + (["gate_proj", "up_proj", "down_proj"] if self.experts else [])
 
 
-def base_of(model: str) -> Base:
+def base_of(model: str, experts: bool = False) -> Base:
     """The one place that tells a dense model from a mixture of experts. Dense: a pre-quantised
     NF4 folder, LoRA on the seven projections. A mixture of experts: bitsandbytes cannot quantise
     transformers 5's fused 3-D expert stacks, so a pre-quantised folder would hold them in bf16
     anyway; its folder is bf16 and each mode quantises it as it loads, and LoRA is on attention
     only, narrows' default there (`narrows.core.lora_targets`: routers and routed experts
-    frozen; with no shared experts, as in Qwen3-MoE, that leaves the attention linears)."""
+    frozen; with no shared experts, as in Qwen3-MoE, that leaves the attention linears).
+    `experts` (--experts) adds the routed experts' stacks to every row's targets, each as PEFT's
+    ``target_parameters`` (narrows: ``--targets all-linear,experts``)."""
     config = _models.load_config(model)
     if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
-        return Base(moe=True, stored="bf16", targets=ATTENTION)
+        stacks = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj") if experts else ()
+        return Base(moe=True, stored="bf16", targets=ATTENTION, experts=stacks)
+    if experts:
+        raise SystemExit(f"--experts: {model} is not a mixture of experts")
     return Base(moe=False, stored="nf4", targets=_models.TARGETS)
 
 
@@ -381,7 +393,7 @@ def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> di
     float32, and every row computes in bf16."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    base = base_of(args.model)
+    base = base_of(args.model, args.experts)
     t = time.perf_counter()
     place = {"": torch.cuda.current_device() if device.type == "cuda" else "cpu"}
     quant = {}
@@ -397,7 +409,9 @@ def run_peft(args: argparse.Namespace, folder: Path, device: torch.device) -> di
     )
     experts = experts_stored(model)
     torch.manual_seed(0)  # as stream_qlora.run_one before add_lora: the same initial adapters
-    model = _models.add_lora(model, dropout=args.dropout, targets=base.targets).train()
+    model = _models.add_lora(
+        model, dropout=args.dropout, targets=base.targets, parameters=base.experts
+    ).train()
     model.config.use_cache = False
     if args.run_one.endswith("-ckpt"):
         stream_qlora.checkpointing(model, offload=False)
@@ -433,7 +447,7 @@ def run_unsloth(args: argparse.Namespace, folder: Path, device: torch.device) ->
         r=16,
         lora_alpha=32,
         lora_dropout=args.dropout,
-        target_modules=list(base_of(args.model).targets),
+        target_modules=base_of(args.model, args.experts).unsloth_targets,
         bias="none",
         use_gradient_checkpointing="unsloth",
         random_state=0,
@@ -636,6 +650,7 @@ def job_argv(
     argv += ["--batch", str(args.batch), "--grad-accum", str(args.grad_accum), "--seq-len", str(args.seq)]
     argv += ["--steps", str(steps), "--rank", "16", "--alpha", "32", "--dropout", str(args.dropout)]
     argv += ["--lr", "1e-4", "--eval-rows", "0", "--exact-match", "0", "--save-every", str(steps)]
+    argv += ["--targets", "all-linear,experts"] if args.experts else []
     argv += ["--no-progress", "--out", str(out)]
     return argv + [flag for x in suffixes for flag in JOB_SUFFIXES[x]]
 
@@ -695,8 +710,12 @@ def run_job(args: argparse.Namespace, mode: str, folder: Path, prof: Path | None
         job={k: summary.get(k) for k in ("device", "dtype", "kernels", "setup_s", "train_s", "tokens_per_s")},
         plan=summary.get("stream"),  # resident layers, CUDA graphs and why, accumulation: streamed runs only
         lora={k: lora.get(k) for k in ("r", "lora_alpha", "lora_dropout")}
-        | {"target_modules": sorted(lora.get("target_modules") or [])},
+        | {
+            "target_modules": sorted(lora.get("target_modules") or []),
+            "target_parameters": sorted(lora.get("target_parameters") or []),
+        },
         same_lora_as_peers=sorted(lora.get("target_modules") or []) == sorted(base_of(args.model).targets)
+        and sorted(lora.get("target_parameters") or []) == sorted(base_of(args.model, args.experts).experts)
         and lora.get("r") == 16
         and lora.get("lora_alpha") == 32,
         data={"file": str(data), "format": "text, every token trained", "packing": True},
@@ -830,6 +849,7 @@ def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None =
         "--dropout",
         str(args.dropout),
     ]
+    flags += ["--experts"] if args.experts else []
     if twin:
         flags += ["--deterministic", "--save-adapters", str(twin)]
     cmd = [sys.executable, __file__, *flags]
@@ -941,6 +961,11 @@ def main() -> None:
         help="finetune-* rows: run the job again for the host seconds a step and its cProfile "
         "(benchmarks/_profiled_job.py; the pstats file beside --out)",
     )
+    ap.add_argument(
+        "--experts",
+        action="store_true",
+        help="a mixture of experts: LoRA on the routed experts' stacks too, in every row",
+    )
     ap.add_argument("--deterministic", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save-adapters", help=argparse.SUPPRESS)
     ap.add_argument("--run-one", help=argparse.SUPPRESS)
@@ -969,7 +994,7 @@ def main() -> None:
         print("RESULT " + json.dumps(row), flush=True)
         return
 
-    out = Path(args.out or f"benchmarks/results/peers_{args.shape}.json")
+    out = Path(args.out or f"benchmarks/results/peers_{args.shape}{'_experts' if args.experts else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     base = base_of(args.model)
@@ -987,6 +1012,8 @@ def main() -> None:
         "moe": base.moe,
         "folder_stored": base.stored,
         "lora_targets": list(base.targets),
+        "experts": args.experts,
+        "lora_target_parameters": list(base_of(args.model, args.experts).experts),
         "folder_bytes": folder_bytes(folder),
         "folder_build_s": build_s,
         "pinned_bw": bw,

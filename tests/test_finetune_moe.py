@@ -16,10 +16,10 @@ pytestmark = pytest.mark.bnb
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
 
 
-def run(tmp_path, name, budget):
+def run(tmp_path, name, budget, extra=()):
     model = tiny_model_folder(tmp_path / "model", "qwen3_moe")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    base = ["--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget]
+    base = ["--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget, *extra]
     shape = ["--steps", "2", "--batch", "2", "--seq-len", "32", "--rank", "4", "--eval-rows", "0"]
     code = main(["finetune", *base, *shape, "--no-progress", "--out", str(tmp_path / name)])
     assert code == 0
@@ -73,3 +73,46 @@ def test_nf2_experts_on_request_and_refused_without_an_nf4_base(tmp_path, capsys
     }
     assert precision["nf4_expert_stacks"] == 0 and precision["nf4_linears"] == 12
     assert "NF2: 6 expert stacks" in capsys.readouterr().err
+
+
+def test_lora_on_routed_experts_streams_as_it_trains_resident_and_loads_in_peft(tmp_path, capsys):
+    """``--targets all-linear,experts``: one adapter per expert in PEFT's target_parameters
+    format, trained through the fast MoE layer streamed as resident, that
+    `PeftModel.from_pretrained` loads onto the unquantised base with the same tensors."""
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    extra = ["--targets", "all-linear,experts"]
+    streamed, summary = run(tmp_path, "streamed", "min", extra)
+    said = "".join(capsys.readouterr())
+    resident, resident_summary = run(tmp_path, "resident", "off", extra)
+    assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
+    assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    experts = [k for k in streamed if ".experts." in k]
+    assert len(experts) == 3 * 2 * 2  # layers × stacks × (A, B)
+    assert all(streamed[k].abs().sum() > 0 for k in experts if "lora_B" in k)  # trained from zero
+    config = tiny_model_folder(tmp_path / "model", "qwen3_moe")  # the same folder (written again)
+    e, i, h, r = 4, 64, 64, 4  # the tiny model's experts, intermediate, hidden; --rank
+    assert summary["trainable"]["in_routed_experts"] == 3 * e * r * ((h + 2 * i) + (i + h))
+    assert "routed experts: mlp.experts.down_proj, mlp.experts.gate_up_proj" in summary["targets"]
+    assert "in the routed experts" in said
+    base = AutoModelForCausalLM.from_pretrained(config)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "streamed"))
+    state = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    for key, value in streamed.items():
+        match = [
+            v for k, v in state.items() if k.replace(".default", "").endswith(key.split("model.", 1)[-1])
+        ]
+        assert len(match) == 1 and torch.equal(match[0].to(value.dtype), value), key
+
+
+def test_expert_targets_are_refused_where_they_cannot_train(tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    dense = tiny_model_folder(tmp_path / "dense", "qwen3")
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    args = ["finetune", "--data", str(data), "--steps", "1", "--seq-len", "32", "--no-progress"]
+    assert main([*args, "--model", str(dense), "--targets", "q_proj,experts", "--dropout", "0.1"]) == 2
+    assert "takes no dropout" in capsys.readouterr().err
+    assert main([*args, "--model", str(dense), "--targets", "experts", "--out", str(tmp_path / "d")]) == 2
+    assert "has no fused expert stacks" in capsys.readouterr().err and not (tmp_path / "d").exists()

@@ -12,14 +12,16 @@ from peft import LoraConfig, get_peft_model
 
 from narrows.core import fuse_layers, lora_targets, unfuse_layers
 from narrows.core.kernels.fastlayer import moe, parts_of, why_not
+from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
 
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
-def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0):
-    """A tiny MoE with LoRA on narrows' default targets (attention, shared experts)."""
+def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0, experts=False):
+    """A tiny MoE with LoRA on narrows' default targets (attention, shared experts), and on
+    the routed experts' stacks with `experts` (PEFT's ``target_parameters``)."""
     model = tiny_model(arch, dtype=dtype, seed=seed)
     model.config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # Q/K norms that are not all ones
@@ -31,11 +33,18 @@ def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0):
         for layer in model.model.layers:
             for block in moe_blocks(layer):
                 quantize_experts(block.experts, scheme=scheme)
-    targets = list(lora_targets(model).modules)
+    targets = lora_targets(model, experts=experts)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets)
+        cfg = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            lora_dropout=dropout,
+            target_modules=list(targets.modules),
+            target_parameters=list(targets.parameters) or None,
+        )
         model = get_peft_model(model, cfg)
+        adopt_quantized_experts(model)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 with torch.no_grad():
@@ -57,6 +66,13 @@ def _steps(model, n=2, seed=0, device="cpu"):
     return losses + [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
+def _float_adapters(model):
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
 def _close(a, b, rtol=1e-4, atol=1e-6) -> bool:
     return len(a) == len(b) and all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
 
@@ -65,14 +81,18 @@ def _equal(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
 @pytest.mark.parametrize("arch", MOE)
-def test_fast_moe_layers_train_what_the_models_code_trains_in_float32(arch):
-    model = _model(arch)
+def test_fast_moe_layers_train_what_the_models_code_trains_in_float32(arch, experts):
+    """With LoRA on the routed experts too, against PEFT's own path (which folds each
+    expert's B·A into its stack)."""
+    model = _model(arch, experts=experts)
     own = _steps(model)
     report = fuse_layers(model)
     assert report.fused == [0, 1, 2] and not report.refused
     parts = parts_of(model.base_model.model.model.layers[0])
     assert parts.moe is not None and (parts.gate_up is not None) == (arch == "qwen2_moe")
+    assert sorted(parts.moe.adapters) == (["down_proj", "gate_up_proj"] if experts else [])
     fast = _steps(model)
     assert _close(own, fast)
     assert not _equal(own, fast)  # its own kernels: close, not the same bits
@@ -168,6 +188,48 @@ def test_quantised_experts_are_dequantised_once_a_pass(monkeypatch, scheme):
     assert _close(own, fast, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("scheme", ["nf2", pytest.param("nf4", marks=pytest.mark.bnb)])
+def test_lora_on_quantised_experts_trains_as_on_their_dequantised_stacks(scheme):
+    """PEFT's wrappers over quantised stacks (adopted) compute what PEFT's own path computes
+    on the dequantised stacks in float; the fast layer is close to both."""
+    model = _model("qwen3_moe", scheme=scheme, experts=True)
+    own = _steps(model, n=1)
+    plain = _model("qwen3_moe", experts=True)
+    for q, f in zip(model.base_model.model.model.layers, plain.base_model.model.model.layers):
+        qe, fe = q.mlp.experts.get_base_layer(), f.mlp.experts.get_base_layer()
+        for name, stack in zip(
+            ("gate_up_proj", "down_proj"), moe.expert_stacks(qe, ("gate_up_proj", "down_proj"))
+        ):
+            fe._parameters[name].data = stack.clone()
+    assert _close(_steps(plain, n=1), own, rtol=1e-5, atol=1e-7)
+    fuse_layers(model, recompute=True)
+    assert _close(own, _steps(model, n=1), rtol=1e-3, atol=1e-5)
+
+
+def test_lora_on_experts_recomputes_the_same_bits_as_keeping():
+    model = _float_adapters(_model("qwen2_moe", dtype=torch.bfloat16, experts=True))
+    fuse_layers(model, recompute=False)
+    kept = _steps(model, seed=3)
+    fuse_layers(model, recompute=True)
+    assert _equal(_steps(model, seed=3), kept)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_over_rows_computes_its_reference(dtype):
+    """An expert adapter's weight gradient: each expert's rows' ``xᵀ @ y``, one expert
+    without rows (zeros)."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 32, generator=gen).to(dtype), torch.randn(40, 8, generator=gen).to(dtype)
+    ends = torch.tensor([7, 7, 30, 40], dtype=torch.int32)
+    got, ref = moe.grouped_mm_k(x, y, ends), moe.grouped_mm_k_reference(x, y, ends)
+    assert got.shape == ref.shape == (4, 32, 8) and not ref[1].any()
+    assert torch.allclose(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+    expected = torch.stack(
+        [x[:7].t() @ y[:7], torch.zeros(32, 8, dtype=dtype), x[7:30].t() @ y[7:30], x[30:].t() @ y[30:]]
+    )
+    assert torch.equal(ref, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matmul_computes_its_reference(dtype):
     """torch's grouped matmul (CPU) against the loop over experts, an expert with no rows
@@ -205,24 +267,24 @@ def test_uncovered_moe_layers_are_refused_with_their_reason():
     experts.config._attn_implementation = "sdpa"
     cfg = LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj"])
     experts = get_peft_model(experts, cfg)
-    assert "LoRA on the routed experts" in why_not(experts.base_model.model.model.layers[0])
-
-
-def _float_adapters(model):
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-    return model
+    layer = experts.base_model.model.model.layers[0]
+    assert why_not(layer) is None  # one stack adapted: covered
+    experts.add_adapter("second", cfg)
+    experts.base_model.set_adapter(["default", "second"])
+    assert "several active adapters" in why_not(layer)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
 @pytest.mark.parametrize("arch", MOE)
-def test_cuda_recompute_trains_the_same_bits_as_keeping(arch):
+def test_cuda_recompute_trains_the_same_bits_as_keeping(arch, experts):
+    """(PEFT takes no dropout on expert stacks: with them, none.)"""
     from narrows.core.protocol.determinism import deterministic
 
     deterministic(True)
     try:
-        model = _float_adapters(_model(arch, dtype=torch.bfloat16, dropout=0.1)).cuda()
+        model = _model(arch, dtype=torch.bfloat16, dropout=0.0 if experts else 0.1, experts=experts)
+        model = _float_adapters(model).cuda()
         fuse_layers(model, recompute=False)
         assert parts_of(model.base_model.model.model.layers[0]).moe is not None
         kept = _steps(model, seed=3, device="cuda")
@@ -233,18 +295,19 @@ def test_cuda_recompute_trains_the_same_bits_as_keeping(arch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
 @pytest.mark.parametrize("arch", MOE)
-def test_cuda_bf16_error_is_no_worse_than_the_models_code(arch):
+def test_cuda_bf16_error_is_no_worse_than_the_models_code(arch, experts):
     """The worst relative error (losses, every adapter gradient) against the model's own code
     in float64 (on the CPU, its experts looped: torch's grouped matmul takes no float64): the fast
     layers' bf16 (grouped matmuls on CUDA) over the model's own bf16, averaged over four
     seeds."""
 
     def error(fuse_it, seed):
-        ref = _model(arch, dtype=torch.bfloat16, seed=seed).to(torch.float64)
+        ref = _model(arch, dtype=torch.bfloat16, seed=seed, experts=experts).to(torch.float64)
         ref.base_model.model.set_experts_implementation("eager")  # grouped_mm takes no float64
         ref = _steps(ref)
-        model = _float_adapters(_model(arch, dtype=torch.bfloat16, seed=seed)).cuda()
+        model = _float_adapters(_model(arch, dtype=torch.bfloat16, seed=seed, experts=experts)).cuda()
         if fuse_it:
             assert not fuse_layers(model).refused
         got = _steps(model, device="cuda")

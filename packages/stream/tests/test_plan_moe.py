@@ -79,19 +79,27 @@ def test_the_fast_moe_layers_kept_state_is_what_the_planner_prices():
     """The planner's price of a token's MoE state in the fast layer (`MoEShape.fast_kept`)
     against the tensors `narrows.core.kernels.fastlayer.moe` keeps, counted."""
     import torch
+    from peft import LoraConfig, get_peft_model
 
     from narrows.core import anatomy_of
     from narrows.core.kernels.fastlayer import FastLayer, moe
     from narrows.core.testing import tiny_model
     from narrows.stream.planning.memory import MoEShape
 
-    for arch in ("qwen3_moe", "mixtral"):
+    for arch, experts in (("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True)):
         model = tiny_model(arch).requires_grad_(False)  # the fast layer trains adapters only
         model.config._attn_implementation = "sdpa"
-        parts = FastLayer.of(model.model.layers[0]).parts()
+        if experts:  # LoRA on the stacks: the block's input and each adapter's x·Aᵀ kept too
+            stacks = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+            model = get_peft_model(
+                model, LoraConfig(r=4, target_modules=["q_proj"], target_parameters=stacks)
+            )
+        parts = FastLayer.of(anatomy_of(model).layers[0]).parts()
         tokens, hidden = 24, model.config.hidden_size
         _, state = moe.forward(parts.moe, torch.randn(tokens, hidden), None, output=False, keep=True)
         kept = [state.probs, state.chosen, state.order, state.back, state.weights, state.h, state.a]
+        kept += [t for t in (state.n, *state.z.values()) if t is not None]
+        assert len(kept) == (10 if experts else 7)
         counted = sum(t.numel() * t.element_size() for t in kept)
         assert counted == tokens * MoEShape.of(anatomy_of(model)).fast_kept(hidden, 4)
 

@@ -67,6 +67,9 @@ if TYPE_CHECKING:
     from .protocol.compose import apply
     from .protocol.determinism import deterministic
 
+    # default LoRA targets (a mixture of experts' routers and routed experts left frozen, and said)
+    from .protocol.expert_adapters import ExpertAdapter, adopt_quantized_experts, unwrap_experts
+
     # LM-head hook
     from .protocol.head import (
         DEFAULT_HEAD_ROWS,
@@ -94,8 +97,6 @@ if TYPE_CHECKING:
         snapshot,
         trainable_parameters,
     )
-
-    # default LoRA targets (a mixture of experts' routers and routed experts left frozen, and said)
     from .protocol.targets import LoraTargets, lora_targets
 
     # architecture checks
@@ -215,6 +216,7 @@ _MODULES = {
     "quant.lowbit": ("LowbitStack", "normal_float_levels"),
     "quant.report": ("ExpertStacks", "KeptInFloat", "Precision", "precision"),
     "protocol.targets": ("LoraTargets", "lora_targets"),
+    "protocol.expert_adapters": ("ExpertAdapter", "adopt_quantized_experts", "unwrap_experts"),
     "quant.held": ("HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"),
     "optional": ("distribution_version", "is_available", "require"),
     "protocol.slab": ("SLAB_ALIGNMENT", "SlabEntry", "SlabLayout"),
@@ -253,6 +255,7 @@ __all__ = [
     "ArchitectureCheckError",
     "ArchitectureSpec",
     "CheckpointFolder",
+    "ExpertAdapter",
     "ExpertStacks",
     "FastLayers",
     "FrozenSlot",
@@ -283,6 +286,7 @@ __all__ = [
     "adapter_type_of",
     "adapter_view",
     "adapter_views",
+    "adopt_quantized_experts",
     "ambient_as",
     "ambient_state",
     "anatomy_of",
@@ -354,6 +358,7 @@ __all__ = [
     "trainable_parameters",
     "unfuse_layers",
     "unfuse_lora",
+    "unwrap_experts",
     "unwrap_model",
     "verify_architecture",
 ]

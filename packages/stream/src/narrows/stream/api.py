@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from narrows.core import (
     Anatomy,
     HeldWeights,
+    adopt_quantized_experts,
     anatomy_of,
     assign,
     attach_head_source,
@@ -239,6 +240,7 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
     if not cfg.inference:
         _refuse_layerdrop(model)
     _refuse_alora(model)
+    adopt_quantized_experts(model)  # PEFT's LoRA on quantised expert stacks, run by narrows
     if cfg.deterministic:
         set_deterministic(True)
     ensure_architecture(model, "head", "stream")

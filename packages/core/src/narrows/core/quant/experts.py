@@ -18,7 +18,10 @@ dequantisation gives.
   (`lowbit_stacks`).
 
 Either way the quantised stacks are frozen parameters (and quantisation state), so the
-protocol's slots, slabs and streaming move them with no code of their own.
+protocol's slots, slabs and streaming move them with no code of their own. Each carries the
+shape the model's code sees as ``ds_shape`` — the attribute PEFT reads for a parameter whose
+storage is not its shape (DeepSpeed's partitions) — so PEFT's ``target_parameters`` LoRA
+gets its adapters' shapes right; `narrows.core.protocol.expert_adapters` then runs them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __all__ = [
     "lowbit_stacks",
     "moe_blocks",
     "quantize_experts",
+    "under_wrappers",
 ]
 
 EXPERT_SCHEMES = ("nf4", "nf3", "nf2")  # nf4: bitsandbytes'; nf3, nf2: `lowbit.py`'s codes
@@ -132,19 +136,33 @@ class MoEBlock:
         }
 
 
+def under_wrappers(module: nn.Module) -> nn.Module:
+    """`module` under PEFT's ``ParamWrapper``s (LoRA on its stacks, one wrapper each), if any."""
+    while hasattr(module, "parameter_name") and "base_layer" in module._modules:
+        module = module._modules["base_layer"]
+    return module
+
+
 def moe_blocks(layer: nn.Module) -> Iterator[MoEBlock]:
-    """Each mixture-of-experts block of a decoder layer (see `MoEBlock`)."""
+    """Each mixture-of-experts block of a decoder layer (see `MoEBlock`; its experts as
+    they are under PEFT's wrappers)."""
     for name, module in layer.named_modules():
+        if under_wrappers(module) is not module:
+            continue
         for child_name, child in module.named_children():
-            if expert_names(child):
-                yield MoEBlock(name, module, child_name, child)
+            base = under_wrappers(child)
+            if expert_names(base):
+                yield MoEBlock(name, module, child_name, base)
 
 
 class _QuantizedExperts(nn.Module):
-    """Mixed into a model's experts class: its stacks quantised, dequantised for each call."""
+    """Mixed into a model's experts class: its stacks quantised, dequantised for each call
+    (plus ``scaling · lhs @ rhs`` for a stack in ``_lora_deltas``: a LoRA adapter on it
+    while its wrapper's forward runs)."""
 
     _nf4_stacks: tuple[str, ...] = ()
     _lowbit_stacks: dict[str, LowbitStack] | None = None
+    _lora_deltas: dict[str, tuple[Tensor, Tensor, float]] | None = None
 
     def _dequantized(self) -> dict[str, Tensor]:
         out = {}
@@ -163,6 +181,8 @@ class _QuantizedExperts(nn.Module):
 
     def forward(self, *args, **kwargs):
         stacks = self._dequantized()
+        for name, (lhs, rhs, scaling) in (self._lora_deltas or {}).items():
+            stacks[name] = torch.baddbmm(stacks[name], lhs, rhs, alpha=scaling)
         # the instance's own attribute shadows the parameter for the model's code: it reads
         # `self.gate_up_proj` and gets the dequantised stack, for this call only
         self.__dict__.update(stacks)
@@ -248,6 +268,7 @@ def install_nf4_experts(module: nn.Module, stacks: dict[str, nn.Parameter]) -> N
     """Put NF4 stacks (bitsandbytes ``Params4bit``, quantised) in `module`'s places of those
     names and make it run them (a prepared cache rebuilds a layer this way)."""
     for name, p in stacks.items():
+        p.ds_shape = p.quant_state.shape
         module._parameters[name] = p
     module.__class__ = _quantized_class(type(module))
     kept = module._nf4_stacks
@@ -262,6 +283,7 @@ def install_lowbit_experts(module: nn.Module, stacks: dict[str, tuple[Tensor, Te
     for name, (codes, absmax, stack) in stacks.items():
         stack.check(codes, absmax)
         module._parameters[name] = nn.Parameter(codes, requires_grad=False)
+        module._parameters[name].ds_shape = torch.Size(stack.shape)
         module._parameters[absmax_name(name)] = nn.Parameter(absmax, requires_grad=False)
     module.__class__ = _quantized_class(type(module))
     module._lowbit_stacks = {**(module._lowbit_stacks or {}), **{n: s for n, (*_, s) in stacks.items()}}

@@ -25,6 +25,7 @@ from narrows.core import (
     loss_working_set,
     moe_blocks,
     trainable_parameters,
+    unwrap_experts,
 )
 
 from ..config import DEFAULT_SHAPES
@@ -137,6 +138,7 @@ class MoEShape:
     dequant_bytes: int
     dense_layers: int  # layers without one
     gate_tensors: int = 4  # intermediate-sized tensors a chosen expert keeps (7: gpt-oss's clamped SwiGLU)
+    adapter_rank: int = 0  # LoRA on the routed experts' stacks: its rank (0: none)
 
     @classmethod
     def of(cls, anat: Anatomy) -> MoEShape | None:
@@ -159,6 +161,8 @@ class MoEShape:
         for name, child in found.block.named_children():
             if name != found.experts_name and name not in found.routers:
                 shared += sum(m.out_features for n, m in child.named_modules() if n.endswith("up_proj"))
+        unwrapped = unwrap_experts(getattr(found.block, found.experts_name))
+        adapters = unwrapped[1].values() if not isinstance(unwrapped, str) else ()
         return cls(
             experts=n_experts,
             top_k=top_k,
@@ -166,6 +170,7 @@ class MoEShape:
             shared=shared,
             dequant_bytes=max(map(dequantized_expert_bytes, anat.layers), default=0),
             dense_layers=dense,
+            adapter_rank=max((a.rank for a in adapters), default=0),
             # gpt-oss clamps gate and up, and keeps the clamped ones, the sigmoid and up + 1 too
             gate_tensors=7 if hasattr(experts, "limit") else 4,
         )
@@ -196,10 +201,13 @@ class MoEShape:
         (`narrows.core.kernels.fastlayer.moe.MoEState`): the float32 softmax, the chosen
         experts, the sort and its inverse, the weights; per chosen expert gate/up's output
         and the activation (3 intermediate-sized); the shared expert's gate, up, product and
-        output. No dequantised stack: the fast layer dequantises them again for the backward."""
+        output; with LoRA on the stacks, the block's input and each adapter's ``x·Aᵀ`` per
+        chosen expert. No dequantised stack: the fast layer dequantises them again for the
+        backward."""
         router = 4 * self.experts + 28 * self.top_k
         shared = 3 * self.shared + (hidden if self.shared else 0)
-        return router + (3 * self.top_k * self.intermediate + shared) * act
+        lora = hidden + 2 * self.top_k * self.adapter_rank if self.adapter_rank else 0
+        return router + (3 * self.top_k * self.intermediate + shared + lora) * act
 
     def fast_work(self, hidden: int, act: int) -> int:
         """Bytes a token's MoE MLP holds at the peak of the fast layer's recompute and

@@ -20,6 +20,7 @@ from ...kernels.lora_branches import fuse_lora
 from ...memory import parse_bytes
 from ...protocol.anatomy import anatomy_of
 from ...protocol.compose import apply
+from ...protocol.expert_adapters import adopt_quantized_experts
 from ...protocol.handle import state_of
 from ...protocol.targets import LoraTargets, lora_targets
 from ...quant.experts import expert_names, moe_blocks
@@ -137,32 +138,35 @@ def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: to
 
 def _targets(model: nn.Module, targets: str) -> LoraTargets:
     """``--targets`` on this model: all-linear is `lora_targets`' (a mixture of experts leaves
-    its routers and routed experts frozen, and says so); names must be linears' names."""
-    if targets == "all-linear":
-        return lora_targets(model)
+    its routers and routed experts frozen, and says so); ``experts`` adds the routed experts'
+    stacks (all of them; a stack's own name, e.g. gate_up_proj, that one); other names must
+    be linears' names."""
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
+    stacks = sorted(
+        {s for layer in anatomy_of(model).layers for b in moe_blocks(layer) for s in expert_names(b.experts)}
+    )
+    on_experts = [t for t in wanted if t == "experts" or t in stacks]
+    modules = [t for t in wanted if t not in on_experts]
+    parameters: tuple[str, ...] = ()
+    if on_experts:
+        try:
+            every = lora_targets(model, experts=True).parameters
+        except NarrowsError as e:
+            raise NarrowsError(f"--targets {targets!r}: {e}") from None
+        parameters = tuple(p for p in every if "experts" in on_experts or p.rsplit(".", 1)[-1] in on_experts)
+    if modules == ["all-linear"]:
+        base = lora_targets(model, experts=bool(parameters))
+        return LoraTargets(base.modules, base.frozen, parameters)
     linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    missing = [t for t in wanted if t not in linear]
-    if missing or not wanted:
-        stacks = sorted(
-            {
-                s
-                for layer in anatomy_of(model).layers
-                for b in moe_blocks(layer)
-                for s in expert_names(b.experts)
-            }
-        )
-        experts = [t for t in missing if t in stacks]
+    missing = [t for t in modules if t not in linear]
+    if missing or not (modules or parameters):
         raise NarrowsError(
-            f"--targets {targets!r}: "
-            + (
-                f"{experts} are the routed experts' fused stacks, and LoRA on them is not supported yet; "
-                if experts
-                else ""
-            )
-            + f"no linear module named {missing or targets!r} in this model; it has {sorted(linear)} (or use all-linear)"
+            f"--targets {targets!r}: no linear module named {missing or targets!r} in this model; it has "
+            f"{sorted(linear)}"
+            + (f", and the routed experts' stacks {stacks} (experts: all of them)" if stacks else "")
+            + " (or use all-linear)"
         )
-    return LoraTargets(tuple(wanted))
+    return LoraTargets(tuple(modules), (), parameters)
 
 
 def head_savings(cfg: FinetuneConfig):
@@ -188,8 +192,8 @@ def build_model(
 
     targets = _targets(model, cfg.lora.targets)
     seed_all(cfg.training.seed)  # the adapter's initialisation
-    modules = targets.modules if isinstance(targets.modules, str) else list(targets.modules)
-    model = get_peft_model(model, lora_config(cfg, modules))
+    model = get_peft_model(model, lora_config(cfg, targets))
+    adopt_quantized_experts(model)
     state_of(model).targets = str(targets)
     if cfg.lora.adapter == "dora":
         import narrows.dora

@@ -166,7 +166,11 @@ class LoraConfig:
     alpha: float | None = setting(None, "LoRA alpha", advanced=True, default_help="2 x rank")
     dropout: float = setting(0.0, "adapter dropout", advanced=True)
     targets: str = setting(
-        "all-linear", "all-linear or module names, e.g. q_proj,v_proj", advanced=True, metavar="MODULES"
+        "all-linear",
+        "all-linear or module names, e.g. q_proj,v_proj; add experts for a mixture of experts' routed experts "
+        "(all-linear,experts)",
+        advanced=True,
+        metavar="MODULES",
     )
 
 
@@ -467,6 +471,11 @@ class FinetuneConfig:
             raise NarrowsError(f"--alpha must be a positive number, got {a.alpha}")
         if not a.targets.strip(", "):
             raise NarrowsError("--targets is empty; give all-linear or module names such as q_proj,v_proj")
+        if "experts" in (t.strip() for t in a.targets.split(",")) and (a.dropout or a.adapter != "lora"):
+            raise NarrowsError(
+                "--targets with experts: PEFT's LoRA on fused expert stacks takes no dropout and no DoRA; "
+                "give --dropout 0 and --adapter lora, or leave experts out of --targets"
+            )
         self._check_inputs()
         if b.lora_dtype == "float32" and b.kernels != "fast":
             raise NarrowsError(

@@ -82,6 +82,11 @@ def summarize(
     }
     summary["kernels"] = state_of(model).kernels
     summary["targets"] = state_of(model).targets
+    trainable = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    summary["trainable"] = {
+        "parameters": sum(c for _, c in trainable),
+        "in_routed_experts": sum(c for n, c in trainable if ".experts." in n),
+    }
     if getattr(unwrap_model(model), "is_loaded_in_4bit", False):
         summary["precision"] = precision(model).as_dict()
     stream = getattr(model, "narrows_stream", None)
@@ -295,6 +300,12 @@ def format_summary(summary: dict) -> str:
         rows.append(("loss kernels", ", ".join(summary["loss_kernels"])))
     if summary.get("targets"):
         rows.append(("adapted", summary["targets"]))
+    if summary.get("trainable"):
+        t = summary["trainable"]
+        experts = (
+            f", {t['in_routed_experts']:,} of them in the routed experts" if t["in_routed_experts"] else ""
+        )
+        rows.append(("trainable", f"{t['parameters']:,} parameters{experts}"))
     if summary.get("precision"):
         p = summary["precision"]
         kept = ", ".join(f"{k['kind']} ({k['count']})" for k in p["kept_in_float"])

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from ...errors import NarrowsError
+from ...protocol.expert_adapters import adopt_quantized_experts
+from ...protocol.targets import LoraTargets
 from .config import FinetuneConfig
 
 __all__ = ["SMOLLM2_HUB_ID", "RunBase", "RunState", "lora_config", "run_base", "run_state"]
@@ -75,15 +77,17 @@ def _hub_id(folder: Path) -> str | None:
     return None
 
 
-def lora_config(cfg: FinetuneConfig, target_modules: str | list[str]):
-    """The PEFT configuration a run's adapter has (`target_modules` resolved on the model)."""
+def lora_config(cfg: FinetuneConfig, targets: LoraTargets):
+    """The PEFT configuration a run's adapter has (its `targets` resolved on the model: the
+    modules, and the routed experts' stacks as ``target_parameters``)."""
     from peft import LoraConfig
 
     return LoraConfig(
         r=cfg.lora.rank,
         lora_alpha=cfg.lora.alpha or 2 * cfg.lora.rank,
         lora_dropout=cfg.lora.dropout,
-        target_modules=target_modules,
+        target_modules=targets.modules if isinstance(targets.modules, str) else list(targets.modules) or None,
+        target_parameters=list(targets.parameters) or None,
         use_dora=cfg.lora.adapter == "dora",
         task_type="CAUSAL_LM",
     )
@@ -194,6 +198,7 @@ class RunState:
         peft = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)(
             model, config
         )  # as PEFT loads one
+        adopt_quantized_experts(peft)
         result = set_peft_model_state_dict(peft, weights)
         missing = [k for k in result.missing_keys if "lora_" in k]
         if result.unexpected_keys or missing:

@@ -305,17 +305,18 @@ def _moe_mlp(
 
 def _moe_backward(
     parts: LayerParts, saved: Saved, g_out: Tensor, cache: dict[str, Tensor] | None
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """An MoE block's input gradient, and its shared expert's adapters' (gate/up, down)."""
-    g_n2 = moe.backward(parts.moe, saved.moe, g_out, cache)
+) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
+    """An MoE block's input gradient, its shared expert's adapters' (gate/up, down) and its
+    routed experts' adapters'."""
+    g_n2, p_experts = moe.backward(parts.moe, saved.moe, g_out, cache)
     if parts.gate_up is None:
-        return g_n2, [], []
+        return g_n2, [], [], p_experts
     s_gate, s_out = saved.shared
     g_shared, g_n_gate = moe.shared_gate_backward(parts.moe, s_gate, s_out, g_out)
     g_a, p_down = parts.down.backward([g_shared], saved.down, cache)
     d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
     g_ns, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
-    return g_n2.add_(g_ns).add_(g_n_gate), p_gu, p_down
+    return g_n2.add_(g_ns).add_(g_n_gate), p_gu, p_down, p_experts
 
 
 def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:
@@ -426,8 +427,9 @@ def backward(
     batch, seq, hidden = saved.shape
     with torch.no_grad():
         g_out = grad.reshape(-1, hidden)
+        p_experts: list[Tensor] = []
         if saved.moe is not None:
-            g_n2, p_gu, p_down = _moe_backward(parts, saved, g_out, cache)
+            g_n2, p_gu, p_down, p_experts = _moe_backward(parts, saved, g_out, cache)
         elif saved.down is None:  # the MLP ran in tiles: recomputed and differentiated tile by tile
             g_n2, p_gu, p_down = _tiled_mlp_backward(parts, saved, g_out, parts.mlp_tiles(batch, seq), cache)
         else:
@@ -455,4 +457,4 @@ def backward(
         flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]
         g_n1, p_qkv = parts.qkv.backward(flat, saved.qkv, cache)
         g_x = rms_norm_backward(g_n1, saved.x, parts.norm1.weight, saved.rstd1).add_(g_h1)
-    return g_x.view(batch, seq, hidden), [*p_qkv, *p_o, *p_gu, *p_down]
+    return g_x.view(batch, seq, hidden), [*p_qkv, *p_o, *p_gu, *p_down, *p_experts]

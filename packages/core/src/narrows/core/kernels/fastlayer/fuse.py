@@ -17,6 +17,7 @@ from torch import nn
 
 from ...protocol import compose
 from ...protocol.anatomy import anatomy_of
+from ...protocol.expert_adapters import adopt_quantized_experts
 from .layer import FastLayer, FastLayerFunction, parts_or_none, why_not
 
 __all__ = [
@@ -75,12 +76,13 @@ def fuse_layers(
     `recompute` None, a layer recomputes in backward where the model's gradient
     checkpointing was on when this ran. `lora_dtype`: the adapters' arithmetic — None, the
     activations' dtype (bf16 on tensor cores); ``torch.float32``, PEFT's float32 arithmetic
-    for them (slower; `lora.py` says how it rounds). Patches instances; `unfuse_layers`
-    undoes it."""
+    for them (slower; `lora.py` says how it rounds). PEFT's LoRA on quantised expert stacks
+    is adopted first (`adopt_quantized_experts`). Patches instances; `unfuse_layers` undoes it."""
     if lora_dtype not in (None, torch.float32):
         raise ValueError(
             f"fuse_layers: lora_dtype={lora_dtype!r}: give None (the activations' dtype) or torch.float32"
         )
+    adopt_quantized_experts(model)
     layers = anatomy_of(model).layers
     for layer in layers:
         FastLayer.of(layer).lora_dtype = lora_dtype

@@ -1,7 +1,8 @@
 """A mixture-of-experts MLP as the fast layer computes it: the router, the routed experts
 as two grouped matmuls over their stacks (dequantised once per pass), the weighted sum
 back into token order, a sigmoid-gated shared expert where the family has one; and its
-backward written out (input gradients only: the router and the experts are frozen).
+backward written out (the input's gradient, and the routed experts' LoRA adapters' where
+they have them: the router and the stacks themselves are frozen).
 
 Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE blocks, with their stacks in
 float or quantised by `narrows.core.quant.experts`. The routing is the family's own:
@@ -13,22 +14,38 @@ is a loop over the experts). The slots of a step are sorted by expert with a sta
 each expert's rows are computed on their own, and the k outputs of a token are summed in a
 fixed order, so the result does not depend on how a kernel schedules its work.
 
+LoRA on a stack (PEFT's ``target_parameters`` format, `narrows.core.protocol.expert_adapters`)
+runs as ``(x · A_eᵀ) · B_eᵀ`` for each expert inside the same grouped pass, never as a
+materialised ``W + s·BA``; its gradients are grouped matmuls over each expert's rows
+(`grouped_mm_k`), written in the adapters' dtype as torch's grouped matmul writes them
+(PEFT's own path, which folds the adapter into the stack, rounds them to it as well).
+
 why: docs/design.md#the-moe-layer
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ...protocol.expert_adapters import ExpertAdapter, unwrap_experts
 from ...quant.experts import expert_shape, expert_stacks
 from .lora import WeightSource
 from .ops import swiglu, swiglu_backward
 
-__all__ = ["MOE_BLOCKS", "MoEParts", "MoEState", "build_moe", "grouped_mm", "grouped_mm_reference"]
+__all__ = [
+    "MOE_BLOCKS",
+    "MoEParts",
+    "MoEState",
+    "build_moe",
+    "grouped_mm",
+    "grouped_mm_k",
+    "grouped_mm_k_reference",
+    "grouped_mm_reference",
+]
 
 # block type -> whether its routing weights stay float32 (Mixtral) or round to the logits' dtype
 MOE_BLOCKS = {
@@ -50,15 +67,24 @@ def grouped_mm_reference(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     return out
 
 
+def grouped_mm_k_reference(x: Tensor, y: Tensor, ends: Tensor) -> Tensor:
+    """``x[rows of e]ᵀ @ y[rows of e]`` for each expert e, [E, x's columns, y's columns], in
+    the operands' dtype (an expert without rows gets zeros)."""
+    out = x.new_empty(len(ends), x.shape[1], y.shape[1])
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        torch.mm(x[start:end].t(), y[start:end], out=out[e])
+        start = end
+    return out
+
+
 def _native(x: Tensor, w: Tensor) -> bool:
     """Whether torch's grouped matmul takes these operands: rows 16-byte aligned, and on
     CUDA bf16 on compute capability 8.0 or newer."""
-    if not hasattr(F, "grouped_mm"):
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
         return False
     size = x.element_size()
-    aligned = (
-        (x.shape[-1] * size) % 16 == 0 and (w.shape[-1] * size) % 16 == 0 and (w.shape[-2] * size) % 16 == 0
-    )
+    aligned = all((d * size) % 16 == 0 for d in (x.shape[-1], w.shape[-1], w.shape[-2]))
     if x.is_cuda:
         return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
     return aligned and x.dtype in (torch.float32, torch.bfloat16)
@@ -70,6 +96,15 @@ def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
     if _native(x, w):
         return F.grouped_mm(x, w, offs=ends)
     return grouped_mm_reference(x, w, ends)
+
+
+def grouped_mm_k(x: Tensor, y: Tensor, ends: Tensor) -> Tensor:
+    """(S, M) and (S, N) rows sorted by expert: each expert's ``x[rows]ᵀ @ y[rows]``,
+    [E, M, N] in their dtype (torch's grouped matmul over K where it runs, else the
+    reference): an expert adapter's weight gradient."""
+    if _native(x, y.unsqueeze(0)):
+        return F.grouped_mm(x.t(), y, offs=ends)
+    return grouped_mm_k_reference(x, y, ends)
 
 
 @dataclass
@@ -84,6 +119,23 @@ class MoEParts:
     experts: nn.Module  # holds ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
     intermediate: int
     shared_gate: WeightSource | None = None  # (1, H): the shared expert's sigmoid gate (Qwen2-MoE)
+    adapters: dict[str, ExpertAdapter] = field(default_factory=dict)  # LoRA on a stack, by its name
+    lora_dtype: torch.dtype | None = None  # the adapters' arithmetic: None, the activations' dtype
+
+    def params(self) -> list[nn.Parameter]:
+        """The expert adapters' masters, in the order the backward returns their gradients."""
+        return [
+            t
+            for name in _STACKS
+            if name in self.adapters
+            for t in (self.adapters[name].a, self.adapters[name].b)
+        ]
+
+    def low(self, like: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """Each adapter's A [E, r, in] and B [E, out, r] in its arithmetic's dtype, cast
+        once per pass (the backward reuses the forward's: the masters do not change between)."""
+        dtype = self.lora_dtype or like.dtype
+        return {n: (ad.a_stack(dtype), ad.b_stack(dtype)) for n, ad in self.adapters.items()}
 
     def stacks(self, like: Tensor, cache: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
         """gate/up's and down's stacks in `like`'s dtype; with `cache`, dequantised once
@@ -110,6 +162,9 @@ class MoEState:
     weights: Tensor  # each sorted slot's routing weight, (S,)
     h: Tensor  # gate/up's output, (S, 2I)
     a: Tensor  # SwiGLU's, (S, I)
+    low: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # `MoEParts.low`'s
+    n: Tensor | None = None  # the block's input, (tokens, H), where gate/up has an adapter
+    z: dict[str, Tensor] = field(default_factory=dict)  # each adapter's x·Aᵀ, (S, r)
 
 
 def _route(p: MoEParts, n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -138,23 +193,60 @@ def forward(
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=n.device, dtype=order.dtype)
     gate_up, down = p.stacks(n, cache)
-    h = grouped_mm(n[order // k], gate_up.transpose(-2, -1), ends)
+    low = p.low(n)
+    z: dict[str, Tensor] = {}
+    x = n[order // k]
+    h = grouped_mm(x, gate_up.transpose(-2, -1), ends)
+    _add_adapter(p, low, z, "gate_up_proj", x, h, ends)
+    del x
     a = swiglu(h[:, : p.intermediate], h[:, p.intermediate :])
     weights = top.reshape(-1)[order]
     out = None
     if output:
-        y = grouped_mm(a, down.transpose(-2, -1), ends) * weights[:, None]
+        y = grouped_mm(a, down.transpose(-2, -1), ends)
+        _add_adapter(p, low, z, "down_proj", a, y, ends)
+        y = y * weights[:, None]
         out = y[back].view(tokens, k, -1).sum(dim=1).to(n.dtype)
-    state = MoEState(probs, chosen, order, back, ends, weights, h, a) if keep else None
-    return out, state
+    elif keep and "down_proj" in low:  # a recompute: down's adapter input alone
+        z["down_proj"] = grouped_mm(_in(p, a), low["down_proj"][0].transpose(-2, -1), ends)
+    if not keep:
+        return out, None
+    kept_n = n if "gate_up_proj" in low else None  # its slots' copies are gathered again when needed
+    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z)
 
 
-def backward(p: MoEParts, s: MoEState, g: Tensor, cache: dict[str, Tensor] | None) -> Tensor:
+def _in(p: MoEParts, t: Tensor) -> Tensor:
+    """`t` as the adapters read it (in `lora_dtype`, where one is set)."""
+    return t if p.lora_dtype is None or t.dtype == p.lora_dtype else t.to(p.lora_dtype)
+
+
+def _add_adapter(
+    p: MoEParts, low: dict, z: dict[str, Tensor], name: str, x: Tensor, out: Tensor, ends: Tensor
+) -> None:
+    """``out += s · (x·Aᵀ)·Bᵀ`` per expert for stack `name`'s adapter (if it has one),
+    keeping ``x·Aᵀ`` in `z`."""
+    if name not in low:
+        return
+    a, b = low[name]
+    z[name] = grouped_mm(_in(p, x), a.transpose(-2, -1), ends)
+    out.add_(grouped_mm(z[name], b.transpose(-2, -1), ends).to(out.dtype), alpha=p.adapters[name].scaling)
+
+
+def backward(
+    p: MoEParts, s: MoEState, g: Tensor, cache: dict[str, Tensor] | None
+) -> tuple[Tensor, list[Tensor]]:
     """The gradient of the block's input from its output's `g` (tokens, hidden): through
-    the experts and through the routing weights into the router's softmax."""
+    the experts and through the routing weights into the router's softmax; and the expert
+    adapters' (float32, in `MoEParts.params` order and their masters' layouts)."""
     tokens, k = g.shape[0], p.top_k
     gate_up, down = p.stacks(g, cache)
-    u = grouped_mm(g[s.order // k], down, s.ends)  # each slot's gradient through down, unweighted
+    grads: dict[str, tuple[Tensor, Tensor]] = {}
+    g_slot = g[s.order // k]
+    u = grouped_mm(g_slot, down, s.ends)  # each slot's gradient through down, unweighted
+    if "down_proj" in s.low:  # u += s·(g·B)·A; its adapter sees g weighted by each slot's weight
+        gb = _adapter_backward(p, s, "down_proj", _in(p, g_slot), u, grads, s.weights[:, None])
+        del gb
+    del g_slot
     # d out / d weight of a slot = <g, down(a)> = <g @ down, a>: no down output needed; the
     # products rounded to the activations' dtype, as autograd's of ``y * weight`` are
     g_weights = (u * s.a).sum(dim=-1, dtype=torch.float32)
@@ -163,6 +255,8 @@ def backward(p: MoEParts, s: MoEState, g: Tensor, cache: dict[str, Tensor] | Non
     del g_a, u
     d_h = s.h if d_gate.data_ptr() == s.h.data_ptr() else torch.cat([d_gate, d_up], dim=-1)
     g_slots = grouped_mm(d_h, gate_up, s.ends)
+    if "gate_up_proj" in s.low:
+        _adapter_backward(p, s, "gate_up_proj", _in(p, d_h), g_slots, grads, None)
     g_n = g_slots[s.back].view(tokens, k, -1).sum(dim=1).to(g.dtype)
     # the routing weights: the rounding (if any), the renormalisation, the top k, the softmax
     g_top = g_weights[s.back].view(tokens, k)
@@ -172,7 +266,34 @@ def backward(p: MoEParts, s: MoEState, g: Tensor, cache: dict[str, Tensor] | Non
         g_top = (g_top - (g_top * raw).sum(dim=-1, keepdim=True) / total) / total
     g_probs = torch.zeros_like(s.probs).scatter_(1, s.chosen, g_top)
     g_logits = s.probs * (g_probs - (g_probs * s.probs).sum(dim=-1, keepdim=True))
-    return g_n.add_(g_logits.to(p.router.dtype) @ p.router)
+    g_n.add_(g_logits.to(p.router.dtype) @ p.router)
+    return g_n, [t for name in _STACKS if name in grads for t in grads[name]]
+
+
+def _adapter_backward(
+    p: MoEParts,
+    s: MoEState,
+    name: str,
+    g_out: Tensor,
+    g_in: Tensor,
+    grads: dict[str, tuple[Tensor, Tensor]],
+    weights: Tensor | None,
+) -> None:
+    """For ``out = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` per expert, from `g_out` (the slots' output
+    gradient, unweighted): ``g_in += s·(g_out·B)·A``, and A's and B's gradients into
+    `grads` — each slot's output scaled by its routing weight (`weights`, down's) when
+    it reaches the block's output."""
+    a, b = s.low[name]
+    ad = p.adapters[name]
+    gb = grouped_mm(g_out, b, s.ends)  # (S, r)
+    g_in.add_(grouped_mm(gb, a, s.ends).to(g_in.dtype), alpha=ad.scaling)
+    x = _in(p, s.n[s.order // p.top_k] if name == "gate_up_proj" else s.a)
+    z = s.z[name]
+    if weights is not None:
+        gb, z = gb * weights.to(gb.dtype), z * weights.to(z.dtype)
+    g_a = grouped_mm_k(gb, x, s.ends).float().mul_(ad.scaling)  # [E, r, in]
+    g_b = grouped_mm_k(g_out, z, s.ends).float().mul_(ad.scaling)  # [E, out, r]
+    grads[name] = (ad.a_grad(g_a), ad.b_grad(g_b))
 
 
 def shared_gate_forward(p: MoEParts, n: Tensor) -> Tensor:
@@ -187,7 +308,7 @@ def shared_gate_backward(p: MoEParts, gate: Tensor, shared: Tensor, g: Tensor) -
     return g * gate, g_gate.to(g.dtype) @ p.shared_gate(g)
 
 
-def build_moe(mlp: nn.Module) -> MoEParts | str:
+def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts | str:
     """`mlp` as the fast layer computes it, or why it does not."""
     kind = type(mlp).__name__
     if kind not in MOE_BLOCKS:
@@ -197,11 +318,14 @@ def build_moe(mlp: nn.Module) -> MoEParts | str:
         return "its MoE block has no router weight or experts where transformers keeps them"
     if not type(router).__name__.endswith("TopKRouter"):
         return f"its router is a {type(router).__name__} (LoRA on the router is not in the fast layer)"
+    unwrapped = unwrap_experts(experts)
+    if isinstance(unwrapped, str):
+        return unwrapped
+    experts, adapters = unwrapped
     if set(_STACKS) - set(experts._parameters) or any(n in experts.__dict__ for n in _STACKS):
-        return (
-            f"its experts are a {type(experts).__name__} without gate_up_proj and down_proj stacks of their "
-            "own (LoRA on the routed experts is not in the fast layer)"
-        )
+        return f"its experts are a {type(experts).__name__} without gate_up_proj and down_proj stacks of their own"
+    if set(adapters) - set(_STACKS):
+        return f"LoRA on its experts' {', '.join(sorted(set(adapters) - set(_STACKS)))}"
     if any(getattr(experts, a, d) != d for a, d in (("has_bias", False), ("is_transposed", False))):
         return "its experts have biases or transposed stacks"
     apply_gate = getattr(type(experts), "_apply_gate", None)  # transformers' default: silu(gate) · up
@@ -230,4 +354,6 @@ def build_moe(mlp: nn.Module) -> MoEParts | str:
         MOE_BLOCKS[kind],
         experts,
         two_i // 2,
+        adapters=adapters,
+        lora_dtype=lora_dtype,
     )

@@ -4,7 +4,8 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
 active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE layers, whose MoE block `moe.py`
-reads (a shared expert's linears are then the gate/up and down groups). Anything else is
+reads (a shared expert's linears are then the gate/up and down groups; LoRA on the routed
+experts' stacks is the MoE block's). Anything else is
 refused with its reason (`build_parts`) and runs as it would without narrows.
 
 why: docs/design.md#coverage
@@ -80,8 +81,9 @@ class LayerParts:
         return tuple(g for g in (self.qkv, self.o, self.gate_up, self.down) if g is not None)
 
     def params(self) -> list[nn.Parameter]:
-        """The adapters' tensors in the order the backward returns their gradients."""
-        return [t for g in self.groups for t in g.params()]
+        """The adapters' tensors in the order the backward returns their gradients (the
+        routed experts' last)."""
+        return [t for g in self.groups for t in g.params()] + (self.moe.params() if self.moe else [])
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -273,13 +275,15 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         norms.append(_norm(getattr(attn, name)) if hasattr(attn, name) else None)
     moe, dense = None, mlp
     if type(mlp).__name__ in MOE_BLOCKS:
-        moe = build_moe(mlp)
+        moe = build_moe(mlp, lora_dtype)
         if isinstance(moe, str):
             return moe
         if _tile_of(mlp) is not None:
             return "its MoE block runs in sequence tiles (the fast layer routes all tokens at once)"
         inner = [
-            m for m in (mlp.gate, mlp.experts, getattr(mlp, "shared_expert_gate", None)) if m is not None
+            m
+            for m in (mlp.gate, mlp.experts, moe.experts, getattr(mlp, "shared_expert_gate", None))
+            if m is not None
         ]
         if any(map(_hooked, inner)):
             return "its router or experts have hooks or a replaced forward"
