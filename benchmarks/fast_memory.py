@@ -29,12 +29,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def one_layer(name: str, device: torch.device, dropout: float = 0.0):
+def one_layer(name: str, device: torch.device, dropout: float = 0.0, experts: bool = False):
+    """One NF4 decoder layer of `name`'s shape with LoRA on its default targets (and on a
+    mixture of experts' routed experts with `experts`), on `device`."""
     from _models import add_lora, load_config, random_nf4_model
+
+    from narrows.core import lora_targets
 
     cfg = load_config(name)
     cfg.num_hidden_layers = 1
-    model = add_lora(random_nf4_model(cfg, work_device=str(device)), dropout=dropout).train()
+    model = random_nf4_model(cfg, work_device=str(device))
+    stacks = lora_targets(model, experts=True).parameters if experts else ()
+    model = add_lora(model, dropout=dropout, parameters=stacks).train()
     model.to(device)
     for p in model.parameters():  # non-zero B: the adapters' backward does its full work
         if p.requires_grad and p.dim() == 2 and not p.any():

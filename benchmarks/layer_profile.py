@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--case", default="qwen2.5-72b:4096:512", help="model:tokens:seq")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument(
+        "--experts", action="store_true", help="a mixture of experts: LoRA on its routed experts too"
+    )
     ap.add_argument("--out", default="benchmarks/results/layer_profile.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -138,7 +141,7 @@ def main() -> None:
     name, tokens, seq = args.case.split(":")
     tokens, seq = int(tokens), int(seq)
     device = torch.device("cuda")
-    model, cfg = one_layer(name, device, dropout=args.dropout)
+    model, cfg = one_layer(name, device, dropout=args.dropout, experts=args.experts)
     anat = anatomy_of(model)
     parts = parts_of(anat.layers[0])
     gen = torch.Generator(device=device).manual_seed(0)
@@ -165,6 +168,7 @@ def main() -> None:
     row = {
         "case": args.case,
         "dropout": args.dropout,
+        "experts_lora": args.experts,
         "kernels": kernels_in_use(device),
         "base_flop": flop,
         "floor_s_at_800": {"forward": fwd_flop / 800e12, "recompute_backward": back_flop / 800e12},

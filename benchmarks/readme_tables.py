@@ -903,6 +903,29 @@ MOE_PLAN = (  # (case, the modes' suffix, what the suffix says)
 )
 
 
+MOE_LORA = (  # (case on the H200, what the adapters sit on)
+    ("peers_qwen3-30b-a3b-6l_8x512", "attention"),
+    ("peers_qwen3-30b-a3b-6l_8x512_experts", "attention and the routed experts"),
+)
+
+
+@generated("moe-lora")
+def _moe_lora(r: Results) -> str:
+    """The main job and Unsloth on one H200, LoRA on attention and on the routed experts too."""
+    lines = []
+    for c, said in MOE_LORA:
+        rows = r.case(c, "h200")
+        unsloth = step_s(r.m(c, "unsloth", "h200"))
+        ours = [cell(r, c, n, device="h200") for n in ("finetune-8GiB", "finetune-min")]
+        times = "; ".join(
+            ratio(step_s(r.m(c, n, "h200")), unsloth) for n in ("finetune-8GiB", "finetune-min")
+        )
+        lines.append([run_cell(rows, said), *ours, cell(r, c, "unsloth", device="h200"), times])
+    return table(
+        ["LoRA on", "main job, `8GiB`", "main job, `min`", "Unsloth", "narrows' time ÷ Unsloth's"], lines
+    )
+
+
 @generated("moe")
 def _moe(r: Results) -> str:
     """Per token count, each budget's peak, the plan's price and the step."""
