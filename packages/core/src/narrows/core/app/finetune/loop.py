@@ -139,6 +139,7 @@ def train(
             # the loss is normalised over the whole step's trainable tokens, every rank's
             n_items = sum(e.trainable for mb in every for e in mb)
             loss_sum = 0.0
+            losses = []  # the micro-batches' losses, read after the step's sync (a read mid-step stalls the host)
             stats = None
             if stepper is not None:
                 try:
@@ -169,11 +170,13 @@ def train(
                             num_items_in_batch=n_items,
                         )
                         out.loss.backward()
-                    loss_sum += float(out.loss.detach())
+                    losses.append(out.loss.detach())
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             _sync(device)  # the step's asynchronous work counts in this step's time
+            for value in losses:
+                loss_sum += float(value)
             dt = time.perf_counter() - t0
             progress.step += 1
             step = progress.step
