@@ -230,6 +230,23 @@ def test_grouped_matmul_over_rows_computes_its_reference(dtype):
     assert torch.equal(ref, expected)
 
 
+@pytest.mark.gpu
+def test_cuda_grouped_matmuls_compute_their_references_at_any_row_offsets():
+    """On CUDA torch's grouped matmuls (over N, and over K: the adapters' gradients) run at
+    the adapters' widths with experts' rows starting anywhere, one expert without any."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    y = torch.randn(1000, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(5, 64, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
+    ends = torch.tensor([7, 7, 301, 513, 1000], device="cuda", dtype=torch.int32)
+    assert moe._native(x, y.unsqueeze(0)) and moe._native(x, w)
+    for got, ref in (
+        (moe.grouped_mm_k(x, y, ends), moe.grouped_mm_k_reference(x, y, ends)),
+        (moe.grouped_mm(x, w, ends), moe.grouped_mm_reference(x, w, ends)),
+    ):
+        assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matmul_computes_its_reference(dtype):
     """torch's grouped matmul (CPU) against the loop over experts, an expert with no rows

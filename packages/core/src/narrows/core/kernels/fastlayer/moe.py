@@ -244,8 +244,7 @@ def backward(
     g_slot = g[s.order // k]
     u = grouped_mm(g_slot, down, s.ends)  # each slot's gradient through down, unweighted
     if "down_proj" in s.low:  # u += s·(g·B)·A; its adapter sees g weighted by each slot's weight
-        gb = _adapter_backward(p, s, "down_proj", _in(p, g_slot), u, grads, s.weights[:, None])
-        del gb
+        _adapter_backward(p, s, "down_proj", _in(p, g_slot), u, grads, s.weights[:, None])
     del g_slot
     # d out / d weight of a slot = <g, down(a)> = <g @ down, a>: no down output needed; the
     # products rounded to the activations' dtype, as autograd's of ``y * weight`` are
