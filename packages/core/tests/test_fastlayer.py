@@ -544,10 +544,20 @@ def test_cuda_library_kernels_match_the_references():
     c64, s64 = cos.double().unsqueeze(1), sin.double().unsqueeze(1)
     rq64, rk64 = ops.rope(q.double(), c64, s64), ops.rope(k.double(), c64, s64)
     gq64, gk64 = ops.rope_backward(q.double(), c64, s64), ops.rope_backward(k.double(), c64, s64)
+    qkv = torch.randn(64, 3 * 256, device="cuda", dtype=torch.bfloat16)
+    heads = qkv[:, :256].view(64, 4, 64)  # per-head norms' input: a column block of Q/K/V's output
+    wh = torch.randn(64, device="cuda", dtype=torch.bfloat16)
+    yh, rows, sth = ops.rms_norm_rows(heads, wh, 1e-6)
+    gh = torch.randn_like(yh)
+    dxh = ops.rms_norm_backward(gh.reshape(rows.shape), rows, wh, sth).view(heads.shape)
+    yh64, rh64 = ops.rms_norm(heads.double(), wh.double(), 1e-6)
+    dxh64 = ops.rms_norm_backward(gh.double(), heads.double(), wh.double(), rh64)
     assert used["rope"] == ("liger" if ops._liger() is not None else "torch")
     for got, ref in (
         (y, y64),
         (dx, dx64),
+        (yh, yh64),
+        (dxh, dxh64),
         (a, a64),
         (da, da64),
         (du, du64),

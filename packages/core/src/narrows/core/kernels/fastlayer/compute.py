@@ -25,6 +25,7 @@ from .ops import (
     NormState,
     rms_norm,
     rms_norm_backward,
+    rms_norm_rows,
     rope_pair,
     rope_pair_backward,
     swiglu,
@@ -210,10 +211,11 @@ def _run(
 
 
 def _qk_norms(parts: LayerParts, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, tuple]:
-    """Q and K through their norms, and what the backward needs (`Saved.heads_pre`)."""
-    qn, rq = rms_norm(q, parts.q_norm.weight, parts.q_norm.eps)
-    kn, rk = rms_norm(k, parts.k_norm.weight, parts.k_norm.eps)
-    return qn, kn, (q, k, rq, rk)
+    """Q and K through their norms, and what the backward needs (`Saved.heads_pre`: the
+    norms' inputs, as rows where Liger's norm ran on them, and their states)."""
+    qn, q_rows, rq = rms_norm_rows(q, parts.q_norm.weight, parts.q_norm.eps)
+    kn, k_rows, rk = rms_norm_rows(k, parts.k_norm.weight, parts.k_norm.eps)
+    return qn, kn, (q_rows, k_rows, rq, rk)
 
 
 def _rest(
@@ -450,8 +452,8 @@ def backward(
         gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)
         if saved.heads_pre is not None:
             q_pre, k_pre, rq, rk = saved.heads_pre
-            if parts.full_qk_norm:  # the norms' inputs are (tokens, all heads)
-                gq, gk = gq.reshape(q_pre.shape), gk.reshape(k_pre.shape)
+            # the norms' inputs: (tokens, all heads) for OLMo's, rows of one head where Liger's ran
+            gq, gk = gq.reshape(q_pre.shape), gk.reshape(k_pre.shape)
             gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)
             gk = rms_norm_backward(gk, k_pre, parts.k_norm.weight, rk)
         flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]

@@ -28,6 +28,7 @@ __all__ = [
     "kernels_in_use",
     "rms_norm",
     "rms_norm_backward",
+    "rms_norm_rows",
     "rope",
     "rope_backward",
     "rope_pair",
@@ -131,8 +132,8 @@ def _use_liger_norm(x: Tensor) -> bool:
 
 
 def kernels_in_use(device: torch.device | str) -> dict[str, str]:
-    """Which implementation each op runs on `device` ("liger" or "torch"); the per-head
-    norms of Qwen3 always run the reference."""
+    """Which implementation each op runs on `device` ("liger" or "torch"); the Q/K norms
+    run the RMSNorm's (`rms_norm_rows`)."""
     cuda = torch.device(device).type == "cuda"
     return {
         "rms_norm": "liger" if cuda and _liger_norm() is not None else "torch",
@@ -172,6 +173,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, NormState]:
     x32 = _wide(x)
     rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * (x32 * rstd).to(x.dtype), rstd
+
+
+def rms_norm_rows(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, NormState]:
+    """`rms_norm` of a view whose rows are not contiguous (the Q/K norms' inputs: column
+    blocks of the stacked Q/K/V output): the normalised value in `x`'s shape, the input the
+    backward reads, and its state. Where Liger-Kernel's norm runs, the rows are copied into
+    one contiguous (rows, width) tensor first — that copy is the input the backward reads —
+    so Liger's kernel runs, not the reference's float32 passes."""
+    if x.is_cuda and x.dtype != torch.float64 and weight.dtype == x.dtype and _liger_norm() is not None:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        y, state = rms_norm(rows, weight, eps)
+        return y.view(x.shape), rows, state
+    y, state = rms_norm(x, weight, eps)
+    return y, x, state
 
 
 def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: NormState) -> Tensor:
