@@ -97,9 +97,19 @@ def test_lora_on_routed_experts_streams_as_it_trains_resident_and_loads_in_peft(
     assert summary["trainable"]["in_routed_experts"] == 3 * e * r * ((h + 2 * i) + (i + h))
     assert "routed experts: mlp.experts.down_proj, mlp.experts.gate_up_proj" in summary["targets"]
     assert "in the routed experts" in said
+    assert summary["router_aux_loss"]["on"] is False and "router aux loss           off" in said
+    # the run scored on its own NF4 base (the adapters on quantised stacks adopted) and on
+    # the float base through PEFT's own path: the same loss, up to the quantisation
+    from narrows.core import load_for_inference
+
+    ids = torch.tensor([[5, 9, 12, 7, 30, 2, 8, 11]])
+    scored = load_for_inference(None, adapter=tmp_path / "streamed", quant="nf4", dtype="float32")
+    nf4_loss = scored.model(input_ids=ids, labels=ids).loss
     base = AutoModelForCausalLM.from_pretrained(config)
     loaded = PeftModel.from_pretrained(base, str(tmp_path / "streamed"))
     state = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+    float_loss = loaded(input_ids=ids, labels=ids).loss
+    assert torch.isfinite(nf4_loss) and abs(nf4_loss.item() - float_loss.item()) < 0.05 * float_loss.item()
     for key, value in streamed.items():
         match = [
             v for k, v in state.items() if k.replace(".default", "").endswith(key.split("model.", 1)[-1])

@@ -18,6 +18,7 @@ from torch import nn
 
 from ..errors import NarrowsError
 from ..optional import is_available, require
+from ..protocol.expert_adapters import adopt_quantized_experts
 from .finetune.state import RunState, run_base, run_state
 
 __all__ = [
@@ -293,6 +294,7 @@ def _with_adapter(model: nn.Module, choice: AdapterChoice) -> nn.Module:
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, str(choice.folder), is_trainable=False)
+    adopt_quantized_experts(model)  # LoRA on quantised expert stacks, run as narrows runs it
     _use_narrows_dora(model)
     return model
 

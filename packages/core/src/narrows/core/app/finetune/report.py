@@ -87,6 +87,15 @@ def summarize(
         "parameters": sum(c for _, c in trainable),
         "in_routed_experts": sum(c for n, c in trainable if ".experts." in n),
     }
+    config = unwrap_model(model).config
+    if hasattr(config, "output_router_logits"):  # a mixture of experts: its router's auxiliary loss
+        on = bool(config.output_router_logits)
+        summary["router_aux_loss"] = {
+            "on": on,
+            "coefficient": getattr(config, "router_aux_loss_coef", None),
+            "why": "the model's config: output_router_logits"
+            + (f", router_aux_loss_coef {config.router_aux_loss_coef}" if on else " is false"),
+        }
     if getattr(unwrap_model(model), "is_loaded_in_4bit", False):
         summary["precision"] = precision(model).as_dict()
     stream = getattr(model, "narrows_stream", None)
@@ -300,6 +309,9 @@ def format_summary(summary: dict) -> str:
         rows.append(("loss kernels", ", ".join(summary["loss_kernels"])))
     if summary.get("targets"):
         rows.append(("adapted", summary["targets"]))
+    if summary.get("router_aux_loss"):
+        aux = summary["router_aux_loss"]
+        rows.append(("router aux loss", f"{'on' if aux['on'] else 'off'} ({aux['why']})"))
     if summary.get("trainable"):
         t = summary["trainable"]
         experts = (
