@@ -159,6 +159,26 @@ def test_layers_give_way_while_transformers_records_their_outputs(monkeypatch):
     assert calls  # no forward records: the fast layers run
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_model_merged_from_expert_adapters_computes_what_the_fast_layers_trained(arch):
+    """What a user ships: PEFT's ``merge_and_unload`` of the expert adapters (folded into
+    each stack) against the fused layers' forward, whose adapters are ``(x·Aᵀ)·Bᵀ`` per
+    expert; both far from the base without the adapters."""
+    model = _model(arch, experts=True)
+    fuse_layers(model)
+    batch = tiny_batch(seed=5)
+    with torch.no_grad():
+        fused = model(**batch).logits
+        with model.disable_adapter():
+            base = model(**batch).logits
+    unfuse_layers(model)
+    merged = model.merge_and_unload()
+    with torch.no_grad():
+        shipped = merged(**batch).logits
+    assert (fused - base).abs().max() > 0.1
+    assert torch.allclose(shipped, fused, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_recompute_trains_the_same_bits_as_keeping(arch, dropout):
