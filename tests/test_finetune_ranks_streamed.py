@@ -108,3 +108,69 @@ def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path
     assert summary["stream"]["resident_layers"] == 0 and summary["adapter"] == adapter
     if adapter == "dora":  # the magnitudes trained too
         assert any("lora_magnitude_vector" in k for k in a)
+
+
+def test_two_nodes_each_with_its_own_host_copy_equal_one_process(tmp_path):
+    """Two torchrun agents joined through a localhost rendezvous stand for two machines: one
+    rank each (local rank 0 on both, global ranks 0 and 1), each with its own cache folder
+    (its node's disk), so each builds its own host copy of the base. The run equals
+    one process with ``--grad-accum 2`` over a resident base, `torch.equal`."""
+    import socket
+
+    model = tiny_model_folder(tmp_path / "model")
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.1"]
+    args += ["--batch", "2", "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--steps", "2"]
+    args += ["--no-progress"]
+    one = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "narrows.core.app.cli",
+            *args,
+            "--grad-accum",
+            "2",
+            "--out",
+            str(tmp_path / "one"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                f"--node-rank={node}",
+                "--nproc-per-node=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                "-m",
+                "narrows.core.app.cli",
+                *args,
+                "--gpu-budget",
+                "1100KiB",
+                "--out",
+                str(tmp_path / "two"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**ENV, "NARROWS_CACHE": str(tmp_path / f"node{node}")},
+        )
+        for node in range(2)
+    ]
+    said = [p.communicate(timeout=600) for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), [err[-2000:] for _, err in said]
+    for node in range(2):  # each node built its own copy of the base (one rank each: none shared)
+        assert len(list((tmp_path / f"node{node}" / "slabs").glob("*.slabs"))) == 1
+    a, b = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("one", "two"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
