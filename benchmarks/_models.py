@@ -20,16 +20,26 @@ def load_config(name: str):
     return AutoConfig.for_model(**spec)
 
 
-def random_nf4_model(config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa"):
-    """A causal LM of `config`'s shape on the CPU: decoder linears (and a mixture of experts'
-    fused expert stacks) in NF4 (double quant), everything else bf16. Each layer is
-    materialised and quantised on `work_device`, then parked on the CPU before the next one
-    exists."""
-    return random_model(config, seed=seed, work_device=work_device, attn=attn, nf4=True)
+def random_nf4_model(
+    config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa", experts: str = "nf4"
+):
+    """A causal LM of `config`'s shape on the CPU: decoder linears in NF4 (double quant), a
+    mixture of experts' fused expert stacks in `experts` ("nf4", "nf3", "nf2"), everything
+    else bf16. Each layer is materialised and quantised on `work_device`, then parked on the
+    CPU before the next one exists (a frontier-size model never exists in bf16)."""
+    return random_model(config, seed=seed, work_device=work_device, attn=attn, nf4=True, experts=experts)
 
 
 @torch.no_grad()
-def random_model(config, *, seed: int = 0, work_device: str = "cpu", attn: str = "sdpa", nf4: bool = True):
+def random_model(
+    config,
+    *,
+    seed: int = 0,
+    work_device: str = "cpu",
+    attn: str = "sdpa",
+    nf4: bool = True,
+    experts: str = "nf4",
+):
     """`random_nf4_model`, or with ``nf4=False`` the same seeded weights left in bf16 (the whole
     model on the CPU at the end: its bf16 size in host RAM)."""
     from transformers import AutoModelForCausalLM
@@ -67,6 +77,7 @@ def random_model(config, *, seed: int = 0, work_device: str = "cpu", attn: str =
                 compute_dtype=torch.bfloat16,
                 device=work_device,
                 filter_fn=lambda name, _, p=path + ".": name.startswith(p),
+                experts=experts,
             )
         layer.to("cpu")
     return model.eval()

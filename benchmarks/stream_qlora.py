@@ -144,7 +144,10 @@ def run_one(args: argparse.Namespace) -> dict:
         deterministic(True)
     torch.manual_seed(0)  # adapter init draws from the global RNG: same start in every mode
     t0 = time.perf_counter()
-    model = random_nf4_model(load_config(args.model), work_device=str(device), attn=args.attn)
+    experts = getattr(args, "expert_quant", "nf4")  # peers.py's namespaces have none: NF4
+    model = random_nf4_model(
+        load_config(args.model), work_device=str(device), attn=args.attn, experts=experts
+    )
     parts = mode.split("-")
     dropout = DROPOUT if "drop" in parts else 0.0
     model = add_lora(model, dropout=dropout).train()
@@ -487,6 +490,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (G)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per micro-batch")
+    ap.add_argument(
+        "--expert-quant",
+        default="nf4",
+        choices=("nf4", "nf3", "nf2"),
+        help="a mixture of experts' routed expert stacks: NF4, or narrows' NF3 / NF2 codes",
+    )
     ap.add_argument("--modes", default="stream-min,stream-24GiB,stream-40GiB,resident-ckpt,resident")
     ap.add_argument("--out", default="benchmarks/results/stream_qlora.json")
     ap.add_argument("--attn", default="sdpa", help="attention implementation (eager: deterministic backward)")
@@ -555,6 +564,8 @@ def main() -> None:
             *(["--host-profile"] if args.host_profile else []),
             "--gc",
             args.gc,
+            "--expert-quant",
+            args.expert_quant,
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
         if args.trace:  # the child's breakdown of its peak
