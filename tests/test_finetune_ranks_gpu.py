@@ -79,7 +79,7 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
             "narrows.core.app.cli",
             *args,
             "--gpu-budget",
-            "1100KiB",
+            "min",  # every layer streamed (a fixed size would fall below the planner's floor on some GPUs)
             "--cache",
             str(tmp_path / "cache"),
             "--out",
@@ -88,7 +88,7 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=child_env(NCCL_NVLS_ENABLE="0"),
+        env=child_env(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"),
     )
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("layers mapped from") == 2  # each rank maps the shared cache
