@@ -714,3 +714,40 @@ def test_ranks_that_do_not_share_split_the_default_host_budget(checkpoint, monke
     assert split.shared == () and split.host_budget == 1 << 39
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert ns.from_pretrained(folder, dtype=F32, cache=False).narrows.tiers.host_budget == 1 << 40
+
+
+def test_a_pinned_buffer_is_unregistered_before_its_mapping_goes(tmp_path):
+    """`aligned_pinned`'s buffer is unregistered from CUDA while its pages are still mapped
+    (a CUDA stand-in reads the first byte at the address it is asked to unregister: after
+    the unmap, that read kills the process). Unregistered after the unmap, another mapping
+    that took the address in between would be unpinned, its own registration refused."""
+    import subprocess
+    import sys
+
+    script = """
+import ctypes, gc, torch
+import narrows.stream.storage.tiers as tiers
+
+calls = []
+class Cudart:
+    def cudaHostRegister(self, ptr, n, flags):
+        calls.append(("register", ptr))
+        return 0
+    def cudaHostUnregister(self, ptr):
+        calls.append(("unregister", ptr, ctypes.string_at(ptr, 1)))
+        return 0
+torch.cuda.cudart = lambda: Cudart()
+buf = tiers.aligned_pinned(5000, pin=True)
+buf[0] = 7
+ptr = buf.data_ptr()
+del buf
+gc.collect()
+assert calls == [("register", ptr), ("unregister", ptr, b"\\x07")], calls
+print("ok")
+"""
+    from narrows.core.testing import child_env
+
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=child_env(), timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])

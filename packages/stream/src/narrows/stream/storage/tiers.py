@@ -12,6 +12,7 @@ pinned ring buffer on a background thread, then copies that to the device.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -132,22 +133,33 @@ def aligned_pinned(nbytes: int, pin: bool) -> Tensor:
     allocation up to a power of two: a 0.48 GB slab of a 72B layer would pin 0.54 GB, and
     host memory would overrun the budget by that much per layer. So the buffer is an
     anonymous mapping (page-aligned, as O_DIRECT needs) registered with CUDA
-    (``cudaHostRegister``), unregistered when the mapping is collected.
+    (``cudaHostRegister``), unregistered when the mapping is collected, before it is unmapped.
     """
-    import mmap
-    import weakref
-
     nbytes = max(FILE_ALIGNMENT, -(-nbytes // FILE_ALIGNMENT) * FILE_ALIGNMENT)
-    area = mmap.mmap(-1, nbytes)
+    area = _PinnedArea(-1, nbytes)
     buf = torch.frombuffer(area, dtype=torch.uint8)
     if pin:
-        cudart = torch.cuda.cudart()
         if (
-            int(cudart.cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)) != 0
+            int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE)) != 0
         ):  # let torch pin it
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        weakref.finalize(area, cudart.cudaHostUnregister, buf.data_ptr())
+        area.registered = buf.data_ptr()
     return buf
+
+
+class _PinnedArea(mmap.mmap):
+    """An anonymous mapping, registered with CUDA once `registered` holds its address. A
+    subclass's ``__del__`` runs before the mapping is unmapped; a ``weakref.finalize`` on
+    the mapping would run after, when another mapping may already hold the address: that
+    one's registration would then fail as "already registered", and the late unregister
+    would unpin it."""
+
+    registered: int | None = None
+
+    def __del__(self) -> None:
+        if self.registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = None
 
 
 # cudaHostRegisterPortable: pinned for every CUDA context of the process, not only the
