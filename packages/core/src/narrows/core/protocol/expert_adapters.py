@@ -98,12 +98,8 @@ def _quantized_wrapper_class() -> type:
         """PEFT's ``ParamWrapper`` over a stack narrows quantised: its factors go to the
         quantised module (``_lora_deltas``) for the call instead of into a parametrization."""
 
-        def _innermost(self) -> nn.Module:
-            return self.get_base_layer()
-
         def get_delta_factors(self, adapter_name: str) -> tuple[Tensor, Tensor, float]:
-            base = self._innermost()
-            dtype = _stack_dtype(base, self.parameter_name)
+            dtype = _stack_dtype(self.get_base_layer(), self.parameter_name)
             a = self.lora_A[adapter_name].weight
             b = self.lora_B[adapter_name].weight
             a = a.reshape(self.num_experts, -1, a.shape[-1])  # (E, r, in)
@@ -134,13 +130,13 @@ class _Deltas:
             return
         if len(self.adapters) > 1:
             raise NarrowsError("quantised experts run one active LoRA adapter at a time")
-        base = self.wrapper._innermost()
+        base = self.wrapper.get_base_layer()
         deltas = dict(base._lora_deltas or {})
         deltas[self.wrapper.parameter_name] = self.wrapper.get_delta_factors(self.adapters[0])
         base._lora_deltas = deltas
 
     def __exit__(self, *exc: Any) -> None:
-        base = self.wrapper._innermost()
+        base = self.wrapper.get_base_layer()
         if base._lora_deltas:
             base._lora_deltas.pop(self.wrapper.parameter_name, None)
 

@@ -4,10 +4,12 @@ A dense model: every linear of the decoder layers (PEFT's ``"all-linear"``). A m
 experts: the linears of attention, of dense MLPs and of shared experts; not the router
 (it decides each token's experts; training it is a choice to make, not a default) nor, by
 default, the routed experts' fused stacks — asked for (``experts=True``), those are PEFT's
-``target_parameters`` (``mlp.experts.gate_up_proj`` …), one adapter per expert. PEFT 0.21 reads some module names of some MoE families as
-the routed experts' (its conversion of adapters trained with transformers 4: on a
-``qwen2_moe`` model ``gate_proj`` becomes ``experts.gate_up_proj``); such names are left
-out, and said, rather than let PEFT adapt something else than asked.
+``target_parameters`` (``mlp.experts.gate_up_proj`` …), one adapter per expert.
+
+PEFT 0.21 reads some module names of some MoE families as the routed experts' (its
+conversion of adapters trained with transformers 4: on a ``qwen2_moe`` model ``gate_proj``
+becomes ``experts.gate_up_proj``); such names are left out, and said, rather than let PEFT
+adapt something else than asked.
 """
 
 from __future__ import annotations
