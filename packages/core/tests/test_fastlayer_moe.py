@@ -16,7 +16,7 @@ from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 
 
 def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0, experts=False):
@@ -29,6 +29,9 @@ def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0, experts=
         for name, p in model.named_parameters():
             if ".q_norm." in name or ".k_norm." in name:
                 p.normal_(1.0, 0.2)
+        for name, b in model.named_buffers():  # GLM-4-MoE's routing bias, not all zeros
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     if scheme is not None:
         for layer in model.model.layers:
             for block in moe_blocks(layer):
@@ -90,8 +93,8 @@ def test_fast_moe_layers_train_what_the_models_code_trains_in_float32(arch, expe
     own = _steps(model)
     report = fuse_layers(model)
     assert report.fused == [0, 1, 2] and not report.refused
-    parts = parts_of(model.base_model.model.model.layers[0])
-    assert parts.moe is not None and (parts.gate_up is not None) == (arch == "qwen2_moe")
+    parts = parts_of(model.base_model.model.model.layers[-1])
+    assert parts.moe is not None and (parts.gate_up is not None) == (arch in ("qwen2_moe", "glm4_moe"))
     assert sorted(parts.moe.adapters) == (["down_proj", "gate_up_proj"] if experts else [])
     fast = _steps(model)
     assert _close(own, fast)
@@ -323,7 +326,7 @@ def test_cuda_recompute_trains_the_same_bits_as_keeping(arch, experts):
         model = _model(arch, dtype=torch.bfloat16, dropout=0.0 if experts else 0.1, experts=experts)
         model = _float_adapters(model).cuda()
         fuse_layers(model, recompute=False)
-        assert parts_of(model.base_model.model.model.layers[0]).moe is not None
+        assert parts_of(model.base_model.model.model.layers[-1]).moe is not None
         kept = _steps(model, seed=3, device="cuda")
         fuse_layers(model, recompute=True)
         assert _equal(_steps(model, seed=3, device="cuda"), kept)

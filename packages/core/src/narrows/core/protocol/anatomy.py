@@ -100,6 +100,7 @@ for _spec in (
     ArchitectureSpec("olmoe"),
     ArchitectureSpec("llama4_text"),
     ArchitectureSpec("gpt_oss"),
+    ArchitectureSpec("glm4_moe"),
 ):
     register_architecture(_spec)
 

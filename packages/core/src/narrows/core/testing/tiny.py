@@ -38,6 +38,7 @@ TINY_ARCHITECTURES = (
     "olmoe",
     "llama4_text",
     "gpt_oss",
+    "glm4_moe",
     # multimodal: the text decoder inside Gemma3ForConditionalGeneration
     "gemma3",
 )
@@ -182,6 +183,13 @@ def tiny_config(arch: str, **overrides):
         kw.update(_MOE, num_local_experts=4, head_dim=16, intermediate_size=64, sliding_window=8)
         kw.update(tie_word_embeddings=False, rope_parameters=dict(_GPT_OSS_YARN))
         full_every = 2
+    elif arch == "glm4_moe":  # sigmoid routing over expert groups with a bias, an ungated shared expert,
+        # a dense first layer, partial rotary embeddings, Q/K/V biases, per-head Q/K norms
+        cfg_cls = tf.Glm4MoeConfig
+        kw.update(num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=64)
+        kw.update(n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
+        kw.update(norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
+        kw.update(head_dim=16, tie_word_embeddings=False)
     elif arch == "gemma3":
         return _gemma3_config(overrides)
     else:

@@ -118,7 +118,7 @@ class Saved:
     n2: Tensor | None = None  # the tiled MLP's input
     kept: KeptAttention | None = None  # the forward's attention (then `leaves` is None)
     moe: moe.MoEState | None = None  # an MoE block's routed experts (gate_up, down: its shared expert)
-    shared: tuple[Tensor, Tensor] | None = None  # the shared expert's gate and output
+    shared: tuple[Tensor | None, Tensor] | None = None  # the shared expert's gate (None: ungated) and output
 
 
 def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -297,8 +297,8 @@ def _moe_mlp(
         (gate, up), st_gu = parts.gate_up.forward(n, parts.gate_up.masks(n), cache)
         a = swiglu(gate, up)
         (s_out,), st_d = parts.down.forward(a, parts.down.masks(a), cache)
-        s_gate = moe.shared_gate_forward(parts.moe, n)
-        out = None if out is None else out + s_gate * s_out
+        s_gate = moe.shared_gate_forward(parts.moe, n) if parts.moe.shared_gate is not None else None
+        out = None if out is None else out + (s_out if s_gate is None else s_gate * s_out)
         shared = (s_gate, s_out)
     if residual is not None:
         out = residual + out
@@ -314,11 +314,14 @@ def _moe_backward(
     if parts.gate_up is None:
         return g_n2, [], [], p_experts
     s_gate, s_out = saved.shared
-    g_shared, g_n_gate = moe.shared_gate_backward(parts.moe, s_gate, s_out, g_out)
+    g_shared, g_n_gate = g_out, None  # an ungated shared expert (GLM-4-MoE's) sees the output's gradient
+    if s_gate is not None:
+        g_shared, g_n_gate = moe.shared_gate_backward(parts.moe, s_gate, s_out, g_out)
     g_a, p_down = parts.down.backward([g_shared], saved.down, cache)
     d_gate, d_up = swiglu_backward(g_a, saved.gate, saved.up, inplace=True)
     g_ns, p_gu = parts.gate_up.backward([d_gate, d_up], saved.gate_up, cache)
-    return g_n2.add_(g_ns).add_(g_n_gate), p_gu, p_down, p_experts
+    g_n2.add_(g_ns)
+    return (g_n2 if g_n_gate is None else g_n2.add_(g_n_gate)), p_gu, p_down, p_experts
 
 
 def _rows(t: Tensor, bs: tuple[int, int], tile: slice) -> Tensor:

@@ -4,10 +4,11 @@ back into token order, a sigmoid-gated shared expert where the family has one; a
 backward written out (the input's gradient, and the routed experts' LoRA adapters' where
 they have them: the router and the stacks themselves are frozen).
 
-Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE blocks, with their stacks in
-float or quantised by `narrows.core.quant.experts`. The routing is the family's own:
+Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4-MoE blocks, with their
+stacks in float or quantised by `narrows.core.quant.experts`. The routing is the family's own:
 softmax in float32 over the router's logits, the top k, renormalised where the family
-does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral).
+does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral); or
+GLM-4-MoE's sigmoid scores chosen within the best groups of experts (`_route_sigmoid`).
 
 `grouped_mm` is torch's grouped matmul where it runs (its reference, `grouped_mm_reference`,
 is a loop over the experts). The slots of a step are sorted by expert with a stable sort,
@@ -53,6 +54,7 @@ MOE_BLOCKS = {
     "Qwen2MoeSparseMoeBlock": False,
     "MixtralSparseMoeBlock": True,
     "OlmoeSparseMoeBlock": False,
+    "Glm4MoeMoE": True,
 }
 _STACKS = ("gate_up_proj", "down_proj")
 
@@ -119,6 +121,12 @@ class MoEParts:
     experts: nn.Module  # holds ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I]
     intermediate: int
     shared_gate: WeightSource | None = None  # (1, H): the shared expert's sigmoid gate (Qwen2-MoE)
+    # GLM-4-MoE's routing: sigmoid scores, the top k chosen by score + `choice_bias` within the
+    # best `topk_groups` of `groups` groups of experts, their scores renormalised and scaled
+    choice_bias: Tensor | None = None  # (E,) float32; None: softmax routing
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
     adapters: dict[str, ExpertAdapter] = field(default_factory=dict)  # LoRA on a stack, by its name
     lora_dtype: torch.dtype | None = None  # the adapters' arithmetic: None, the activations' dtype
 
@@ -168,13 +176,38 @@ class MoEState:
 
 
 def _route(p: MoEParts, n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The router's softmax (float32), each token's k experts, and their weights."""
+    """The router's softmax (float32), each token's k experts, and their weights; or with a
+    `choice_bias`, its sigmoid scores (float32) and GLM-4-MoE's grouped choice."""
+    if p.choice_bias is not None:
+        return _route_sigmoid(p, n)
     logits = F.linear(n, p.router)
     probs = torch.softmax(logits.float(), dim=-1)
     top, chosen = torch.topk(probs, p.top_k, dim=-1)
     if p.renormalize:
         top = top / top.sum(dim=-1, keepdim=True)
     return probs, chosen, top if p.float_weights else top.to(logits.dtype)
+
+
+def _route_sigmoid(p: MoEParts, n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """GLM-4-MoE's routing, as transformers computes it: float32 logits and their sigmoid;
+    each group of experts scored by its two best biased scores, the best `topk_groups`
+    groups kept, the top k of their biased scores chosen; the chosen experts' unbiased
+    scores renormalised (+1e-20) and scaled."""
+    logits = F.linear(n.float(), p.router.float())
+    scores = torch.sigmoid(logits)
+    choice = scores + p.choice_bias
+    tokens, experts = choice.shape
+    by_group = choice.view(tokens, p.groups, experts // p.groups)
+    best = torch.topk(by_group.topk(2, dim=-1)[0].sum(dim=-1), k=p.topk_groups, dim=-1, sorted=False)[1]
+    keep = torch.zeros(tokens, p.groups, device=n.device, dtype=torch.bool).scatter_(1, best, True)
+    choice = choice.masked_fill(
+        ~keep.unsqueeze(-1).expand_as(by_group).reshape(tokens, experts), float("-inf")
+    )
+    chosen = torch.topk(choice, k=p.top_k, dim=-1, sorted=False)[1]
+    top = scores.gather(1, chosen)
+    if p.renormalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores, chosen, top * p.scale
 
 
 def forward(
@@ -257,15 +290,20 @@ def backward(
     if "gate_up_proj" in s.low:
         _adapter_backward(p, s, "gate_up_proj", _in(p, d_h), g_slots, grads, None)
     g_n = g_slots[s.back].view(tokens, k, -1).sum(dim=1).to(g.dtype)
-    # the routing weights: the rounding (if any), the renormalisation, the top k, the softmax
-    g_top = g_weights[s.back].view(tokens, k)
+    # the routing weights: the rounding (if any), the scale, the renormalisation, the top k,
+    # the softmax (or the sigmoid)
+    g_top = g_weights[s.back].view(tokens, k) * p.scale
     if p.renormalize:
         raw = s.probs.gather(1, s.chosen)
-        total = raw.sum(dim=-1, keepdim=True)
+        total = raw.sum(dim=-1, keepdim=True) + (1e-20 if p.choice_bias is not None else 0.0)
         g_top = (g_top - (g_top * raw).sum(dim=-1, keepdim=True) / total) / total
     g_probs = torch.zeros_like(s.probs).scatter_(1, s.chosen, g_top)
-    g_logits = s.probs * (g_probs - (g_probs * s.probs).sum(dim=-1, keepdim=True))
-    g_n.add_(g_logits.to(p.router.dtype) @ p.router)
+    if p.choice_bias is not None:  # float32 logits of float32 weights: cast back at the input
+        g_logits = g_probs * s.probs * (1 - s.probs)
+        g_n.add_((g_logits @ p.router.float()).to(g_n.dtype))
+    else:
+        g_logits = s.probs * (g_probs - (g_probs * s.probs).sum(dim=-1, keepdim=True))
+        g_n.add_(g_logits.to(p.router.dtype) @ p.router)
     return g_n, [t for name in _STACKS if name in grads for t in grads[name]]
 
 
@@ -315,7 +353,7 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
     router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
     if router is None or experts is None or not isinstance(getattr(router, "weight", None), Tensor):
         return "its MoE block has no router weight or experts where transformers keeps them"
-    if not type(router).__name__.endswith("TopKRouter"):
+    if not type(router).__name__.lower().endswith("topkrouter"):
         return f"its router is a {type(router).__name__} (LoRA on the router is not in the fast layer)"
     unwrapped = unwrap_experts(experts)
     if isinstance(unwrapped, str):
@@ -344,8 +382,8 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
     e, two_i, hidden = gate_up
     if tuple(down) != (e, hidden, two_i // 2) or tuple(router.weight.shape) != (e, hidden):
         return f"its expert stacks {tuple(gate_up)} and {tuple(down)} are not [E, 2I, H] and [E, H, I]"
-    if (getattr(mlp, "shared_expert_gate", None) is None) != (getattr(mlp, "shared_expert", None) is None):
-        return "its shared expert has no gate (or a gate without an expert)"
+    if getattr(mlp, "shared_expert_gate", None) is not None and getattr(mlp, "shared_expert", None) is None:
+        return "its shared expert's gate has no expert"
     return MoEParts(
         router.weight,
         int(router.top_k),
@@ -355,4 +393,8 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
         two_i // 2,
         adapters=adapters,
         lora_dtype=lora_dtype,
+        choice_bias=getattr(router, "e_score_correction_bias", None),
+        groups=int(getattr(router, "num_group", 1) or 1),
+        topk_groups=int(getattr(router, "topk_group", 1) or 1),
+        scale=float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
     )

@@ -238,7 +238,12 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
     (the family's tables: both halves alike, ``cat(freqs, freqs)``, RoPE scaling included —
     Liger's kernel reads the first half only). On CUDA Liger-Kernel's kernel does both in
     one pass, writing over `q` and `k` (or over their contiguous copies); elsewhere the
-    reference."""
+    reference. Tables narrower than a head (partial rotary, GLM-4's) turn each head's first
+    channels and pass the rest."""
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        qr, kr = rope_pair(q[..., :rot].contiguous(), k[..., :rot].contiguous(), cos, sin)
+        return torch.cat([qr, q[..., rot:]], dim=-1), torch.cat([kr, k[..., rot:]], dim=-1)
     if _use_liger_rope(q, cos):
         q, k, _, _ = _liger_rope().rope_forward(q, k, cos, sin)
         return q, k
@@ -248,6 +253,10 @@ def rope_pair(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, T
 
 def rope_pair_backward(gq: Tensor, gk: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """The gradients of `rope_pair`'s inputs (Liger's writes them over `gq` and `gk`)."""
+    rot = cos.shape[-1]
+    if rot < gq.shape[-1]:
+        gqr, gkr = rope_pair_backward(gq[..., :rot].contiguous(), gk[..., :rot].contiguous(), cos, sin)
+        return torch.cat([gqr, gq[..., rot:]], dim=-1), torch.cat([gkr, gk[..., rot:]], dim=-1)
     if _use_liger_rope(gq, cos):
         gq, gk = _liger_rope().rope_backward(gq, gk, cos, sin)[:2]
         return gq, gk

@@ -3,7 +3,7 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
-active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral and OLMoE layers, whose MoE block `moe.py`
+active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4-MoE layers, whose MoE block `moe.py`
 reads (a shared expert's linears are then the gate/up and down groups; LoRA on the routed
 experts' stacks is the MoE block's). Anything else is
 refused with its reason (`build_parts`) and runs as it would without narrows.
@@ -37,6 +37,7 @@ FAST_LAYER_TYPES = (
     "Qwen2MoeDecoderLayer",
     "MixtralDecoderLayer",
     "OlmoeDecoderLayer",
+    "Glm4MoeDecoderLayer",
 )
 
 
@@ -287,10 +288,11 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         ]
         if any(map(_hooked, inner)):
             return "its router or experts have hooks or a replaced forward"
-        dense = getattr(mlp, "shared_expert", None)
+        # Qwen2-MoE's shared expert (sigmoid-gated), or GLM-4-MoE's shared experts (one MLP, ungated)
+        dense = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
         if dense is not None and _hooked(dense):
             return "its shared expert has hooks or a replaced forward"
-        if dense is not None:
+        if getattr(mlp, "shared_expert_gate", None) is not None:
             gate = _linear("shared_gate", mlp.shared_expert_gate)
             if isinstance(gate, str) or gate.a is not None or gate.bias is not None:
                 return "its shared expert's gate is not a bias-free linear without an adapter"
