@@ -128,29 +128,20 @@ def test_expert_targets_are_refused_where_they_cannot_train(tmp_path, capsys):
     assert "has no fused expert stacks" in capsys.readouterr().err and not (tmp_path / "d").exists()
 
 
-def test_lora_on_routed_experts_resumes_exactly(tmp_path, monkeypatch):
+def test_lora_on_routed_experts_resumes_exactly(tmp_path, interrupt_at):
     """Ctrl-C during step 3 of a streamed run with LoRA on the NF4 experts, then --resume:
     the checkpoint's expert adapters (PEFT's target_parameters) and their optimizer state
     come back onto the quantised stacks, and the run ends where the uninterrupted one does."""
     pytest.importorskip("bitsandbytes")
-    from narrows.core.app.finetune.run_folder import RunFolder
-
     model = tiny_model_folder(tmp_path / "model", "qwen3_moe")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     args = ["finetune", "--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", "min"]
     args += ["--targets", "experts", "--steps", "4", "--batch", "2", "--seq-len", "32", "--rank", "4"]
     args += ["--eval-rows", "0", "--save-every", "1", "--lr", "1e-2", "--no-progress"]
     assert main([*args, "--out", str(tmp_path / "whole")]) == 0
-    log = RunFolder.log
-
-    def interrupted(self, row):
-        if row["step"] == 3:
-            raise KeyboardInterrupt
-        log(self, row)
-
-    monkeypatch.setattr(RunFolder, "log", interrupted)
+    interrupt_at(3)
     assert main([*args, "--out", str(tmp_path / "cut")]) == 130
-    monkeypatch.setattr(RunFolder, "log", log)
+    interrupt_at(None)
     assert main(["finetune", "--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
     whole, cut = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("whole", "cut"))
     assert whole.keys() == cut.keys() and all(".experts." in k for k in whole)

@@ -165,23 +165,14 @@ def test_step_mode_trains_dora_as_the_resident_loop_does(tmp_path):
     assert any("lora_magnitude_vector" in k for k in got[0])
 
 
-def test_step_mode_resumes_exactly(tmp_path, monkeypatch):
+def test_step_mode_resumes_exactly(tmp_path, interrupt_at):
     """Ctrl-C during step 3 (after step 2's checkpoint), then --resume: a fresh StepTrainer
     seeds each micro-batch from its index again, the optimizer state comes back from the checkpoint."""
-    from narrows.core.app.finetune.run_folder import RunFolder
-
     flags = ("--gpu-budget", BUDGET, "--step-mode", "--offload-optimizer")
     assert run(tmp_path, "whole", *flags) == 0
-    log = RunFolder.log
-
-    def interrupted(self, row):
-        if row["step"] == 3:
-            raise KeyboardInterrupt
-        log(self, row)
-
-    monkeypatch.setattr(RunFolder, "log", interrupted)
+    interrupt_at(3)
     assert run(tmp_path, "cut", *flags) == 130  # Ctrl-C
-    monkeypatch.setattr(RunFolder, "log", log)
+    interrupt_at(None)
     assert not (tmp_path / "cut" / "adapter_model.safetensors").exists()
     assert main(["finetune", "--resume", str(tmp_path / "cut"), "--no-progress"]) == 0
     assert_same(result(tmp_path, "whole"), result(tmp_path, "cut"))

@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from narrows.core import fuse_layers, lora_targets, unfuse_layers
-from narrows.core.kernels.fastlayer import moe, parts_of, why_not
+from narrows.core.kernels.fastlayer import grouped, moe, parts_of, why_not
 from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
@@ -244,7 +244,7 @@ def test_grouped_matmul_over_rows_computes_its_reference(dtype):
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(40, 32, generator=gen).to(dtype), torch.randn(40, 8, generator=gen).to(dtype)
     ends = torch.tensor([7, 7, 30, 40], dtype=torch.int32)
-    got, ref = moe.grouped_mm_k(x, y, ends), moe.grouped_mm_k_reference(x, y, ends)
+    got, ref = grouped.grouped_mm_k(x, y, ends), grouped.grouped_mm_k_reference(x, y, ends)
     assert got.shape == ref.shape == (4, 32, 8) and not ref[1].any()
     assert torch.allclose(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
     expected = torch.stack(
@@ -262,10 +262,10 @@ def test_cuda_grouped_matmuls_compute_their_references_at_any_row_offsets():
     y = torch.randn(1000, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
     w = torch.randn(5, 64, 16, device="cuda", dtype=torch.bfloat16, generator=gen)
     ends = torch.tensor([7, 7, 301, 513, 1000], device="cuda", dtype=torch.int32)
-    assert moe._native(x, y.unsqueeze(0)) and moe._native(x, w)
+    assert grouped.native(x, y.unsqueeze(0)) and grouped.native(x, w)
     for got, ref in (
-        (moe.grouped_mm_k(x, y, ends), moe.grouped_mm_k_reference(x, y, ends)),
-        (moe.grouped_mm(x, w, ends), moe.grouped_mm_reference(x, w, ends)),
+        (grouped.grouped_mm_k(x, y, ends), grouped.grouped_mm_k_reference(x, y, ends)),
+        (grouped.grouped_mm(x, w, ends), grouped.grouped_mm_reference(x, w, ends)),
     ):
         assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=1e-2)
 
@@ -278,8 +278,8 @@ def test_grouped_matmul_computes_its_reference(dtype):
     x = torch.randn(40, 32, generator=gen).to(dtype)
     w = torch.randn(4, 16, 32, generator=gen).to(dtype).transpose(-2, -1)  # [E, K, N] as a view
     ends = torch.tensor([7, 7, 30, 40], dtype=torch.int32)
-    assert moe._native(x, w)
-    got, ref = moe.grouped_mm(x, w, ends), moe.grouped_mm_reference(x, w, ends)
+    assert grouped.native(x, w)
+    got, ref = grouped.grouped_mm(x, w, ends), grouped.grouped_mm_reference(x, w, ends)
     assert torch.allclose(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
     expected = torch.cat([x[:7] @ w[0], x[7:30] @ w[2], x[30:] @ w[3]])  # expert 1 has no rows
     assert torch.equal(ref, expected)

@@ -10,8 +10,8 @@ softmax in float32 over the router's logits, the top k, renormalised where the f
 does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral); or
 GLM-4-MoE's sigmoid scores chosen within the best groups of experts (`_route_sigmoid`).
 
-`grouped_mm` is torch's grouped matmul where it runs (its reference, `grouped_mm_reference`,
-is a loop over the experts). The slots of a step are sorted by expert with a stable sort,
+The experts' matmuls are `grouped.py`'s (torch's grouped matmul, or the loop over experts
+beside it). The slots of a step are sorted by expert with a stable sort,
 each expert's rows are computed on their own, and the k outputs of a token are summed in a
 fixed order, so the result does not depend on how a kernel schedules its work.
 
@@ -34,19 +34,11 @@ from torch.nn import functional as F
 
 from ...protocol.expert_adapters import ExpertAdapter, unwrap_experts
 from ...quant.experts import expert_shape, expert_stacks
+from .grouped import grouped_mm, grouped_mm_k
 from .lora import WeightSource
 from .ops import swiglu, swiglu_backward
 
-__all__ = [
-    "MOE_BLOCKS",
-    "MoEParts",
-    "MoEState",
-    "build_moe",
-    "grouped_mm",
-    "grouped_mm_k",
-    "grouped_mm_k_reference",
-    "grouped_mm_reference",
-]
+__all__ = ["MOE_BLOCKS", "MoEParts", "MoEState", "build_moe"]
 
 # block type -> whether its routing weights stay float32 (Mixtral) or round to the logits' dtype
 MOE_BLOCKS = {
@@ -57,56 +49,6 @@ MOE_BLOCKS = {
     "Glm4MoeMoE": True,
 }
 _STACKS = ("gate_up_proj", "down_proj")
-
-
-def grouped_mm_reference(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
-    """``x[rows of e] @ w[e]`` for each expert e, whose rows end at ``ends[e]``."""
-    out = x.new_empty(x.shape[0], w.shape[-1])
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        out[start:end] = x[start:end] @ w[e]
-        start = end
-    return out
-
-
-def grouped_mm_k_reference(x: Tensor, y: Tensor, ends: Tensor) -> Tensor:
-    """``x[rows of e]ᵀ @ y[rows of e]`` for each expert e, [E, x's columns, y's columns], in
-    the operands' dtype (an expert without rows gets zeros)."""
-    out = x.new_empty(len(ends), x.shape[1], y.shape[1])
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        torch.mm(x[start:end].t(), y[start:end], out=out[e])
-        start = end
-    return out
-
-
-def _native(x: Tensor, w: Tensor) -> bool:
-    """Whether torch's grouped matmul takes these operands: rows 16-byte aligned, and on
-    CUDA bf16 on compute capability 8.0 or newer."""
-    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
-        return False
-    size = x.element_size()
-    aligned = all((d * size) % 16 == 0 for d in (x.shape[-1], w.shape[-1], w.shape[-2]))
-    if x.is_cuda:
-        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    return aligned and x.dtype in (torch.float32, torch.bfloat16)
-
-
-def grouped_mm(x: Tensor, w: Tensor, ends: Tensor) -> Tensor:
-    """(S, K) rows sorted by expert times each expert's (K, N) matrix of `w` [E, K, N]:
-    torch's grouped matmul where it runs, else the reference."""
-    if _native(x, w):
-        return F.grouped_mm(x, w, offs=ends)
-    return grouped_mm_reference(x, w, ends)
-
-
-def grouped_mm_k(x: Tensor, y: Tensor, ends: Tensor) -> Tensor:
-    """(S, M) and (S, N) rows sorted by expert: each expert's ``x[rows]ᵀ @ y[rows]``,
-    [E, M, N] in their dtype (torch's grouped matmul over K where it runs, else the
-    reference): an expert adapter's weight gradient."""
-    if _native(x, y.unsqueeze(0)):
-        return F.grouped_mm(x.t(), y, offs=ends)
-    return grouped_mm_k_reference(x, y, ends)
 
 
 @dataclass
