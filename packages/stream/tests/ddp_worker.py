@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,23 @@ def private_copy(folder: str, world: int, device: torch.device | str = "cpu") ->
     return [p.detach().clone() for p in params]
 
 
+def registered(home: torch.Tensor) -> bool:
+    """Whether this process page-locked `home` for CUDA: registering it again is refused as
+    already registered (`Tensor.is_pinned` does not see a read-only registered file map). On
+    a thread of its own: the refusal is also that thread's CUDA error, which the next kernel
+    launched on it would raise."""
+
+    def probe() -> int:
+        cudart = torch.cuda.cudart()
+        err = int(cudart.cudaHostRegister(home.data_ptr(), home.numel(), 1 | 8))  # portable, read-only
+        if err == 0:  # it was not: undo this probe's own registration
+            cudart.cudaHostUnregister(home.data_ptr())
+        return err
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(probe).result() == 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
 def shared_copy(folder: str, cache: str, world: int, device: torch.device) -> dict:
     """Both ranks load `folder` (sharing, by default under torchrun), then train two DDP
     steps on it, each rank one seeded micro-batch."""
@@ -139,7 +157,7 @@ def shared_copy(folder: str, cache: str, world: int, device: torch.device) -> di
         "memory": memory,
         "notes": tiers.notes,
         "embedding": embedding,
-        "registered": [h.is_pinned() for h in tiers.homes] if device.type == "cuda" else [],
+        "registered": [registered(h) for h in tiers.homes] if device.type == "cuda" else [],
         "weight": [p.detach().clone() for p in params],
     }
 
