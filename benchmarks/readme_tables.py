@@ -903,26 +903,70 @@ MOE_PLAN = (  # (case, the modes' suffix, what the suffix says)
 )
 
 
-MOE_LORA = (  # (case on the H200, what the adapters sit on)
-    ("peers_qwen3-30b-a3b-6l_8x512", "attention"),
-    ("peers_qwen3-30b-a3b-6l_8x512_experts", "attention and the routed experts"),
+MOE_LORA = (  # (case, device, what the adapters sit on and how many layers, the main job's budgets)
+    ("peers_qwen3-30b-a3b-6l_8x512", "h200", "attention; 6 of 48 layers", ("8GiB",)),
+    (
+        "peers_qwen3-30b-a3b-6l_8x512_experts",
+        "h200",
+        "attention and the routed experts; 6 of 48 layers",
+        ("8GiB",),
+    ),
+    (
+        "peers_qwen3-30b-a3b_8x512_experts",
+        "h200x2",
+        "attention and the routed experts; all 48 layers",
+        ("8GiB", "27GiB"),
+    ),
 )
 
 
 @generated("moe-lora")
 def _moe_lora(r: Results) -> str:
-    """The main job and Unsloth on one H200, LoRA on attention and on the routed experts too."""
+    """The main job at a budget and at its floor beside Unsloth, on one H200 (of an x2 machine
+    for the whole model: its host memory), LoRA on attention and on the routed experts too."""
     lines = []
-    for c, said in MOE_LORA:
-        rows = r.case(c, "h200")
-        unsloth = step_s(r.m(c, "unsloth", "h200"))
-        ours = [cell(r, c, n, device="h200") for n in ("finetune-8GiB", "finetune-min")]
+    for c, device, said, budgets in MOE_LORA:
+        rows = r.case(c, device)
+        unsloth = step_s(r.m(c, "unsloth", device))
+        names = [f"finetune-{b}" for b in budgets] + ["finetune-min"]
+        ours = "; ".join(f"`{n[9:]}`: {cell(r, c, n, device=device)}" for n in names)
         times = "; ".join(
-            ratio(step_s(r.m(c, n, "h200")), unsloth) for n in ("finetune-8GiB", "finetune-min")
+            ratio(step_s(r.m(c, n, device)), unsloth) for n in names if "error" not in r.m(c, n, device)
         )
-        lines.append([run_cell(rows, said), *ours, cell(r, c, "unsloth", device="h200"), times])
+        lines.append([run_cell(rows, said), ours, cell(r, c, "unsloth", device=device), times])
+    return table(["LoRA on", "the main job at `--gpu-budget`", "Unsloth", "narrows' time ÷ Unsloth's"], lines)
+
+
+@generated("moe-frontier")
+def _moe_frontier(r: Results) -> str:
+    """Qwen3-235B-A22B streamed through one H200 at 24 GiB: the step against its floors."""
+    lines = []
+    for c in ("frontier_qwen3-235b-a22b_8x1024_nf2",):
+        for row in r.case(c, "h200x2"):
+            m, profile = row["metrics"], row["metrics"]["profile"]
+            per = profile["per_streamed_layer"]
+            lines.append(
+                [
+                    run_cell([row], f"{m['batch']} × {row['arguments']['seq']}, NF2 experts"),
+                    f"{gib(m['peak_allocated'])} ({gib(m['predicted_peak'])} planned); host {gib(m['host_rss_peak'])}",
+                    f"{sec(step_s(m))}, {m['tokens_per_s']:.0f} tokens/s",
+                    f"{m['h2d_bytes_per_step'] / 1e9:.1f} GB: {sec(m['transfer_floor_s'])}",
+                    f"{sec(profile['forward_s'] + profile['backward_s'])}",
+                    f"{per['forward'] * 1e3:.1f} + {per['backward'] * 1e3:.1f} ms / {per['copy'] * 1e3:.1f} ms",
+                    f"{step_s(m) / m['transfer_floor_s']:.2f}×",
+                ]
+            )
     return table(
-        ["LoRA on", "main job, `8GiB`", "main job, `min`", "Unsloth", "narrows' time ÷ Unsloth's"], lines
+        [
+            "tokens",
+            "peak (GPU; host RSS)",
+            "step",
+            "host→device a step: floor",
+            "layers' compute",
+            "a streamed layer: forward + backward / copies",
+            "step ÷ transfer floor",
+        ],
+        lines,
     )
 
 
