@@ -1,6 +1,7 @@
 """Fast MoE decoder layers (`narrows.core.kernels.fastlayer.moe`): close to the model's own
-code in float32 on Qwen3-MoE, Qwen2-MoE (its shared expert adapted), Mixtral and OLMoE
-(Q/K norms over all heads), the router's gradient included; recompute and keeping train the same bits; quantised experts
+code in float32 on Qwen3-MoE, Qwen2-MoE (its shared expert adapted), Mixtral, OLMoE
+(Q/K norms over all heads), GLM-4-MoE and gpt-oss (attention sinks, biased experts with a
+clamped SwiGLU), the router's gradient included; recompute and keeping train the same bits; quantised experts
 dequantised once per pass; torch's grouped matmul equal to its reference; uncovered
 blocks refused with their reason. Each claim has a twin that would show it broken."""
 
@@ -17,18 +18,24 @@ from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
 
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+ATTENTION_ONLY = ("gpt_oss",)  # LoRA on its (transposed) expert stacks runs the model's own code
 
 
 def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0, experts=False):
     """A tiny MoE with LoRA on narrows' default targets (attention, shared experts), and on
     the routed experts' stacks with `experts` (PEFT's ``target_parameters``)."""
     model = tiny_model(arch, dtype=dtype, seed=seed)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = "eager" if arch == "gpt_oss" else "sdpa"  # (sinks: eager)
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # Q/K norms that are not all ones
         torch.manual_seed(seed)
         for name, p in model.named_parameters():
             if ".q_norm." in name or ".k_norm." in name:
                 p.normal_(1.0, 0.2)
+            if name.endswith(("sinks", "_bias", "router.bias")):  # gpt-oss's sinks and biases: not zeros
+                p.normal_(0.0, 0.5)
+        for module in model.modules():  # gpt-oss's SwiGLU clamps some of its inputs
+            if type(module).__name__ == "GptOssExperts":
+                module.limit = 0.05
         for name, b in model.named_buffers():  # GLM-4-MoE's routing bias, not all zeros
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
@@ -84,8 +91,11 @@ def _equal(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("experts", [False, True], ids=["attention", "experts"])
-@pytest.mark.parametrize("arch", MOE)
+@pytest.mark.parametrize(
+    ("arch", "experts"),
+    [(a, e) for a in MOE for e in (False, True)] + [(a, False) for a in ATTENTION_ONLY],
+    ids=lambda v: {False: "attention", True: "experts"}.get(v, v) if isinstance(v, bool) else v,
+)
 def test_fast_moe_layers_train_what_the_models_code_trains_in_float32(arch, experts):
     """With LoRA on the routed experts too, against PEFT's own path (which folds each
     expert's B·A into its stack)."""
@@ -95,12 +105,45 @@ def test_fast_moe_layers_train_what_the_models_code_trains_in_float32(arch, expe
     assert report.fused == [0, 1, 2] and not report.refused
     parts = parts_of(model.base_model.model.model.layers[-1])
     assert parts.moe is not None and (parts.gate_up is not None) == (arch in ("qwen2_moe", "glm4_moe"))
+    assert (parts.sinks is not None) == (parts.moe.clamp is not None) == (arch == "gpt_oss")
     assert sorted(parts.moe.adapters) == (["down_proj", "gate_up_proj"] if experts else [])
     fast = _steps(model)
     assert _close(own, fast)
     assert not _equal(own, fast)  # its own kernels: close, not the same bits
     assert unfuse_layers(model) == 3
     assert _equal(_steps(model), own)
+
+
+@pytest.mark.parametrize("what", ["sinks", "clamp", "expert biases"])
+def test_gpt_oss_without_its_sinks_clamps_or_expert_biases_would_show(monkeypatch, what):
+    """Each of gpt-oss's differences from the other families moves the fast layers past the
+    tolerance above when it is dropped (the clamps hold some inputs at the tiny limit)."""
+    from narrows.core.kernels.fastlayer import compute
+
+    model = _model("gpt_oss")
+    own = _steps(model)
+    fuse_layers(model)
+    assert _close(own, _steps(model))
+    if what == "sinks":
+        monkeypatch.setattr(
+            compute, "_attention_with_sinks", lambda parts, q, k, v, mask: _plain(q, k, v, mask)
+        )
+    else:
+        for layer in model.base_model.model.model.layers:
+            p = parts_of(layer).moe
+            if what == "clamp":
+                p.clamp = (p.clamp[0], 1e9)
+            else:
+                p.biases = tuple(torch.zeros_like(b) for b in p.biases)
+    assert not _close(own, _steps(model))
+
+
+def _plain(q, k, v, mask):
+    """Attention without sinks (the fault `test_gpt_oss_without_...` plants)."""
+    groups = q.shape[1] // k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
+    )
 
 
 @pytest.mark.parametrize("what", ["router", "shared gate"])
@@ -286,9 +329,13 @@ def test_grouped_matmul_computes_its_reference(dtype):
 
 
 def test_uncovered_moe_layers_are_refused_with_their_reason():
-    gpt = tiny_model("gpt_oss")
-    gpt.config._attn_implementation = "sdpa"
-    assert "GptOssDecoderLayer" in why_not(gpt.model.layers[0])
+    gpt = tiny_model("gpt_oss").requires_grad_(False)
+    gpt.config._attn_implementation = "flex_attention"
+    assert "load the model with attn_implementation='eager'" in why_not(gpt.model.layers[0])
+    gpt.config._attn_implementation = "eager"
+    assert why_not(gpt.model.layers[0]) is None
+    gpt_experts = _model("gpt_oss", experts=True)
+    assert "LoRA on gpt-oss's routed experts" in why_not(gpt_experts.base_model.model.model.layers[0])
     clipped = _model("olmoe")
     clipped.base_model.model.config.clip_qkv = 8.0
     assert "clip_qkv" in why_not(clipped.base_model.model.model.layers[0])

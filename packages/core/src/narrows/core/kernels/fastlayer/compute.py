@@ -124,6 +124,8 @@ class Saved:
 def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     if mask is not None:
         mask = mask[:, :, :, : k.shape[-2]]
+    if parts.sinks is not None:
+        return _attention_with_sinks(parts, q, k, v, mask)
     causal = q.shape[2] > 1 and mask is None
     return F.scaled_dot_product_attention(
         q,
@@ -134,6 +136,41 @@ def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor 
         scale=parts.scaling,
         enable_gqa=parts.kv_heads != parts.heads,
     )
+
+
+def _attention_with_sinks(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention whose softmax has one more logit per head in its denominator (gpt-oss's
+    sinks), through SDPA: a key in front of the others that every query sees, with a zero
+    value, whose logit is the sink. Each head gets one more channel, s_h / scaling in its
+    queries, 1 in that key and 0 in the others (then zeros to a multiple of 8 channels), so
+    the scaled product is s_h for the sink and unchanged for every key. Without a mask a
+    zero query goes in front too, so that the causal mask (aligned at the top left) lets
+    each query see the sink and its own keys; with one, the mask gets a column that admits
+    the sink."""
+    b, heads, t, d = q.shape
+    kv_heads, width = k.shape[1], d + 8 - d % 8  # (at least one more channel)
+    sink = (parts.sinks.to(torch.float32) / parts.scaling).to(q.dtype).view(1, heads, 1, 1)
+    qs = F.pad(q, (0, width - d))
+    qs[..., d : d + 1] = sink.expand(b, heads, t, 1)
+    key = q.new_zeros(b, kv_heads, 1, width)
+    key[..., d] = 1
+    ks = torch.cat([key, F.pad(k, (0, width - d))], dim=2)
+    vs = torch.cat([v.new_zeros(b, kv_heads, 1, width), F.pad(v, (0, width - d))], dim=2)
+    if mask is None:
+        qs = torch.cat([qs.new_zeros(b, heads, 1, width), qs], dim=2)
+    else:
+        admit = torch.ones if mask.dtype == torch.bool else torch.zeros
+        mask = torch.cat([admit(*mask.shape[:-1], 1, dtype=mask.dtype, device=mask.device), mask], dim=-1)
+    out = F.scaled_dot_product_attention(
+        qs,
+        ks,
+        vs,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=parts.scaling,
+        enable_gqa=kv_heads != heads,
+    )
+    return out[:, :, -t:, :d]
 
 
 KVSink = Callable[[Tensor, Tensor], object]  # takes the keys and values (a KV cache's update)
@@ -170,6 +207,8 @@ def _run(
     its attention kept there; with `kept`, the attention a forward kept is read instead
     of run (and Q/K/V's base matmul skipped where nothing else reads its output)."""
     batch, seq, hidden = x.shape
+    if parts.half_rope:  # tables of half a head (gpt-oss's): both halves turned alike
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     x2 = x.reshape(-1, hidden)
     n1, rstd1 = rms_norm(x2, parts.norm1.weight, parts.norm1.eps)
     masks = parts.qkv.masks(n1)

@@ -4,11 +4,14 @@ back into token order, a sigmoid-gated shared expert where the family has one; a
 backward written out (the input's gradient, and the routed experts' LoRA adapters' where
 they have them: the router and the stacks themselves are frozen).
 
-Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4-MoE blocks, with their
-stacks in float or quantised by `narrows.core.quant.experts`. The routing is the family's own:
-softmax in float32 over the router's logits, the top k, renormalised where the family
-does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral); or
-GLM-4-MoE's sigmoid scores chosen within the best groups of experts (`_route_sigmoid`).
+Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE and gpt-oss blocks,
+with their stacks in float or quantised by `narrows.core.quant.experts`. The routing is the
+family's own: softmax in float32 over the router's logits, the top k, renormalised where the
+family does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral);
+GLM-4-MoE's sigmoid scores chosen within the best groups of experts (`_route_sigmoid`); or
+gpt-oss's softmax over the k best biased logits alone. gpt-oss's experts are stored
+transposed ([E, H, 2I], [E, I, H]), with biases, gate and up interleaved in their stack and
+a clamped SwiGLU (`clamped_glu`).
 
 The experts' matmuls are `grouped.py`'s (torch's grouped matmul, or the loop over experts
 beside it). The slots of a step are sorted by expert with a stable sort,
@@ -47,6 +50,7 @@ MOE_BLOCKS = {
     "MixtralSparseMoeBlock": True,
     "OlmoeSparseMoeBlock": False,
     "Glm4MoeMoE": True,
+    "GptOssMLP": False,
 }
 _STACKS = ("gate_up_proj", "down_proj")
 
@@ -71,6 +75,13 @@ class MoEParts:
     scale: float = 1.0
     adapters: dict[str, ExpertAdapter] = field(default_factory=dict)  # LoRA on a stack, by its name
     lora_dtype: torch.dtype | None = None  # the adapters' arithmetic: None, the activations' dtype
+    # gpt-oss's: the router's bias and softmax over the chosen logits; stacks stored as x·W
+    # ([E, H, 2I], [E, I, H]) with biases ([E, 2I], [E, H]); gate and up interleaved, clamped
+    router_bias: Tensor | None = None
+    softmax_chosen: bool = False
+    transposed: bool = False
+    biases: tuple[Tensor, Tensor] | None = None
+    clamp: tuple[float, float] | None = None  # (alpha, limit) of `clamped_glu`
 
     def params(self) -> list[nn.Parameter]:
         """The expert adapters' masters, in the order the backward returns their gradients."""
@@ -115,13 +126,20 @@ class MoEState:
     low: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # `MoEParts.low`'s
     n: Tensor | None = None  # the block's input, (tokens, H), where gate/up has an adapter
     z: dict[str, Tensor] = field(default_factory=dict)  # each adapter's x·Aᵀ, (S, r)
+    expert: Tensor | None = None  # each sorted slot's expert, where the stacks have biases
 
 
 def _route(p: MoEParts, n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """The router's softmax (float32), each token's k experts, and their weights; or with a
-    `choice_bias`, its sigmoid scores (float32) and GLM-4-MoE's grouped choice."""
+    `choice_bias`, its sigmoid scores (float32) and GLM-4-MoE's grouped choice; or with
+    `softmax_chosen`, the softmax over the chosen logits alone (float32, (tokens, k))."""
     if p.choice_bias is not None:
         return _route_sigmoid(p, n)
+    if p.softmax_chosen:  # gpt-oss's: the k best biased logits, a softmax over them alone
+        logits = F.linear(n, p.router, p.router_bias)
+        best, chosen = torch.topk(logits, p.top_k, dim=-1)
+        weights = torch.softmax(best.float(), dim=-1)
+        return weights, chosen, weights.to(logits.dtype)
     logits = F.linear(n, p.router)
     probs = torch.softmax(logits.float(), dim=-1)
     top, chosen = torch.topk(probs, p.top_k, dim=-1)
@@ -171,14 +189,20 @@ def forward(
     low = p.low(n)
     z: dict[str, Tensor] = {}
     x = n[order // k]
-    h = grouped_mm(x, gate_up.transpose(-2, -1), ends)
+    h = grouped_mm(x, gate_up if p.transposed else gate_up.transpose(-2, -1), ends)
+    expert = None
+    if p.biases is not None:
+        expert = flat[order]
+        h.add_(p.biases[0][expert].to(h.dtype))
     _add_adapter(p, low, z, "gate_up_proj", x, h, ends)
     del x
-    a = swiglu(h[:, : p.intermediate], h[:, p.intermediate :])
+    a = _activation(p, h)
     weights = top.reshape(-1)[order]
     out = None
     if output:
-        y = grouped_mm(a, down.transpose(-2, -1), ends)
+        y = grouped_mm(a, down if p.transposed else down.transpose(-2, -1), ends)
+        if expert is not None:
+            y.add_(p.biases[1][expert].to(y.dtype))
         _add_adapter(p, low, z, "down_proj", a, y, ends)
         y = y * weights[:, None]
         out = y[back].view(tokens, k, -1).sum(dim=1).to(n.dtype)
@@ -187,7 +211,35 @@ def forward(
     if not keep:
         return out, None
     kept_n = n if "gate_up_proj" in low else None  # its slots' copies are gathered again when needed
-    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z)
+    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z, expert)
+
+
+def _activation(p: MoEParts, h: Tensor) -> Tensor:
+    """The experts' gated activation of gate/up's output `h` (S, 2I)."""
+    if p.clamp is not None:  # gpt-oss's: gate and up interleaved
+        return clamped_glu(h[:, 0::2], h[:, 1::2], *p.clamp)
+    return swiglu(h[:, : p.intermediate], h[:, p.intermediate :])
+
+
+def clamped_glu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's SwiGLU: ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`` with
+    ``g = min(gate, limit)``, computed in float32 and rounded once."""
+    g = gate.float().clamp(max=limit)
+    u = up.float().clamp(min=-limit, max=limit)
+    return ((u + 1) * g * torch.sigmoid(alpha * g)).to(gate.dtype)
+
+
+def clamped_glu_backward(
+    grad: Tensor, gate: Tensor, up: Tensor, alpha: float, limit: float
+) -> tuple[Tensor, Tensor]:
+    """`clamped_glu`'s input gradients (zero where a clamp held its input: torch's clamp
+    passes the gradient where the input lies within the bounds, ends included)."""
+    d, g_raw, u_raw = grad.float(), gate.float(), up.float()
+    g, u = g_raw.clamp(max=limit), u_raw.clamp(min=-limit, max=limit)
+    sig = torch.sigmoid(alpha * g)
+    d_gate = d * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (g_raw <= limit)
+    d_up = d * g * sig * ((u_raw >= -limit) & (u_raw <= limit))
+    return d_gate.to(gate.dtype), d_up.to(up.dtype)
 
 
 def _in(p: MoEParts, t: Tensor) -> Tensor:
@@ -217,24 +269,38 @@ def backward(
     gate_up, down = p.stacks(g, cache)
     grads: dict[str, tuple[Tensor, Tensor]] = {}
     g_slot = g[s.order // k]
-    u = grouped_mm(g_slot, down, s.ends)  # each slot's gradient through down, unweighted
+    # each slot's gradient through down, unweighted
+    u = grouped_mm(g_slot, down.transpose(-2, -1) if p.transposed else down, s.ends)
     if "down_proj" in s.low:  # u += s·(g·B)·A; its adapter sees g weighted by each slot's weight
         _adapter_backward(p, s, "down_proj", _in(p, g_slot), u, grads, s.weights[:, None])
-    del g_slot
-    # d out / d weight of a slot = <g, down(a)> = <g @ down, a>: no down output needed; the
-    # products rounded to the activations' dtype, as autograd's of ``y * weight`` are
+    # d out / d weight of a slot = <g, down(a) + bias> = <g @ down, a> + <g, bias>: no down
+    # output needed; the products rounded to the activations' dtype, as autograd's of
+    # ``y * weight`` are
     g_weights = (u * s.a).sum(dim=-1, dtype=torch.float32)
+    if s.expert is not None:
+        g_weights += (g_slot * p.biases[1][s.expert].to(g_slot.dtype)).sum(dim=-1, dtype=torch.float32)
+    del g_slot
     g_a = (u * s.weights[:, None]).to(u.dtype)
-    d_gate, d_up = swiglu_backward(g_a, s.h[:, : p.intermediate], s.h[:, p.intermediate :], inplace=True)
-    del g_a, u
-    d_h = s.h if d_gate.data_ptr() == s.h.data_ptr() else torch.cat([d_gate, d_up], dim=-1)
-    g_slots = grouped_mm(d_h, gate_up, s.ends)
+    if p.clamp is not None:
+        d_gate, d_up = clamped_glu_backward(g_a, s.h[:, 0::2], s.h[:, 1::2], *p.clamp)
+        d_h = torch.stack([d_gate, d_up], dim=-1).view(s.h.shape)
+    else:
+        d_gate, d_up = swiglu_backward(g_a, s.h[:, : p.intermediate], s.h[:, p.intermediate :], inplace=True)
+        d_h = s.h if d_gate.data_ptr() == s.h.data_ptr() else torch.cat([d_gate, d_up], dim=-1)
+    del g_a, u, d_gate, d_up
+    g_slots = grouped_mm(d_h, gate_up.transpose(-2, -1) if p.transposed else gate_up, s.ends)
     if "gate_up_proj" in s.low:
         _adapter_backward(p, s, "gate_up_proj", _in(p, d_h), g_slots, grads, None)
     g_n = g_slots[s.back].view(tokens, k, -1).sum(dim=1).to(g.dtype)
     # the routing weights: the rounding (if any), the scale, the renormalisation, the top k,
     # the softmax (or the sigmoid)
     g_top = g_weights[s.back].view(tokens, k) * p.scale
+    if p.softmax_chosen:  # through the softmax over the chosen logits (the bias frozen)
+        g_best = s.probs * (g_top - (g_top * s.probs).sum(dim=-1, keepdim=True))
+        g_logits = torch.zeros(tokens, p.router.shape[0], device=g.device, dtype=g_best.dtype)
+        g_logits.scatter_(1, s.chosen, g_best)
+        g_n.add_(g_logits.to(p.router.dtype) @ p.router)
+        return g_n, [t for name in _STACKS if name in grads for t in grads[name]]
     if p.renormalize:
         raw = s.probs.gather(1, s.chosen)
         total = raw.sum(dim=-1, keepdim=True) + (1e-20 if p.choice_bias is not None else 0.0)
@@ -292,12 +358,16 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
     kind = type(mlp).__name__
     if kind not in MOE_BLOCKS:
         return f"its MLP is a {kind}; fast MoE layers cover {', '.join(MOE_BLOCKS)}"
-    router, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)  # gpt-oss's is `router`
+    experts = getattr(mlp, "experts", None)
     if router is None or experts is None or not isinstance(getattr(router, "weight", None), Tensor):
         return "its MoE block has no router weight or experts where transformers keeps them"
     if not type(router).__name__.lower().endswith("topkrouter"):
         return f"its router is a {type(router).__name__} (LoRA on the router is not in the fast layer)"
     unwrapped = unwrap_experts(experts)
+    gpt_oss = kind == "GptOssMLP"
+    if gpt_oss and (isinstance(unwrapped, str) or unwrapped[1]):  # PEFT's factors of transposed stacks
+        return "LoRA on gpt-oss's routed experts (transposed stacks) is not in the fast layer"
     if isinstance(unwrapped, str):
         return unwrapped
     experts, adapters = unwrapped
@@ -305,12 +375,17 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
         return f"its experts are a {type(experts).__name__} without gate_up_proj and down_proj stacks of their own"
     if set(adapters) - set(_STACKS):
         return f"LoRA on its experts' {', '.join(sorted(set(adapters) - set(_STACKS)))}"
-    if any(getattr(experts, a, d) != d for a, d in (("has_bias", False), ("is_transposed", False))):
+    if gpt_oss:
+        if type(experts).__name__ != "GptOssExperts" or not _gpt_oss_gate(experts):
+            return f"its experts are a {type(experts).__name__}, not gpt-oss's with its clamped SwiGLU"
+        if not isinstance(getattr(router, "bias", None), Tensor):
+            return "its router has no bias where gpt-oss keeps one"
+    elif any(getattr(experts, a, d) != d for a, d in (("has_bias", False), ("is_transposed", False))):
         return "its experts have biases or transposed stacks"
     apply_gate = getattr(type(experts), "_apply_gate", None)  # transformers' default: silu(gate) · up
-    if not getattr(experts, "is_concatenated", True) or getattr(apply_gate, "__name__", None) not in (
-        None,
-        "_default_apply_gate",
+    if not gpt_oss and (
+        not getattr(experts, "is_concatenated", True)
+        or getattr(apply_gate, "__name__", None) not in (None, "_default_apply_gate")
     ):
         return "its experts gate in their own way (interleaved or clamped SwiGLU)"
     if getattr(experts, "_is_expert_parallel", False):
@@ -321,15 +396,20 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
     if mlp.training and getattr(mlp, "jitter_noise", 0):
         return "router jitter noise is on"
     gate_up, down = (expert_shape(experts, n) for n in _STACKS)
-    e, two_i, hidden = gate_up
-    if tuple(down) != (e, hidden, two_i // 2) or tuple(router.weight.shape) != (e, hidden):
-        return f"its expert stacks {tuple(gate_up)} and {tuple(down)} are not [E, 2I, H] and [E, H, I]"
+    if gpt_oss:
+        e, hidden, two_i = gate_up
+        want, said = (e, two_i // 2, hidden), "[E, H, 2I] and [E, I, H]"
+    else:
+        e, two_i, hidden = gate_up
+        want, said = (e, hidden, two_i // 2), "[E, 2I, H] and [E, H, I]"
+    if tuple(down) != want or tuple(router.weight.shape) != (e, hidden):
+        return f"its expert stacks {tuple(gate_up)} and {tuple(down)} are not {said}"
     if getattr(mlp, "shared_expert_gate", None) is not None and getattr(mlp, "shared_expert", None) is None:
         return "its shared expert's gate has no expert"
     return MoEParts(
         router.weight,
         int(router.top_k),
-        bool(getattr(router, "norm_topk_prob", True)),
+        bool(getattr(router, "norm_topk_prob", True)) and not gpt_oss,
         MOE_BLOCKS[kind],
         experts,
         two_i // 2,
@@ -339,4 +419,23 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
         groups=int(getattr(router, "num_group", 1) or 1),
         topk_groups=int(getattr(router, "topk_group", 1) or 1),
         scale=float(getattr(router, "routed_scaling_factor", 1.0) or 1.0),
+        router_bias=router.bias if gpt_oss else None,
+        softmax_chosen=gpt_oss,
+        transposed=gpt_oss,
+        biases=(experts.gate_up_proj_bias, experts.down_proj_bias) if gpt_oss else None,
+        clamp=(float(experts.alpha), float(experts.limit)) if gpt_oss else None,
+    )
+
+
+def _gpt_oss_gate(experts: nn.Module) -> bool:
+    """Whether `experts` gate as gpt-oss's do (`clamped_glu`: its own `_apply_gate`, an
+    alpha and a limit), not in a way of their own."""
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    return (
+        getattr(apply_gate, "__qualname__", "") == "GptOssExperts._apply_gate"
+        and isinstance(getattr(experts, "alpha", None), float | int)
+        and isinstance(getattr(experts, "limit", None), float | int)
+        and not getattr(experts, "is_concatenated", False)
+        and getattr(experts, "is_transposed", False)
+        and getattr(experts, "has_bias", False)
     )

@@ -3,10 +3,12 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
-active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and GLM-4-MoE layers, whose MoE block `moe.py`
-reads (a shared expert's linears are then the gate/up and down groups; LoRA on the routed
-experts' stacks is the MoE block's). Anything else is
-refused with its reason (`build_parts`) and runs as it would without narrows.
+active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE and gpt-oss layers,
+whose MoE block `moe.py` reads (a shared expert's linears are then the gate/up and down
+groups; LoRA on the routed experts' stacks is the MoE block's). gpt-oss's attention sinks
+(`LayerParts.sinks`) are loaded for its eager attention, whose masks transformers builds
+whole (its sliding layers' included). Anything else is refused with its reason
+(`build_parts`) and runs as it would without narrows.
 
 why: docs/design.md#coverage
 """
@@ -38,6 +40,7 @@ FAST_LAYER_TYPES = (
     "MixtralDecoderLayer",
     "OlmoeDecoderLayer",
     "Glm4MoeDecoderLayer",
+    "GptOssDecoderLayer",
 )
 
 
@@ -66,6 +69,8 @@ class LayerParts:
     mlp_tile: int | None = None  # the MLP runs over sequence tiles of this many tokens
     moe: MoEParts | None = None  # the MLP is a mixture of experts
     full_qk_norm: bool = False  # the Q/K norms span all heads, before they split (OLMo's), not each head
+    sinks: Tensor | None = None  # (heads,): each head's sink logit in its softmax's denominator (gpt-oss)
+    half_rope: bool = False  # the rotary tables cover half a head, both halves turned alike (gpt-oss)
     recorded: frozenset[str] = frozenset()  # what transformers' recorders inside it collect
 
     def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
@@ -258,7 +263,15 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         return "attention dropout is on"
     if getattr(attn, "is_causal", True) is False or getattr(config, "is_causal", True) is False:
         return "its attention is bidirectional (is_causal=False); the fast layer's is causal"
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    sinks = getattr(attn, "sinks", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if isinstance(sinks, Tensor):
+        if implementation != "eager":  # the family's only SDPA-free path whose masks are whole
+            return (
+                f"attention with sinks runs as {implementation!r}; the fast layer computes it where the "
+                "model runs 'eager' (load the model with attn_implementation='eager')"
+            )
+    elif implementation != "sdpa":
         return (
             f"attention runs as {getattr(config, '_attn_implementation', None)!r}; the fast layer runs SDPA "
             "(load the model with attn_implementation='sdpa')"
@@ -283,7 +296,12 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
             return "its MoE block runs in sequence tiles (the fast layer routes all tokens at once)"
         inner = [
             m
-            for m in (mlp.gate, mlp.experts, moe.experts, getattr(mlp, "shared_expert_gate", None))
+            for m in (
+                getattr(mlp, "gate", None) or mlp.router,
+                mlp.experts,
+                moe.experts,
+                getattr(mlp, "shared_expert_gate", None),
+            )
             if m is not None
         ]
         if any(map(_hooked, inner)):
@@ -339,4 +357,6 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
         moe=moe,
         recorded=recorders_of(layer),
         full_qk_norm=norms[2] is not None and norms[2].weight.shape[-1] != attn.head_dim,
+        sinks=sinks if isinstance(sinks, Tensor) else None,
+        half_rope=kind == "GptOssDecoderLayer",
     )
