@@ -17,8 +17,8 @@ pytestmark = pytest.mark.bnb
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
 
 
-def run(tmp_path, name, budget, extra=()):
-    model = tiny_model_folder(tmp_path / "model", "qwen3_moe")
+def run(tmp_path, name, budget, extra=(), arch="qwen3_moe"):
+    model = tiny_model_folder(tmp_path / "model", arch)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     base = ["--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget, *extra]
     shape = ["--steps", "2", "--batch", "2", "--seq-len", "32", "--rank", "4", "--eval-rows", "0"]
@@ -47,6 +47,18 @@ def test_moe_experts_in_nf4_stream_as_they_train_resident(tmp_path, capsys):
     assert not any(".experts." in k or ".mlp.gate." in k for k in streamed)
     assert "routers (gate)" in summary["targets"] and "routed experts" in summary["targets"]
     assert "expert stacks" in said and "not adapted: routers" in said
+
+
+def test_gpt_oss_streams_through_the_fast_layers_as_it_trains_resident(tmp_path):
+    """gpt-oss (attention sinks, biased experts, eager attention as transformers loads it):
+    the fast layers on every layer, streamed equal to resident, its expert biases named."""
+    pytest.importorskip("bitsandbytes")
+    streamed, summary = run(tmp_path, "streamed", "min", arch="gpt_oss")
+    resident, resident_summary = run(tmp_path, "resident", "off", arch="gpt_oss")
+    assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
+    assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    assert summary["precision"]["nf4_expert_stacks"] == 2 * 3
+    assert "expert biases" in {k["kind"] for k in summary["precision"]["kept_in_float"]}
 
 
 def test_nf2_experts_on_request_and_refused_without_an_nf4_base(tmp_path, capsys):

@@ -33,8 +33,12 @@ def _dropout(arch: str, want: float) -> float:
 @pytest.mark.parametrize("arch", NEW)
 def test_streamed_equals_resident(arch, base):
     cfg = dict(arch=arch, base=base, dropout=_dropout(arch, 0.05))
+    resident = build(**cfg)
+    fuse_layers(
+        resident
+    )  # the stream's default kernels: the fast layers where they cover it (gpt-oss's eager)
     assert_identical(
-        train(build(**cfg), steps=2, grad_accum=2),
+        train(resident, steps=2, grad_accum=2),
         train(build(**cfg), steps=2, grad_accum=2, stream_kwargs={}),
     )
 
@@ -106,7 +110,9 @@ def test_low_bit_experts_streamed_at_the_least_budget_equal_resident(arch, exper
     record = train(streamed, steps=2, grad_accum=2, stream_kwargs={"gpu_budget": "min"})
     assert streamed.narrows_stream.plan.resident == ()
     assert any(nc.lowbit_stacks(m) for m in streamed.modules())
-    assert_identical(train(build(**cfg), steps=2, grad_accum=2), record)
+    resident = build(**cfg)
+    fuse_layers(resident)  # the stream's default kernels (gpt-oss's eager layers: the fast ones)
+    assert_identical(train(resident, steps=2, grad_accum=2), record)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
@@ -291,8 +297,10 @@ def test_cuda_nf4_experts_streamed_equal_resident_under_deterministic_kernels(ar
             assert any(nc.is_nf4_experts(x) for x in m.modules())
             return m
 
+        resident = model().to("cuda")
+        fuse_layers(resident)  # the stream's default kernels (gpt-oss's eager layers: the fast ones)
         assert_identical(
-            train(model().to("cuda"), grad_accum=2, device="cuda"),
+            train(resident, grad_accum=2, device="cuda"),
             train(model(), grad_accum=2, device="cuda", stream_kwargs={"deterministic": True}),
         )
     finally:
