@@ -121,6 +121,22 @@ def totals(row: dict, layers: int) -> dict:
     }
 
 
+def base_flop(parts, tokens: int) -> dict[str, float]:
+    """A forward's matmul FLOPs by linear (and, in a mixture of experts, by routed stack:
+    each token's k experts), adapters and attention's products aside."""
+    flop = {
+        p.name: 2.0 * tokens * p.weight.shape[0] * p.weight.shape[1]
+        for grp in parts.groups
+        for p in grp.linears
+    }
+    moe = parts.moe
+    if moe is not None:
+        hidden, width = moe.router.shape[1], moe.intermediate
+        flop["gate_up (routed)"] = 2.0 * tokens * moe.top_k * hidden * 2 * width
+        flop["down (routed)"] = 2.0 * tokens * moe.top_k * width * hidden
+    return flop
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", default="qwen2.5-72b:4096:512", help="model:tokens:seq")
@@ -158,13 +174,9 @@ def main() -> None:
         compute.backward(parts, compute.recompute(parts, x, cos, sin, None, cache), g, cache)
 
     passes = profile_passes(fwd, back, args.reps)
-    flop = {
-        p.name: 2.0 * tokens * p.weight.shape[0] * p.weight.shape[1]
-        for grp in parts.groups
-        for p in grp.linears
-    }
+    flop = base_flop(parts, tokens)
     fwd_flop = sum(flop.values())
-    back_flop = 2 * fwd_flop - sum(f for n, f in flop.items() if n == "down")  # no down_proj recompute
+    back_flop = 2 * fwd_flop - sum(f for n, f in flop.items() if n.startswith("down"))  # no down recompute
     row = {
         "case": args.case,
         "dropout": args.dropout,
