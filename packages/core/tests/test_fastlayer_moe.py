@@ -17,9 +17,8 @@ from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
-ATTENTION_ONLY = ("gpt_oss",)  # LoRA on its (transposed) expert stacks runs the model's own code
-ARCH_EXPERTS = [(a, e) for a in MOE for e in (False, True)] + [(a, False) for a in ATTENTION_ONLY]
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+ARCH_EXPERTS = [(a, e) for a in MOE for e in (False, True)]
 
 
 def arch_ids(v):
@@ -336,8 +335,6 @@ def test_uncovered_moe_layers_are_refused_with_their_reason():
     assert "load the model with attn_implementation='eager'" in why_not(gpt.model.layers[0])
     gpt.config._attn_implementation = "eager"
     assert why_not(gpt.model.layers[0]) is None
-    gpt_experts = _model("gpt_oss", experts=True)
-    assert "LoRA on gpt-oss's routed experts" in why_not(gpt_experts.base_model.model.model.layers[0])
     clipped = _model("olmoe")
     clipped.base_model.model.config.clip_qkv = 8.0
     assert "clip_qkv" in why_not(clipped.base_model.model.model.layers[0])

@@ -85,8 +85,16 @@ def unwrap_experts(module: nn.Module) -> tuple[nn.Module, dict[str, ExpertAdapte
         if w._forward_hooks or w._forward_pre_hooks or a._forward_hooks or b._forward_hooks:
             return f"the LoRA on its experts' {name} has hooks"
         shape = expert_shape(base, name)
-        if len(shape) != 3 or getattr(w, "num_experts", None) != shape[0] or not w._did_swap_in_out_features:
-            return f"the LoRA on its experts' {name} does not match an [E, out, in] stack {tuple(shape)}"
+        # PEFT swaps in and out for [E, out, in] stacks, not for transposed [E, in, out] ones
+        # (gpt-oss's); either way A is (E·r, in) and B (out, r·E), and x·ΔW_e = x·A_eᵀ·B_eᵀ
+        transposed = bool(getattr(base, "is_transposed", False))
+        if (
+            len(shape) != 3
+            or getattr(w, "num_experts", None) != shape[0]
+            or w._did_swap_in_out_features == transposed
+        ):
+            layout = "[E, in, out]" if transposed else "[E, out, in]"
+            return f"the LoRA on its experts' {name} does not match an {layout} stack {tuple(shape)}"
         adapters[name] = ExpertAdapter(a.weight, b.weight, float(w.scaling[key]), int(shape[0]))
     return base, adapters
 

@@ -366,8 +366,6 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
         return f"its router is a {type(router).__name__} (LoRA on the router is not in the fast layer)"
     unwrapped = unwrap_experts(experts)
     gpt_oss = kind == "GptOssMLP"
-    if gpt_oss and (isinstance(unwrapped, str) or unwrapped[1]):  # PEFT's factors of transposed stacks
-        return "LoRA on gpt-oss's routed experts (transposed stacks) is not in the fast layer"
     if isinstance(unwrapped, str):
         return unwrapped
     experts, adapters = unwrapped
