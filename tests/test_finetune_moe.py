@@ -50,13 +50,16 @@ def test_moe_experts_in_nf4_stream_as_they_train_resident(tmp_path, capsys):
 
 
 def test_gpt_oss_streams_through_the_fast_layers_as_it_trains_resident(tmp_path):
-    """gpt-oss (attention sinks, biased experts, eager attention as transformers loads it):
-    the fast layers on every layer, streamed equal to resident, its expert biases named."""
+    """gpt-oss (attention sinks, biased transposed experts, eager attention as transformers
+    loads it) with LoRA on its routed experts too: the fast layers on every layer, streamed
+    equal to resident, its expert biases named."""
     pytest.importorskip("bitsandbytes")
-    streamed, summary = run(tmp_path, "streamed", "min", arch="gpt_oss")
-    resident, resident_summary = run(tmp_path, "resident", "off", arch="gpt_oss")
+    extra = ("--targets", "all-linear,experts")
+    streamed, summary = run(tmp_path, "streamed", "min", extra, arch="gpt_oss")
+    resident, resident_summary = run(tmp_path, "resident", "off", extra, arch="gpt_oss")
     assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
     assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    assert len([k for k in streamed if ".experts." in k]) == 3 * 2 * 2  # layers × stacks × (A, B)
     assert summary["precision"]["nf4_expert_stacks"] == 2 * 3
     assert "expert biases" in {k["kind"] for k in summary["precision"]["kept_in_float"]}
 
