@@ -33,6 +33,14 @@ def test_real_configs_shrink_to_two_small_layers_keeping_layer_kinds():
     assert mixtral.vocab_size == 512 and mixtral.intermediate_size == 128
     qwen = nc.shrink_config(tf.Qwen2Config(bos_token_id=151643, eos_token_id=151645))
     assert qwen.bos_token_id < qwen.vocab_size and qwen.eos_token_id < qwen.vocab_size
+    # DeepSeek-V3's latent attention: its head_dim is the rotary part's, shrunk with it; its
+    # groups of experts fit the capped experts
+    deepseek = nc.shrink_config(tf.DeepseekV3Config())
+    assert deepseek.head_dim == deepseek.qk_rope_head_dim < tf.DeepseekV3Config().qk_rope_head_dim
+    assert deepseek.qk_head_dim == deepseek.qk_nope_head_dim + deepseek.qk_rope_head_dim
+    assert deepseek.n_routed_experts % deepseek.n_group == 0 and deepseek.topk_group <= deepseek.n_group
+    model = tf.AutoModelForCausalLM.from_config(deepseek, attn_implementation="eager")
+    assert model(torch.arange(6)[None]).logits.shape == (1, 6, deepseek.vocab_size)
 
 
 def test_a_twin_is_the_same_class_with_the_same_adapters_and_seeded():

@@ -30,9 +30,21 @@ _WIDTHS = {
     "num_attention_heads": 4,
     "head_dim": 16,
 }
+# multi-head latent attention (DeepSeek-V3, MiniCPM3): its ranks and per-head widths, and
+# its head_dim, which is the rotary part's (the rotary tables' width)
+_LATENT = {
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
 _CAPS = {  # fields capped at a small value
     "num_local_experts": 4,
     "num_experts": 4,
+    "n_routed_experts": 4,
+    "n_group": 2,  # groups of routed experts (DeepSeek-V3, GLM-4-MoE)
+    "topk_group": 1,
     "num_experts_per_tok": 2,
     "sliding_window": 8,
     "attention_chunk_size": 8,
@@ -72,6 +84,13 @@ def _shrink_one(config: Any, layers: int) -> None:
             setattr(config, key, value)
     if isinstance(kv, int) and isinstance(heads, int):  # grouped-query attention stays grouped
         config.num_key_value_heads = config.num_attention_heads // (1 if kv >= heads else 2)
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):  # latent attention
+        for key, value in _LATENT.items():
+            if isinstance(getattr(config, key, None), int):
+                setattr(config, key, value)
+        config.head_dim = config.qk_rope_head_dim
+        if hasattr(config, "qk_head_dim"):
+            config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     for key, cap in _CAPS.items():
         value = getattr(config, key, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
