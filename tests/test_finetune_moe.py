@@ -64,6 +64,20 @@ def test_gpt_oss_streams_through_the_fast_layers_as_it_trains_resident(tmp_path)
     assert "expert biases" in {k["kind"] for k in summary["precision"]["kept_in_float"]}
 
 
+def test_an_unannounced_latent_attention_model_is_checked_on_its_twin_and_trains(tmp_path, caplog):
+    """DeepSeek-V3 (not announced): the loader checks it on its shrunk twin before it reads
+    the checkpoint, then the main job trains it streamed as resident (its own code)."""
+    pytest.importorskip("bitsandbytes")
+    from narrows.core.protocol.verify import _PASSED
+
+    _PASSED.clear()  # (a test before may have accepted it in this process)
+    streamed, summary = run(tmp_path, "streamed", "min", arch="deepseek_v3")
+    assert "model_type='deepseek_v3' passed head on its twin" in caplog.text
+    resident, _ = run(tmp_path, "resident", "off", arch="deepseek_v3")
+    assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    assert summary["stream"]["resident_layers"] == 0 and summary["precision"]["nf4_expert_stacks"] == 2 * 2
+
+
 def test_nf2_experts_on_request_and_refused_without_an_nf4_base(tmp_path, capsys):
     pytest.importorskip("bitsandbytes")
     model = tiny_model_folder(tmp_path / "model", "qwen3_moe")

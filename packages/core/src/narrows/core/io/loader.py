@@ -35,6 +35,7 @@ from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import Anatomy, accepting_unannounced, anatomy_of
 from ..protocol.handle import state_of
+from ..protocol.verify import ensure_architecture
 from ..quant.experts import EXPERT_SCHEMES
 from ..quant.nf4 import quantize_layer_nf4, say_precision
 from .checkpoint import BNB_STATS, CheckpointFolder
@@ -368,6 +369,7 @@ def load_blockwise(
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model = _skeleton(folder, dtype)
+    ensure_architecture(model, "head")  # an unannounced one is checked on its twin before anything is read
     mapping = _Mapping(model)
     groups, quant_groups = _plan_groups(model, folder, mapping)
     anat = _structure(model)

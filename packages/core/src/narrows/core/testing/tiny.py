@@ -190,6 +190,12 @@ def tiny_config(arch: str, **overrides):
         kw.update(n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
         kw.update(norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
         kw.update(head_dim=16, tie_word_embeddings=False)
+    elif arch == "deepseek_v3":  # not announced (checked on its twin): latent attention, grouped routing
+        cfg_cls = tf.DeepseekV3Config
+        kw.update(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)
+        kw.update(moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1)
+        kw.update(q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=32, qk_nope_head_dim=16, v_head_dim=16)
+        kw.update(tie_word_embeddings=False)
     elif arch == "gemma3":
         return _gemma3_config(overrides)
     else:
