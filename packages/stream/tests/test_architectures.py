@@ -242,37 +242,10 @@ def test_latent_attention_passes_its_twin_check_and_streams_as_it_trains_residen
     shrinks the latent ranks and head widths together (the rotary tables stay as wide as
     the rotated part of a head), passes, and the model streams as it trains resident with
     its own code."""
-    import torch
-    import transformers as tf
+    from narrows.core.testing import tiny_model, with_adapter
 
-    from narrows.core.testing import with_adapter
-
-    cfg = tf.DeepseekV3Config(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=4,
-        topk_group=2,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_rope_head_dim=32,  # the twin's head_dim (16) would not match it: shrunk with it
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        tie_word_embeddings=False,
-    )
-
-    def build():
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-        return with_adapter(model, "lora").train()
+    def build():  # (its rotary part, 32 channels a head, is wider than the twin's head_dim of 16)
+        return with_adapter(tiny_model("deepseek_v3"), "lora").train()
 
     resident = train(build(), steps=2, grad_accum=2)
     assert_identical(resident, train(build(), steps=2, grad_accum=2, stream_kwargs={}))
