@@ -147,6 +147,24 @@ def _plain(q, k, v, mask):
     )
 
 
+def test_clamped_glu_in_row_blocks_computes_autograd_of_its_formula():
+    """gpt-oss's clamped SwiGLU, an eighth of the rows at a time (37 rows: a short last
+    block), and its gradients: the formula and autograd's of it in float64, inputs on both
+    sides of both clamps."""
+    gen = torch.Generator().manual_seed(0)
+    gate, up, grad = (torch.randn(37, 24, generator=gen) * 2 for _ in range(3))
+    alpha, limit = 1.702, 1.0
+    g, u = gate.double().requires_grad_(), up.double().requires_grad_()
+    gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    want = (uc + 1) * gc * torch.sigmoid(alpha * gc)
+    assert torch.allclose(moe.clamped_glu(gate, up, alpha, limit).double(), want, rtol=1e-6, atol=1e-7)
+    want.backward(grad.double())
+    moe.clamped_glu_backward(grad, gate, up, alpha, limit)  # written over gate and up
+    assert torch.allclose(gate.double(), g.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(up.double(), u.grad, rtol=1e-5, atol=1e-6)
+    assert (g.grad == 0).any() and (u.grad == 0).any()  # the clamps held some inputs
+
+
 @pytest.mark.parametrize("what", ["router", "shared gate"])
 def test_a_lost_routing_gradient_would_show(monkeypatch, what):
     """The adapters below an MoE block get gradient through its routing weights and the

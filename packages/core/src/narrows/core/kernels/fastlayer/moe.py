@@ -221,25 +221,36 @@ def _activation(p: MoEParts, h: Tensor) -> Tensor:
     return swiglu(h[:, : p.intermediate], h[:, p.intermediate :])
 
 
+_GLU_PARTS = 8  # row blocks of the clamped SwiGLU: its float32 temporaries stay within the planner's price
+
+
+def _row_blocks(rows: int) -> list[slice]:
+    step = max(1, -(-rows // _GLU_PARTS))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
 def clamped_glu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
     """gpt-oss's SwiGLU: ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`` with
-    ``g = min(gate, limit)``, computed in float32 and rounded once."""
-    g = gate.float().clamp(max=limit)
-    u = up.float().clamp(min=-limit, max=limit)
-    return ((u + 1) * g * torch.sigmoid(alpha * g)).to(gate.dtype)
+    ``g = min(gate, limit)``, computed in float32 and rounded once, an eighth of the rows
+    at a time (an eighth of the float32 temporaries)."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    for b in _row_blocks(gate.shape[0]):
+        g = gate[b].float().clamp(max=limit)
+        u = up[b].float().clamp(min=-limit, max=limit)
+        out[b] = (u + 1) * g * torch.sigmoid(alpha * g)
+    return out
 
 
-def clamped_glu_backward(
-    grad: Tensor, gate: Tensor, up: Tensor, alpha: float, limit: float
-) -> tuple[Tensor, Tensor]:
-    """`clamped_glu`'s input gradients (zero where a clamp held its input: torch's clamp
-    passes the gradient where the input lies within the bounds, ends included)."""
-    d, g_raw, u_raw = grad.float(), gate.float(), up.float()
-    g, u = g_raw.clamp(max=limit), u_raw.clamp(min=-limit, max=limit)
-    sig = torch.sigmoid(alpha * g)
-    d_gate = d * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (g_raw <= limit)
-    d_up = d * g * sig * ((u_raw >= -limit) & (u_raw <= limit))
-    return d_gate.to(gate.dtype), d_up.to(up.dtype)
+def clamped_glu_backward(grad: Tensor, gate: Tensor, up: Tensor, alpha: float, limit: float) -> None:
+    """`clamped_glu`'s input gradients, written over `gate` and `up` (zero where a clamp
+    held its input: torch's clamp passes the gradient where the input lies within the
+    bounds, ends included), an eighth of the rows at a time."""
+    for b in _row_blocks(gate.shape[0]):
+        d, g_raw, u_raw = grad[b].float(), gate[b].float(), up[b].float()
+        g, u = g_raw.clamp(max=limit), u_raw.clamp(min=-limit, max=limit)
+        sig = torch.sigmoid(alpha * g)
+        gate[b] = d * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (g_raw <= limit)
+        up[b] = d * g * sig * ((u_raw >= -limit) & (u_raw <= limit))
 
 
 def _in(p: MoEParts, t: Tensor) -> Tensor:
@@ -281,13 +292,14 @@ def backward(
         g_weights += (g_slot * p.biases[1][s.expert].to(g_slot.dtype)).sum(dim=-1, dtype=torch.float32)
     del g_slot
     g_a = (u * s.weights[:, None]).to(u.dtype)
-    if p.clamp is not None:
-        d_gate, d_up = clamped_glu_backward(g_a, s.h[:, 0::2], s.h[:, 1::2], *p.clamp)
-        d_h = torch.stack([d_gate, d_up], dim=-1).view(s.h.shape)
+    if p.clamp is not None:  # gate/up's gradient written over its interleaved output
+        clamped_glu_backward(g_a, s.h[:, 0::2], s.h[:, 1::2], *p.clamp)
+        d_h = s.h
     else:
         d_gate, d_up = swiglu_backward(g_a, s.h[:, : p.intermediate], s.h[:, p.intermediate :], inplace=True)
         d_h = s.h if d_gate.data_ptr() == s.h.data_ptr() else torch.cat([d_gate, d_up], dim=-1)
-    del g_a, u, d_gate, d_up
+        del d_gate, d_up
+    del g_a, u
     g_slots = grouped_mm(d_h, gate_up.transpose(-2, -1) if p.transposed else gate_up, s.ends)
     if "gate_up_proj" in s.low:
         _adapter_backward(p, s, "gate_up_proj", _in(p, d_h), g_slots, grads, None)
@@ -358,6 +370,7 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
     kind = type(mlp).__name__
     if kind not in MOE_BLOCKS:
         return f"its MLP is a {kind}; fast MoE layers cover {', '.join(MOE_BLOCKS)}"
+    gpt_oss = kind == "GptOssMLP"
     router = getattr(mlp, "gate", None) or getattr(mlp, "router", None)  # gpt-oss's is `router`
     experts = getattr(mlp, "experts", None)
     if router is None or experts is None or not isinstance(getattr(router, "weight", None), Tensor):
@@ -365,7 +378,6 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
     if not type(router).__name__.lower().endswith("topkrouter"):
         return f"its router is a {type(router).__name__} (LoRA on the router is not in the fast layer)"
     unwrapped = unwrap_experts(experts)
-    gpt_oss = kind == "GptOssMLP"
     if isinstance(unwrapped, str):
         return unwrapped
     experts, adapters = unwrapped
