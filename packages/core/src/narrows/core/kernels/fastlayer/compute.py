@@ -207,7 +207,7 @@ def _run(
     its attention kept there; with `kept`, the attention a forward kept is read instead
     of run (and Q/K/V's base matmul skipped where nothing else reads its output)."""
     batch, seq, hidden = x.shape
-    if parts.half_rope:  # tables of half a head (gpt-oss's): both halves turned alike
+    if parts.half_rope and 2 * cos.shape[-1] == parts.head_dim:  # gpt-oss's: both halves turned alike
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     x2 = x.reshape(-1, hidden)
     n1, rstd1 = rms_norm(x2, parts.norm1.weight, parts.norm1.eps)
