@@ -1,12 +1,20 @@
 """The planner prices a mixture of experts' MLP: its shape read off the modules, and what
 its forward keeps for the backward measured against the formula on the CPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from narrows.core import anatomy_of, moe_blocks, quantize_nf4
 from narrows.core.testing import tiny_model
-from narrows.stream.planning.memory import MoEShape, Shapes, whole_bytes, whole_overlap_bytes
+from narrows.stream.planning.memory import (
+    MoEShape,
+    Shapes,
+    layer_work_bytes,
+    whole_bytes,
+    whole_overlap_bytes,
+)
 
 pytestmark = pytest.mark.bnb
 pytest.importorskip("bitsandbytes")
@@ -73,6 +81,36 @@ def test_what_an_moe_mlp_keeps_is_priced_from_above(arch, overrides, experts, to
     assert whole_bytes(shapes) > priced
     assert whole_overlap_bytes(shapes) == whole_bytes(shapes)
     assert whole_overlap_bytes(Shapes.of(anatomy_of(tiny_model("llama")), 1, tokens)) == 0
+
+
+def test_the_fast_layers_attention_with_sinks_is_priced(monkeypatch):
+    """gpt-oss's attention with sinks in the fast layer: the widened copies SDPA reads
+    (measured from the tensors it gets) are what the planner prices, in a layer's working
+    set beside the model's two masks and in what a whole layer keeps; other models price
+    none."""
+    from narrows.core import fuse_layers
+    from narrows.core.kernels.fastlayer import compute
+    from narrows.core.testing import tiny_batch
+
+    m = tiny_model("gpt_oss").requires_grad_(False)
+    fuse_layers(m)
+    seen = []
+    real = compute.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append(sum(t.numel() * t.element_size() for t in (q, k, v, attn_mask) if t is not None))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(compute.F, "scaled_dot_product_attention", spy)
+    batch = tiny_batch(seq=12)
+    m(**batch)
+    b, t = batch["input_ids"].shape
+    shapes = Shapes.of(anatomy_of(m), b, t, fast=True)
+    assert seen and max(seen) == shapes.sink_copies()
+    plain = replace(shapes, sinks=False)
+    assert layer_work_bytes(shapes) - layer_work_bytes(plain) == shapes.sink_bytes() > shapes.sink_copies()
+    assert whole_bytes(shapes) - whole_bytes(plain) == shapes.sink_copies()
+    assert Shapes.of(anatomy_of(tiny_model("qwen3_moe")), b, t, fast=True).sink_bytes() == 0
 
 
 def test_the_fast_moe_layers_kept_state_is_what_the_planner_prices():

@@ -68,6 +68,8 @@ class Shapes:
     dropout: bool = False  # the fast layers' adapters drop out (each keeps its mask for the backward)
     moe: MoEShape | None = None  # the mixture-of-experts MLP, where layers have one
     dense_mlp: bool = True  # some layer has a dense MLP (of `intermediate`)
+    sinks: bool = False  # attention sinks (gpt-oss): the fast layer's SDPA runs on widened copies
+    head_dim: int = 0  # a head's width (where `sinks`: the copies' width follows it)
 
     @classmethod
     def of(
@@ -103,16 +105,39 @@ class Shapes:
             dequant_bytes=(2 if fast else 1) * max(map(dequantized_bytes, anat.layers), default=0),
             fast=fast,
             kv_width=kv_heads * head_dim,
+            head_dim=head_dim,
             q_width=cfg.num_attention_heads * head_dim,
             lora_float32=fast and lora_float32,
             dropout=fast and dropout,
             moe=moe,
             dense_mlp=moe is None or moe.dense_layers > 0,
+            sinks=any(
+                getattr(getattr(la, "self_attn", None), "sinks", None) is not None for la in anat.layers
+            ),
         )
 
     @property
     def kv(self) -> int:
         return self.kv_width or self.hidden
+
+    def sink_copies(self) -> int:
+        """What the fast layer's attention with sinks gives SDPA beyond the layer's own q, k
+        and v (`narrows.core.kernels.fastlayer.compute._attention_with_sinks`): the queries,
+        keys and values copied a sink channel wider (each head rounded up to a multiple of
+        8), the keys and values one position longer, the mask one column wider. SDPA's
+        backward keeps them where a layer runs whole. (A test measures them.)"""
+        if not (self.fast and self.sinks and self.head_dim):
+            return 0
+        d = self.head_dim
+        padded, q_heads, kv_heads = d + 8 - d % 8, (self.q_width or self.hidden) // d, self.kv // d
+        rows = self.batch * self.seq * (q_heads + 2 * kv_heads) + 2 * self.batch * kv_heads
+        return (rows * padded + self.batch * self.seq * (self.seq + 1)) * self.act_bytes
+
+    def sink_bytes(self) -> int:
+        """`sink_copies` and the two masks the model builds whole for its eager attention
+        (full and sliding), held for the step: what a layer's working set adds."""
+        masks = 2 * self.batch * self.seq * self.seq * self.act_bytes
+        return self.sink_copies() + masks if self.sink_copies() else 0
 
     @property
     def wide_queries(self) -> int:
@@ -266,7 +291,7 @@ def whole_bytes(s: Shapes) -> int:
         moe = s.moe.fast_kept(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
         mlp = _mlp(s, 3 * s.intermediate * s.act_bytes, moe)
         kept = int(tokens * ((6.25 * s.hidden + 2 * s.kv) * s.act_bytes + mlp))
-        return kept + dropout_mask_bytes(s)
+        return kept + dropout_mask_bytes(s) + s.sink_copies()
     moe = s.moe.kept(s.hidden, s.act_bytes) if s.moe is not None else 0
     kept = tokens * (
         18 * s.hidden * s.act_bytes + s.wide_queries + _mlp(s, 5 * s.intermediate * s.act_bytes, moe)
@@ -346,13 +371,13 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
             moe = s.moe.fast_work(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
             mlp = _mlp(s, 3.6 * s.intermediate * s.act_bytes, moe)
             work = int(tokens * (16 * s.hidden * s.act_bytes + mlp)) + s.dequant_bytes + wide
-            work += s.moe.dequant_bytes if s.moe is not None else 0
+            work += (s.moe.dequant_bytes if s.moe is not None else 0) + s.sink_bytes()
             if s.dropout:
                 work += dropout_mask_bytes(s) + tokens * s.intermediate * s.act_bytes
             return work
         work = (tokens * 11 * s.hidden + tile * (5 * s.hidden + 3.6 * s.intermediate)) * s.act_bytes
         work += 2 * s.dequant_bytes
-        return int(work) + wide
+        return int(work) + wide + s.sink_bytes()
     moe = s.moe.work(s.hidden, s.act_bytes) if s.moe is not None else 0
     layer = tokens * (26 * s.hidden * s.act_bytes + s.wide_queries)
     layer += mlp_tokens * _mlp(s, 6 * s.intermediate * s.act_bytes, moe)
