@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from narrows.core.testing import tiny_batch
@@ -30,3 +34,11 @@ def assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     assert len(a) == len(b) and a
     for i, (x, y) in enumerate(zip(a, b)):
         assert torch.equal(x, y), f"tensor {i} differs by {(x.float() - y.float()).abs().max().item()}"
+
+
+def one_process(args: list[str], out: Path, env: dict[str, str]) -> None:
+    """The ranks' reference: `narrows` with `args` in one process of its own, accumulating
+    two micro-batches a step (the two ranks' one each), into `out`."""
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", *args, "--grad-accum", "2", "--out", str(out)]
+    one = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]

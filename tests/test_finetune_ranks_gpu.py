@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from parity import one_process
 from safetensors.torch import load_file
 
 from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
@@ -51,23 +52,7 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
         "--dtype",
         "float32",
     ]
-    one = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "narrows.core.app.cli",
-            *args,
-            "--grad-accum",
-            "2",
-            "--out",
-            str(tmp_path / "one"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=child_env(CUDA_VISIBLE_DEVICES="0"),
-    )
-    assert one.returncode == 0, one.stderr[-3000:]
+    one_process(args, tmp_path / "one", child_env(CUDA_VISIBLE_DEVICES="0"))
     two = subprocess.run(
         [
             sys.executable,

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from parity import one_process
 from safetensors.torch import load_file
 
 from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
@@ -19,23 +20,6 @@ pytest.importorskip("narrows.stream")
 
 ROWS = [{"text": " ".join(f"w{(3 * i + j) % 40}" for j in range(8 + i % 5))} for i in range(12)]
 ENV = child_env(OMP_NUM_THREADS="1")
-
-
-def _one_process(tmp_path, args: list[str]) -> None:
-    """The reference: the job's `args` in one process accumulating two micro-batches a step,
-    into ``tmp_path / "one"``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "narrows.core.app.cli",
-        *args,
-        "--grad-accum",
-        "2",
-        "--out",
-        str(tmp_path / "one"),
-    ]
-    one = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
 
 
 @pytest.mark.parametrize("adapter", ["lora", "dora"])
@@ -70,7 +54,7 @@ def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path
         "--adapter",
         adapter,
     ]
-    _one_process(tmp_path, args)
+    one_process(args, tmp_path / "one", ENV)
     two = subprocess.run(
         [
             sys.executable,
@@ -123,7 +107,7 @@ def test_two_nodes_each_with_its_own_host_copy_equal_one_process(tmp_path):
     args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--dropout", "0.1"]
     args += ["--batch", "2", "--seq-len", "32", "--lr", "1e-2", "--eval-rows", "0", "--steps", "2"]
     args += ["--no-progress"]
-    _one_process(tmp_path, args)
+    one_process(args, tmp_path / "one", ENV)
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from narrows.core import fuse_layers, lora_targets, unfuse_layers
-from narrows.core.kernels.fastlayer import grouped, moe, parts_of, why_not
+from narrows.core.kernels.fastlayer import grouped, moe, ops, parts_of, why_not
 from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model
@@ -157,9 +157,9 @@ def test_clamped_glu_in_row_blocks_computes_autograd_of_its_formula():
     g, u = gate.double().requires_grad_(), up.double().requires_grad_()
     gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
     want = (uc + 1) * gc * torch.sigmoid(alpha * gc)
-    assert torch.allclose(moe.clamped_glu(gate, up, alpha, limit).double(), want, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(ops.clamped_glu(gate, up, alpha, limit).double(), want, rtol=1e-6, atol=1e-7)
     want.backward(grad.double())
-    moe.clamped_glu_backward(grad, gate, up, alpha, limit)  # written over gate and up
+    ops.clamped_glu_backward(grad, gate, up, alpha, limit)  # written over gate and up
     assert torch.allclose(gate.double(), g.grad, rtol=1e-5, atol=1e-6)
     assert torch.allclose(up.double(), u.grad, rtol=1e-5, atol=1e-6)
     assert (g.grad == 0).any() and (u.grad == 0).any()  # the clamps held some inputs

@@ -11,7 +11,7 @@ family does, the weights rounded to the logits' dtype (Qwen) or kept in float32 
 GLM-4-MoE's sigmoid scores chosen within the best groups of experts (`_route_sigmoid`); or
 gpt-oss's softmax over the k best biased logits alone. gpt-oss's experts are stored
 transposed ([E, H, 2I], [E, I, H]), with biases, gate and up interleaved in their stack and
-a clamped SwiGLU (`clamped_glu`).
+a clamped SwiGLU (`ops.clamped_glu`).
 
 The experts' matmuls are `grouped.py`'s (torch's grouped matmul, or the loop over experts
 beside it). The slots of a step are sorted by expert with a stable sort,
@@ -39,7 +39,7 @@ from ...protocol.expert_adapters import ExpertAdapter, unwrap_experts
 from ...quant.experts import expert_shape, expert_stacks
 from .grouped import grouped_mm, grouped_mm_k
 from .lora import WeightSource
-from .ops import swiglu, swiglu_backward
+from .ops import clamped_glu, clamped_glu_backward, swiglu, swiglu_backward
 
 __all__ = ["MOE_BLOCKS", "MoEParts", "MoEState", "build_moe"]
 
@@ -81,7 +81,7 @@ class MoEParts:
     softmax_chosen: bool = False
     transposed: bool = False
     biases: tuple[Tensor, Tensor] | None = None
-    clamp: tuple[float, float] | None = None  # (alpha, limit) of `clamped_glu`
+    clamp: tuple[float, float] | None = None  # (alpha, limit) of `ops.clamped_glu`
 
     def params(self) -> list[nn.Parameter]:
         """The expert adapters' masters, in the order the backward returns their gradients."""
@@ -219,38 +219,6 @@ def _activation(p: MoEParts, h: Tensor) -> Tensor:
     if p.clamp is not None:  # gpt-oss's: gate and up interleaved
         return clamped_glu(h[:, 0::2], h[:, 1::2], *p.clamp)
     return swiglu(h[:, : p.intermediate], h[:, p.intermediate :])
-
-
-_GLU_PARTS = 8  # row blocks of the clamped SwiGLU: its float32 temporaries stay within the planner's price
-
-
-def _row_blocks(rows: int) -> list[slice]:
-    step = max(1, -(-rows // _GLU_PARTS))
-    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
-
-
-def clamped_glu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
-    """gpt-oss's SwiGLU: ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`` with
-    ``g = min(gate, limit)``, computed in float32 and rounded once, an eighth of the rows
-    at a time (an eighth of the float32 temporaries)."""
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    for b in _row_blocks(gate.shape[0]):
-        g = gate[b].float().clamp(max=limit)
-        u = up[b].float().clamp(min=-limit, max=limit)
-        out[b] = (u + 1) * g * torch.sigmoid(alpha * g)
-    return out
-
-
-def clamped_glu_backward(grad: Tensor, gate: Tensor, up: Tensor, alpha: float, limit: float) -> None:
-    """`clamped_glu`'s input gradients, written over `gate` and `up` (zero where a clamp
-    held its input: torch's clamp passes the gradient where the input lies within the
-    bounds, ends included), an eighth of the rows at a time."""
-    for b in _row_blocks(gate.shape[0]):
-        d, g_raw, u_raw = grad[b].float(), gate[b].float(), up[b].float()
-        g, u = g_raw.clamp(max=limit), u_raw.clamp(min=-limit, max=limit)
-        sig = torch.sigmoid(alpha * g)
-        gate[b] = d * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (g_raw <= limit)
-        up[b] = d * g * sig * ((u_raw >= -limit) & (u_raw <= limit))
 
 
 def _in(p: MoEParts, t: Tensor) -> Tensor:
@@ -438,7 +406,7 @@ def build_moe(mlp: nn.Module, lora_dtype: torch.dtype | None = None) -> MoEParts
 
 
 def _gpt_oss_gate(experts: nn.Module) -> bool:
-    """Whether `experts` gate as gpt-oss's do (`clamped_glu`: its own `_apply_gate`, an
+    """Whether `experts` gate as gpt-oss's do (`ops.clamped_glu`: its own `_apply_gate`, an
     alpha and a limit), not in a way of their own."""
     apply_gate = getattr(type(experts), "_apply_gate", None)
     return (

@@ -1,5 +1,6 @@
 """The element-wise pieces of a fast decoder layer, each a forward and a hand-written
-backward: RMSNorm, rotary embeddings, SwiGLU.
+backward: RMSNorm, rotary embeddings, SwiGLU, and gpt-oss's clamped SwiGLU (the
+reference alone, over blocks of rows).
 
 Each op has one pure-PyTorch reference; on CUDA, Liger-Kernel's where installed and
 narrows' `swiglu` for a stacked gate/up. `kernels_in_use()` says which ran;
@@ -25,6 +26,8 @@ from torch import Tensor
 from .stacking import side_by_side
 
 __all__ = [
+    "clamped_glu",
+    "clamped_glu_backward",
     "kernels_in_use",
     "rms_norm",
     "rms_norm_backward",
@@ -311,3 +314,37 @@ def swiglu_backward(
         up.copy_(d_up)
         return gate, up
     return d_gate, d_up
+
+
+# gpt-oss's SwiGLU --------------------------------------------------------------------
+
+_GLU_PARTS = 8  # row blocks of the clamped SwiGLU: its float32 temporaries stay within the planner's price
+
+
+def _row_blocks(rows: int) -> list[slice]:
+    step = max(1, -(-rows // _GLU_PARTS))
+    return [slice(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def clamped_glu(gate: Tensor, up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's SwiGLU: ``(clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)`` with
+    ``g = min(gate, limit)``, computed in float32 and rounded once, an eighth of the rows
+    at a time (an eighth of the float32 temporaries)."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    for b in _row_blocks(gate.shape[0]):
+        g = gate[b].float().clamp(max=limit)
+        u = up[b].float().clamp(min=-limit, max=limit)
+        out[b] = (u + 1) * g * torch.sigmoid(alpha * g)
+    return out
+
+
+def clamped_glu_backward(grad: Tensor, gate: Tensor, up: Tensor, alpha: float, limit: float) -> None:
+    """`clamped_glu`'s input gradients, written over `gate` and `up` (zero where a clamp
+    held its input: torch's clamp passes the gradient where the input lies within the
+    bounds, ends included), an eighth of the rows at a time."""
+    for b in _row_blocks(gate.shape[0]):
+        d, g_raw, u_raw = grad[b].float(), gate[b].float(), up[b].float()
+        g, u = g_raw.clamp(max=limit), u_raw.clamp(min=-limit, max=limit)
+        sig = torch.sigmoid(alpha * g)
+        gate[b] = d * (u + 1) * sig * (1 + alpha * g * (1 - sig)) * (g_raw <= limit)
+        up[b] = d * g * sig * ((u_raw >= -limit) & (u_raw <= limit))
