@@ -36,9 +36,9 @@ def assert_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert torch.equal(x, y), f"tensor {i} differs by {(x.float() - y.float()).abs().max().item()}"
 
 
-def one_process(args: list[str], out: Path, env: dict[str, str]) -> None:
+def one_process(args: list[str], out: Path, env: dict[str, str], ranks: int = 2) -> None:
     """The ranks' reference: `narrows` with `args` in one process of its own, accumulating
-    two micro-batches a step (the two ranks' one each), into `out`."""
-    cmd = [sys.executable, "-m", "narrows.core.app.cli", *args, "--grad-accum", "2", "--out", str(out)]
+    `ranks` micro-batches a step (each rank's one), into `out`."""
+    cmd = [sys.executable, "-m", "narrows.core.app.cli", *args, "--grad-accum", str(ranks), "--out", str(out)]
     one = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]

@@ -1,7 +1,7 @@
-"""`narrows finetune` launched by torchrun on two GPUs (NCCL), each rank streaming the
-base from the host copy they share, against one process on one GPU with
-``--grad-accum 2`` over the resident base: the adapter and every logged loss are
-`torch.equal` with ``--deterministic``."""
+"""`narrows finetune` launched by torchrun on ranked and on four GPUs (NCCL), each rank
+streaming the base from the host copy they share, against one process on one GPU
+accumulating as many micro-batches (``--grad-accum`` the ranks) over the resident base: the
+adapter and every logged loss are `torch.equal` with ``--deterministic``."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ from narrows.core.testing import child_env, tiny_model_folder, write_jsonl
 pytest.importorskip("narrows.stream")
 pytestmark = pytest.mark.gpu
 
-ROWS = [{"text": " ".join(f"w{(3 * i + j) % 40}" for j in range(8 + i % 5))} for i in range(12)]
+ROWS = [{"text": " ".join(f"w{(3 * i + j) % 40}" for j in range(8 + i % 5))} for i in range(24)]
 
 
-def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA devices")
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_gpu_ranks_equal_one_gpu_accumulating(tmp_path, ranks):
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} CUDA devices")
     model = tiny_model_folder(tmp_path / "model")
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     args = [
@@ -52,14 +53,14 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
         "--dtype",
         "float32",
     ]
-    one_process(args, tmp_path / "one", child_env(CUDA_VISIBLE_DEVICES="0"))
-    two = subprocess.run(
+    one_process(args, tmp_path / "one", child_env(CUDA_VISIBLE_DEVICES="0"), ranks)
+    ranked = subprocess.run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc-per-node=2",
+            f"--nproc-per-node={ranks}",
             "-m",
             "narrows.core.app.cli",
             *args,
@@ -68,21 +69,21 @@ def test_two_gpu_ranks_equal_one_gpu_accumulating(tmp_path):
             "--cache",
             str(tmp_path / "cache"),
             "--out",
-            str(tmp_path / "two"),
+            str(tmp_path / "ranked"),
         ],
         capture_output=True,
         text=True,
         timeout=600,
         env=child_env(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1"),
     )
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert two.stdout.count("layers mapped from") == 2  # each rank maps the shared cache
-    a, b = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("one", "two"))
+    assert ranked.returncode == 0, ranked.stderr[-3000:]
+    assert ranked.stdout.count("layers mapped from") == ranks  # each rank maps the shared cache
+    a, b = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("one", "ranked"))
     assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
     rows = [
         [json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
-        for r in ("one", "two")
+        for r in ("one", "ranked")
     ]
     assert rows[0] == rows[1]
-    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "ranked" / "summary.json").read_text())
     assert summary["stream"]["resident_layers"] == 0 and summary["device"].startswith("cuda")

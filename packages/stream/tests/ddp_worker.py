@@ -204,7 +204,8 @@ def main(out: str, folder: str, cache: str, device: str = "cpu") -> None:
 
 
 def reference(out: str, folder: str, world: int = 2) -> None:
-    """The GPU test's one process: both references on cuda:0, deterministic kernels."""
+    """The GPU test's one process: both references on cuda:0, deterministic kernels,
+    accumulating `world` micro-batches a step."""
     from narrows.core.protocol.determinism import deterministic
 
     deterministic()
@@ -214,6 +215,6 @@ def reference(out: str, folder: str, world: int = 2) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "reference":
-        reference(*sys.argv[2:4])
+        reference(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 2)
     else:
         main(*sys.argv[1:5])

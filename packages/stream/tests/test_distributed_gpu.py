@@ -1,5 +1,5 @@
-"""Data parallel on two GPUs over NCCL, launched by torchrun: each rank streams from its
-own GPU and the ranks equal one process on one GPU accumulating both micro-batches,
+"""Data parallel on two and on four GPUs over NCCL, launched by torchrun: each rank streams
+from its own GPU and the ranks equal one process on one GPU accumulating every rank's micro-batch,
 `torch.equal`, with deterministic kernels (the condition on CUDA). The ranks' shared host
 copy — the cache file's pages, mapped by both and page-locked by each for its own GPU —
 trains what one process's private copy does. The same worker as the CPU test
@@ -20,16 +20,16 @@ from helpers import assert_identical
 from narrows.core.testing import child_env, tiny_model_folder
 
 HERE = Path(__file__).parent
-WORLD = 2
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, dict]:
-    if torch.cuda.device_count() < WORLD:
-        pytest.skip(f"needs {WORLD} CUDA devices")
-    root = tmp_path_factory.mktemp("nccl")
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}gpus")
+def runs(tmp_path_factory, request) -> tuple[Path, dict, int]:
+    world = request.param
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    root = tmp_path_factory.mktemp(f"nccl{world}")
     out = root / "run"
     tiny_model_folder(root / "model", num_hidden_layers=3)
     env = child_env(
@@ -39,7 +39,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     )
     worker = str(HERE / "ddp_worker.py")
     ref = subprocess.run(
-        [sys.executable, worker, "reference", str(out), str(root / "model")],
+        [sys.executable, worker, "reference", str(out), str(root / "model"), str(world)],
         env=env,
         capture_output=True,
         text=True,
@@ -51,7 +51,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc-per-node={WORLD}",
+        f"--nproc-per-node={world}",
         worker,
         str(out),
         str(root / "model"),
@@ -60,35 +60,35 @@ def runs(tmp_path_factory) -> tuple[Path, dict]:
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return out, torch.load(f"{out}.reference.pt")
+    return out, torch.load(f"{out}.reference.pt"), world
 
 
-def _ranks(out: Path, mode: str) -> list[dict]:
-    return [torch.load(f"{out}.{mode}.rank{r}.pt") for r in range(WORLD)]
+def _ranks(out: Path, mode: str, world: int) -> list[dict]:
+    return [torch.load(f"{out}.{mode}.rank{r}.pt") for r in range(world)]
 
 
-def _as_ranks(ref: dict) -> list[dict]:
-    return [{**ref, "loss": ref["loss"][r::WORLD]} for r in range(WORLD)]
+def _as_ranks(ref: dict, world: int) -> list[dict]:
+    return [{**ref, "loss": ref["loss"][r::world]} for r in range(world)]
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "plain"])
-def test_two_gpus_over_nccl_equal_one_gpu_accumulating(runs, wrapper):
-    out, ref = runs
-    for got, want in zip(_ranks(out, wrapper), _as_ranks(ref["sequential"])):
+def test_gpus_over_nccl_equal_one_gpu_accumulating(runs, wrapper):
+    out, ref, world = runs
+    for got, want in zip(_ranks(out, wrapper, world), _as_ranks(ref["sequential"], world)):
         assert_identical(want, got)
 
 
 def test_gpu_ranks_that_do_not_all_reduce_are_caught(runs):
     """Fault twin: the ranks' own gradients, never all-reduced."""
-    out, ref = runs
+    out, ref, world = runs
     with pytest.raises(AssertionError):
-        for got, want in zip(_ranks(out, "local"), _as_ranks(ref["sequential"])):
+        for got, want in zip(_ranks(out, "local", world), _as_ranks(ref["sequential"], world)):
             assert_identical(want, got)
 
 
 def test_the_shared_copy_is_pinned_in_place_on_each_gpu_and_trains_as_a_private_one(runs):
-    out, ref = runs
-    for r in _ranks(out, "shared"):
+    out, ref, world = runs
+    for r in _ranks(out, "shared", world):
         assert r["shared"] == tuple(range(r["layers"])) and all(r["registered"]) and r["registered"]
         assert r["memory"]["Pss"] <= 0.55 * r["memory"]["Rss"], r["memory"]
         assert len(r["weight"]) == len(ref["private"]) > 0
