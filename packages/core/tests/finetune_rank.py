@@ -10,12 +10,15 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from narrows.core.app.cli import main
-from narrows.core.app.finetune import loop, ranks
+from narrows.core.app.finetune import loop
+from narrows.core.protocol import determinism
 
 fault = os.environ.get("NARROWS_TEST_FAULT", "")
 argv = sys.argv[1:]
 if fault == "mean":  # DDP's own averaging instead of the sum the loss normalisation needs
-    ranks._summed = lambda state, bucket: default_hooks.allreduce_hook(dist.group.WORLD, bucket)
+    determinism.rank_ordered_sum = lambda average=False: (
+        lambda state, bucket: default_hooks.allreduce_hook(dist.group.WORLD, bucket)
+    )
 elif fault == "seed":  # every micro-batch seeded alike: not the masks one process draws
     loop.micro_seed = lambda seed, index: seed
 elif fault == "diverge" and os.environ["RANK"] == "1":  # a rank given other flags

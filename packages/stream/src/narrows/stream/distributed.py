@@ -1,10 +1,13 @@
 """Data parallel over a streamed base: `data_parallel(model)` wraps a streamed (or resident)
 PEFT model in `DistributedDataParallel` over its adapters only.
 
-Only the trainable parameters are synchronised and all-reduced; ranks that differ in
-versions, trainable parameters or stream layout stop every rank with a message naming the
-rank. With two ranks the result equals one process accumulating both micro-batches bit
-for bit; with more, it equals resident DDP over the same ranks.
+Only the trainable parameters are synchronised and summed, in rank order
+(`narrows.core.rank_ordered_sum`); ranks that differ in versions, trainable parameters or
+stream layout stop every rank with a message naming the rank. R ranks, one micro-batch
+each, equal one process accumulating the R micro-batches bit for bit (R a power of two
+for DDP's mean; any R with ``average=False``). Torch's own DDP over a streamed model (as
+accelerate and the Trainer build it) all-reduces: beyond two ranks it equals resident DDP
+over the same ranks.
 
 why: docs/design.md#data-parallel
 """
@@ -20,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from narrows.core import trainable_parameters
+from narrows.core import rank_ordered_sum, trainable_parameters
 from narrows.core.protocol.handle import state_of
 
 from .errors import StreamSetupError
@@ -79,10 +82,11 @@ def _diff(a: Any, b: Any) -> str:
     return f"{a!r} against {b!r}"
 
 
-def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParallel:
+def data_parallel(model: nn.Module, *, average: bool = True, **ddp_kwargs: Any) -> DistributedDataParallel:
     """`DistributedDataParallel(model, **ddp_kwargs)` over the trainable parameters only,
-    after `check_ranks`. Call it after `narrows.stream.stream(model, ...)` (and after
-    narrows-dora / narrows-lmhead are applied), in every rank, with the process group
+    after `check_ranks`, the ranks' gradients added in rank order and (`average`, DDP's
+    default) divided by their number. Call it after `narrows.stream.stream(model, ...)` (and
+    after narrows-dora / narrows-lmhead are applied), in every rank, with the process group
     initialised. On CUDA pass ``device_ids=[local_rank]`` as usual."""
     if not dist.is_available() or not dist.is_initialized():
         raise StreamSetupError(
@@ -102,7 +106,9 @@ def data_parallel(model: nn.Module, **ddp_kwargs: Any) -> DistributedDataParalle
     frozen += [n for n, _ in model.named_buffers()]  # the same on every rank
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     state_of(model).data_parallel = True  # StepTrainer refuses it: its gradients bypass DDP's hooks
-    return DistributedDataParallel(model, **ddp_kwargs)
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
+    ddp.register_comm_hook(ddp_kwargs.get("process_group"), rank_ordered_sum(average))
+    return ddp
 
 
 def _device(model: nn.Module, ddp_kwargs: dict[str, Any]) -> torch.device | None:

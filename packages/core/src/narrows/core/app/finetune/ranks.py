@@ -2,9 +2,9 @@
 process group, agreement between the ranks, and the data-parallel model.
 
 Each micro-batch draws the dropout masks one process would; gradients are summed over
-ranks. Two ranks with ``--grad-accum 1`` equal one process with ``--grad-accum 2`` bit for
-bit; otherwise a run equals the same run on the same number of ranks. Rank 0 alone writes
-the run folder.
+ranks in rank order (`rank_ordered_sum`). R ranks with ``--grad-accum 1`` equal one process
+with ``--grad-accum R`` bit for bit; otherwise a run equals the same run on the same number
+of ranks. Rank 0 alone writes the run folder.
 
 why: docs/design.md#several-ranks
 """
@@ -151,10 +151,13 @@ class Ranks:
 def data_parallel(model: nn.Module, ranks: Ranks, device: torch.device) -> nn.Module:
     """What each rank runs forward and backward through: `DistributedDataParallel` over the
     adapters (the frozen base is left out: every rank loaded the same one), the ranks'
-    gradients summed. One rank: the model itself."""
+    gradients summed in rank order, not averaged: the loss is already normalised over the
+    whole step. One rank: the model itself."""
     if ranks.world == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
+
+    from ...protocol.determinism import rank_ordered_sum
 
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
@@ -162,22 +165,13 @@ def data_parallel(model: nn.Module, ranks: Ranks, device: torch.device) -> nn.Mo
     if getattr(model, "narrows_stream", None) is not None:
         import narrows.stream
 
-        net = narrows.stream.data_parallel(model, **kwargs)  # checks the ranks' stream plans agree too
-    else:
-        # every rank loaded the same base and built the same buffers: nothing of them to sync
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, frozen + [n for n, _ in model.named_buffers()]
-        )
-        net = DistributedDataParallel(model, **kwargs)
-    net.register_comm_hook(None, _summed)
+        # checks the ranks' stream plans agree too
+        return narrows.stream.data_parallel(model, average=False, **kwargs)
+    # every rank loaded the same base and built the same buffers: nothing of them to sync
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, frozen + [n for n, _ in model.named_buffers()]
+    )
+    net = DistributedDataParallel(model, **kwargs)
+    net.register_comm_hook(None, rank_ordered_sum(average=False))
     return net
-
-
-def _summed(state, bucket):  # no annotations: DDP checks them, and these would be strings
-    """DDP's all-reduce without its division by the world size: the loss is already
-    normalised over the whole step."""
-    import torch.distributed as dist
-
-    work = dist.all_reduce(bucket.buffer(), async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
