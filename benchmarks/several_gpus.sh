@@ -7,7 +7,7 @@
 # (../shared/gpu/stage --lock) and, for the DeepSpeed rows, .gpu-deepspeed (stage_deepspeed.sh)
 # carried along; results land in $OUT.
 #   CONFIGS="qwen2.5-7b:8GiB qwen2.5-72b:16GiB"  SEQS="512 2048"  RANKS="1 2 4" (RANKS="": no job rows)
-#   PEERS="fsdp deepspeed"  PEER_RANKS="1 2 4"  PEER_SEQS="512"  SKIP_TESTS=1  KEEP=1 (keep /tmp/dp_*)
+#   PEERS="fsdp deepspeed"  PEER_RANKS="1 2 4"  PEER_SEQS="512"  SKIP_TESTS=1  TESTS="paths"  KEEP=1 (keep /tmp/dp_*)
 set -u
 source .gpu/env
 [[ -f .gpu-deepspeed/env ]] && source .gpu-deepspeed/env
@@ -17,8 +17,8 @@ export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks NARROWS_CACHE=/tmp/narrows-cache \
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
-  timeout ${TTESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu packages/stream/tests/test_distributed_gpu.py \
-    tests/test_finetune_ranks_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+  timeout ${TTESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu \
+    ${TESTS:-packages/stream/tests/test_distributed_gpu.py tests/test_finetune_ranks_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 for spec in ${CONFIGS:-qwen2.5-7b:8GiB}; do
   IFS=: read -r c budget <<<"$spec"

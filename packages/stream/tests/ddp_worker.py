@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from narrows.core import rank_ordered_sum
 from narrows.core.testing import mapped_file, mapping_memory, tiny_batch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -66,24 +67,16 @@ def sequential(m, world: int, device: torch.device | str = "cpu") -> dict:
 
 def train_rank(mode: str, rank: int, world: int, device: torch.device) -> dict:
     m = model()
-    if mode == "resident":  # torch's own DDP over the resident model: what "plain" must equal
-        m.to(device)
-    else:
-        ns.stream(m, None, device=device)
+    ns.stream(m, None, device=device)
     # "ddp": narrows' wrapper (its gradients summed in rank order); "plain": torch's own DDP,
-    # as accelerate and Trainer build it (an all-reduce); "local": the same loop with no
-    # gradient all-reduce (the fault twin)
+    # as accelerate and Trainer build it (an all-reduce); "hooked": torch's own DDP given
+    # narrows' rank-ordered sum; "local": no gradient all-reduce at all (the fault twin)
     ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    wrap = {
-        "ddp": ns.data_parallel,
-        "plain": DistributedDataParallel,
-        "resident": DistributedDataParallel,
-    }.get(mode)
-    forward = wrap(m, **ids) if wrap else m
-    if mode in (
-        "ddp",
-        "plain",
-    ):  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
+    wrap = {"ddp": ns.data_parallel, "plain": DistributedDataParallel, "hooked": DistributedDataParallel}
+    forward = wrap[mode](m, **ids) if mode in wrap else m
+    if mode == "hooked":
+        forward.register_comm_hook(None, rank_ordered_sum(average=True))
+    if mode != "local":  # the frozen base is outside DDP: nothing of it broadcast, bucketed or all-reduced
         frozen = {n for n, p in m.named_parameters() if not p.requires_grad}
         assert frozen and forward.parameters_to_ignore == frozen | {n for n, _ in m.named_buffers()}
         assert all(p.requires_grad for p in forward._module_parameters)
@@ -184,7 +177,7 @@ def main(out: str, folder: str, cache: str, device: str = "cpu") -> None:
         dev = torch.device("cpu")
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    for mode in ("ddp", "plain", "resident", "local"):
+    for mode in ("ddp", "plain", "hooked", "local"):
         torch.save(train_rank(mode, rank, world, dev), f"{out}.{mode}.rank{rank}.pt")
     if dev.type == "cuda":  # the refusals below are the CPU test's
         torch.save(shared_copy(folder, cache, world, dev), f"{out}.shared.rank{rank}.pt")
