@@ -66,7 +66,7 @@ def test_two_streamed_ranks_on_one_host_copy_equal_one_resident_process(tmp_path
             "narrows.core.app.cli",
             *args,
             "--gpu-budget",
-            "1100KiB",
+            "min",  # every layer streamed
             "--cache",
             str(tmp_path / "cache"),
             "--out",
@@ -126,7 +126,7 @@ def test_two_nodes_each_with_its_own_host_copy_equal_one_process(tmp_path):
                 "narrows.core.app.cli",
                 *args,
                 "--gpu-budget",
-                "1100KiB",
+                "min",  # every layer streamed
                 "--out",
                 str(tmp_path / "two"),
             ],

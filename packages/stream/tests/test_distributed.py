@@ -1,9 +1,11 @@
 """Data parallel over a streamed base with torch.distributed (gloo on the CPU), launched
 the way users launch it (`torchrun`): two ranks, each one micro-batch of the global batch,
 are `torch.equal` to one process accumulating both micro-batches — dropout included, and
-against a *resident* model. It holds exactly because an all-reduce of two values is one
-addition and DDP's division by the world size (2) is exact: (g0 + g1) / 2 = g0/2 + g1/2
-bit for bit, the sum one process accumulates (0 + g0/2 + g1/2)."""
+against a *resident* model. narrows' wrapper adds the ranks' gradients in rank order
+(`rank_ordered_sum`, at any number of ranks: `test_rank_order.py` in core); torch's own DDP
+all-reduces, which for two values is one addition, and DDP's division by the world size
+(2) is exact: (g0 + g1) / 2 = g0/2 + g1/2 bit for bit, the sum one process accumulates
+(0 + g0/2 + g1/2). A plan made under a process group prices DDP's gradient buckets."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_identical
+from helpers import assert_identical, build
 
 from narrows.core.testing import child_env, mapped_file, mapping_memory, tiny_model_folder
 
@@ -175,3 +177,21 @@ def test_share_needs_a_cache_and_its_twins_fail_the_checks(tmp_path):
     # each mapping's Pss without any other process sharing it (seen in CI: Pss 300 of Rss
     # 556 kB)
     assert memory["RssLargest"] > 0 and memory["Pss"] > 0.55 * memory["RssLargest"], memory
+
+
+def test_a_plan_under_several_ranks_prices_the_gradient_buckets(monkeypatch):
+    """DDP keeps a copy of every trainable gradient in its buckets, and `rank_ordered_sum`
+    gathers one bucket from every rank: the plan's fixed bytes hold both, its report says so."""
+    import narrows.stream as ns
+    from narrows.core import data_parallel_bytes, trainable_parameters
+    from narrows.stream.planning import planner
+
+    model = build(num_hidden_layers=3)
+    alone = ns.plan(model, "64MiB", device="cpu")
+    monkeypatch.setattr(planner, "data_parallel_ranks", lambda: 4)
+    four = ns.plan(model, "64MiB", device="cpu")
+    grads = sum(p.numel() * p.element_size() for p in trainable_parameters(model).values())
+    assert grads > 0 and (alone.ranks, four.ranks) == (1, 4) and alone.data_parallel_bytes == 0
+    assert four.data_parallel_bytes == data_parallel_bytes(grads, 4) == grads + 4 * grads  # buckets < 25 MiB
+    assert four.fixed_bytes - alone.fixed_bytes == four.data_parallel_bytes
+    assert "DDP's gradient buckets over 4 ranks" in str(four)

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
     # narrows' transforms of a model, each given as its config, in the one order that works
     from .protocol.compose import apply
-    from .protocol.determinism import deterministic, rank_ordered_sum
+    from .protocol.determinism import data_parallel_bytes, deterministic, rank_ordered_sum
 
     # default LoRA targets (a mixture of experts' routers and routed experts left frozen, and said)
     from .protocol.expert_adapters import ExpertAdapter, adopt_quantized_experts, unwrap_experts
@@ -164,7 +164,7 @@ _MODULES = {
         "unwrap_model",
     ),
     "io.checkpoint": ("CheckpointFolder",),
-    "protocol.determinism": ("deterministic", "rank_ordered_sum"),
+    "protocol.determinism": ("data_parallel_bytes", "deterministic", "rank_ordered_sum"),
     "errors": ("MissingDependencyError", "NarrowsError", "SlotMismatchError", "UnsupportedArchitectureError"),
     "protocol.head": (
         "DEFAULT_HEAD_ROWS",
@@ -296,6 +296,7 @@ __all__ = [
     "choose_adapter",
     "chunked_logits",
     "copies",
+    "data_parallel_bytes",
     "dequantized_bytes",
     "dequantized_expert_bytes",
     "deterministic",

@@ -16,7 +16,14 @@ from typing import Any
 
 from torch import nn
 
-from narrows.core import Anatomy, anatomy_of, ensure_architecture, format_bytes
+from narrows.core import (
+    Anatomy,
+    anatomy_of,
+    data_parallel_bytes,
+    ensure_architecture,
+    format_bytes,
+    trainable_parameters,
+)
 from narrows.core.kernels.fastlayer import coverage
 from narrows.core.protocol.handle import state_of
 from narrows.core.quant.experts import moe_blocks
@@ -97,10 +104,13 @@ def plan(
     dev = resolve_device(cfg.device)
     stream_head = streams_head(anat, cfg.head)
     outside = device_parts(model, anat, host_embedding(anat, stream_head), stream_head)
+    ranks = data_parallel_ranks()
+    ddp = data_parallel_bytes(nbytes(trainable_parameters(model).values()), ranks)
     fixed = (
         nbytes(s.tensor for s in outside)
         + training_bytes(model, anat, cfg.host_state)
         + matmul_workspaces(dev)
+        + ddp
     )
     head_h2d = 0
     if stream_head:
@@ -154,7 +164,16 @@ def plan(
             accumulation_choice=chosen.accumulation_choice,
         )
 
-    return keep_attention(anat, chosen, with_room, cfg, shapes)
+    kept = keep_attention(anat, chosen, with_room, cfg, shapes)
+    return replace(kept, ranks=ranks, data_parallel_bytes=ddp)
+
+
+def data_parallel_ranks() -> int:
+    """The ranks of the default process group where one is initialised (the model is about
+    to be wrapped in DDP: `narrows.stream.data_parallel`, the main job under torchrun), else 1."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _with_accumulation(

@@ -60,6 +60,8 @@ class Plan:
     kept_attention: tuple[int, ...] = ()  # fast layers whose attention waits in host memory for the backward
     attention_host_bytes: int = 0  # the host memory that takes (page-locked on CUDA)
     attention_choice: str = ""  # why (`attention.keep_attention`)
+    ranks: int = 1  # data-parallel ranks the plan was made under (their gradient buckets in fixed_bytes)
+    data_parallel_bytes: int = 0  # DDP's buckets and one gathered bucket (`narrows.core.data_parallel_bytes`)
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -98,7 +100,12 @@ class Plan:
                     if self.reserved_bytes
                     else ""
                 )
-                + HOST_STATE_NOTES[self.host_state],
+                + HOST_STATE_NOTES[self.host_state]
+                + (
+                    f"; {format_bytes(self.data_parallel_bytes)} of it DDP's gradient buckets over {self.ranks} ranks"
+                    if self.ranks > 1
+                    else ""
+                ),
             ),
             (
                 "saved activations",

@@ -317,6 +317,7 @@ def _too_small(
     return (
         f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "
         f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed)}: head, norm, "
-        f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
+        f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}; over several ranks, DDP's "
+        f"gradient buckets), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
         f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
     )
