@@ -770,6 +770,89 @@ def _shared_host(r: Results) -> str:
     return table(["run", "one rank", "two ranks, one shared copy", "two ranks, each its own"], lines)
 
 
+DATA_PARALLEL = (  # (case, device): the main job under torchrun and the peers at 1, 2, 4 ranks
+    ("dp_qwen2.5-7b_8x512", "h200x4"),
+    ("dp_qwen2.5-7b_8x2048", "h200x4"),
+    ("dp_qwen2.5-72b_8x512", "h200x4"),
+)
+DP_MODES = (
+    ("job", "narrows finetune"),
+    ("fsdp", "FSDP+QLoRA, CPU offload"),
+    ("deepspeed", "DeepSpeed ZeRO-3 offload"),
+)
+
+
+@generated("data-parallel")
+def _data_parallel(r: Results) -> str:
+    """Tokens/s of all ranks, per-GPU efficiency against one rank of the same mode, the
+    largest rank's peak, the ranks' host Pss together; the commit each row measured."""
+
+    def at(rows: list[dict], mode: str, ranks: int) -> dict | None:
+        return next((x for x in rows if x["name"] == f"ranks={ranks} {mode}"), None)
+
+    lines = []
+    for case, device in DATA_PARALLEL:
+        rows = r.case(case, device)
+        if not rows:
+            continue
+        budget = rows[0]["arguments"]["budget"]
+        for mode, label in DP_MODES:
+            one = at(rows, mode, 1)
+            cells = []
+            for ranks in (1, 2, 4):
+                row = at(rows, mode, ranks)
+                if row is None:
+                    cells.append("–")
+                    continue
+                m = row["metrics"]
+                if "error" in m:
+                    cells.append("failed")
+                    continue
+                eff = ""
+                if one is not None and "error" not in one["metrics"]:
+                    eff = f" ({m['tokens_per_s'] / (ranks * one['metrics']['tokens_per_s']):.0%})"
+                cells.append(
+                    f"{m['tokens_per_s']:.0f} tokens/s{eff}, {gib(m['peak_allocated'])}, Pss {gib(m['pss_sum'])}"
+                    f" (`{row['commit'][:7]}`)"
+                )
+            if any(c != "–" for c in cells):
+                lines.append(
+                    [run_cell(rows, f"{shape(rows[0]['arguments'])}, {budget} a GPU"), label, *cells]
+                )
+        bw = rows[0]["run"].get("pinned_bw") or {}
+        lines.append(
+            [
+                run_cell(rows, f"{shape(rows[0]['arguments'])}, {device}"),
+                "pinned host→device, per GPU, when all pull at once",
+                *(f"{bw[str(n)] / n / 1e9:.1f} GB/s" if str(n) in bw else "–" for n in (1, 2, 4)),
+            ]
+        )
+    return table(["run", "who", "1 GPU", "2 GPUs", "4 GPUs"], lines)
+
+
+@generated("data-parallel-headline")
+def _data_parallel_headline(r: Results) -> str:
+    """README's rows: the main job's tokens/s at 1, 2 and 4 GPUs, per-GPU efficiency, peak."""
+    lines = []
+    for case, device in DATA_PARALLEL:
+        rows = {x["name"]: x for x in r.case(case, device)}
+        one = rows.get("ranks=1 job")
+        if one is None or "error" in one["metrics"]:
+            continue
+        cells = []
+        for ranks in (1, 2, 4):
+            m = rows.get(f"ranks={ranks} job", {}).get("metrics")
+            eff = m and m.get("tokens_per_s", 0) / (ranks * one["metrics"]["tokens_per_s"])
+            cells.append(
+                "–"
+                if not m or "error" in m
+                else f"{m['tokens_per_s']:.0f} tokens/s ({eff:.0%}), {gib(m['peak_allocated'])}"
+            )
+        args = one["arguments"]
+        lines.append([run_cell(list(rows.values()), f"{shape(args)} a GPU, `{args['budget']}`"), *cells])
+    return table(["run", "1 GPU", "2 GPUs (per-GPU efficiency)", "4 GPUs"], lines)
+
+
 LMHEAD = (
     ("hf", "HF (full logits)"),
     ("liger", "Liger-Kernel"),
