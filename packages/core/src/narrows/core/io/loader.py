@@ -117,7 +117,9 @@ def _structure(model: nn.Module) -> Anatomy:
         return anatomy_of(model)
 
 
-def _skeleton(folder: CheckpointFolder, dtype: torch.dtype) -> nn.Module:
+def skeleton(folder: CheckpointFolder, dtype: torch.dtype) -> nn.Module:
+    """The folder's model with every parameter on the meta device: its modules and shapes,
+    no weight read and no memory taken."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(folder.path)
@@ -368,7 +370,7 @@ def load_blockwise(
         require("bitsandbytes", "NF4 quantisation")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = _skeleton(folder, dtype)
+    model = skeleton(folder, dtype)
     ensure_architecture(model, "head")  # an unannounced one is checked on its twin before anything is read
     mapping = _Mapping(model)
     groups, quant_groups = _plan_groups(model, folder, mapping)

@@ -20,10 +20,13 @@ from ...kernels.lora_branches import fuse_lora
 from ...memory import parse_bytes
 from ...protocol.anatomy import anatomy_of
 from ...protocol.compose import apply
+from ...protocol.determinism import data_parallel_bytes
 from ...protocol.expert_adapters import adopt_quantized_experts
 from ...protocol.handle import state_of
+from ...protocol.slots import trainable_parameters
 from ...protocol.targets import LoraTargets, lora_targets
 from ...quant.experts import expert_names, moe_blocks
+from ...sizes import format_bytes
 from ..data import Example, Packed, Tokenized, open_source, parse_columns, tokenize, tokenize_rows
 from .config import DataConfig, FinetuneConfig, lmhead_options
 
@@ -115,6 +118,47 @@ def _packed(d: DataConfig, train: Tokenized, said: list[str]) -> Sequence[Exampl
         f"{packed.fill():.1%} of them real tokens"
     )
     return packed
+
+
+def check_budget_before_loading(cfg: FinetuneConfig, folder: Path, world_size: int = 1) -> None:
+    """Stop a run whose ``--gpu-budget`` the adapters alone overflow before any weight is
+    read: their weights, gradients and AdamW's two moments (what ``--offload-optimizer``
+    leaves on the device: weights and gradients), and over several ranks DDP's gradient
+    buckets, counted on the model's skeleton (meta device) with the run's targets. The
+    planner's floor is higher (a streamed layer, activations, the working set); it judges
+    the rest once the model is loaded."""
+    m = cfg.memory
+    if m.gpu_budget in ("off", "fit", "min") or m.offload_adapters:
+        return
+    from peft import get_peft_model
+
+    from ...io.loader import skeleton
+    from .state import lora_config
+
+    model = skeleton(CheckpointFolder(folder), torch.bfloat16)
+    model = get_peft_model(model, lora_config(cfg, _targets(model, cfg.lora.targets)))
+    trainable = list(trainable_parameters(model).values())
+    numel = sum(p.numel() for p in trainable)
+    size = sum(p.numel() * p.element_size() for p in trainable)
+    state = 0 if m.offload_optimizer else 8 * numel  # AdamW's two fp32 moments
+    ddp = data_parallel_bytes(size, world_size)
+    need = 2 * size + state + ddp
+    budget = parse_bytes(m.gpu_budget)
+    if budget >= need:
+        return
+    parts = f"{format_bytes(size)} of weights, as much in gradients"
+    parts += "" if m.offload_optimizer else f", {format_bytes(state)} of AdamW's moments"
+    parts += f", {format_bytes(ddp)} of DDP's gradient buckets over {world_size} ranks" if ddp else ""
+    ways = [] if m.offload_optimizer else ["--offload-optimizer (the moments in host memory)"]
+    ways += ["--offload-adapters (one layer's adapters on the device at a time)"]
+    ways += [f"fewer --targets or a lower --rank (now {cfg.lora.rank})"]
+    raise NarrowsError(
+        f"--gpu-budget {m.gpu_budget} cannot hold the adapters alone: {numel:,} trainable parameters "
+        f"({cfg.lora.adapter}, rank {cfg.lora.rank}, --targets {cfg.lora.targets}) take {format_bytes(need)} on the "
+        f"device ({parts}), before any layer of the model or its activations. Give well over "
+        f"{format_bytes(need)} (--gpu-budget min: the smallest footprint the plan finds), or "
+        + ", or ".join(ways)
+    )
 
 
 def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: torch.device) -> nn.Module:

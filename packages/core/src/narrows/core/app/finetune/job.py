@@ -15,7 +15,15 @@ from ...io.files import atomic_write
 from ...protocol.handle import state_of
 from ...quant.report import precision
 from ..data import check_packing
-from .build import build_model, check_model_files, choose_accumulation, load_data, load_model, run_dtype
+from .build import (
+    build_model,
+    check_budget_before_loading,
+    check_model_files,
+    choose_accumulation,
+    load_data,
+    load_model,
+    run_dtype,
+)
 from .config import FinetuneConfig
 from .configfile import RunFile
 from .evaluate import eval_row, say
@@ -206,6 +214,7 @@ def _run(
         else f"model {cfg.base.model}: checking its files"
     )
     folder = check_model_files(cfg)  # headers, before any weight
+    check_budget_before_loading(cfg, folder, ranks.world)  # the adapters alone, on the model's skeleton
     stage("loading the tokenizer")
     from transformers import AutoTokenizer
 
