@@ -255,13 +255,13 @@ def test_on_layer_sees_each_layer_complete_before_the_next_is_read(quant, tmp_pa
 
     save(tmp_path, "llama", num_hidden_layers=4)
     built: list[nn.Module] = []  # the model load_blockwise builds, to look at the other layers
-    skeleton = loader_module._skeleton
+    skeleton = loader_module.skeleton
 
     def spy(*args, **kwargs):
         built.append(skeleton(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(loader_module, "_skeleton", spy)
+    monkeypatch.setattr(loader_module, "skeleton", spy)
     calls = []
 
     def on_layer(i, path, layer):
