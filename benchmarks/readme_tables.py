@@ -853,6 +853,29 @@ def _data_parallel_headline(r: Results) -> str:
     return table(["run", "1 GPU", "2 GPUs (per-GPU efficiency)", "4 GPUs"], lines)
 
 
+EXPERT_QUANT = ("nf2", "nf3", "nf4", "nf4-bitsandbytes", "mxfp4")
+
+
+@generated("expert-quant")
+def _expert_quant(r: Results) -> str:
+    """Per weight set, each scheme's relative Frobenius error and the bits a weight takes."""
+    rows = r.case("expert_quant_error", "cpu")
+    sets = list(dict.fromkeys(x["metrics"]["set"] for x in rows))
+
+    def at(name: str, scheme: str) -> str:
+        m = next(
+            (x["metrics"] for x in rows if x["metrics"]["set"] == name and x["metrics"]["scheme"] == scheme),
+            None,
+        )
+        return "–" if m is None else f"{m['rel_frobenius']:.4f} ({m['bits_per_weight']:.2f} bits)"
+
+    what = {x["metrics"]["set"]: x["metrics"]["what"] for x in rows}
+    lines = [
+        [run_cell(rows, f"{name}: {what[name]}"), *(at(name, sc) for sc in EXPERT_QUANT)] for name in sets
+    ]
+    return table(["weights", *(f"`{sc}`" for sc in EXPERT_QUANT)], lines)
+
+
 LMHEAD = (
     ("hf", "HF (full logits)"),
     ("liger", "Liger-Kernel"),

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from narrows.core.app.cli import main
-from narrows.core.testing import tiny_model_folder, write_jsonl
+from narrows.core.testing import mxfp4_folder, tiny_model_folder, write_jsonl
 
 pytestmark = pytest.mark.bnb
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
@@ -178,3 +178,38 @@ def test_lora_on_routed_experts_resumes_exactly(tmp_path, interrupt_at):
     whole, cut = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("whole", "cut"))
     assert whole.keys() == cut.keys() and all(".experts." in k for k in whole)
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
+
+
+def test_gpt_oss_mxfp4_release_trains_as_the_bf16_stacks_it_stands_for(tmp_path, capsys):
+    """A folder in gpt-oss's MXFP4 release format, and a bf16 folder holding the stacks its
+    codes stand for (computed from the E2M1 table): the main job trains the same adapter on
+    both, bit for bit, experts quantised again to NF4, and says the MXFP4 stacks were decoded."""
+    pytest.importorskip("bitsandbytes")
+    from safetensors.torch import save_file
+
+    want = mxfp4_folder(tmp_path / "mxfp4")
+    plain = tiny_model_folder(tmp_path / "bf16", "gpt_oss")
+    tensors = load_file(plain / "model.safetensors")
+    save_file({**tensors, **want}, plain / "model.safetensors", metadata={"format": "pt"})
+    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    got = {}
+    for name in ("mxfp4", "bf16"):
+        args = ["finetune", "--model", str(tmp_path / name), "--data", str(data), "--quant", "nf4"]
+        args += ["--gpu-budget", "min", "--targets", "all-linear,experts", "--steps", "2", "--batch", "2"]
+        args += [
+            "--seq-len",
+            "32",
+            "--rank",
+            "4",
+            "--eval-rows",
+            "0",
+            "--no-progress",
+            "--out",
+            str(tmp_path / f"run-{name}"),
+        ]
+        assert main(args) == 0
+        said = capsys.readouterr().err
+        assert ("6 MXFP4 expert stacks decode to bf16" in said) == (name == "mxfp4"), said
+        got[name] = load_file(tmp_path / f"run-{name}" / "adapter_model.safetensors")
+    assert got["mxfp4"].keys() == got["bf16"].keys() and any(".experts." in k for k in got["bf16"])
+    assert all(torch.equal(got["mxfp4"][k], got["bf16"][k]) for k in got["bf16"])

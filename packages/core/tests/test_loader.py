@@ -4,6 +4,7 @@ or transformers' bitsandbytes load), the layers arrive one at a time, and a dama
 unsupported folder is refused with a NarrowsError that names what is wrong."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from narrows.core import (
 from narrows.core.io.loader import load_blockwise
 from narrows.core.io.models import load_causal_lm
 from narrows.core.testing import TINY_ARCHITECTURES, tiny_batch, tiny_model
-from narrows.core.testing.folders import tiny_model_folder
+from narrows.core.testing.folders import mxfp4_folder, tiny_model_folder
 
 BF16 = torch.bfloat16
 
@@ -554,3 +555,22 @@ def test_map_tensor_is_the_checkpoint_bytes_where_they_lie(tmp_path):
         mapped = map_tensor(folder, name)
         assert torch.equal(mapped, read_tensor(folder, name)), name
         assert mapped_file(mapped.data_ptr()) == str(info.file.resolve()), name
+
+
+# --- gpt-oss's MXFP4 release ------------------------------------------------------------
+def test_mxfp4_experts_load_as_the_bf16_values_their_codes_stand_for(tmp_path):
+    """Each MXFP4 stack decodes, exactly, to the stack its codes and scales name (computed by
+    the test from the E2M1 table, not by the decoder narrows uses); everything else loads as
+    stored. A stack whose scales are missing is refused, naming it."""
+    want = mxfp4_folder(tmp_path / "m")  # the stacks computed from the E2M1 table
+    model = load_blockwise(tmp_path / "m", dtype=BF16)
+    state = model.state_dict()
+    assert want and all(torch.equal(state[k], w) for k, w in want.items())
+    stored = load_file(tmp_path / "m" / "model.safetensors")
+    assert all(torch.equal(state[k], v.to(BF16)) for k, v in stored.items() if k in state)
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    gap = "down_proj_blocks' has no 'model.layers.1.mlp.experts.down_proj_scales'"
+    with pytest.raises(NarrowsError, match=re.escape(gap)):
+        load_blockwise(tmp_path / "m", dtype=BF16)

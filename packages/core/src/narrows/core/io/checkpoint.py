@@ -123,6 +123,40 @@ class CheckpointFolder:
         self.tensors: dict[str, TensorInfo] = {}
         for shard in self.shards:
             self.tensors.update(shard.tensors)
+        # MXFP4 stacks (gpt-oss's release): each pair of packed tensors stands in `tensors` as
+        # the float stack it decodes to; `read_tensor` decodes it
+        self.packed: dict[str, tuple[TensorInfo, TensorInfo]] = {}
+        if (self.config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+            self._mxfp4_as_float()
+
+    def _mxfp4_as_float(self) -> None:
+        """Every ``X_blocks`` [E, out, in/32, 16] (two FP4 codes a byte) with its ``X_scales``
+        [E, out, in/32] (a power of two each, E8M0) becomes tensor ``X`` [E, in, out] in bf16,
+        the layout transformers' gpt-oss experts hold (its `convert_moe_packed_tensors`)."""
+        for name in [n for n in self.tensors if n.endswith("_blocks")]:
+            stack = name.removesuffix("_blocks")
+            blocks, scales = self.tensors.pop(name), self.tensors.pop(f"{stack}_scales", None)
+            if scales is None:
+                raise NarrowsError(
+                    f"{self.path}: MXFP4 tensor {name!r} has no {stack + '_scales'!r} beside it; the checkpoint "
+                    "is incomplete: fetch it again"
+                )
+            if (
+                blocks.dtype != "U8"
+                or scales.dtype != "U8"
+                or blocks.shape[:-1] != scales.shape
+                or len(scales.shape) != 3
+            ):
+                raise NarrowsError(
+                    f"{self.path}: {name!r} {blocks.dtype} {list(blocks.shape)} and its scales {scales.dtype} "
+                    f"{list(scales.shape)} are not MXFP4 expert stacks (uint8 [E, out, in/32, 16] and [E, out, in/32])"
+                )
+            experts, rows, groups = scales.shape
+            cols = groups * blocks.shape[-1] * 2
+            self.tensors[stack] = TensorInfo(
+                blocks.file, "BF16", (experts, cols, rows), -1, experts * rows * cols * 2
+            )
+            self.packed[stack] = (blocks, scales)
 
     def _shard_paths(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
@@ -195,10 +229,17 @@ class CheckpointFolder:
         if q is None and not self.prequantized:
             return None
         method = (q or {}).get("quant_method", "bitsandbytes")
+        if method == "mxfp4":
+            if not self.packed:
+                raise NarrowsError(
+                    f"{self.path}: config.json says MXFP4 but the folder holds no *_blocks / *_scales pairs; "
+                    "fetch the folder again, or remove quantization_config from a float one"
+                )
+            return None  # its MXFP4 stacks read as the bf16 they decode to, exactly
         if method != "bitsandbytes":
             raise NarrowsError(
-                f"{self.path} is quantised with {method!r}; narrows loads float (bf16/fp16/fp32) safetensors "
-                "and bitsandbytes 4-bit NF4 checkpoints. Use the float release of this model."
+                f"{self.path} is quantised with {method!r}; narrows loads float (bf16/fp16/fp32) safetensors, "
+                "bitsandbytes 4-bit NF4 checkpoints and gpt-oss's MXFP4 experts. Use the float release of this model."
             )
         if q is not None and (q.get("load_in_8bit") or not q.get("load_in_4bit", True)):
             raise NarrowsError(

@@ -61,8 +61,18 @@ _DTYPES = {
 
 
 def read_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor:
-    """One tensor, read with a plain file read into memory narrows owns."""
-    info = folder.tensors[name]
+    """One tensor, read with a plain file read into memory narrows owns. An MXFP4 stack
+    (`CheckpointFolder.packed`) is decoded to bf16 by transformers' own gpt-oss decoder:
+    exactly, every FP4 value times a power of two being a bf16 value."""
+    if name in folder.packed:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        blocks, scales = (_read(info, name) for info in folder.packed[name])
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+    return _read(folder.tensors[name], name)
+
+
+def _read(info, name: str) -> torch.Tensor:
     if info.dtype not in _DTYPES:
         raise NarrowsError(f"{info.file}: tensor {name!r} has dtype {info.dtype}, which narrows cannot load")
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -85,7 +95,7 @@ def map_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor | None:
 
     info = folder.tensors[name]
     dtype = _DTYPES.get(info.dtype)
-    if dtype is None or info.offset % dtype.itemsize:
+    if dtype is None or name in folder.packed or info.offset % dtype.itemsize:
         return None
     area = np.memmap(info.file, dtype=np.uint8, mode="r", offset=info.offset, shape=(info.nbytes,))
     with warnings.catch_warnings():  # a read-only array as a tensor: nothing writes it
@@ -389,7 +399,8 @@ def load_blockwise(
         def read(k: str) -> torch.Tensor:
             t = state.pop(k) if k in state else read_tensor(folder, k)
             info = folder.tensors[k]
-            sources[t.data_ptr()] = (str(info.file), info.offset, info.nbytes)
+            if k not in folder.packed:  # a decoded stack lies nowhere in the files as it is
+                sources[t.data_ptr()] = (str(info.file), info.offset, info.nbytes)
             return t
 
         _load_prequantized(model, folder, quant_groups[g], dtype, read)

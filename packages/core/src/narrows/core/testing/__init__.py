@@ -12,7 +12,7 @@ from .contract import (
     reachable_tensors,
     run_contract,
 )
-from .folders import CHATML, tiny_model_folder, tiny_tokenizer, write_jsonl
+from .folders import CHATML, mxfp4_folder, tiny_model_folder, tiny_tokenizer, write_jsonl
 from .maps import mapped_file, mapping_memory
 from .processes import child_env, interruptible, private_cache, under_triton_interpreter
 from .runs import finetune_cli
@@ -33,6 +33,7 @@ __all__ = [
     "interruptible",
     "mapped_file",
     "mapping_memory",
+    "mxfp4_folder",
     "private_cache",
     "reachable_tensors",
     "run_contract",

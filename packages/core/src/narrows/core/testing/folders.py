@@ -52,3 +52,37 @@ def write_jsonl(path: str | os.PathLike, rows: list) -> Path:
     path = Path(path)
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_folder(path: str | os.PathLike, seed: int = 0) -> dict:
+    """A tiny gpt-oss folder as OpenAI released the real ones: every expert stack ``X``
+    [E, in, out] stored as ``X_blocks`` [E, out, in/32, 16] (two E2M1 codes a byte, the even
+    input in the low nibble) and ``X_scales`` [E, out, in/32] (E8M0: 2^(s - 127)), and
+    quantization_config ``mxfp4``. Returns the bf16 stacks those codes stand for, computed
+    here from the E2M1 table (each such value is a bf16 value: the stacks are exact)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    tiny_model_folder(path, "gpt_oss")
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    want = {}
+    for key in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))]:
+        experts, cols, rows = tensors.pop(key).shape  # [E, in, out]
+        codes = torch.randint(0, 16, (experts, rows, cols), generator=gen)
+        exps = torch.randint(120, 131, (experts, rows, cols // 32), generator=gen)
+        scale = 2.0 ** (exps.double() - 127).repeat_interleave(32, -1)
+        values = torch.tensor(FP4_E2M1, dtype=torch.float64)[codes] * scale
+        want[key] = values.to(torch.bfloat16).transpose(1, 2).contiguous()
+        pairs = codes.view(experts, rows, cols // 32, 16, 2)
+        tensors[f"{key}_blocks"] = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+        tensors[f"{key}_scales"] = exps.to(torch.uint8)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router"]}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return want

@@ -6,6 +6,7 @@ each imported only when asked for."""
 from __future__ import annotations
 
 import random
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -69,6 +70,18 @@ def check_model_files(cfg: FinetuneConfig) -> Path:
     checkpoint = CheckpointFolder(folder)
     checkpoint.check_model_type()  # before the tokenizer, which reads config.json too
     checkpoint.check_quantization()
+    if checkpoint.packed:
+        again = (
+            f"then quantised again to {cfg.base.expert_quant} as --quant nf4 asks"
+            if cfg.base.quant == "nf4"
+            else "and kept in bf16 (--quant nf4 would quantise them again, to NF4 or --expert-quant's codes)"
+        )
+        print(
+            f"narrows: {len(checkpoint.packed)} MXFP4 expert stacks decode to bf16 as they load (exactly: each "
+            f"FP4 value times its power-of-two scale is a bf16 value), {again}",
+            file=sys.stderr,
+            flush=True,
+        )
     return folder
 
 
