@@ -56,6 +56,9 @@ def main(out: str, average: str) -> None:
             },
             out,
         )
+    # leave together: a rank that tears its group down while rank 0 still writes can abort at
+    # exit (gloo's threads outliving the interpreter)
+    dist.barrier()
     dist.destroy_process_group()
 
 
