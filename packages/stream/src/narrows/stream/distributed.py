@@ -6,8 +6,8 @@ Only the trainable parameters are synchronised and summed, in rank order
 stream layout stop every rank with a message naming the rank. R ranks, one micro-batch
 each, equal one process accumulating the R micro-batches bit for bit (R a power of two
 for DDP's mean; any R with ``average=False``). Torch's own DDP over a streamed model (as
-accelerate and the Trainer build it) all-reduces: beyond two ranks it equals resident DDP
-over the same ranks.
+accelerate and the Trainer build it) all-reduces: exact at two ranks, within rounding
+beyond (register `rank_ordered_sum` on it for exact).
 
 why: docs/design.md#data-parallel
 """
