@@ -17,8 +17,9 @@ pytestmark = pytest.mark.bnb
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
 
 
-def run(tmp_path, name, budget, extra=(), arch="qwen3_moe"):
-    model = tiny_model_folder(tmp_path / "model", arch)
+def run(tmp_path, name, budget, extra=(), arch="qwen3_moe", model=None):
+    """The main job on `model` (default: a tiny `arch` folder) into run folder `name`."""
+    model = model or tiny_model_folder(tmp_path / "model", arch)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     base = ["--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget, *extra]
     shape = ["--steps", "2", "--batch", "2", "--seq-len", "32", "--rank", "4", "--eval-rows", "0"]
@@ -191,25 +192,12 @@ def test_gpt_oss_mxfp4_release_trains_as_the_bf16_stacks_it_stands_for(tmp_path,
     plain = tiny_model_folder(tmp_path / "bf16", "gpt_oss")
     tensors = load_file(plain / "model.safetensors")
     save_file({**tensors, **want}, plain / "model.safetensors", metadata={"format": "pt"})
-    data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     got = {}
     for name in ("mxfp4", "bf16"):
-        args = ["finetune", "--model", str(tmp_path / name), "--data", str(data), "--quant", "nf4"]
-        args += ["--gpu-budget", "min", "--targets", "all-linear,experts", "--steps", "2", "--batch", "2"]
-        args += [
-            "--seq-len",
-            "32",
-            "--rank",
-            "4",
-            "--eval-rows",
-            "0",
-            "--no-progress",
-            "--out",
-            str(tmp_path / f"run-{name}"),
-        ]
-        assert main(args) == 0
+        got[name], _ = run(
+            tmp_path, f"run-{name}", "min", ("--targets", "all-linear,experts"), model=tmp_path / name
+        )
         said = capsys.readouterr().err
         assert ("6 MXFP4 expert stacks decode to bf16" in said) == (name == "mxfp4"), said
-        got[name] = load_file(tmp_path / f"run-{name}" / "adapter_model.safetensors")
     assert got["mxfp4"].keys() == got["bf16"].keys() and any(".experts." in k for k in got["bf16"])
     assert all(torch.equal(got["mxfp4"][k], got["bf16"][k]) for k in got["bf16"])

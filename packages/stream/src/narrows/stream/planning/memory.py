@@ -136,8 +136,8 @@ class Shapes:
     def sink_bytes(self) -> int:
         """`sink_copies` and the two masks the model builds whole for its eager attention
         (full and sliding), held for the step: what a layer's working set adds."""
-        masks = 2 * self.batch * self.seq * self.seq * self.act_bytes
-        return self.sink_copies() + masks if self.sink_copies() else 0
+        copies = self.sink_copies()
+        return copies + 2 * self.batch * self.seq * self.seq * self.act_bytes if copies else 0
 
     @property
     def wide_queries(self) -> int:

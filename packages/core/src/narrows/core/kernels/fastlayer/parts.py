@@ -70,9 +70,7 @@ class LayerParts:
     moe: MoEParts | None = None  # the MLP is a mixture of experts
     full_qk_norm: bool = False  # the Q/K norms span all heads, before they split (OLMo's), not each head
     sinks: Tensor | None = None  # (heads,): each head's sink logit in its softmax's denominator (gpt-oss)
-    half_rope: bool = (
-        False  # tables half a head wide turn both halves alike (gpt-oss's; not a partial rotary)
-    )
+    half_rope: bool = False  # half-head tables turn both halves alike (gpt-oss's; not partial)
     recorded: frozenset[str] = frozenset()  # what transformers' recorders inside it collect
 
     def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
