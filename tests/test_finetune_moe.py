@@ -17,11 +17,11 @@ pytestmark = pytest.mark.bnb
 ROWS = [{"text": " ".join(f"w{(7 * i + j) % 50}" for j in range(20))} for i in range(12)]
 
 
-def run(tmp_path, name, budget, extra=(), arch="qwen3_moe", model=None):
+def run(tmp_path, name, budget, extra=(), arch="qwen3_moe", model=None, quant="nf4"):
     """The main job on `model` (default: a tiny `arch` folder) into run folder `name`."""
     model = model or tiny_model_folder(tmp_path / "model", arch)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    base = ["--model", str(model), "--data", str(data), "--quant", "nf4", "--gpu-budget", budget, *extra]
+    base = ["--model", str(model), "--data", str(data), "--quant", quant, "--gpu-budget", budget, *extra]
     shape = ["--steps", "2", "--batch", "2", "--seq-len", "32", "--rank", "4", "--eval-rows", "0"]
     code = main(["finetune", *base, *shape, "--no-progress", "--out", str(tmp_path / name)])
     assert code == 0
@@ -181,10 +181,13 @@ def test_lora_on_routed_experts_resumes_exactly(tmp_path, interrupt_at):
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
 
 
-def test_gpt_oss_mxfp4_release_trains_as_the_bf16_stacks_it_stands_for(tmp_path, capsys):
+@pytest.mark.parametrize("quant", ["none", "nf4"])
+def test_gpt_oss_mxfp4_release_trains_as_the_bf16_stacks_it_stands_for(tmp_path, capsys, quant):
     """A folder in gpt-oss's MXFP4 release format, and a bf16 folder holding the stacks its
     codes stand for (computed from the E2M1 table): the main job trains the same adapter on
-    both, bit for bit, experts quantised again to NF4, and says the MXFP4 stacks were decoded."""
+    both, bit for bit, streamed. The release's experts stay MXFP4, dequantised each pass, where
+    the bf16 folder's stay float (``--quant none``); with ``--expert-quant nf4`` they are decoded
+    and quantised again, as the bf16 folder's are. The job says which."""
     pytest.importorskip("bitsandbytes")
     from safetensors.torch import save_file
 
@@ -192,12 +195,22 @@ def test_gpt_oss_mxfp4_release_trains_as_the_bf16_stacks_it_stands_for(tmp_path,
     plain = tiny_model_folder(tmp_path / "bf16", "gpt_oss")
     tensors = load_file(plain / "model.safetensors")
     save_file({**tensors, **want}, plain / "model.safetensors", metadata={"format": "pt"})
-    got = {}
+    # PEFT makes a float stack's adapters in the stack's dtype and a quantised one's in float32:
+    # in bf16 the two bases' initial A would differ by its rounding, so the float base runs in float32
+    scheme = ("--expert-quant", "nf4") if quant == "nf4" else ("--dtype", "float32")
+    got, summaries = {}, {}
     for name in ("mxfp4", "bf16"):
-        got[name], _ = run(
-            tmp_path, f"run-{name}", "min", ("--targets", "all-linear,experts"), model=tmp_path / name
+        extra = ("--targets", "all-linear,experts", *scheme)
+        got[name], summaries[name] = run(
+            tmp_path, f"run-{name}", "min", extra, model=tmp_path / name, quant=quant
         )
         said = capsys.readouterr().err
-        assert ("6 MXFP4 expert stacks decode to bf16" in said) == (name == "mxfp4"), said
+        held = "stay MXFP4 as stored" if quant == "none" else "then are quantised again to nf4"
+        assert ("6 MXFP4 expert stacks" in said and held in said) == (name == "mxfp4"), said
+        assert ("MXFP4: 6 expert stacks" in said) == (name == "mxfp4" and quant == "none"), said
     assert got["mxfp4"].keys() == got["bf16"].keys() and any(".experts." in k for k in got["bf16"])
     assert all(torch.equal(got["mxfp4"][k], got["bf16"][k]) for k in got["bf16"])
+    if quant == "none":
+        stacks = summaries["mxfp4"]["precision"]["expert_stacks"]
+        stored = sum(w.numel() // 2 + w.numel() // 32 for w in want.values())  # codes and E8M0 scales
+        assert stacks == {"mxfp4": {"count": 6, "bytes": stored}}, stacks

@@ -558,19 +558,58 @@ def test_map_tensor_is_the_checkpoint_bytes_where_they_lie(tmp_path):
 
 
 # --- gpt-oss's MXFP4 release ------------------------------------------------------------
-def test_mxfp4_experts_load_as_the_bf16_values_their_codes_stand_for(tmp_path):
-    """Each MXFP4 stack decodes, exactly, to the stack its codes and scales name (computed by
-    the test from the E2M1 table, not by the decoder narrows uses); everything else loads as
-    stored. A stack whose scales are missing is refused, naming it."""
+def test_mxfp4_experts_stay_mxfp4_and_dequantise_to_the_bf16_values_their_codes_stand_for(tmp_path):
+    """A release's MXFP4 stacks load as stored: their codes and scales are the file's bytes,
+    and each pass dequantises them, exactly, to the stack its codes and scales name (computed
+    by the test from the E2M1 table, not by the code narrows uses); everything else loads as
+    stored. Asked for NF3, the stacks are those values quantised again. A stack whose scales
+    are missing is refused, naming it; 'mxfp4' on a folder with none is refused."""
+    from narrows.core import expert_scheme, lowbit_stacks, moe_blocks
+    from narrows.core.quant.experts import expert_stacks
+    from narrows.core.quant.lowbit import dequantize_reference, quantize
+
     want = mxfp4_folder(tmp_path / "m")  # the stacks computed from the E2M1 table
-    model = load_blockwise(tmp_path / "m", dtype=BF16)
-    state = model.state_dict()
-    assert want and all(torch.equal(state[k], w) for k, w in want.items())
     stored = load_file(tmp_path / "m" / "model.safetensors")
-    assert all(torch.equal(state[k], v.to(BF16)) for k, v in stored.items() if k in state)
+    model = load_blockwise(tmp_path / "m", dtype=BF16)
+    held = {}
+    for layer_path, layer in zip(*_layers(model)):
+        for block in moe_blocks(layer):
+            names = tuple(lowbit_stacks(block.experts))
+            assert names and {expert_scheme(block.experts, n) for n in names} == {"mxfp4"}
+            for name, stack in zip(names, expert_stacks(block.experts, names)):
+                key = f"{layer_path}.{block.name}.{block.experts_name}.{name}"
+                held[key] = stack
+                codes = block.experts._parameters[name]
+                assert torch.equal(codes.flatten(), stored[f"{key}_blocks"].flatten())
+    assert held.keys() == want.keys() and all(torch.equal(held[k], w) for k, w in want.items())
+    state = model.state_dict()
+    assert all(
+        torch.equal(state[k], v.to(BF16)) for k, v in stored.items() if k in state and v.is_floating_point()
+    )
+
+    again = load_blockwise(tmp_path / "m", dtype=BF16, quant="nf4", experts="nf3")
+    for layer_path, layer in zip(*_layers(again)):
+        for block in moe_blocks(layer):
+            for name, stack in lowbit_stacks(block.experts).items():
+                assert stack.scheme == "nf3"
+                key = f"{layer_path}.{block.name}.{block.experts_name}.{name}"
+                codes, absmax = quantize(want[key], 3)
+                assert torch.equal(
+                    expert_stacks(block.experts, (name,))[0], dequantize_reference(codes, absmax, stack)
+                )
+
+    with pytest.raises(NarrowsError, match="has none"):
+        load_blockwise(tiny_model_folder(tmp_path / "dense"), dtype=BF16, experts="mxfp4")
     tensors = load_file(tmp_path / "m" / "model.safetensors")
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
     gap = "down_proj_blocks' has no 'model.layers.1.mlp.experts.down_proj_scales'"
     with pytest.raises(NarrowsError, match=re.escape(gap)):
         load_blockwise(tmp_path / "m", dtype=BF16)
+
+
+def _layers(model):
+    from narrows.core import anatomy_of
+
+    anat = anatomy_of(model)
+    return anat.layer_paths, anat.layers

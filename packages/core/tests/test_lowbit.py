@@ -8,8 +8,10 @@ import sys
 
 import pytest
 import torch
+from torch import Tensor
 
 import narrows.core as nc
+from narrows.core.errors import NarrowsError
 from narrows.core.quant import lowbit
 from narrows.core.quant.lowbit import LowbitStack
 
@@ -206,13 +208,21 @@ for bits in (2, 3, 4):
     spec = lowbit.LowbitStack(bits, tuple(stack.shape), torch.float32)
     got = lowbit.dequantize(codes, absmax, spec, impl="triton")
     assert torch.equal(got, lowbit.dequantize_reference(codes, absmax, spec)), bits
+for shape in ((3, 64, 40), (2, 96, 130)):  # MXFP4 [E, in, out], stored [E, out, in]: one tile, partial tiles
+    per = shape[1] * shape[2]
+    codes = torch.randint(0, 256, (shape[0], per // 2), dtype=torch.uint8)
+    scales = torch.randint(110, 140, (shape[0], per // 32), dtype=torch.uint8)
+    spec = lowbit.LowbitStack.of_mxfp4(shape, torch.float32)
+    got = lowbit.dequantize(codes, scales, spec, impl="triton")
+    assert torch.equal(got, lowbit.dequantize_reference(codes, scales, spec)), shape
 print("ok")
 """
 
 
 def test_the_kernel_decodes_as_the_reference_under_tritons_interpreter():
     """The Triton kernel run by Triton's CPU interpreter, float32 out: its indexing (a code
-    straddling two bytes, the block's scale, the last partial tile) is the reference's.
+    straddling two bytes, the block's scale, the last partial tile, MXFP4's exponents and
+    transposed layout) is the reference's.
     (The interpreter rounds to bf16 by truncation, so narrower dtypes are left to CUDA.)"""
     pytest.importorskip("triton")
     from narrows.core.testing import under_triton_interpreter
@@ -235,3 +245,47 @@ def test_cuda_kernel_equals_the_reference(bits, dtype):
     cpu_codes, cpu_absmax = lowbit.quantize(stack.cpu(), bits)  # the same codes quantised on the CPU
     assert torch.equal(cpu_codes, codes.cpu()) and torch.equal(cpu_absmax, absmax.cpu())
     assert torch.equal(got.cpu(), lowbit.dequantize_reference(cpu_codes, cpu_absmax, spec))
+
+
+def mxfp4_codes(shape: tuple[int, ...], seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Random MXFP4 codes and E8M0 scales for a stack of `shape` [E, in, out]."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, per = shape[0], math.prod(shape[1:])
+    codes = torch.randint(0, 256, (experts, per // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(1, 255, (experts, per // 32), generator=gen, dtype=torch.uint8)
+    return codes, scales
+
+
+def test_mxfp4_dequantises_to_e2m1_times_a_power_of_two_in_the_stacks_layout():
+    """Each weight of an MXFP4 stack is its E2M1 value times 2^(s - 127) (computed here in
+    float64 from the format's definition: sign, two exponent bits, one mantissa bit), placed
+    at [e, i, o] for code (e, o, i) of the release's layout; every scale the format holds,
+    2^-126 … 2^127 (and 0 → 2^-127), comes out exact in float32."""
+    shape = (3, 64, 40)  # [E, in, out]
+    codes, scales = mxfp4_codes(shape)
+    scales[0, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)
+    got = lowbit.dequantize_reference(codes, scales, LowbitStack.of_mxfp4(shape, torch.float32))
+    nibbles = torch.stack([codes & 0xF, codes >> 4], -1).reshape(3, -1).long()  # even weight: low nibble
+    sign = torch.where(nibbles >= 8, -1.0, 1.0).double()
+    field, mantissa = (nibbles >> 1) & 3, (nibbles & 1).double()
+    magnitude = torch.where(field == 0, mantissa / 2, (1 + mantissa / 2) * 2.0 ** (field - 1).double())
+    power = 2.0 ** (scales.double() - 127).repeat_interleave(32, -1)
+    want = (sign * magnitude * power).view(3, 40, 64).transpose(1, 2)
+    assert torch.equal(got, want.float())
+    bf16 = lowbit.dequantize_reference(codes, scales, LowbitStack.of_mxfp4(shape, torch.bfloat16))
+    assert torch.equal(bf16, got.to(torch.bfloat16))  # one rounding, of the exact float32 values
+    recipe = LowbitStack.of_mxfp4(shape, torch.bfloat16).recipe()
+    assert LowbitStack.from_recipe(recipe) == LowbitStack.of_mxfp4(shape, torch.bfloat16)
+    with pytest.raises(NarrowsError, match="uint8 E8M0"):
+        lowbit.dequantize_reference(codes, scales.float(), LowbitStack.of_mxfp4(shape, torch.float32))
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_decodes_mxfp4_as_the_reference():
+    pytest.importorskip("triton")
+    shape = (3, 96, 200)  # not a whole number of the kernel's tiles
+    codes, scales = (t.cuda() for t in mxfp4_codes(shape, seed=1))
+    spec = LowbitStack.of_mxfp4(shape, torch.bfloat16)
+    got = lowbit.dequantize(codes, scales, spec)  # auto: the kernel on CUDA
+    assert torch.equal(got, lowbit.dequantize_reference(codes, scales, spec))
+    assert torch.equal(got.cpu(), lowbit.dequantize_reference(codes.cpu(), scales.cpu(), spec))

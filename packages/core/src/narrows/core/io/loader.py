@@ -14,7 +14,9 @@ layer at a time, so the full float model never exists in memory.
    cache or a disk tier — before the next layer is read.
 
 A pre-quantised bitsandbytes 4-bit checkpoint loads its packed weights and quantisation
-state as they are (never dequantised). Peak host memory: the final footprint plus one
+state as they are (never dequantised); so does a release's MXFP4 expert stacks (gpt-oss's),
+as `LowbitStack.of_mxfp4` codes, unless a scheme is asked for (they are then decoded to bf16,
+exactly, and quantised again). Peak host memory: the final footprint plus one
 layer's source tensors and its quantised copy, plus the largest non-layer tensor.
 """
 
@@ -36,7 +38,8 @@ from ..optional import require
 from ..protocol.anatomy import Anatomy, accepting_unannounced, anatomy_of
 from ..protocol.handle import state_of
 from ..protocol.verify import ensure_architecture
-from ..quant.experts import EXPERT_SCHEMES
+from ..quant.experts import EXPERT_SCHEMES, install_lowbit_experts
+from ..quant.lowbit import LowbitStack
 from ..quant.nf4 import quantize_layer_nf4, say_precision
 from .checkpoint import BNB_STATS, CheckpointFolder
 
@@ -70,6 +73,15 @@ def read_tensor(folder: CheckpointFolder, name: str) -> torch.Tensor:
         blocks, scales = (_read(info, name) for info in folder.packed[name])
         return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
     return _read(folder.tensors[name], name)
+
+
+def read_mxfp4(folder: CheckpointFolder, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 stack's codes and scales as stored, flattened per expert: uint8 [E, n/2] (two
+    E2M1 codes a byte) and [E, n/32] (E8M0 exponents), n the weights of one expert — the
+    `LowbitStack.of_mxfp4` layout."""
+    blocks, scales = (_read(info, name) for info in folder.packed[name])
+    experts = blocks.shape[0]
+    return blocks.reshape(experts, -1), scales.reshape(experts, -1)
 
 
 def _read(info, name: str) -> torch.Tensor:
@@ -350,7 +362,8 @@ def load_blockwise(
     quantises each decoder layer's linears as `quantize_nf4` does (double quantisation,
     block size 64) on `device` (default: CUDA when available) and brings them back to the
     CPU, and a mixture of experts' fused stacks to `experts` ("nf4", the default; "nf3" or
-    "nf2": see `quantize_nf4`); a pre-quantised bitsandbytes NF4 checkpoint is loaded as
+    "nf2": see `quantize_nf4`); a release's MXFP4 stacks stay MXFP4 (``experts`` None or
+    "mxfp4"; dequantised per pass, exactly) whatever `quant` says; a pre-quantised bitsandbytes NF4 checkpoint is loaded as
     it is whatever `quant` says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
     the next is read (a pre-quantised layer carries ``narrows_file_sources``: the file
     and offset of each tensor it holds verbatim, by address, so a disk tier can read
@@ -365,9 +378,19 @@ def load_blockwise(
         raise NarrowsError(f"quant={quant!r}: narrows quantises to 'nf4' or loads float ('none')")
     # float weights whose config.json asks for NF4 are quantised, as transformers would
     quantise = stored is None and (quant == "nf4" or folder.asks_nf4)
-    if experts not in (None, *EXPERT_SCHEMES):
-        raise NarrowsError(f"experts={experts!r}: narrows quantises expert stacks to one of {EXPERT_SCHEMES}")
-    if experts not in (None, "nf4") and not quantise:
+    if experts not in (None, "mxfp4", *EXPERT_SCHEMES):
+        raise NarrowsError(
+            f"experts={experts!r}: narrows quantises expert stacks to one of {EXPERT_SCHEMES}, or keeps a "
+            "release's MXFP4 ones ('mxfp4')"
+        )
+    if experts == "mxfp4" and not folder.packed:
+        raise NarrowsError(
+            f"experts='mxfp4' keeps the MXFP4 expert stacks a release stores (gpt-oss's); {folder.path} has none"
+        )
+    # a release's MXFP4 stacks stay MXFP4 unless a scheme is asked for: their codes are kept
+    # and dequantised per pass (exactly), not decoded to bf16 as they load
+    keep_mxfp4 = bool(folder.packed) and experts in (None, "mxfp4")
+    if experts not in (None, "nf4", "mxfp4") and not quantise:
         raise NarrowsError(
             f"experts={experts!r} sets how the routed experts are quantised along with the linears: "
             + (
@@ -389,8 +412,11 @@ def load_blockwise(
     def keys_of(g: int) -> list[str]:
         return list(groups[g]) + [k for w in quant_groups[g] for k in _bnb_keys(folder, w)]
 
+    def fetch(k: str):
+        return read_mxfp4(folder, k) if keep_mxfp4 and k in folder.packed else read_tensor(folder, k)
+
     def read_all(g: int) -> dict[str, torch.Tensor]:
-        return {k: read_tensor(folder, k) for k in keys_of(g)}
+        return {k: fetch(k) for k in keys_of(g)}
 
     def load(g: int, state: dict[str, torch.Tensor]) -> dict[int, tuple[str, int, int]]:
         """Load group `g`; returns where each tensor read lies in the checkpoint, by address."""
@@ -403,8 +429,16 @@ def load_blockwise(
                 sources[t.data_ptr()] = (str(info.file), info.offset, info.nbytes)
             return t
 
+        kept = {k: m for k, m in groups[g].items() if keep_mxfp4 and k in folder.packed}
         _load_prequantized(model, folder, quant_groups[g], dtype, read)
-        _load_float(model, folder, groups[g], mapping, dtype, read)
+        _load_float(
+            model, folder, {k: m for k, m in groups[g].items() if k not in kept}, mapping, dtype, read
+        )
+        for k, target in kept.items():
+            codes, scales = state.pop(k) if k in state else read_mxfp4(folder, k)
+            parent, _, attr = target.rpartition(".")
+            stack = LowbitStack.of_mxfp4(tuple(mapping.meta[target].shape), dtype)
+            install_lowbit_experts(model.get_submodule(parent), {attr: (codes, scales, stack)})
         return sources
 
     load(0, {})
@@ -425,7 +459,12 @@ def load_blockwise(
                 layer.narrows_file_sources = sources
             if quantise:
                 quantize_layer_nf4(
-                    layer, lpath, compute_dtype=dtype, device=device, park="cpu", experts=experts or "nf4"
+                    layer,
+                    lpath,
+                    compute_dtype=dtype,
+                    device=device,
+                    park="cpu",
+                    experts=experts if experts in EXPERT_SCHEMES else "nf4",  # kept MXFP4 stacks stay
                 )
             if on_layer is not None:
                 on_layer(i, lpath, layer)
@@ -436,8 +475,8 @@ def load_blockwise(
         raise NarrowsError(f"{folder.path}: {left[0]!r} was not loaded; the checkpoint is incomplete")
     if quantise or stored:
         model.is_loaded_in_4bit = True
-    if quantise:
-        say_precision(model)
+    if quantise or keep_mxfp4:
+        say_precision(model)  # a float base's linears are named as such
     model.eval()
     state_of(model).checkpoint = Path(folder.path)  # where it came from
     return model

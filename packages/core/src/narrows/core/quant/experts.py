@@ -16,6 +16,8 @@ dequantisation gives.
   and ``{name}_absmax`` beside it its block scales (a frozen float32 parameter [E, blocks]);
   what turns them back into the stack (bits, shape, dtype) is the module's, by name
   (`lowbit_stacks`).
+* MXFP4, as gpt-oss's release stores its experts (not made here: the loader keeps a
+  release's codes): held the same way, its E8M0 scales as uint8 in ``{name}_absmax``.
 
 Either way the quantised stacks are frozen parameters (and quantisation state), so the
 protocol's slots, slabs and streaming move them with no code of their own. Each carries the
@@ -36,6 +38,7 @@ from .lowbit import BLOCK, SCHEMES, LowbitStack, dequantize, quantize
 
 __all__ = [
     "EXPERT_SCHEMES",
+    "HELD_SCHEMES",
     "MoEBlock",
     "absmax_name",
     "dequantized_expert_bytes",
@@ -54,6 +57,7 @@ __all__ = [
 ]
 
 EXPERT_SCHEMES = ("nf4", "nf3", "nf2")  # nf4: bitsandbytes'; nf3, nf2: `lowbit.py`'s codes
+HELD_SCHEMES = (*EXPERT_SCHEMES, "mxfp4")  # and a release's MXFP4 codes, kept as stored
 
 
 def absmax_name(stack: str) -> str:
@@ -84,12 +88,12 @@ def is_nf4_experts(module: nn.Module) -> bool:
 
 
 def lowbit_stacks(module: nn.Module) -> dict[str, LowbitStack]:
-    """`module`'s NF3/NF2 stacks by name: what dequantises each one's codes and absmax."""
+    """`module`'s NF3/NF2/MXFP4 stacks by name: what dequantises each one's codes and absmax."""
     return dict(getattr(module, "_lowbit_stacks", None) or {})
 
 
 def expert_scheme(module: nn.Module, name: str) -> str:
-    """How stack `name` of `module` is held: "nf4", "nf3", "nf2", or its float dtype's name."""
+    """How stack `name` of `module` is held: "nf4", "nf3", "nf2", "mxfp4", or its float dtype's name."""
     lowbit = lowbit_stacks(module)
     if name in lowbit:
         return lowbit[name].scheme
@@ -277,7 +281,7 @@ def install_nf4_experts(module: nn.Module, stacks: dict[str, nn.Parameter]) -> N
 
 def install_lowbit_experts(module: nn.Module, stacks: dict[str, tuple[Tensor, Tensor, LowbitStack]]) -> None:
     """Put NF3/NF2 stacks — (codes, absmax, `LowbitStack`) by name, as `lowbit.quantize`
-    makes them — in `module` as frozen parameters (the codes in the stack's place, the
+    makes them, or MXFP4 ones as a release stores them — in `module` as frozen parameters (the codes in the stack's place, the
     absmax as ``{name}_absmax``) and make it run them (a prepared cache rebuilds a layer
     this way, over views of its slab)."""
     for name, (codes, absmax, stack) in stacks.items():
@@ -290,7 +294,7 @@ def install_lowbit_experts(module: nn.Module, stacks: dict[str, tuple[Tensor, Te
 
 
 def _is_quantized(module: nn.Module, name: str) -> bool:
-    return expert_scheme(module, name) in EXPERT_SCHEMES
+    return expert_scheme(module, name) in HELD_SCHEMES
 
 
 def dequantized_expert_bytes(layer: nn.Module) -> int:

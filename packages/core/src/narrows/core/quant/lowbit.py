@@ -1,4 +1,5 @@
-"""Blockwise k-bit NormalFloat codes (NF2, NF3; NF4 for comparison) for fused expert stacks.
+"""Blockwise k-bit NormalFloat codes (NF2, NF3; NF4 for comparison) for fused expert stacks,
+and MXFP4 stacks kept as a release stores them.
 
 Invariant: a stack [E, ...] quantised here dequantises to ``levels(k)[code] · absmax``,
 multiplied in float32 and rounded once to the stack's dtype — by `dequantize_reference`
@@ -18,6 +19,15 @@ Packing: every 8 consecutive codes of an expert form one k-byte little-endian wo
 j in bits [k·j, k·j + k) — 4 codes a byte for NF2, 8 codes in 3 bytes for NF3 (a code may
 straddle two bytes), 2 a byte for NF4 (low nibble first, unlike bitsandbytes). A block of
 64 weights is then 8·k whole bytes, so blocks, and experts, start on a byte.
+
+MXFP4 (the OCP Microscaling format, gpt-oss's release): 4-bit E2M1 codes, two a byte, the
+even weight in the low nibble — NF4's packing — and one E8M0 scale per 32 weights, a uint8
+``s`` standing for 2^(s - 127), held as stored (1 byte, where NF codes keep a float32
+absmax): 4.25 bits a weight. The release stores a stack [E, in, out] transposed, as
+[E, out, in] with the blocks along ``in``, so an MXFP4 `LowbitStack` is ``transposed``: its
+codes run over the stack with its last two dimensions swapped, and dequantising writes each
+value to its place in the stack's own layout. Each value, an E2M1 level times a power of
+two, is a bf16 value: the stack dequantises exactly.
 """
 
 from __future__ import annotations
@@ -33,10 +43,13 @@ from ..optional import is_available, require
 
 __all__ = [
     "BLOCK",
+    "FP4_E2M1",
+    "MXFP4_BLOCK",
     "SCHEMES",
     "LowbitStack",
     "dequantize",
     "dequantize_reference",
+    "e8m0_scales",
     "normal_float_levels",
     "pack",
     "quantize",
@@ -46,6 +59,9 @@ __all__ = [
 
 BLOCK = 64  # weights per absmax: QLoRA's block size
 SCHEMES = {"nf2": 2, "nf3": 3, "nf4": 4}  # scheme name -> bits a code
+MXFP4_BLOCK = 32  # weights per E8M0 scale
+# E2M1 by code: sign in bit 3, then two exponent bits and one mantissa bit
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _CHUNK = 1 << 24  # weights quantised or dequantised at once by the PyTorch paths (bounds their temporaries)
 
 
@@ -71,16 +87,29 @@ def normal_float_levels(bits: int) -> Tensor:
     return torch.tensor(_levels(bits), dtype=torch.float32)
 
 
-_ON_DEVICE: dict[tuple[int, torch.device], Tensor] = {}
+_ON_DEVICE: dict[tuple[str, torch.device], Tensor] = {}
 
 
-def _levels_on(bits: int, device: torch.device) -> Tensor:
-    """The levels on `device`, made once per device (a later call copies nothing, so it may
-    run inside a CUDA graph's capture once an eager call has run)."""
-    key = (bits, device)
+def _levels_on(scheme: str, device: torch.device) -> Tensor:
+    """A scheme's values by code on `device` (NF: the sorted levels; MXFP4: E2M1's table),
+    made once per device (a later call copies nothing, so it may run inside a CUDA graph's
+    capture once an eager call has run)."""
+    key = (scheme, device)
     if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = normal_float_levels(bits).to(device)
+        table = (
+            torch.tensor(FP4_E2M1, dtype=torch.float32)
+            if scheme == "mxfp4"
+            else normal_float_levels(SCHEMES[scheme])
+        )
+        _ON_DEVICE[key] = table.to(device)
     return _ON_DEVICE[key]
+
+
+def e8m0_scales(exponents: Tensor) -> Tensor:
+    """E8M0 scale bytes ``s`` as float32 2^(s - 127), exactly (s = 0, 2^-127, is a float32
+    subnormal; 255, NaN in the format, does not occur in a release and reads as 2^128 = inf)."""
+    bits = exponents.to(torch.int32) << 23  # a float32 of exponent field s and mantissa 0
+    return torch.where(exponents == 0, 2.0**-127, bits.view(torch.float32))
 
 
 def _check(bits: int, block: int) -> None:
@@ -94,17 +123,36 @@ def _check(bits: int, block: int) -> None:
 
 @dataclass(frozen=True)
 class LowbitStack:
-    """What turns a stack's codes and absmax back into the stack: its bits a code, shape,
-    dtype and block size. ``recipe()`` is its JSON form (a prepared cache keeps it)."""
+    """What turns a stack's codes and absmax back into the stack: its bits a code, shape (as
+    the model's code sees it), dtype and block size, and whether its codes are MXFP4's (E2M1
+    codes, uint8 E8M0 scales, laid over the stack transposed in its last two dimensions).
+    ``recipe()`` is its JSON form (a prepared cache keeps it)."""
 
     bits: int
     shape: tuple[int, ...]
     dtype: torch.dtype
     block: int = BLOCK
+    mxfp4: bool = False
+
+    @classmethod
+    def of_mxfp4(cls, shape: tuple[int, ...], dtype: torch.dtype) -> LowbitStack:
+        """An MXFP4 stack of `shape` [E, in, out] as gpt-oss's release stores it."""
+        return cls(4, tuple(shape), dtype, MXFP4_BLOCK, mxfp4=True)
 
     @property
     def scheme(self) -> str:
-        return f"nf{self.bits}"
+        return "mxfp4" if self.mxfp4 else f"nf{self.bits}"
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape its codes run over: the stack's, or MXFP4's [E, out, in]."""
+        if not self.mxfp4:
+            return self.shape
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2])
+
+    @property
+    def absmax_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.mxfp4 else torch.float32
 
     @property
     def numel(self) -> int:
@@ -119,7 +167,7 @@ class LowbitStack:
 
     @property
     def absmax_bytes(self) -> int:
-        return self.numel // self.block * 4
+        return self.numel // self.block * self.absmax_dtype.itemsize
 
     def recipe(self) -> dict:
         return {
@@ -131,6 +179,8 @@ class LowbitStack:
 
     @classmethod
     def from_recipe(cls, recipe: dict) -> LowbitStack:
+        if recipe["scheme"] == "mxfp4":
+            return cls.of_mxfp4(tuple(recipe["shape"]), getattr(torch, recipe["dtype"]))
         return cls(
             SCHEMES[recipe["scheme"]],
             tuple(recipe["shape"]),
@@ -140,9 +190,15 @@ class LowbitStack:
 
     def check(self, codes: Tensor, absmax: Tensor) -> None:
         """Raise NarrowsError unless `codes` and `absmax` can hold this stack: uint8 codes
-        [E, n·bits/8] and float32 absmax [E, n/block], both contiguous."""
+        [E, n·bits/8] and absmax [E, n/block] (float32; MXFP4's uint8 exponents), both
+        contiguous."""
         _check(self.bits, self.block)
-        if absmax.dtype != torch.float32:
+        if self.mxfp4:
+            if self.bits != 4 or self.block != MXFP4_BLOCK or len(self.shape) < 3:
+                raise NarrowsError(f"an MXFP4 stack is 4-bit codes in blocks of 32 over [E, in, out]: {self}")
+            if absmax.dtype != torch.uint8:
+                raise NarrowsError(f"an MXFP4 stack's scales are uint8 E8M0 exponents, not {absmax.dtype}")
+        elif absmax.dtype != torch.float32:
             raise NarrowsError(
                 f"a {self.scheme} expert stack's absmax is {absmax.dtype}, not float32: something cast the "
                 "model's float parameters (model.to(dtype)?) after quantisation; quantise after casting"
@@ -201,7 +257,7 @@ def quantize(stack: Tensor, bits: int, *, block: int = BLOCK) -> tuple[Tensor, T
             f"a stack {list(stack.shape)}: one expert's {per_expert} weights are not a multiple of the "
             f"block size {block}, so its blocks would straddle two experts"
         )
-    levels = _levels_on(bits, stack.device)
+    levels = _levels_on(f"nf{bits}", stack.device)
     midpoints = (levels[1:] + levels[:-1]) / 2
     blocks = stack.reshape(experts, per_expert // block, block)
     codes = torch.empty(experts, per_expert * bits // 8, dtype=torch.uint8, device=stack.device)
@@ -223,13 +279,18 @@ def dequantize_reference(codes: Tensor, absmax: Tensor, stack: LowbitStack) -> T
     stack.check(codes, absmax)
     experts = stack.shape[0]
     out = torch.empty(stack.shape, dtype=stack.dtype, device=codes.device)
-    flat = out.view(experts, -1)
-    levels = _levels_on(stack.bits, codes.device)
-    step = max(1, _CHUNK // flat.shape[1])
+    # where the codes' order puts each value: the stack itself, or MXFP4's transposed view of it
+    stored = out.transpose(-1, -2) if stack.mxfp4 else out
+    levels = _levels_on(stack.scheme, codes.device)
+    per_expert = stack.numel // experts
+    step = max(1, _CHUNK // per_expert)
     for start in range(0, experts, step):
         index = unpack(codes[start : start + step], stack.bits).to(torch.int32)
-        values = levels[index].view(index.shape[0], -1, stack.block) * absmax[start : start + step, :, None]
-        flat[start : start + step] = values.view(index.shape[0], -1)  # one rounding to the dtype
+        scale = absmax[start : start + step]
+        scale = e8m0_scales(scale) if stack.mxfp4 else scale
+        values = levels[index].view(index.shape[0], -1, stack.block) * scale[:, :, None]
+        # one rounding to the dtype
+        stored[start : start + step] = values.view(index.shape[0], *stack.stored_shape[1:])
     return out
 
 
@@ -266,4 +327,4 @@ def dequantize(codes: Tensor, absmax: Tensor, stack: LowbitStack, *, impl: str =
     if kernel is None:
         require("triton", "the Triton dequantisation of NF2/NF3 expert stacks")  # says how to install it
         from . import lowbit_kernel as kernel  # installed but failing: let its import error show
-    return kernel.dequantize_triton(codes, absmax, _levels_on(stack.bits, codes.device), stack)
+    return kernel.dequantize_triton(codes, absmax, _levels_on(stack.scheme, codes.device), stack)

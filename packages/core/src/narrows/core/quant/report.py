@@ -1,5 +1,5 @@
-"""What a model's decoder layers hold quantised (NF4 linears; expert stacks in NF4, NF3 or
-NF2) and what they keep in float, with why.
+"""What a model's decoder layers hold quantised (NF4 linears; expert stacks in NF4, NF3, NF2
+or a release's MXFP4) and what they keep in float, with why.
 
 A quantised base never keeps a tensor in float without saying so: `precision(model)`
 walks the decoder layers and sorts every frozen float tensor that is not quantised into
@@ -24,6 +24,7 @@ _WHY = {
     "routers": "each token's choice of experts; small, and left as transformers builds it",
     "expert biases": "one per expert and channel, as a 4-bit linear keeps its bias",
     "vectors": "one value per channel (norm scales, biases, attention sinks), as bitsandbytes keeps them",
+    "linears": "the base is float (--quant nf4 / quantize_nf4 would quantise them)",
 }
 
 
@@ -31,7 +32,7 @@ _WHY = {
 class KeptInFloat:
     """Tensors of one kind the decoder layers keep in float: how many, their bytes, why."""
 
-    kind: str  # "routers", "expert biases", "vectors", or "other"
+    kind: str  # "linears" (of a float base), "routers", "expert biases", "vectors", or "other"
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     nbytes: int
@@ -58,7 +59,7 @@ class ExpertStacks:
     """The expert stacks held in one scheme: how many, their bytes as stored (codes and
     scales)."""
 
-    scheme: str  # "nf4", "nf3", "nf2"
+    scheme: str  # "nf4", "nf3", "nf2", "mxfp4"
     count: int
     nbytes: int
 
@@ -131,6 +132,7 @@ def _stored_bytes(p) -> int:
 def precision(model: nn.Module) -> Precision:
     """`model`'s decoder layers sorted by precision (adapters, which train, are left out)."""
     anat = anatomy_of(model)
+    float_base = not getattr(anat.model, "is_loaded_in_4bit", False)
     linears = linear_bytes = 0
     schemes: dict[str, list[int]] = {}  # scheme -> [count, bytes]
     kinds: dict[str, list[tuple[str, tuple[int, ...], int, str]]] = {}
@@ -167,6 +169,8 @@ def precision(model: nn.Module) -> Precision:
                 kind = "expert biases"
             elif p.dim() <= 1:
                 kind = "vectors"
+            elif float_base and isinstance(module, nn.Linear) and pname == "weight":
+                kind = "linears"
             else:
                 kind = "other"
             dtype = str(p.dtype).removeprefix("torch.")
@@ -182,18 +186,21 @@ def precision(model: nn.Module) -> Precision:
             "/".join(sorted({d for *_, d in rows})),
         )
         for kind, rows in sorted(
-            kinds.items(), key=lambda kv: ["other", "routers", "expert biases", "vectors"].index(kv[0])
+            kinds.items(),
+            key=lambda kv: ["other", "linears", "routers", "expert biases", "vectors"].index(kv[0]),
         )
     )
     experts = tuple(
-        ExpertStacks(scheme, *schemes[scheme]) for scheme in ("nf4", "nf3", "nf2") if scheme in schemes
+        ExpertStacks(scheme, *schemes[scheme])
+        for scheme in ("nf4", "nf3", "nf2", "mxfp4")
+        if scheme in schemes
     )
     return Precision(linears, linear_bytes, experts, kept)
 
 
 def _stack_of(module: nn.Module, pname: str) -> str | None:
     """The quantised stack parameter `pname` of an experts module holds part of (its NF4
-    weight, an NF3/NF2 stack's codes or absmax), or None."""
+    weight, an NF3/NF2/MXFP4 stack's codes or absmax), or None."""
     if pname in module._nf4_stacks:
         return pname
     for name in lowbit_stacks(module):

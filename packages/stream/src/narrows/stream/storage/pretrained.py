@@ -72,8 +72,9 @@ def _expect(
             "prequantized": stored is not None,
             "blocksize": 64,
             "double_quant": True,
-            # the fused expert stacks' scheme: the loader quantises them with the linears
-            "experts": experts or ("nf4" if nf4 else "none"),
+            # the fused expert stacks' scheme: the loader quantises them with the linears, or
+            # keeps a release's MXFP4 ones
+            "experts": experts or ("mxfp4" if folder.packed else "nf4" if nf4 else "none"),
         },
     }
 

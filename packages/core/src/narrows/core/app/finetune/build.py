@@ -71,17 +71,15 @@ def check_model_files(cfg: FinetuneConfig) -> Path:
     checkpoint.check_model_type()  # before the tokenizer, which reads config.json too
     checkpoint.check_quantization()
     if checkpoint.packed:
-        again = (
-            f"then quantised again to {cfg.base.expert_quant} as --quant nf4 asks"
-            if cfg.base.quant == "nf4"
-            else "and kept in bf16 (--quant nf4 would quantise them again, to NF4 or --expert-quant's codes)"
+        scheme = cfg.base.expert_quant if cfg.base.quant == "nf4" else "auto"
+        held = (
+            f"decode to bf16 as they load (exactly: each FP4 value times its power-of-two scale is a bf16 "
+            f"value), then are quantised again to {scheme} as --expert-quant asks"
+            if scheme != "auto"
+            else "stay MXFP4 as stored (4.25 bits a weight), dequantised each pass to the exact bf16 values "
+            "they stand for (--expert-quant nf4/nf3/nf2 with --quant nf4 would quantise those values again)"
         )
-        print(
-            f"narrows: {len(checkpoint.packed)} MXFP4 expert stacks decode to bf16 as they load (exactly: each "
-            f"FP4 value times its power-of-two scale is a bf16 value), {again}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"narrows: {len(checkpoint.packed)} MXFP4 expert stacks {held}", file=sys.stderr, flush=True)
     return folder
 
 
@@ -189,7 +187,9 @@ def load_model(cfg: FinetuneConfig, folder: Path, dtype: torch.dtype, device: to
         streamed=cfg.memory.gpu_budget != "off",
         host_budget=cfg.memory.host_budget,
         cache=cache,
-        experts=cfg.base.expert_quant if cfg.base.quant == "nf4" else None,
+        experts=cfg.base.expert_quant
+        if cfg.base.quant == "nf4" and cfg.base.expert_quant != "auto"
+        else None,
     )[0]
 
 

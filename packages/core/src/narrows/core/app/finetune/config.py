@@ -87,10 +87,11 @@ class BaseConfig:
         "none", "nf4: a QLoRA/QDoRA base, with narrows-core[nf4] installed", choices=("none", "nf4")
     )
     expert_quant: str = setting(
-        "nf4",
+        "auto",
         "with --quant nf4, a mixture of experts' routed experts in nf4, or in nf3 / nf2 (narrows' own codes: "
-        "3.5 / 2.5 bits a weight against 4.5, more error, less to hold and stream)",
-        choices=("nf4", "nf3", "nf2"),
+        "3.5 / 2.5 bits a weight against 4.5, more error, less to hold and stream); auto: nf4, and a "
+        "release's MXFP4 experts (gpt-oss) kept as stored, dequantised per pass",
+        choices=("auto", "nf4", "nf3", "nf2"),
         advanced=True,
     )
     dtype: str = setting(
@@ -484,7 +485,7 @@ class FinetuneConfig:
             )
         if a.adapter == "dora":
             require("narrows.dora", "--adapter dora")
-        if b.expert_quant != "nf4" and b.quant != "nf4":
+        if b.expert_quant not in ("auto", "nf4") and b.quant != "nf4":
             raise NarrowsError(
                 f"--expert-quant {b.expert_quant} sets how a mixture of experts' routed experts are quantised "
                 "along with the rest of the base: give --quant nf4 too (or leave --expert-quant out)"

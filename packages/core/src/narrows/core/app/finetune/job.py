@@ -239,8 +239,9 @@ def _run(
     model = build_model(cfg, loaded, device, dtype, ranks.world)
     if ranks.main:
         print(f"narrows: adapted: {state_of(model).targets}", file=sys.stderr, flush=True)
-        if getattr(loaded, "is_loaded_in_4bit", False):
-            print(f"narrows: base precision: {precision(model)}", file=sys.stderr, flush=True)
+        held = precision(model)
+        if held.linears or held.expert_stacks:
+            print(f"narrows: base precision: {held}", file=sys.stderr, flush=True)
     step_mode, accumulation = choose_accumulation(cfg, model)
     if ranks.main and accumulation:
         print(f"narrows: accumulation: {accumulation}", file=sys.stderr, flush=True)

@@ -96,8 +96,9 @@ def summarize(
             "why": "the model's config: output_router_logits"
             + (f", router_aux_loss_coef {config.router_aux_loss_coef}" if on else " is false"),
         }
-    if getattr(unwrap_model(model), "is_loaded_in_4bit", False):
-        summary["precision"] = precision(model).as_dict()
+    held = precision(model)
+    if held.linears or held.expert_stacks:  # a quantised base, or a float one with MXFP4 experts
+        summary["precision"] = held.as_dict()
     stream = getattr(model, "narrows_stream", None)
     if stream is not None:  # narrows-stream's handle: what stayed resident, predicted vs measured
         plan = stream.plan
@@ -250,7 +251,7 @@ def _quantised(p: dict) -> str:
     """A summary's precision as "NF4: 8 linears, 4 expert stacks" (stacks by scheme; a
     summary written before schemes were recorded counts NF4 ones)."""
     stacks = p.get("expert_stacks") or {"nf4": {"count": p["nf4_expert_stacks"]}}
-    held = {"nf4": [f"{p['nf4_linears']} linears"]}
+    held = {"nf4": [f"{p['nf4_linears']} linears"]} if p["nf4_linears"] else {}
     for scheme, e in stacks.items():
         held.setdefault(scheme, []).append(f"{e['count']} expert stacks")
     return "; ".join(f"{s.upper()}: {', '.join(parts)}" for s, parts in held.items())
