@@ -880,6 +880,23 @@ def _expert_quant(r: Results) -> str:
     return table(["weights", *(f"`{sc}`" for sc in EXPERT_QUANT)], lines)
 
 
+@generated("expert-dequant")
+def _expert_dequant(r: Results) -> str:
+    """Per scheme: one layer's routed experts dequantised, its time against the copy floor."""
+    rows = r.case("expert_dequant_gpt-oss-120b", "h200")
+    lines = [
+        [
+            run_cell([x], f"`{x['metrics']['scheme']}`"),
+            f"{x['metrics']['stored_bytes'] / 1e9:.2f} GB → {x['metrics']['written_bytes'] / 1e9:.2f} GB",
+            f"{x['metrics']['ms']:.2f} ms",
+            f"{x['metrics']['floor_ms']:.2f} ms",
+            f"{x['metrics']['over_floor']:.2f}×",
+        ]
+        for x in rows
+    ]
+    return table(["scheme", "stored → bf16", "a layer's stacks", "copy floor", "÷ floor"], lines)
+
+
 LMHEAD = (
     ("hf", "HF (full logits)"),
     ("liger", "Liger-Kernel"),

@@ -208,7 +208,7 @@ for bits in (2, 3, 4):
     spec = lowbit.LowbitStack(bits, tuple(stack.shape), torch.float32)
     got = lowbit.dequantize(codes, absmax, spec, impl="triton")
     assert torch.equal(got, lowbit.dequantize_reference(codes, absmax, spec)), bits
-for shape in ((3, 64, 40), (2, 96, 130)):  # MXFP4 [E, in, out], stored [E, out, in]: one tile, partial tiles
+for shape in ((3, 64, 30), (2, 96, 130)):  # MXFP4 [E, in, out], stored [E, out, in]: one tile, partial tiles
     per = shape[1] * shape[2]
     codes = torch.randint(0, 256, (shape[0], per // 2), dtype=torch.uint8)
     scales = torch.randint(110, 140, (shape[0], per // 32), dtype=torch.uint8)
