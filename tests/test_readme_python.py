@@ -9,8 +9,8 @@ the chain); a block that appears, goes or moves fails until BLOCKS says how to r
 
 All blocks run in one child process, so the imports are paid once; each in a fresh
 namespace, seeded, in its own working folder, with ``$NARROWS_CACHE`` and the datasets
-cache in the test's folder. The data-parallel block runs as one torchrun rank would
-(gloo, world size 1). TRL's `SFTTrainer` on the streamed model is also run on the
+cache in the test's folder. The data-parallel and pipeline blocks run as one torchrun rank
+would (gloo, world size 1: one stage holding every layer). TRL's `SFTTrainer` on the streamed model is also run on the
 resident one (the same block without its `ns.stream` line): `torch.equal` adapters.
 """
 
@@ -58,7 +58,8 @@ BLOCKS = (
     Block("profiling", "with model.narrows_stream.profiling() as prof:", "stream"),
     Block("graphs", 'model = ns.stream(model, "12GiB")', "setup"),
     Block("long-sequences", 'model = ns.stream(model, gpu_budget="12GiB", seq_len=32768', "setup"),
-    Block("data-parallel", "# torchrun --nproc-per-node 2 train.py", "setup", dist=True),
+    Block("data-parallel", "# torchrun --nproc-per-node 2 train.py (train.py", "setup", dist=True),
+    Block("pipeline", "# torchrun --nproc-per-node 2 train.py: rank r", "setup", dist=True),
     Block("from-pretrained", "from peft import LoraConfig, get_peft_model"),
     Block("lmhead", "import narrows.lmhead as lmh", "setup"),
     Block(

@@ -5,7 +5,8 @@ layer's frozen storage in host memory and streams it to the device; training is
 bit-identical (`torch.equal`) to the same model trained fully resident.
 ``StepTrainer(model, optimizer, grad_accum=G)`` runs each step block-major, `torch.equal`
 to sequential accumulation; ``data_parallel(model)`` wraps a streamed model in DDP over its
-adapters. The plan (``model.narrows_stream.plan``) gives every decision with its reason.
+adapters; ``pipeline_stage(model)`` streams one rank's block of layers as a stage of torch's
+pipelining schedules. The plan (``model.narrows_stream.plan``) gives every decision with its reason.
 
 why: docs/design.md#stream
 """
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # the names by module; `_MODULES` groups them by what they ar
     from .distributed import check_ranks, data_parallel
     from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
     from .execution.tiling import SequenceTiles, tile_sequence
+    from .pipeline import pipeline_loss, pipeline_stage
     from .planning import (
         Plan,
         Rates,
@@ -60,6 +62,7 @@ _MODULES = {
     "storage.pretrained": ("from_pretrained", "prepare"),
     # several ranks
     "distributed": ("check_ranks", "data_parallel"),
+    "pipeline": ("pipeline_loss", "pipeline_stage"),
     # measuring
     "storage.engine": ("TransferStats",),
     "checks.profile": ("LayerTimes", "Profile"),
@@ -94,6 +97,8 @@ __all__ = [
     "default_host_budget",
     "from_pretrained",
     "holds_weights",
+    "pipeline_loss",
+    "pipeline_stage",
     "plan",
     "prepare",
     "step_mode_reserve",

@@ -1,0 +1,143 @@
+"""Pipeline stages over a streamed base: `pipeline_stage(model, budget)` keeps this rank's
+contiguous block of decoder layers, streams only those under this rank's budget, and
+returns torch's `PipelineStage` over them, for a schedule of `torch.distributed.pipelining`
+(``ScheduleGPipe``, ``Schedule1F1B``) to run with micro-batches in flight.
+
+Stage s of S holds layers [s·n/S, (s+1)·n/S): the first also embeds the tokens, the last
+also applies the final norm and the LM head, and every stage runs the model's own decoder
+forward over its layers (positions, mask, rotary embeddings as the model makes them). The
+activations sent between stages are the hidden states the model passes between those
+layers, so each micro-batch's gradients are the ones one process computes; with the
+schedule's ``scale_grads=False`` and `pipeline_loss` as its loss, the adapters' gradients
+equal one process accumulating the same micro-batches, bit for bit (GPipe and 1F1B run each
+stage's backwards in micro-batch order, the order autograd accumulates them in).
+
+What a stage does not cover is refused by name: families whose decoder treats its input
+embeddings differently from the hidden states between layers, auxiliary router losses
+(they sum over every layer's routing), LayerDrop, padding and packed rows (only the hidden
+states cross between stages: each row is one causal sequence).
+
+why: docs/design.md#pipeline-stages
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from narrows.core import anatomy_of
+
+from .errors import StreamSetupError
+
+__all__ = ["pipeline_loss", "pipeline_stage", "stage_layers"]
+
+# families whose decoder forward takes `inputs_embeds` as the first layer's input, untouched
+# (Gemma scales it, for one: a later stage would scale the hidden states again)
+STAGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+
+
+def stage_layers(layers: int, stages: int, stage: int) -> range:
+    """The decoder layers stage `stage` of `stages` holds: a contiguous, even split."""
+    if not 0 <= stage < stages or stages > layers:
+        raise StreamSetupError(
+            f"stage {stage} of {stages}: a pipeline needs 0 <= stage < stages <= the model's {layers} layers"
+        )
+    return range(stage * layers // stages, (stage + 1) * layers // stages)
+
+
+class _Stage(nn.Module):
+    """One stage's computation: tokens or hidden states in, hidden states or logits out."""
+
+    def __init__(self, causal_lm: nn.Module, decoder: nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.lm, self.first, self.last = causal_lm, first, last
+        self._decoder = [decoder]  # inside `lm`: not registered twice
+
+    def forward(self, x: Tensor) -> Tensor:
+        decoder = self._decoder[0]
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = decoder(**inputs, use_cache=False).last_hidden_state
+        return self.lm.get_output_embeddings()(hidden) if self.last else hidden
+
+
+def _refuse(anat: Any) -> None:
+    config = anat.config
+    if anat.model_type not in STAGED_FAMILIES:
+        raise StreamSetupError(
+            f"pipeline stages cover {', '.join(STAGED_FAMILIES)}; this is a {anat.model_type} (train it with "
+            "data parallelism: one rank a GPU, every rank streaming the whole base)"
+        )
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise StreamSetupError(
+            "the router's auxiliary loss sums over every layer's routing, which no stage sees whole: "
+            "set config.output_router_logits = False to train with pipeline stages"
+        )
+    if getattr(config, "layerdrop", 0) or getattr(config, "layer_drop", 0):
+        raise StreamSetupError("LayerDrop skips layers at random: pipeline stages run every layer of theirs")
+
+
+def pipeline_stage(
+    model: nn.Module,
+    gpu_budget: Any = None,
+    /,
+    *,
+    stage: int | None = None,
+    stages: int | None = None,
+    device: torch.device | str | None = None,
+    group: Any = None,
+    **options: Any,
+):
+    """This rank's `torch.distributed.pipelining.PipelineStage` of `model` (a PEFT model):
+    its block of decoder layers kept (the others dropped from the model, and from its
+    config's ``num_hidden_layers`` and ``layer_types``), streamed under
+    `gpu_budget` (`stream`'s; ``None``: resident) with `options`, and the model's own
+    forward over them. `stage` and `stages` default to the rank and world size of `group`
+    (default: the default process group). Build the schedule with ``scale_grads=False``
+    and `pipeline_loss`; the first stage is given the input ids, the last the labels."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from .api import stream
+
+    if stage is None or stages is None:
+        if not dist.is_initialized():
+            raise StreamSetupError(
+                "pipeline_stage needs torch.distributed.init_process_group first (or stage= and stages=)"
+            )
+        stage = dist.get_rank(group) if stage is None else stage
+        stages = dist.get_world_size(group) if stages is None else stages
+    anat = anatomy_of(model)
+    _refuse(anat)
+    kept = stage_layers(anat.num_layers, stages, stage)
+    first, last = stage == 0, stage == stages - 1
+    parent_path, _, attr = anat.layer_paths[0].rpartition(".")[0].rpartition(".")
+    parent = anat.model.get_submodule(parent_path) if parent_path else anat.model
+    setattr(parent, attr, nn.ModuleList([anat.layers[i] for i in kept]))
+    config = anat.config  # the model now holds this stage's layers, and says so
+    config.num_hidden_layers = len(kept)
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = [config.layer_types[i] for i in kept]
+    if not last:  # the final norm belongs to the last stage's output
+        anat.decoder.norm = nn.Identity()
+    stream(model, gpu_budget, **({"device": device} if device is not None else {}), **options)
+    where = (
+        model.narrows_stream.device
+        if getattr(model, "narrows_stream", None)
+        else torch.device(device or "cpu")
+    )
+    return PipelineStage(_Stage(anat.model, anat.decoder, first, last), stage, stages, where, group=group)
+
+
+def pipeline_loss(model: nn.Module, scale: float = 1.0):
+    """The schedule's loss: the model's own causal-LM loss of a micro-batch's logits and
+    labels, times `scale` (1 / micro-batches for the mean one process accumulating them
+    computes with ``(loss * scale).backward()``)."""
+    lm = anatomy_of(model).model
+    vocab = lm.config.get_text_config().vocab_size
+
+    def loss(logits: Tensor, labels: Tensor) -> Tensor:
+        return lm.loss_function(logits=logits, labels=labels, vocab_size=vocab) * scale
+
+    return loss

@@ -1,0 +1,100 @@
+"""One rank of the pipeline parity test, launched by torchrun (`test_pipeline.py`): a tiny
+model's decoder layers split into one contiguous block a rank, each block streamed at the
+smallest budget, run by torch's GPipe schedule over MICRO micro-batches a step; or, with
+``reference``, the one process the stages must equal: the whole model resident,
+accumulating the same micro-batches. Each writes its trainable parameters' gradients and final weights, by their
+names in the whole model."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import build
+
+import narrows.stream as ns
+from narrows.core.testing import tiny_batch
+
+STEPS, LAYERS, MICRO = 2, 4, 4
+
+
+def batches(step: int) -> list[dict]:
+    """A step's micro-batches: every row one whole sequence (a stage passes no mask on)."""
+    out = []
+    for m in range(MICRO):
+        b = tiny_batch(seed=10 * step + m, pad_last=0)
+        out.append({"input_ids": b["input_ids"], "labels": b["labels"]})
+    return out
+
+
+def named_trainable(model) -> dict[int, str]:
+    """Each trainable parameter's name in the whole model, by identity (a stage renumbers
+    its layers)."""
+    return {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def record(names, params, opt, grads) -> dict:
+    return {
+        "grad": [{names[id(p)]: g for p, g in zip(params, step)} for step in grads],
+        "weight": {names[id(p)]: p.detach().clone() for p in params},
+    }
+
+
+def reference(out: str) -> None:
+    torch.set_num_threads(1)
+    m = build(num_hidden_layers=LAYERS)
+    names = named_trainable(m)
+    ns.stream(m, None, device="cpu")
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    grads = []
+    for step in range(STEPS):
+        for b in batches(step):
+            (m(**b).loss * (1 / MICRO)).backward()
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+        opt.zero_grad()
+    torch.save(record(names, params, opt, grads), f"{out}.reference.pt")
+
+
+def stage(out: str) -> None:
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    m = build(num_hidden_layers=LAYERS)
+    names = named_trainable(m)
+    stage = ns.pipeline_stage(m, "min", device="cpu")  # every layer of the stage streamed
+    plan = m.narrows_stream.plan
+    params = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    schedule = ScheduleGPipe(stage, MICRO, loss_fn=ns.pipeline_loss(m, 1 / MICRO), scale_grads=False)
+    grads = []
+    for step in range(STEPS):
+        bs = batches(step)
+        ids = torch.cat([b["input_ids"] for b in bs])
+        labels = torch.cat([b["labels"] for b in bs])
+        if rank == 0:
+            schedule.step(ids)
+        else:
+            schedule.step(target=labels)
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+        opt.zero_grad()
+    layers = {int(names[id(p)].split(".layers.")[1].split(".")[0]) for p in params}
+    result = record(names, params, opt, grads) | {
+        "layers": sorted(layers),
+        "planned": len(plan.layer_bytes),
+        "resident": len(plan.resident),
+    }
+    torch.save(result, f"{out}.stage{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    (reference if sys.argv[1] == "reference" else stage)(sys.argv[2])

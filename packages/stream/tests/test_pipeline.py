@@ -1,0 +1,72 @@
+"""Pipeline stages over a streamed base (`narrows.stream.pipeline_stage`), launched the way
+users launch them (`torchrun`, gloo on the CPU): two ranks, each one contiguous block of a
+tiny model's layers, streamed at the smallest budget, run by torch's GPipe schedule over
+four micro-batches a step, train adapters `torch.equal` to one process accumulating the
+four micro-batches on the whole model, resident (gradients at every step and the weights
+AdamW leaves)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from narrows.core.testing import child_env
+
+HERE = Path(__file__).parent
+STAGES = 2
+
+
+def _run(args: list[str], out: Path) -> None:
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
+    done = subprocess.run(
+        [sys.executable, *args, str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, list[dict]]:
+    out = tmp_path_factory.mktemp("pipeline") / "run"
+    _run([str(HERE / "pipeline_worker.py"), "reference"], out)
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}"]
+    _run([*launch, str(HERE / "pipeline_worker.py"), "stage"], out)
+    return torch.load(f"{out}.reference.pt"), [torch.load(f"{out}.stage{r}.pt") for r in range(STAGES)]
+
+
+def test_two_stages_equal_one_process_accumulating(runs):
+    reference, stages = runs
+    assert [s["layers"] for s in stages] == [[0, 1], [2, 3]]  # contiguous blocks, each its own
+    assert [(s["planned"], s["resident"]) for s in stages] == [(2, 0), (2, 0)]  # each streams its own alone
+    held = [name for s in stages for name in s["weight"]]
+    assert sorted(held) == sorted(reference["weight"])  # every adapter trains on exactly one stage
+    for s in stages:
+        for name, w in s["weight"].items():
+            assert torch.equal(w, reference["weight"][name]), name
+        for step, grads in enumerate(s["grad"]):
+            for name, g in grads.items():
+                assert torch.equal(g, reference["grad"][step][name]), (step, name)
+
+
+def test_a_stage_split_is_contiguous_and_refused_past_the_layers():
+    import narrows.stream as ns
+    from narrows.stream.pipeline import stage_layers
+
+    assert [list(stage_layers(10, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
+    with pytest.raises(ns.StreamSetupError, match="stages <= the model's 2 layers"):
+        stage_layers(2, 3, 0)
+
+
+def test_pipeline_stage_needs_a_process_group_and_a_family_it_covers():
+    from helpers import build
+
+    import narrows.stream as ns
+
+    with pytest.raises(ns.StreamSetupError, match="init_process_group"):
+        ns.pipeline_stage(build(num_hidden_layers=2))
+    with pytest.raises(ns.StreamSetupError, match="this is a gemma2"):
+        ns.pipeline_stage(build("gemma2", num_hidden_layers=2), stage=0, stages=2)
