@@ -1,6 +1,7 @@
 """One rank of the pipeline parity test, launched by torchrun (`test_pipeline.py`): a tiny
 model's decoder layers split into one contiguous block a rank, each block streamed at the
-smallest budget, run by torch's GPipe schedule over MICRO micro-batches a step; or, with
+smallest budget, run by torch's GPipe or 1F1B schedule (``gpipe`` / ``1f1b``) over MICRO
+micro-batches a step; or, with
 ``reference``, the one process the stages must equal: the whole model resident,
 accumulating the same micro-batches. Each writes its trainable parameters' gradients and final weights, by their
 names in the whole model."""
@@ -61,8 +62,8 @@ def reference(out: str) -> None:
     torch.save(record(names, params, opt, grads), f"{out}.reference.pt")
 
 
-def stage(out: str) -> None:
-    from torch.distributed.pipelining import ScheduleGPipe
+def stage(out: str, kind: str) -> None:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -72,7 +73,8 @@ def stage(out: str) -> None:
     plan = m.narrows_stream.plan
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    schedule = ScheduleGPipe(stage, MICRO, loss_fn=ns.pipeline_loss(m, 1 / MICRO), scale_grads=False)
+    schedules = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+    schedule = schedules[kind](stage, MICRO, loss_fn=ns.pipeline_loss(m, 1 / MICRO), scale_grads=False)
     grads = []
     for step in range(STEPS):
         bs = batches(step)
@@ -91,10 +93,13 @@ def stage(out: str) -> None:
         "planned": len(plan.layer_bytes),
         "resident": len(plan.resident),
     }
-    torch.save(result, f"{out}.stage{rank}.pt")
+    torch.save(result, f"{out}.{kind}.stage{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    (reference if sys.argv[1] == "reference" else stage)(sys.argv[2])
+    if sys.argv[1] == "reference":
+        reference(sys.argv[2])
+    else:
+        stage(sys.argv[2], sys.argv[1])

@@ -1,7 +1,7 @@
 """Pipeline stages over a streamed base (`narrows.stream.pipeline_stage`), launched the way
 users launch them (`torchrun`, gloo on the CPU): two ranks, each one contiguous block of a
-tiny model's layers, streamed at the smallest budget, run by torch's GPipe schedule over
-four micro-batches a step, train adapters `torch.equal` to one process accumulating the
+tiny model's layers, streamed at the smallest budget, run by torch's GPipe and 1F1B
+schedules over four micro-batches a step, train adapters `torch.equal` to one process accumulating the
 four micro-batches on the whole model, resident (gradients at every step and the weights
 AdamW leaves)."""
 
@@ -30,16 +30,19 @@ def _run(args: list[str], out: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[dict, list[dict]]:
+def out(tmp_path_factory) -> Path:
+    """Where the runs write; the one-process reference runs once."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
     _run([str(HERE / "pipeline_worker.py"), "reference"], out)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_equal_one_process_accumulating(out, schedule):
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}"]
-    _run([*launch, str(HERE / "pipeline_worker.py"), "stage"], out)
-    return torch.load(f"{out}.reference.pt"), [torch.load(f"{out}.stage{r}.pt") for r in range(STAGES)]
-
-
-def test_two_stages_equal_one_process_accumulating(runs):
-    reference, stages = runs
+    _run([*launch, str(HERE / "pipeline_worker.py"), schedule], out)
+    reference = torch.load(f"{out}.reference.pt")
+    stages = [torch.load(f"{out}.{schedule}.stage{r}.pt") for r in range(STAGES)]
     assert [s["layers"] for s in stages] == [[0, 1], [2, 3]]  # contiguous blocks, each its own
     assert [(s["planned"], s["resident"]) for s in stages] == [(2, 0), (2, 0)]  # each streams its own alone
     held = [name for s in stages for name in s["weight"]]
