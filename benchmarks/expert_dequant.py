@@ -7,8 +7,8 @@ Schemes, each on the same random stacks of a config's shape (gate_up [E, H, 2I],
 stores the stacks), ``nf3`` and ``nf2`` (narrows' codes, its Triton kernel), ``mxfp4``
 (gpt-oss's release format kept as stored, the same kernel's MXFP4 path, which writes the
 stack transposed) and ``mxfp4-torch`` (its PyTorch reference). Beside them the floor: the
-bytes a scheme reads and writes at the bandwidth of a plain device-to-device copy measured
-on the same GPU. Each row: ms per layer (median of `--repeat` after a warm-up), bytes read
+bytes a scheme reads and writes at the bandwidth of a plain device-to-device copy of 1 GiB
+measured on the same GPU. Each row: ms per layer (median of `--repeat` after a warm-up), bytes read
 and written, GB/s, and the ratio to the floor.
 
     source .gpu/env && python3 benchmarks/expert_dequant.py --config gpt-oss-120b --out $OUT/expert_dequant.json
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 from pathlib import Path
 
 import torch
+from dora_kernels import copy_bandwidth, median_ms  # CUDA-event timing, the copy floor
 
 from narrows.core.quant import lowbit
 
@@ -36,28 +36,6 @@ def stacks_of(config: dict, experts: int | None) -> dict[str, tuple[int, ...]]:
     h = config["hidden_size"]
     i = config.get("moe_intermediate_size") or config["intermediate_size"]
     return {"gate_up_proj": (e, h, 2 * i), "down_proj": (e, i, h)}
-
-
-def timed(fn, repeat: int) -> float:
-    """Median ms of `fn` on the current stream, after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth(nbytes: int, repeat: int) -> float:
-    """Bytes read and written a second by a device-to-device copy of `nbytes`."""
-    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    target = torch.empty_like(source)
-    return 2 * nbytes / (timed(lambda: target.copy_(source), repeat) / 1e3)
 
 
 def prepared(scheme: str, shape: tuple[int, ...], gen: torch.Generator):
@@ -96,14 +74,14 @@ def main() -> None:
     written = sum(2 * torch.Size(s).numel() for s in shapes.values())  # bf16 out
     gen = torch.Generator("cuda").manual_seed(0)
 
-    copy_bw = copy_bandwidth(written, args.repeat)
+    copy_bw = copy_bandwidth()
 
     rows = []
     for scheme in SCHEMES:
         ms, stored = 0.0, 0
         for shape in shapes.values():
             call, nbytes = prepared(scheme, shape, gen)
-            ms += timed(call, args.repeat)
+            ms += median_ms(call, args.repeat)
             stored += nbytes
             del call
             torch.cuda.empty_cache()
