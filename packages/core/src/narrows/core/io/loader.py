@@ -363,8 +363,8 @@ def load_blockwise(
     block size 64) on `device` (default: CUDA when available) and brings them back to the
     CPU, and a mixture of experts' fused stacks to `experts` ("nf4", the default; "nf3" or
     "nf2": see `quantize_nf4`); a release's MXFP4 stacks stay MXFP4 (``experts`` None or
-    "mxfp4"; dequantised per pass, exactly) whatever `quant` says; a pre-quantised bitsandbytes NF4 checkpoint is loaded as
-    it is whatever `quant` says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
+    "mxfp4"; dequantised per pass, exactly) whatever `quant` says, and a pre-quantised
+    bitsandbytes NF4 checkpoint is loaded as it is whatever `quant` says. ``on_layer(index, path, layer)`` is called once each layer is complete, before
     the next is read (a pre-quantised layer carries ``narrows_file_sources``: the file
     and offset of each tensor it holds verbatim, by address, so a disk tier can read
     them in place). ``fill_layer(index, path, layer)`` is asked first: when it returns

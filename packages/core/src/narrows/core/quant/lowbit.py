@@ -24,8 +24,8 @@ MXFP4 (the OCP Microscaling format, gpt-oss's release): 4-bit E2M1 codes, two a 
 even weight in the low nibble — NF4's packing — and one E8M0 scale per 32 weights, a uint8
 ``s`` standing for 2^(s - 127), held as stored (1 byte, where NF codes keep a float32
 absmax): 4.25 bits a weight. The release stores a stack [E, in, out] transposed, as
-[E, out, in] with the blocks along ``in``, so an MXFP4 `LowbitStack` is ``transposed``: its
-codes run over the stack with its last two dimensions swapped, and dequantising writes each
+[E, out, in] with the blocks along ``in``, so an MXFP4 `LowbitStack` (``mxfp4=True``) lays
+its codes over the stack with its last two dimensions swapped, and dequantising writes each
 value to its place in the stack's own layout. Each value, an E2M1 level times a power of
 two, is a bf16 value: the stack dequantises exactly.
 """
