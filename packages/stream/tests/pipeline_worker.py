@@ -3,7 +3,9 @@ model's decoder layers split into one contiguous block a rank, each block stream
 smallest budget, run by torch's GPipe or 1F1B schedule (``gpipe`` / ``1f1b``) over MICRO
 micro-batches a step; or, with
 ``reference``, the one process the stages must equal: the whole model resident,
-accumulating the same micro-batches. Each writes its trainable parameters' gradients and final weights, by their
+accumulating the same micro-batches. With device ``cuda`` (`test_pipeline_gpu.py`) each
+rank takes its local rank's GPU and NCCL, deterministic kernels; the reference one GPU.
+Each writes its trainable parameters' gradients and final weights, by their
 names in the whole model."""
 
 from __future__ import annotations
@@ -45,31 +47,45 @@ def record(names, params, opt, grads) -> dict:
     }
 
 
-def reference(out: str) -> None:
-    torch.set_num_threads(1)
+def _device(device: str) -> torch.device:
+    """Each process's device: on CUDA its local rank's GPU, deterministic kernels set first."""
+    if device != "cuda":
+        torch.set_num_threads(1)
+        return torch.device("cpu")
+    from narrows.core.protocol.determinism import deterministic
+
+    deterministic()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def reference(out: str, device: str) -> None:
+    dev = _device(device)
     m = build(num_hidden_layers=LAYERS)
     names = named_trainable(m)
-    ns.stream(m, None, device="cpu")
+    ns.stream(m, None, device=dev)
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
     grads = []
     for step in range(STEPS):
         for b in batches(step):
-            (m(**b).loss * (1 / MICRO)).backward()
+            (m(**{k: v.to(dev) for k, v in b.items()}).loss * (1 / MICRO)).backward()
         grads.append([p.grad.clone() for p in params])
         opt.step()
         opt.zero_grad()
     torch.save(record(names, params, opt, grads), f"{out}.reference.pt")
 
 
-def stage(out: str, kind: str) -> None:
+def stage(out: str, kind: str, device: str) -> None:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    dist.init_process_group("gloo")
+    dev = _device(device)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank = dist.get_rank()
     m = build(num_hidden_layers=LAYERS)
     names = named_trainable(m)
-    stage = ns.pipeline_stage(m, "min", device="cpu")  # every layer of the stage streamed
+    stage = ns.pipeline_stage(m, "min", device=dev)  # every layer of the stage streamed
     plan = m.narrows_stream.plan
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -78,8 +94,8 @@ def stage(out: str, kind: str) -> None:
     grads = []
     for step in range(STEPS):
         bs = batches(step)
-        ids = torch.cat([b["input_ids"] for b in bs])
-        labels = torch.cat([b["labels"] for b in bs])
+        ids = torch.cat([b["input_ids"] for b in bs]).to(dev)
+        labels = torch.cat([b["labels"] for b in bs]).to(dev)
         if rank == 0:
             schedule.step(ids)
         else:
@@ -99,7 +115,8 @@ def stage(out: str, kind: str) -> None:
 
 
 if __name__ == "__main__":
+    device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     if sys.argv[1] == "reference":
-        reference(sys.argv[2])
+        reference(sys.argv[2], device)
     else:
-        stage(sys.argv[2], sys.argv[1])
+        stage(sys.argv[2], sys.argv[1], device)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from narrows.core.testing import child_env
+from narrows.stream.pipeline import stage_layers
 
 HERE = Path(__file__).parent
 STAGES = 2
@@ -41,13 +42,20 @@ def out(tmp_path_factory) -> Path:
 def test_two_stages_equal_one_process_accumulating(out, schedule):
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}"]
     _run([*launch, str(HERE / "pipeline_worker.py"), schedule], out)
+    assert_stages_equal(out, schedule, STAGES)
+
+
+def assert_stages_equal(out: Path, schedule: str, stages: int) -> None:
+    """Each stage's adapters, gradients at every step and final weights, are the one
+    process's, and every adapter trains on exactly one stage."""
     reference = torch.load(f"{out}.reference.pt")
-    stages = [torch.load(f"{out}.{schedule}.stage{r}.pt") for r in range(STAGES)]
-    assert [s["layers"] for s in stages] == [[0, 1], [2, 3]]  # contiguous blocks, each its own
-    assert [(s["planned"], s["resident"]) for s in stages] == [(2, 0), (2, 0)]  # each streams its own alone
-    held = [name for s in stages for name in s["weight"]]
-    assert sorted(held) == sorted(reference["weight"])  # every adapter trains on exactly one stage
-    for s in stages:
+    ranks = [torch.load(f"{out}.{schedule}.stage{r}.pt") for r in range(stages)]
+    layers = [list(stage_layers(4, stages, r)) for r in range(stages)]
+    assert [s["layers"] for s in ranks] == layers  # contiguous blocks, each its own
+    assert [(s["planned"], s["resident"]) for s in ranks] == [(len(x), 0) for x in layers]  # streamed, alone
+    held = [name for s in ranks for name in s["weight"]]
+    assert sorted(held) == sorted(reference["weight"])
+    for s in ranks:
         for name, w in s["weight"].items():
             assert torch.equal(w, reference["weight"][name]), name
         for step, grads in enumerate(s["grad"]):
@@ -57,7 +65,6 @@ def test_two_stages_equal_one_process_accumulating(out, schedule):
 
 def test_a_stage_split_is_contiguous_and_refused_past_the_layers():
     import narrows.stream as ns
-    from narrows.stream.pipeline import stage_layers
 
     assert [list(stage_layers(10, 3, s)) for s in range(3)] == [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]
     with pytest.raises(ns.StreamSetupError, match="stages <= the model's 2 layers"):
