@@ -1,7 +1,8 @@
 """One rank of the pipeline parity test, launched by torchrun (`test_pipeline.py`): a tiny
 model's decoder layers split into one contiguous block a rank, each block streamed at the
 smallest budget, run by torch's GPipe or 1F1B schedule (``gpipe`` / ``1f1b``) over MICRO
-micro-batches a step; or, with
+micro-batches a step (the model built here, or loaded from a checkpoint folder by
+`from_pretrained` into one host copy the ranks share); or, with
 ``reference``, the one process the stages must equal: the whole model resident,
 accumulating the same micro-batches. With device ``cuda`` (`test_pipeline_gpu.py`) each
 rank takes its local rank's GPU and NCCL, deterministic kernels; the reference one GPU.
@@ -60,9 +61,21 @@ def _device(device: str) -> torch.device:
     return dev
 
 
-def reference(out: str, device: str) -> None:
+def model(folder: str | None, **load) -> torch.nn.Module:
+    """The tiny model with LoRA: built here, or loaded from `folder` by `from_pretrained`
+    into host tiers (`load`: its cache and sharing), the adapters seeded."""
+    if folder is None:
+        return build(num_hidden_layers=LAYERS)
+    from peft import LoraConfig, get_peft_model
+
+    m = ns.from_pretrained(folder, dtype=torch.float32, host_budget="1TiB", **load)
+    torch.manual_seed(0)
+    return get_peft_model(m, LoraConfig(r=4, target_modules="all-linear")).train()
+
+
+def reference(out: str, device: str, folder: str | None) -> None:
     dev = _device(device)
-    m = build(num_hidden_layers=LAYERS)
+    m = model(folder, cache=False, share=False)
     names = named_trainable(m)
     ns.stream(m, None, device=dev)
     params = [p for p in m.parameters() if p.requires_grad]
@@ -77,13 +90,13 @@ def reference(out: str, device: str) -> None:
     torch.save(record(names, params, opt, grads), f"{out}.reference.pt")
 
 
-def stage(out: str, kind: str, device: str) -> None:
+def stage(out: str, kind: str, device: str, folder: str | None) -> None:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     dev = _device(device)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank = dist.get_rank()
-    m = build(num_hidden_layers=LAYERS)
+    m = model(folder, cache=f"{out}.cache")  # the ranks share one host copy of the folder
     names = named_trainable(m)
     stage = ns.pipeline_stage(m, "min", device=dev)  # every layer of the stage streamed
     plan = m.narrows_stream.plan
@@ -108,6 +121,7 @@ def stage(out: str, kind: str, device: str) -> None:
         "layers": sorted(layers),
         "planned": len(plan.layer_bytes),
         "resident": len(plan.resident),
+        "shared": list(m.narrows.tiers.shared) if m.narrows.tiers is not None else [],
     }
     torch.save(result, f"{out}.{kind}.stage{rank}.pt")
     dist.barrier()
@@ -115,8 +129,10 @@ def stage(out: str, kind: str, device: str) -> None:
 
 
 if __name__ == "__main__":
+    # MODE OUT [DEVICE [FOLDER]]: MODE reference, gpipe or 1f1b; FOLDER: load it with from_pretrained
     device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
+    folder = sys.argv[4] if len(sys.argv) > 4 else None
     if sys.argv[1] == "reference":
-        reference(sys.argv[2], device)
+        reference(sys.argv[2], device, folder)
     else:
-        stage(sys.argv[2], sys.argv[1], device)
+        stage(sys.argv[2], sys.argv[1], device, folder)

@@ -15,18 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from narrows.core.testing import child_env
+from narrows.core.testing import child_env, tiny_model_folder
 from narrows.stream.pipeline import stage_layers
 
 HERE = Path(__file__).parent
 STAGES = 2
 
 
-def _run(args: list[str], out: Path) -> None:
+WORKER = str(HERE / "pipeline_worker.py")
+LAUNCH = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}"]
+
+
+def _run(args: list[str]) -> None:
     env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]))
-    done = subprocess.run(
-        [sys.executable, *args, str(out)], env=env, capture_output=True, text=True, timeout=600
-    )
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -34,15 +36,24 @@ def _run(args: list[str], out: Path) -> None:
 def out(tmp_path_factory) -> Path:
     """Where the runs write; the one-process reference runs once."""
     out = tmp_path_factory.mktemp("pipeline") / "run"
-    _run([str(HERE / "pipeline_worker.py"), "reference"], out)
+    _run([WORKER, "reference", str(out)])
     return out
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_two_stages_equal_one_process_accumulating(out, schedule):
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={STAGES}"]
-    _run([*launch, str(HERE / "pipeline_worker.py"), schedule], out)
+    _run([*LAUNCH, WORKER, schedule, str(out)])
     assert_stages_equal(out, schedule, STAGES)
+
+
+def test_stages_of_a_from_pretrained_model_stream_their_layers_of_one_shared_host_copy(tmp_path):
+    """Loaded by `from_pretrained` into one host copy both ranks map, each stage keeps its
+    layers' homes, renumbered, and equals one process on a private copy."""
+    folder, out = tiny_model_folder(tmp_path / "model", num_hidden_layers=4), tmp_path / "run"
+    _run([WORKER, "reference", str(out), "cpu", str(folder)])
+    _run([*LAUNCH, WORKER, "gpipe", str(out), "cpu", str(folder)])
+    assert_stages_equal(out, "gpipe", STAGES)
+    assert [torch.load(f"{out}.gpipe.stage{r}.pt")["shared"] for r in range(STAGES)] == [[0, 1], [0, 1]]
 
 
 def assert_stages_equal(out: Path, schedule: str, stages: int) -> None:

@@ -41,7 +41,7 @@ def test_gpu_stages_over_nccl_equal_one_gpu_accumulating(tmp_path, stages, sched
         PYTHONPATH=os.pathsep.join([str(HERE), *sys.path]),
     )
     worker = str(HERE / "pipeline_worker.py")
-    _run([worker, "reference", str(out), "cuda"], env)
+    _run([worker, "reference", str(out), "cuda"], env)  # MODE OUT DEVICE
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages}"]
     _run([*launch, worker, schedule, str(out), "cuda"], env)
     assert_stages_equal(out, schedule, stages)

@@ -22,6 +22,7 @@ why: docs/design.md#pipeline-stages
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -29,8 +30,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from narrows.core import anatomy_of
+from narrows.core.protocol.handle import state_of
 
 from .errors import StreamSetupError
+from .storage.tiers import Tiers
 
 __all__ = ["pipeline_loss", "pipeline_stage", "stage_layers"]
 
@@ -90,9 +93,10 @@ def pipeline_stage(
     group: Any = None,
     **options: Any,
 ):
-    """This rank's `torch.distributed.pipelining.PipelineStage` of `model` (a PEFT model):
-    its block of decoder layers kept (the others dropped from the model, and from its
-    config's ``num_hidden_layers`` and ``layer_types``), streamed under
+    """This rank's `torch.distributed.pipelining.PipelineStage` of `model` (a PEFT model,
+    loaded by transformers or by `from_pretrained` into host tiers): its block of decoder
+    layers kept (the others dropped from the model, its config's ``num_hidden_layers`` and
+    ``layer_types``, and its host tiers), streamed under
     `gpu_budget` (`stream`'s; ``None``: resident) with `options`, and the model's own
     forward over them. `stage` and `stages` default to the rank and world size of `group`
     (default: the default process group). Build the schedule with ``scale_grads=False``
@@ -115,6 +119,9 @@ def pipeline_stage(
     parent_path, _, attr = anat.layer_paths[0].rpartition(".")[0].rpartition(".")
     parent = anat.model.get_submodule(parent_path) if parent_path else anat.model
     setattr(parent, attr, nn.ModuleList([anat.layers[i] for i in kept]))
+    handle = state_of(anat.model)
+    if handle.tiers is not None:  # from_pretrained's host tiers: this stage's layers, renumbered
+        handle.tiers = _stage_tiers(handle.tiers, kept)
     config = anat.config  # the model now holds this stage's layers, and says so
     config.num_hidden_layers = len(kept)
     if isinstance(getattr(config, "layer_types", None), list):
@@ -128,6 +135,24 @@ def pipeline_stage(
         else torch.device(device or "cpu")
     )
     return PipelineStage(_Stage(anat.model, anat.decoder, first, last), stage, stages, where, group=group)
+
+
+def _stage_tiers(tiers: Tiers, kept: range) -> Tiers:
+    """`tiers` of the kept layers alone, numbered from 0 as the stage's model numbers them
+    (their homes, layouts, disk and shared layers, and the prepared cache's entries)."""
+    from .storage.cache import PreparedCache
+
+    cache = tiers.cache
+    if cache is not None:
+        cache = PreparedCache(cache.path, cache.meta, [cache.layers[i] for i in kept])
+    return dataclasses.replace(
+        tiers,
+        homes=[tiers.homes[i] for i in kept],
+        layouts=[tiers.layouts[i] for i in kept],
+        disk=tuple(i - kept.start for i in tiers.disk if i in kept),
+        shared=tuple(i - kept.start for i in tiers.shared if i in kept),
+        cache=cache,
+    )
 
 
 def pipeline_loss(model: nn.Module, scale: float = 1.0):
