@@ -777,6 +777,7 @@ DATA_PARALLEL = (  # (case, device): the main job under torchrun and the peers a
 )
 DP_MODES = (
     ("job", "narrows finetune"),
+    ("pipe", "narrows pipeline stages, 1F1B (`shared_host.py`'s loop)"),
     ("fsdp", "FSDP+QLoRA, CPU offload"),
     ("deepspeed", "DeepSpeed ZeRO-3 offload"),
 )
@@ -838,7 +839,8 @@ def _data_parallel_headline(r: Results) -> str:
         rows = r.case(case, device)
         if _dp_row(rows, "job", 1) is None:
             continue
-        peers = [x for x in rows if not x["name"].endswith(" job") and "error" not in x["metrics"]]
+        ours = (" job", " pipe")
+        peers = [x for x in rows if not x["name"].endswith(ours) and "error" not in x["metrics"]]
         best = max(peers, key=lambda x: x["metrics"]["tokens_per_s"], default=None)
         fastest = "not run"
         if best is not None:

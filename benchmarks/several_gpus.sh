@@ -2,12 +2,13 @@
 # The runs on a machine with several GPUs (nvidia-h200-x2, -x4): the NCCL tests, then for each
 # config:budget in $CONFIGS and each sequence length in $SEQS one shared_host.py run: the main job
 # under torchrun on each rank count of $RANKS at that per-GPU budget (8 rows of --seq a rank, the
-# ranks sharing one host copy), and the peers of $PEERS (fsdp, deepspeed) at the rank counts of
+# ranks sharing one host copy), and the other cases of $PEERS (fsdp, deepspeed; pipe: narrows'
+# pipeline stages, shared_host.py's loop, one micro-batch a stage) at the rank counts of
 # $PEER_RANKS where $PEER_SEQS holds the sequence length. Run from the repo root with .gpu
 # (../shared/gpu/stage --lock) and, for the DeepSpeed rows, .gpu-deepspeed (stage_deepspeed.sh)
 # carried along; results land in $OUT.
 #   CONFIGS="qwen2.5-7b:8GiB qwen2.5-72b:16GiB"  SEQS="512 2048"  RANKS="1 2 4" (RANKS="": no job rows)
-#   PEERS="fsdp deepspeed"  PEER_RANKS="1 2 4"  PEER_SEQS="512"  SKIP_TESTS=1  TESTS="paths"  KEEP=1 (keep /tmp/dp_*)
+#   PEERS="fsdp deepspeed pipe"  PEER_RANKS="1 2 4"  PEER_SEQS="512"  SKIP_TESTS=1  TESTS="paths"  KEEP=1 (keep /tmp/dp_*)
 set -u
 source .gpu/env
 [[ -f .gpu-deepspeed/env ]] && source .gpu-deepspeed/env
@@ -18,7 +19,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
   timeout ${TTESTS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu \
-    ${TESTS:-packages/stream/tests/test_distributed_gpu.py tests/test_finetune_ranks_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
+    ${TESTS:-packages/stream/tests/test_distributed_gpu.py packages/stream/tests/test_pipeline_gpu.py tests/test_finetune_ranks_gpu.py} 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 fi
 for spec in ${CONFIGS:-qwen2.5-7b:8GiB}; do
   IFS=: read -r c budget <<<"$spec"
