@@ -120,6 +120,7 @@ def stage(out: str, kind: str, device: str, folder: str | None) -> None:
     result = record(names, params, opt, grads) | {
         "layers": sorted(layers),
         "planned": len(plan.layer_bytes),
+        "head_streamed": plan.head_h2d_bytes > 0,
         "resident": len(plan.resident),
         "shared": list(m.narrows.tiers.shared) if m.narrows.tiers is not None else [],
     }

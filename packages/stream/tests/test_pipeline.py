@@ -64,6 +64,7 @@ def assert_stages_equal(out: Path, schedule: str, stages: int) -> None:
     layers = [list(stage_layers(4, stages, r)) for r in range(stages)]
     assert [s["layers"] for s in ranks] == layers  # contiguous blocks, each its own
     assert [(s["planned"], s["resident"]) for s in ranks] == [(len(x), 0) for x in layers]  # streamed, alone
+    assert [s["head_streamed"] for s in ranks] == [True] * (stages - 1) + [False]  # held by the last alone
     held = [name for s in ranks for name in s["weight"]]
     assert sorted(held) == sorted(reference["weight"])
     for s in ranks:

@@ -97,8 +97,9 @@ def pipeline_stage(
     loaded by transformers or by `from_pretrained` into host tiers): its block of decoder
     layers kept (the others dropped from the model, its config's ``num_hidden_layers`` and
     ``layer_types``, and its host tiers), streamed under
-    `gpu_budget` (`stream`'s; ``None``: resident) with `options`, and the model's own
-    forward over them. `stage` and `stages` default to the rank and world size of `group`
+    `gpu_budget` (`stream`'s; ``None``: resident) with `options` (before the last stage,
+    which alone calls it, a frozen head is streamed from host memory unless `options` say
+    ``head``), and the model's own forward over them. `stage` and `stages` default to the rank and world size of `group`
     (default: the default process group). Build the schedule with ``scale_grads=False``
     and `pipeline_loss`; the first stage is given the input ids, the last the labels."""
     from torch.distributed.pipelining import PipelineStage
@@ -128,6 +129,9 @@ def pipeline_stage(
         config.layer_types = [config.layer_types[i] for i in kept]
     if not last:  # the final norm belongs to the last stage's output
         anat.decoder.norm = nn.Identity()
+    if not last and not any(p.requires_grad for p in anat.head.parameters()):
+        # a head no stage before the last calls: served from host memory, not held on the device
+        options.setdefault("head", "stream")
     stream(model, gpu_budget, **({"device": device} if device is not None else {}), **options)
     where = (
         model.narrows_stream.device
