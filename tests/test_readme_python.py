@@ -37,7 +37,7 @@ README = ROOT / "README.md"
 
 # placeholder as the README writes it -> what the test puts there (filled in by `_workspace`)
 PLACEHOLDERS = ("path/to/model", "train.jsonl", "/models/Qwen2.5-72B-Instruct")
-OUTPUTS = ("runs/trainer", "runs/sft")  # written under each block's working folder
+OUTPUTS = ("runs/trainer", "runs/sft", "runs/pipeline")  # written under each block's working folder
 
 
 @dataclass(frozen=True)

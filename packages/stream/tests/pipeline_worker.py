@@ -88,6 +88,7 @@ def reference(out: str, device: str, folder: str | None) -> None:
         opt.step()
         opt.zero_grad()
     torch.save(record(names, params, opt, grads), f"{out}.reference.pt")
+    m.save_pretrained(f"{out}.reference.adapter")
 
 
 def stage(out: str, kind: str, device: str, folder: str | None) -> None:
@@ -125,6 +126,7 @@ def stage(out: str, kind: str, device: str, folder: str | None) -> None:
         "shared": list(m.narrows.tiers.shared) if m.narrows.tiers is not None else [],
     }
     torch.save(result, f"{out}.{kind}.stage{rank}.pt")
+    ns.save_pipeline_adapter(m, f"{out}.{kind}.adapter")  # every stage's, by rank 0
     dist.barrier()
     dist.destroy_process_group()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from narrows.core.testing import child_env, tiny_model_folder
 from narrows.stream.pipeline import stage_layers
@@ -65,6 +66,9 @@ def assert_stages_equal(out: Path, schedule: str, stages: int) -> None:
     assert [s["layers"] for s in ranks] == layers  # contiguous blocks, each its own
     assert [(s["planned"], s["resident"]) for s in ranks] == [(len(x), 0) for x in layers]  # streamed, alone
     assert [s["head_streamed"] for s in ranks] == [True] * (stages - 1) + [False]  # held by the last alone
+    saved = load_file(f"{out}.{schedule}.adapter/adapter_model.safetensors")
+    want = load_file(f"{out}.reference.adapter/adapter_model.safetensors")
+    assert saved.keys() == want.keys() and all(torch.equal(saved[k], want[k]) for k in want)  # one adapter
     held = [name for s in ranks for name in s["weight"]]
     assert sorted(held) == sorted(reference["weight"])
     for s in ranks:

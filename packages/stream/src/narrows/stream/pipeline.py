@@ -23,6 +23,9 @@ why: docs/design.md#pipeline-stages
 from __future__ import annotations
 
 import dataclasses
+import re
+import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,10 +38,13 @@ from narrows.core.protocol.handle import state_of
 from .errors import StreamSetupError
 from .storage.tiers import Tiers
 
-__all__ = ["pipeline_loss", "pipeline_stage", "stage_layers"]
+__all__ = ["pipeline_loss", "pipeline_stage", "save_pipeline_adapter", "stage_layers"]
 
 # families whose decoder forward takes `inputs_embeds` as the first layer's input, untouched
 # (Gemma scales it, for one: a later stage would scale the hidden states again)
+# each staged model's layer container (its path in the model) and the layers it kept
+_KEPT: weakref.WeakKeyDictionary[nn.Module, tuple[str, range]] = weakref.WeakKeyDictionary()
+
 STAGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 
@@ -120,6 +126,7 @@ def pipeline_stage(
     parent_path, _, attr = anat.layer_paths[0].rpartition(".")[0].rpartition(".")
     parent = anat.model.get_submodule(parent_path) if parent_path else anat.model
     setattr(parent, attr, nn.ModuleList([anat.layers[i] for i in kept]))
+    _KEPT[anat.model] = (f"{parent_path}.{attr}" if parent_path else attr, kept)
     handle = state_of(anat.model)
     if handle.tiers is not None:  # from_pretrained's host tiers: this stage's layers, renumbered
         handle.tiers = _stage_tiers(handle.tiers, kept)
@@ -170,3 +177,34 @@ def pipeline_loss(model: nn.Module, scale: float = 1.0):
         return lm.loss_function(logits=logits, labels=labels, vocab_size=vocab) * scale
 
     return loss
+
+
+def save_pipeline_adapter(model: nn.Module, folder: str | Path, *, group: Any = None) -> None:
+    """Write the whole model's adapter to `folder` as PEFT's ``save_pretrained`` writes one
+    (``adapter_model.safetensors``, ``adapter_config.json``): every stage's adapter tensors,
+    their layers numbered as in the whole model, gathered to rank 0 of `group`, which writes
+    them. A collective: every stage calls it."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    anat = anatomy_of(model)
+    if anat.model not in _KEPT:
+        raise StreamSetupError("save_pipeline_adapter saves a model pipeline_stage split; this one is whole")
+    container, kept = _KEPT[anat.model]
+    number = re.compile(rf"(^|\.){re.escape(container)}\.(\d+)\.")
+
+    def whole(name: str) -> str:
+        return number.sub(lambda m: f"{m[1]}{container}.{int(m[2]) + kept.start}.", name, count=1)
+
+    mine = {whole(k): v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
+    stages: list[dict | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, mine, group=group)
+    if dist.get_rank(group) != 0:
+        return
+    merged: dict[str, Tensor] = {}
+    for part in stages:  # a head or embedding adapter every stage holds: the last stage's, which trains it
+        merged.update(part or {})
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(merged, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+    model.peft_config[model.active_adapter].save_pretrained(folder)
