@@ -58,6 +58,9 @@ def main(out: str, average: str) -> None:
         )
     # leave together: a rank that tears its group down while rank 0 still writes can abort at
     # exit (gloo's threads outliving the interpreter)
+    # DDP's reducer and its hook's futures go before the process group: freed after it, at
+    # exit, they would reach a group already destroyed (a rank aborting, under load)
+    del ddp, hooked
     dist.barrier()
     dist.destroy_process_group()
 

@@ -127,6 +127,7 @@ def stage(out: str, kind: str, device: str, folder: str | None) -> None:
     }
     torch.save(result, f"{out}.{kind}.stage{rank}.pt")
     ns.save_pipeline_adapter(m, f"{out}.{kind}.adapter")  # every stage's, by rank 0
+    del schedule, stage  # their communication state goes before the process group
     dist.barrier()
     dist.destroy_process_group()
 
