@@ -14,8 +14,9 @@ stage's backwards in micro-batch order, the order autograd accumulates them in).
 
 What a stage does not cover is refused by name: families whose decoder treats its input
 embeddings differently from the hidden states between layers, auxiliary router losses
-(they sum over every layer's routing), LayerDrop, padding and packed rows (only the hidden
-states cross between stages: each row is one causal sequence).
+(they sum over every layer's routing), LayerDrop. Rows must be whole causal sequences, no
+padding or packing: only the hidden states cross between stages, no mask or positions.
+`save_pipeline_adapter` writes the stages' adapters as the whole model's one.
 
 why: docs/design.md#pipeline-stages
 """
@@ -40,11 +41,11 @@ from .storage.tiers import Tiers
 
 __all__ = ["pipeline_loss", "pipeline_stage", "save_pipeline_adapter", "stage_layers"]
 
-# families whose decoder forward takes `inputs_embeds` as the first layer's input, untouched
-# (Gemma scales it, for one: a later stage would scale the hidden states again)
 # each staged model's layer container (its path in the model) and the layers it kept
 _KEPT: weakref.WeakKeyDictionary[nn.Module, tuple[str, range]] = weakref.WeakKeyDictionary()
 
+# families whose decoder forward takes `inputs_embeds` as the first layer's input, untouched
+# (Gemma scales it, for one: a later stage would scale the hidden states again)
 STAGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 
@@ -102,12 +103,13 @@ def pipeline_stage(
     """This rank's `torch.distributed.pipelining.PipelineStage` of `model` (a PEFT model,
     loaded by transformers or by `from_pretrained` into host tiers): its block of decoder
     layers kept (the others dropped from the model, its config's ``num_hidden_layers`` and
-    ``layer_types``, and its host tiers), streamed under
-    `gpu_budget` (`stream`'s; ``None``: resident) with `options` (before the last stage,
-    which alone calls it, a frozen head is streamed from host memory unless `options` say
-    ``head``), and the model's own forward over them. `stage` and `stages` default to the rank and world size of `group`
-    (default: the default process group). Build the schedule with ``scale_grads=False``
-    and `pipeline_loss`; the first stage is given the input ids, the last the labels."""
+    ``layer_types``, and its host tiers), streamed under `gpu_budget` (`stream`'s; ``None``:
+    resident) with `options` (before the last stage, which alone calls it, a frozen head is
+    streamed from host memory unless `options` say ``head``), and the model's own forward
+    over them. `stage` and `stages` default to the rank and world size of `group` (default:
+    the default process group). Build the schedule with ``scale_grads=False`` and
+    `pipeline_loss`; the first stage is given the input ids, the last the labels; save the
+    adapter with `save_pipeline_adapter`."""
     from torch.distributed.pipelining import PipelineStage
 
     from .api import stream
