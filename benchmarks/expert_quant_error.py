@@ -46,8 +46,8 @@ from narrows.core.quant import lowbit
 BLOCK = 64
 QWEN3_30B_A3B = {"experts": 128, "hidden": 2048, "intermediate": 768}  # benchmarks/configs/qwen3-30b-a3b.json
 SCHEMES = ("nf2", "nf3", "nf4", "nf4-bitsandbytes")
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # FP4's magnitudes
-MX_BLOCK = 32
+E2M1 = lowbit.FP4_E2M1[:8]  # FP4's magnitudes
+MX_BLOCK = lowbit.MXFP4_BLOCK
 
 
 def mxfp4_round_trip(stack: torch.Tensor) -> torch.Tensor:

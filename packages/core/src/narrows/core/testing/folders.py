@@ -54,9 +54,6 @@ def write_jsonl(path: str | os.PathLike, rows: list) -> Path:
     return path
 
 
-FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
 def mxfp4_folder(path: str | os.PathLike, seed: int = 0) -> dict:
     """A tiny gpt-oss folder as OpenAI released the real ones: every expert stack ``X``
     [E, in, out] stored as ``X_blocks`` [E, out, in/32, 16] (two E2M1 codes a byte, the even
@@ -65,6 +62,8 @@ def mxfp4_folder(path: str | os.PathLike, seed: int = 0) -> dict:
     here from the E2M1 table (each such value is a bf16 value: the stacks are exact)."""
     import torch
     from safetensors.torch import load_file, save_file
+
+    from ..quant.lowbit import FP4_E2M1  # the format's table (checked against its definition in test_lowbit)
 
     path = Path(path)
     tiny_model_folder(path, "gpt_oss")
