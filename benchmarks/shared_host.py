@@ -2,6 +2,9 @@
 otherwise, so that several ranks may share one GPU): data parallel as a user runs it, and
 what the ranks' host memory costs. Each case is one torchrun launch of its own:
 
+  stages     the main job with ``--pipeline-stages R``: each rank one block of the layers,
+             --micro micro-batches (default: the ranks) of --batch rows a step in flight
+             (``--grad-accum``), ``--lmhead off``; the step's tokens are --micro × --batch × --seq
   job        the main job, ``torchrun --nproc-per-node R -m narrows.core.app.cli finetune``
              over the folder (``--gpu-budget`` --budget per rank, ``--batch`` --batch rows of
              --seq tokens per rank, ``--packing``, LoRA r16 on the seven projections, the
@@ -120,7 +123,7 @@ def build_narrows(args: argparse.Namespace, dev: torch.device):
 
         lmh.apply(model)
     budget = None if args.budget == "min" else args.budget
-    ns.stream(model, budget, device=dev, seq_len=args.seq, batch_size=1, head=args.head)
+    ns.stream(model, budget, device=dev, seq_len=args.seq, batch_size=args.batch, head=args.head)
     plan = model.narrows_stream.plan
     print(plan, file=sys.stderr)
     ddp = ns.data_parallel(model, device_ids=[dev.index]) if dev.type == "cuda" else ns.data_parallel(model)
@@ -149,7 +152,16 @@ def build_pipe(args: argparse.Namespace, dev: torch.device):
     model = add_lora(model).train()
     model.config.use_cache = False
     budget = None if args.budget == "min" else args.budget
-    stage = ns.pipeline_stage(model, budget, device=dev, seq_len=args.seq, batch_size=1, head=args.head)
+    stage = ns.pipeline_stage(
+        model,
+        budget,
+        device=dev,
+        micro_batches=args.micro,
+        schedule="1f1b",
+        seq_len=args.seq,
+        batch_size=args.batch,
+        head=args.head,
+    )
     plan = model.narrows_stream.plan
     print(plan, file=sys.stderr)
     schedule = Schedule1F1B(
@@ -232,7 +244,12 @@ def child(args: argparse.Namespace) -> None:
         torch.manual_seed(i)  # every stage the step's tokens: the first feeds them, the last scores them
         ids = torch.randint(0, vocab, (args.micro * args.batch, args.seq), device=dev)
         got: list = []
-        schedule.step(*((ids,) if stage.is_first else ()), target=ids if stage.is_last else None, losses=got)
+        schedule.step(
+            *((ids,) if stage.is_first else ()),
+            target=ids if stage.is_last else None,
+            losses=got,
+            return_outputs=False,
+        )
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(sum(x.detach() for x in got) if got else torch.zeros((), device=dev))
@@ -411,24 +428,29 @@ def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> d
     }
 
 
-def run_job(args: argparse.Namespace, folder: Path, ranks: int) -> dict:
-    """The main job under torchrun, as a user launches it; its run folder read back."""
+def run_job(args: argparse.Namespace, folder: Path, ranks: int, mode: str = "job") -> dict:
+    """The main job under torchrun, as a user launches it; its run folder read back.
+    `mode` "stages": with ``--pipeline-stages`` the ranks, `micro` micro-batches a step
+    (``--grad-accum``) and the full-logits loss the stages compute (``--lmhead off``)."""
     import statistics
 
     from peers import job_data
 
     total = args.warmup + args.steps
-    data = job_data(args.work, args.seq, max(64, ranks * args.batch * (total + 1)))
-    run_dir = args.work / f"run_{ranks}_job"
+    rows = (micro(args, ranks) if mode == "stages" else ranks) * args.batch
+    data = job_data(args.work, args.seq, max(64, rows * (total + 1)))
+    run_dir = args.work / f"run_{ranks}_{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = ["finetune", "--model", str(folder), "--data", str(data), "--packing"]
+    if mode == "stages":
+        argv += ["--pipeline-stages", str(ranks), "--grad-accum", str(micro(args, ranks)), "--lmhead", "off"]
     argv += ["--gpu-budget", args.budget, "--batch", str(args.batch), "--seq-len", str(args.seq)]
     argv += ["--steps", str(total), "--rank", "16", "--alpha", "32", "--lr", "1e-4", "--eval-rows", "0"]
     argv += ["--exact-match", "0", "--save-every", str(total), "--cache", str(args.work / "cache")]
     argv += ["--no-progress", "--out", str(run_dir)]
     argv += ["--host-budget", args.host_budget] if args.host_budget else []
     cmd = [*torchrun(ranks), "-m", "narrows.core.app.cli", *argv]
-    row: dict = {"ranks": ranks, "mode": "job", "command": shlex.join(["torchrun", *cmd[3:]])}
+    row: dict = {"ranks": ranks, "mode": mode, "command": shlex.join(["torchrun", *cmd[3:]])}
     ran = launch(cmd, tree_every=1.0, timeout=args.timeout)
     metrics = run_dir / "metrics.jsonl"
     steps = (
@@ -453,6 +475,7 @@ def run_job(args: argparse.Namespace, folder: Path, ranks: int) -> dict:
         "peak_allocated": max(m["peak_bytes"] for m in timed),
         "final_loss": [timed[-1]["loss"]],
         "plan": summary.get("stream"),
+        "stages": summary.get("pipeline_stages"),
         "said": [x[:300] for x in ran["output"].splitlines() if x.startswith("narrows:")][:20],
     }
 
@@ -541,8 +564,8 @@ def main() -> None:
         ranks, mode = case.split(":")
         if int(ranks) > max(1, gpus) and gpus:
             rows.append({"ranks": int(ranks), "mode": mode, "error": f"this machine has {gpus} GPUs"})
-        elif mode == "job":
-            rows.append(run_job(args, folder, int(ranks)))
+        elif mode in ("job", "stages"):
+            rows.append(run_job(args, folder, int(ranks), mode))
         else:
             rows.append(run_case(args, folder, int(ranks), mode))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_rank"}), flush=True)

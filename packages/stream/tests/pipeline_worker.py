@@ -99,7 +99,8 @@ def stage(out: str, kind: str, device: str, folder: str | None) -> None:
     rank = dist.get_rank()
     m = model(folder, cache=f"{out}.cache")  # the ranks share one host copy of the folder
     names = named_trainable(m)
-    stage = ns.pipeline_stage(m, "min", device=dev)  # every layer of the stage streamed
+    # every layer of the stage streamed; the plan prices the schedule's micro-batches in flight
+    stage = ns.pipeline_stage(m, "min", device=dev, micro_batches=MICRO, schedule=kind)
     plan = m.narrows_stream.plan
     params = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2)
@@ -111,9 +112,9 @@ def stage(out: str, kind: str, device: str, folder: str | None) -> None:
         ids = torch.cat([b["input_ids"] for b in bs]).to(dev)
         labels = torch.cat([b["labels"] for b in bs]).to(dev)
         if rank == 0:
-            schedule.step(ids)
+            schedule.step(ids, return_outputs=False)
         else:
-            schedule.step(target=labels)
+            schedule.step(target=labels, return_outputs=False)
         grads.append([p.grad.clone() for p in params])
         opt.step()
         opt.zero_grad()

@@ -60,8 +60,8 @@ def test_stages_of_a_from_pretrained_model_stream_their_layers_of_one_shared_hos
 def assert_stages_equal(out: Path, schedule: str, stages: int) -> None:
     """Each stage's adapters, gradients at every step and final weights, are the one
     process's, and every adapter trains on exactly one stage."""
-    reference = torch.load(f"{out}.reference.pt")
-    ranks = [torch.load(f"{out}.{schedule}.stage{r}.pt") for r in range(stages)]
+    reference = torch.load(f"{out}.reference.pt", map_location="cpu")  # stages saved from their own GPUs
+    ranks = [torch.load(f"{out}.{schedule}.stage{r}.pt", map_location="cpu") for r in range(stages)]
     layers = [list(stage_layers(4, stages, r)) for r in range(stages)]
     assert [s["layers"] for s in ranks] == layers  # contiguous blocks, each its own
     assert [(s["planned"], s["resident"]) for s in ranks] == [(len(x), 0) for x in layers]  # streamed, alone
@@ -96,3 +96,40 @@ def test_pipeline_stage_needs_a_process_group_and_a_family_it_covers():
         ns.pipeline_stage(build(num_hidden_layers=2))
     with pytest.raises(ns.StreamSetupError, match="this is a gemma2"):
         ns.pipeline_stage(build("gemma2", num_hidden_layers=2), stage=0, stages=2)
+
+
+def test_each_stage_is_planned_for_what_its_schedule_keeps():
+    """GPipe keeps every micro-batch's activations on every stage until the backward; 1F1B
+    keeps one per stage still to run; the last stage alone computes the loss; the boundary
+    buffers: received hidden states (not the first), received gradients and kept outputs
+    (not the last)."""
+    from narrows.stream.pipeline import _in_flight
+
+    one_f_one_b = [_in_flight(s, 4, 8, "1f1b") for s in range(4)]
+    assert [x["in_flight"] for x in one_f_one_b] == [4, 3, 2, 1]
+    assert [x["computes_loss"] for x in one_f_one_b] == [False, False, False, True]
+    assert [x["stage_buffers"] for x in one_f_one_b] == [8 + 4, 8 + 8 + 3, 8 + 8 + 2, 8]
+    assert [_in_flight(s, 4, 8, "gpipe")["in_flight"] for s in range(4)] == [8] * 4
+    assert _in_flight(0, 4, 2, "1f1b")["in_flight"] == 2  # never more than the step has
+
+
+def test_the_plan_prices_micro_batches_in_flight_the_loss_and_the_boundaries():
+    from helpers import build
+
+    import narrows.stream as ns
+    from narrows.core import anatomy_of
+    from narrows.stream.planning.memory import Shapes, input_bytes
+
+    model = build(num_hidden_layers=4, vocab_size=8192)  # its loss outweighs a layer's working set
+    shape = {"batch_size": 2, "seq_len": 32, "device": "cpu"}
+    s = Shapes.of(anatomy_of(model), 2, 32)
+    logits = 2 * 32 * s.vocab
+    alone = ns.plan(model, **shape)
+    assert alone.work_bytes == logits * (2 * s.act_bytes + 10)
+    assert ns.plan(model, computes_loss=False, **shape).work_bytes < alone.work_bytes
+    held = ns.plan(model, in_flight=3, computes_loss=False, **shape)
+    assert held.activation_bytes == 3 * alone.activation_bytes
+    assert held.fixed_bytes == alone.fixed_bytes  # one working set at a time, no loss kept
+    last = ns.plan(model, in_flight=3, **shape)  # GPipe's last stage: two more losses kept
+    assert last.fixed_bytes == alone.fixed_bytes + 2 * logits * (s.act_bytes + 4)
+    assert ns.plan(model, stage_buffers=5, **shape).fixed_bytes == alone.fixed_bytes + 5 * input_bytes(s)

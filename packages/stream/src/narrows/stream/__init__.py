@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the names by module; `_MODULES` groups them by what they ar
     from .distributed import check_ranks, data_parallel
     from .errors import BudgetTooSmallError, SelfCheckError, StreamSetupError
     from .execution.tiling import SequenceTiles, tile_sequence
-    from .pipeline import pipeline_loss, pipeline_stage, save_pipeline_adapter
+    from .pipeline import pipeline_loss, pipeline_stage, save_pipeline_adapter, stage_names, whole_names
     from .planning import (
         Plan,
         Rates,
@@ -62,7 +62,7 @@ _MODULES = {
     "storage.pretrained": ("from_pretrained", "prepare"),
     # several ranks
     "distributed": ("check_ranks", "data_parallel"),
-    "pipeline": ("pipeline_loss", "pipeline_stage", "save_pipeline_adapter"),
+    "pipeline": ("pipeline_loss", "pipeline_stage", "save_pipeline_adapter", "stage_names", "whole_names"),
     # measuring
     "storage.engine": ("TransferStats",),
     "checks.profile": ("LayerTimes", "Profile"),
@@ -102,7 +102,9 @@ __all__ = [
     "plan",
     "prepare",
     "save_pipeline_adapter",
+    "stage_names",
     "step_mode_reserve",
     "stream",
     "tile_sequence",
+    "whole_names",
 ]

@@ -86,6 +86,12 @@ class StreamConfig:
     host_state: str = "none"  # training state in host memory: "none", "optimizer", "adapters"
     world_size: int = 1  # data-parallel ranks (step mode trains in one process)
     reserve: int = 0  # device bytes the plan leaves free in the budget, for the caller
+    # a pipeline stage (`pipeline_stage` sets these): micro-batches whose saved activations it keeps at
+    # once, whether it computes the loss (the last stage), and the boundary tensors (layer-input sized)
+    # the schedule keeps for its sends and receives
+    in_flight: int = 1
+    computes_loss: bool = True
+    stage_buffers: int = 0
     keep_attention: bool | str = (
         "auto"  # fast layers' attention kept from forward to backward in host memory: True, False, "auto"
     )
@@ -194,7 +200,7 @@ def _check(c: StreamConfig) -> None:
             f"graphs={c.graphs!r}: use True (CUDA graphs), False (eager layers) or 'auto' "
             "(default: graphs where the planner predicts them faster)"
         )
-    for name in ("grad_accum", "world_size"):
+    for name in ("grad_accum", "world_size", "in_flight"):
         if not _whole(getattr(c, name), 1):
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: give a whole number ≥ 1")
     for name, meaning in (
@@ -212,8 +218,10 @@ def _check(c: StreamConfig) -> None:
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True, False or 'auto' ({meaning})")
     if not _whole(c.reserve, 0):
         raise StreamSetupError(f"reserve={c.reserve!r}: give a number of bytes ≥ 0")
+    if not _whole(c.stage_buffers, 0):
+        raise StreamSetupError(f"stage_buffers={c.stage_buffers!r}: give a whole number ≥ 0")
     _choice(c, "host_state", HOST_STATES, "what of the training state StepTrainer keeps in host memory")
-    for name in ("check", "inference", "deterministic"):
+    for name in ("check", "inference", "deterministic", "computes_loss"):
         if not isinstance(getattr(c, name), bool):
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True or False")
 

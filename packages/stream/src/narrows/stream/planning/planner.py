@@ -42,12 +42,12 @@ from .measure import (
     resolve_device,
     streams_head,
 )
-from .memory import Shapes, held_weight_bytes, nbytes, step_mode_reserve, training_bytes
+from .memory import Shapes, held_weight_bytes, input_bytes, nbytes, step_mode_reserve, training_bytes
 from .record import Plan
 from .residency import make_plan
 from .steptime import Rates, step_seconds
 
-__all__ = ["plan", "planned_shapes", "runs_fast"]
+__all__ = ["pipeline_bytes", "plan", "planned_shapes", "runs_fast"]
 
 
 def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
@@ -66,8 +66,9 @@ def runs_fast(model: nn.Module, cfg: StreamConfig) -> bool:
 
 def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes:
     """The shapes a plan sizes: the model's, the batch's, and which layers' arithmetic
-    (fast layers, with float32 LoRA or not, with dropout or not)."""
-    return Shapes.of(
+    (fast layers, with float32 LoRA or not, with dropout or not); no loss where the model
+    computes none (a pipeline stage before the last)."""
+    shapes = Shapes.of(
         anat,
         cfg.batch_size,
         cfg.seq_len,
@@ -75,6 +76,26 @@ def planned_shapes(model: nn.Module, anat: Anatomy, cfg: StreamConfig) -> Shapes
         lora_float32=cfg.lora_dtype == "float32",
         dropout=lora_dropout(model),
     )
+    return shapes if cfg.computes_loss else replace(shapes, loss_bytes=0)
+
+
+def pipeline_bytes(shapes: Shapes, cfg: StreamConfig) -> int:
+    """What a pipeline stage keeps beyond one micro-batch's plan: the schedule's boundary
+    tensors (`StreamConfig.stage_buffers`, each a layer input's size) and, on the stage that
+    computes the loss with several micro-batches in flight (GPipe), the other micro-batches'
+    logits and the log-softmax their loss keeps for the backward (or a replaced loss's own
+    working set). Their saved layer activations are counted by the residency plan
+    (`in_flight`). 0 outside a pipeline."""
+    extra = cfg.stage_buffers * input_bytes(shapes)
+    if cfg.computes_loss and cfg.in_flight > 1:
+        tokens = shapes.batch * shapes.seq
+        loss = (
+            shapes.loss_bytes
+            if shapes.loss_bytes is not None
+            else tokens * shapes.vocab * (shapes.act_bytes + 4)
+        )
+        extra += (cfg.in_flight - 1) * loss
+    return extra
 
 
 def lora_dropout(model: nn.Module) -> bool:
@@ -104,7 +125,7 @@ def plan(
     dev = resolve_device(cfg.device)
     stream_head = streams_head(anat, cfg.head)
     outside = device_parts(model, anat, host_embedding(anat, stream_head), stream_head)
-    ranks = data_parallel_ranks()
+    ranks = 1 if cfg.stage_buffers else data_parallel_ranks()  # a pipeline stage has no DDP buckets
     ddp = data_parallel_bytes(nbytes(trainable_parameters(model).values()), ranks)
     fixed = (
         nbytes(s.tensor for s in outside)
@@ -121,6 +142,7 @@ def plan(
     layer_bytes = tuple(frozen_layer_bytes(anat))
 
     shapes = planned_shapes(model, anat, cfg)
+    fixed += pipeline_bytes(shapes, cfg)
     budget = budget_bytes(cfg.gpu_budget, dev)  # read once: every candidate plan is judged against the same
 
     def residency(reserve: int, recompute: str, held: bool = False) -> Plan:
@@ -144,6 +166,7 @@ def plan(
             graphs=cfg.graphs,
             reserved=reserve,
             host_state=cfg.host_state,
+            in_flight=cfg.in_flight,
         )
         if not held:
             return plan

@@ -67,6 +67,7 @@ def make_plan(
     graphs: bool | str = False,
     reserved: int = 0,
     host_state: str = "none",
+    in_flight: int = 1,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -74,7 +75,8 @@ def make_plan(
     whose host copy is on disk (made resident first); `head_h2d_bytes`: a streamed head's
     transfer per step; `rates`: the step-time model's (default: fitted); `host_bytes`,
     `host_budget`, `reserved`, `host_state`: carried into the plan's report (`host_state` also
-    for `StepTrainer`, which must keep that state in host memory).
+    for `StepTrainer`, which must keep that state in host memory); `in_flight`: micro-batches
+    whose saved activations a pipeline stage keeps at once (each its own; one working set).
 
     why: docs/design.md#residency
     """
@@ -82,7 +84,9 @@ def make_plan(
         return _either(dict(locals()))
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
-    cost = _Footprint(layer_bytes, fixed_bytes, shapes, graphs and device.startswith("cuda"), reserved)
+    cost = _Footprint(
+        layer_bytes, fixed_bytes, shapes, graphs and device.startswith("cuda"), reserved, in_flight
+    )
     if budget is None:  # the smallest footprint: one slab beyond the prefetch, every input offloaded allowed
         t = tile_choices(tile, shapes.batch * shapes.seq, None)[0]
         resident, depth, kept = (), max(prefetch, 0), n if offload == "off" else 0
@@ -138,6 +142,7 @@ class _Footprint:
     shapes: Shapes
     graphed: bool  # graphs asked for on a CUDA device: their pool counts while any layer is graphed
     reserved: int
+    in_flight: int = 1  # micro-batches whose saved activations are kept at once (a pipeline stage's)
 
     @property
     def n(self) -> int:
@@ -149,10 +154,12 @@ class _Footprint:
 
     def saved(self, kept: int, whole: int = 0) -> int:
         """Kept inputs, two offloaded ones in flight, and whole layers' activations (less
-        what the last whole layer and the working set never hold at once)."""
+        what the last whole layer and the working set never hold at once), for each
+        micro-batch in flight."""
         a = input_bytes(self.shapes)
         overlap = whole_overlap_bytes(self.shapes) if whole else 0
-        return (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes) - overlap
+        one = (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes) - overlap
+        return self.in_flight * one
 
     def pool(self, t: int | None, whole: int) -> int:
         """The graphs' pool, while any layer is graphed."""

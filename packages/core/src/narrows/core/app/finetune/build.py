@@ -262,7 +262,8 @@ def build_model(
     # narrows' transforms in their one order (narrows.core.apply): the loss first (a planner
     # sizes the loss that will run), then the tiles, the fast layers (which run the tiles) or
     # the stream (which runs its own tiles and fast layers)
-    configs = [c for c in (head_savings(cfg),) if c is not None]
+    staged = cfg.training.pipeline_stages > 1  # streamed by the job's stages (`stages.Stages`)
+    configs = [c for c in (None if staged else head_savings(cfg),) if c is not None]
     kernels = "PEFT's modules (--kernels peft)"
     if cfg.memory.gpu_budget == "off":
         model.to(device)
@@ -276,7 +277,7 @@ def build_model(
         model = apply(model, *configs)
         if cfg.base.kernels == "fast":  # (not with LoRA dropout in tiles: it says so)
             kernels = str(coverage(model))
-    else:
+    elif not staged:
         model = apply(model, *configs, stream_config(cfg, device, world_size))
         if cfg.base.kernels == "fast":
             kernels = model.narrows_stream.kernels
@@ -313,7 +314,7 @@ def choose_accumulation(cfg: FinetuneConfig, model: nn.Module) -> tuple[bool, st
     """Whether the step runs block-major (narrows.stream.StepTrainer) or in sequence, and
     why: as asked, or where neither was asked, the stream plan's decision.
     The numbers trained are the same either way. "" where a step has one micro-batch."""
-    if cfg.memory.gpu_budget == "off":
+    if cfg.memory.gpu_budget == "off" or cfg.training.pipeline_stages > 1:
         return False, ""
     if cfg.memory.step_mode is not None:  # given, or the settings a resumed run started with
         return cfg.memory.step_mode, (

@@ -287,6 +287,16 @@ class TrainingConfig:
         "deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace): on CUDA the "
         "condition for streamed == resident bit for bit; the CPU is deterministic anyway",
     )
+    pipeline_stages: int = setting(
+        1,
+        "split the model's layers into N contiguous blocks, one a rank (torchrun --nproc-per-node N), each "
+        "streaming its own block under --gpu-budget; the --grad-accum micro-batches of a step run through "
+        "them in flight (torch's 1F1B schedule). Needs --gpu-budget and --packing; the adapters equal one "
+        "process accumulating the same micro-batches",
+        at_least=1,
+        advanced=True,
+        metavar="N",
+    )
     world_size: int = setting(
         1, "ranks the run trains on (torchrun), set by the launch", at_least=1, flag=False
     )
@@ -340,6 +350,8 @@ RESUMABLE = {
     "offload_optimizer": "where the optimizer state waits between steps; the numbers trained are the same",
     "offload_adapters": "where the adapters wait between steps; the numbers trained are the same",
     "report_to": "where the metrics are shown besides metrics.jsonl; the numbers trained are the same",
+    "pipeline_stages": "how the layers are split over the ranks (checkpoints hold the whole model's adapter "
+    "and optimizer state); the numbers trained are one process accumulating the step's micro-batches",
 }
 # With --override: the run trains something else from the resumed step on, and says what.
 OVERRIDABLE = {
@@ -493,6 +505,7 @@ class FinetuneConfig:
         if b.quant == "nf4":
             require("bitsandbytes", "--quant nf4")
         memory = self._checked_memory()
+        self._check_stages()
         if m.lmhead not in ("auto", "off"):  # auto and off import nothing: the CLI stays without torch
             lmhead_options(m.lmhead)
         m.tile()
@@ -526,6 +539,52 @@ class FinetuneConfig:
             open_source(d.data, d.data_split)  # a local path, of a kind narrows reads
         if d.eval_data is not None:
             open_source(d.eval_data, d.eval_split, flag="--eval-data")
+
+    def _check_stages(self) -> None:
+        """``--pipeline-stages``: what its stages need and what they do not cover yet."""
+        t, m, d = self.training, self.memory, self.dataset
+        n = t.pipeline_stages
+        if n == 1:
+            return
+        if t.world_size != n:
+            raise NarrowsError(
+                f"--pipeline-stages {n} puts one block of layers on each rank: launch {n} ranks "
+                f"(torchrun --nproc-per-node {n} -m narrows.core.app.cli finetune ...); this launch has "
+                f"{t.world_size}. Pipeline stages do not combine with data parallelism yet"
+            )
+        needs = [
+            (
+                m.gpu_budget == "off",
+                "--gpu-budget (each stage streams its layers within it, e.g. 16GiB or min)",
+            ),
+            (
+                not d.packing,
+                "--packing (every micro-batch one --seq-len wide, so the stages' buffers fit each)",
+            ),
+        ]
+        refused = [
+            (self.lora.dropout > 0, "--dropout (the stages draw masks at other moments than one process)"),
+            (
+                m.step_mode is True,
+                "--step-mode (block-major accumulation; the schedule runs the micro-batches)",
+            ),
+            (m.offload_optimizer, "--offload-optimizer and --offload-adapters (they run in step mode)"),
+            (
+                m.lmhead not in ("auto", "off"),
+                f"--lmhead {m.lmhead} (the last stage computes the full logits)",
+            ),
+            (d.eval_data is not None, "--eval-data (the held-out loss needs the whole model on one rank)"),
+        ]
+        missing = [what for off, what in needs if off]
+        if missing:
+            raise NarrowsError(f"--pipeline-stages {n} needs " + " and ".join(missing))
+        given = [what for on, what in refused if on]
+        if given:
+            raise NarrowsError(
+                f"--pipeline-stages {n} does not run with "
+                + "; nor with ".join(given)
+                + ": drop it, or the stages"
+            )
 
     def _checked_memory(self) -> MemoryConfig:
         """The memory settings checked, with the offloads' implications filled in."""

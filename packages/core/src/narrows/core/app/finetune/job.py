@@ -34,6 +34,7 @@ from .report import plot_losses, save_adapter, summarize
 from .reporters import open_reporters, summary_row
 from .resuming import Resumption, plan_resume
 from .run_folder import RunFolder, _damage
+from .stages import Stages
 from .state import run_base
 
 __all__ = ["finetune", "resume"]
@@ -214,7 +215,9 @@ def _run(
         else f"model {cfg.base.model}: checking its files"
     )
     folder = check_model_files(cfg)  # headers, before any weight
-    check_budget_before_loading(cfg, folder, ranks.world)  # the adapters alone, on the model's skeleton
+    piped = cfg.training.pipeline_stages > 1
+    # the adapters alone, on the model's skeleton (pipeline stages: no DDP buckets)
+    check_budget_before_loading(cfg, folder, 1 if piped else ranks.world)
     stage("loading the tokenizer")
     from transformers import AutoTokenizer
 
@@ -222,6 +225,12 @@ def _run(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     stage("reading and tokenising the data (cached under $NARROWS_CACHE/data after the first run)")
     train_set, evals, em_rows, said = load_data(cfg, tokenizer)  # every row, before the model
+    if piped and (evals or em_rows):
+        said.append(
+            "--pipeline-stages: the held-out loss and the exact-match answers are not computed (each rank "
+            "holds a block of the layers); score the saved adapter with narrows eval"
+        )
+        evals, em_rows = [], []
     if ranks.main:
         for line in said:
             print(f"narrows: {line}", file=sys.stderr, flush=True)
@@ -237,6 +246,14 @@ def _run(
     loaded = load_model(cfg, folder, dtype, device)
     stage(f"building the {cfg.lora.adapter} adapter (rank {cfg.lora.rank}, {cfg.lora.targets})")
     model = build_model(cfg, loaded, device, dtype, ranks.world)
+    stages = Stages(model, cfg, ranks, device) if piped else None  # this rank's block, streamed
+    if ranks.main and stages:
+        print(
+            f"narrows: pipeline stages: {ranks.world} blocks of layers, one a rank, {cfg.training.grad_accum} "
+            "micro-batches a step in flight (1F1B); the last stage computes the full logits (--lmhead off)",
+            file=sys.stderr,
+            flush=True,
+        )
     if ranks.main:
         print(f"narrows: adapted: {state_of(model).targets}", file=sys.stderr, flush=True)
         held = precision(model)
@@ -248,7 +265,8 @@ def _run(
     # the attention this model runs keeps packed examples apart, or the run stops here
     if cfg.dataset.packing:
         check_packing(model, device, len(tokenizer))
-    net = data_parallel(model, ranks, device)  # several ranks: gradients summed over them
+    # several ranks: gradients summed over them (pipeline stages: each its own adapters)
+    net = model if piped else data_parallel(model, ranks, device)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=cfg.training.lr, weight_decay=0.0
     )
@@ -256,7 +274,8 @@ def _run(
 
     step, rows = 0, []
     if resuming:
-        step = run.restore(model, optimizer, scheduler)  # at most the newest step, checked in resume()
+        # at most the newest step, checked in resume(); a stage takes its share
+        step = run.restore(model, optimizer, scheduler, local=stages.local_state if stages else None)
         follow_schedule(optimizer, scheduler, cfg)  # the rates of these settings, not the checkpoint's
         rows = run.trim_metrics(step)
     # the settings this start runs with: a later hand edit of config.json is told apart from them
@@ -294,7 +313,11 @@ def _run(
         ranks,
         net,
         step_mode=step_mode,
+        stages=stages,
     )
+    # the stages' facts and the whole adapter, gathered to rank 0 (collectives: every rank)
+    staged = stages.facts() if stages else None
+    whole = stages.whole_state(None) if stages else None
     if not ranks.main:
         return None
 
@@ -312,6 +335,12 @@ def _run(
         show=progress,
     )
     summary["eval_rows"] = len(evals)  # what was evaluated: --eval-rows, or fewer held-out rows
+    if staged:  # each stage's share; the summary's trainable counts are the whole model's
+        summary["pipeline_stages"] = staged
+        summary["trainable"] = {
+            "parameters": sum(s["trainable"] for s in staged),
+            "in_routed_experts": sum(s["in_routed_experts"] for s in staged),
+        }
     say("saving the adapter, summary.json and loss.png")
     if accumulation and "stream" in summary:
         summary["stream"]["accumulation"] = accumulation
@@ -319,7 +348,8 @@ def _run(
     summary.update(
         adapter_step=state.step, base_model=base.name, base_origin=base.origin
     )  # read by state.run_state
-    run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root, base))
+    tensors = whole[0] if whole else None
+    run.guard(run.root / "adapter_model.safetensors", lambda: save_adapter(model, run.root, base, tensors))
     summary["loss_png"] = plot_losses(state.history, run.root / "loss.png")
     run.report(summary_row(summary, cfg.training.steps))
     text = json.dumps(summary, indent=2)

@@ -24,6 +24,7 @@ from .config import FinetuneConfig
 from .evaluate import eval_row, graph_captures, measured_peak, say, to_device
 from .ranks import Ranks, micro_seed
 from .run_folder import RunFolder
+from .stages import Stages
 
 __all__ = ["Progress", "follow_schedule", "schedule", "train"]
 
@@ -83,17 +84,20 @@ def train(
     ranks: Ranks | None = None,
     net: nn.Module | None = None,
     step_mode: bool = False,
+    stages: Stages | None = None,
 ) -> None:
     """Train from `progress.step` to ``--steps``, logging and checkpointing as it goes
     (rank 0 only, on several ranks). `net`: what the forward runs through (the
     data-parallel model; default `model`). `step_mode`: block-major accumulation
-    (`build.choose_accumulation`)."""
+    (`build.choose_accumulation`). `stages`: this rank's pipeline stage, which runs every
+    micro-batch of a step with the other stages (checkpoints gathered from all)."""
     t = cfg.training
     model.train()
     ranks = ranks or Ranks()
     net = net or model
     g = t.grad_accum
-    per_step = g * ranks.world  # micro-batches of one optimizer step, all ranks together
+    # micro-batches of one optimizer step, all ranks together (pipeline stages share each one)
+    per_step = g * (1 if stages is not None else ranks.world)
     batches = micro_batches(train_set, t.batch, t.seed, start=progress.step * per_step)
     width = cfg.dataset.seq_len if cfg.dataset.packing else None  # packed batches: one width, every step
     stepper = None
@@ -132,9 +136,10 @@ def train(
             captures = graph_captures(model)
             _sync(device)
             t0 = time.perf_counter()
-            first = progress.step * per_step + ranks.rank * g  # this rank's first micro-batch
+            place = 0 if stages is not None else ranks.rank  # among the data-parallel ranks
+            first = progress.step * per_step + place * g  # this rank's first micro-batch
             every = [next(batches) for _ in range(per_step)]
-            micro = every[ranks.rank * g : (ranks.rank + 1) * g]
+            micro = every[place * g : (place + 1) * g]
             seeds = [micro_seed(t.seed, first + k) for k in range(g)]
             # the loss is normalised over the whole step's trainable tokens, every rank's
             n_items = sum(e.trainable for mb in every for e in mb)
@@ -159,6 +164,11 @@ def train(
             if stats is not None:
                 for value in stats.losses:
                     loss_sum += value
+            elif stages is not None:
+                loss_sum = stages.step(micro, pad_id, n_items)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
             else:
                 for k, mb in enumerate(micro):
                     torch.manual_seed(seeds[k])
@@ -185,6 +195,8 @@ def train(
             peak = measured_peak(model, device, captures)
             loss_sum = ranks.total(loss_sum, device)  # the step's loss over every rank's micro-batches
             peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
+            saving = step % t.save_every == 0 or step == t.steps
+            whole = stages.whole_state(optimizer) if stages is not None and saving else None
             if not ranks.main:  # rank 0 writes the run folder
                 continue
             row = {
@@ -201,8 +213,8 @@ def train(
                 row.update(eval_row(model, evals, t.batch, pad_id, device, show=bar is not None))
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
             progress.history.append(row)
-            if step % t.save_every == 0 or step == t.steps:
-                run.save_checkpoint(step, model, optimizer, scheduler)
+            if saving:
+                run.save_checkpoint(step, model, optimizer, scheduler, whole=whole)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_sum:.4f}", tok_s=f"{tokens / dt:.0f}", peak=format_bytes(peak))
                 bar.update(1)

@@ -195,11 +195,14 @@ def plot_losses(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def save_adapter(model: nn.Module, root: Path, base: RunBase | None = None) -> None:
+def save_adapter(
+    model: nn.Module, root: Path, base: RunBase | None = None, tensors: dict | None = None
+) -> None:
     """PEFT's own files, each renamed into place (a reader never sees a half-written one).
     With `base`, ``adapter_config.json`` names the base as a user would (its hub id, or the
     path they gave), never the cache folder a GGUF was converted into, and the model card
-    (README.md) says where its weights came from."""
+    (README.md) says where its weights came from. `tensors`: the whole model's adapter as
+    PEFT saves it, where `model` holds part of it (a pipeline stage)."""
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".adapter.", suffix=".tmp"))
     try:
         if base is not None:
@@ -208,6 +211,16 @@ def save_adapter(model: nn.Module, root: Path, base: RunBase | None = None) -> N
         # narrows never resizes the vocabulary; "auto" would look the base up on the hub to check
         try:
             model.save_pretrained(tmp, save_embedding_layers=False)
+            if (
+                tensors is not None
+            ):  # the whole model's, where PEFT saw this stage's: written as PEFT writes them
+                from safetensors.torch import save_file
+
+                save_file(
+                    {k: v.contiguous() for k, v in tensors.items()},
+                    tmp / "adapter_model.safetensors",
+                    metadata={"format": "pt"},
+                )
         except Exception as e:
             # safetensors reports a failed write without an errno: RunFolder.guard needs one
             code = _os_errno(e)

@@ -183,7 +183,11 @@ class RunFolder:
         saved = self.saved_steps()
         return _step_of(saved[0]) if saved else 0
 
-    def save_checkpoint(self, step: int, model: nn.Module, optimizer, scheduler) -> Path:
+    def save_checkpoint(
+        self, step: int, model: nn.Module, optimizer, scheduler, whole: tuple[dict, dict] | None = None
+    ) -> Path:
+        """`whole`: the whole model's adapter (as PEFT saves it) and optimizer state where
+        this process holds part of the model (`stages.Stages.whole_state`)."""
         import torch
         from peft import get_peft_model_state_dict
 
@@ -191,10 +195,11 @@ class RunFolder:
         path = self.checkpoints / name
         if path.exists():
             return path
+        adapter, optimizer_state = whole if whole is not None else (get_peft_model_state_dict(model), None)
         state = {
             "step": step,
-            "adapter": {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()},
-            "optimizer": optimizer.state_dict(),
+            "adapter": {k: v.detach().cpu() for k, v in adapter.items()},
+            "optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state,
             "scheduler": scheduler.state_dict(),
             "rng": {
                 "python": random.getstate(),
@@ -243,8 +248,10 @@ class RunFolder:
                 f"narrows finetune --resume {self.root}"
             ) from None
 
-    def restore(self, model: nn.Module, optimizer, scheduler) -> int:
+    def restore(self, model: nn.Module, optimizer, scheduler, local=None) -> int:
         """Load the newest intact checkpoint into the run; returns its step (0: none yet).
+        `local`: what of a checkpoint's state this process restores (a pipeline stage's
+        share, `stages.Stages.local_state`).
 
         A damaged checkpoint (a cut file, a changed byte) is named, set aside as
         ``step-N.damaged``, and the one before it is used.
@@ -269,7 +276,7 @@ class RunFolder:
                     flush=True,
                 )
                 continue
-            _load_state(state, model, optimizer, scheduler)
+            _load_state(state if local is None else local(state), model, optimizer, scheduler)
             return int(state["step"])
         if any(self.checkpoints.glob("step-*.damaged")):
             raise NarrowsError(
