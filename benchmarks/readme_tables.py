@@ -774,6 +774,7 @@ DATA_PARALLEL = (  # (case, device): the main job under torchrun and the peers a
     ("dp_qwen2.5-7b_8x512", "h200x4"),
     ("dp_qwen2.5-7b_8x2048", "h200x4"),
     ("dp_qwen2.5-72b_8x512", "h200x4"),
+    ("dp_qwen2.5-7b_2x512", "h200x4"),
 )
 DP_MODES = (
     ("job", "narrows finetune"),

@@ -108,7 +108,7 @@ def test_each_stage_is_planned_for_what_its_schedule_keeps():
     one_f_one_b = [_in_flight(s, 4, 8, "1f1b") for s in range(4)]
     assert [x["in_flight"] for x in one_f_one_b] == [4, 3, 2, 1]
     assert [x["computes_loss"] for x in one_f_one_b] == [False, False, False, True]
-    assert [x["stage_buffers"] for x in one_f_one_b] == [8 + 4, 8 + 8 + 3, 8 + 8 + 2, 8]
+    assert [x["stage_buffers"] for x in one_f_one_b] == [8 + 4, 2 * (8 + 3), 2 * (8 + 2), 8 + 1]
     assert [_in_flight(s, 4, 8, "gpipe")["in_flight"] for s in range(4)] == [8] * 4
     assert _in_flight(0, 4, 2, "1f1b")["in_flight"] == 2  # never more than the step has
 
