@@ -4,7 +4,7 @@ what the ranks' host memory costs. Each case is one torchrun launch of its own:
 
   stages     the main job with ``--pipeline-stages R``: each rank one block of the layers,
              --micro micro-batches (default: the ranks) of --batch rows a step in flight
-             (``--grad-accum``), ``--lmhead off``; the step's tokens are --micro × --batch × --seq
+             (``--grad-accum``); the step's tokens are --micro × --batch × --seq
   job        the main job, ``torchrun --nproc-per-node R -m narrows.core.app.cli finetune``
              over the folder (``--gpu-budget`` --budget per rank, ``--batch`` --batch rows of
              --seq tokens per rank, ``--packing``, LoRA r16 on the seven projections, the
@@ -247,6 +247,7 @@ def child(args: argparse.Namespace) -> None:
         schedule.step(
             *((ids,) if stage.is_first else ()),
             target=ids if stage.is_last else None,
+            labels=ids,
             losses=got,
             return_outputs=False,
         )
@@ -431,7 +432,7 @@ def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> d
 def run_job(args: argparse.Namespace, folder: Path, ranks: int, mode: str = "job") -> dict:
     """The main job under torchrun, as a user launches it; its run folder read back.
     `mode` "stages": with ``--pipeline-stages`` the ranks, `micro` micro-batches a step
-    (``--grad-accum``) and the full-logits loss the stages compute (``--lmhead off``)."""
+    (``--grad-accum``)."""
     import statistics
 
     from peers import job_data
@@ -443,7 +444,7 @@ def run_job(args: argparse.Namespace, folder: Path, ranks: int, mode: str = "job
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = ["finetune", "--model", str(folder), "--data", str(data), "--packing"]
     if mode == "stages":
-        argv += ["--pipeline-stages", str(ranks), "--grad-accum", str(micro(args, ranks)), "--lmhead", "off"]
+        argv += ["--pipeline-stages", str(ranks), "--grad-accum", str(micro(args, ranks))]
     argv += ["--gpu-budget", args.budget, "--batch", str(args.batch), "--seq-len", str(args.seq)]
     argv += ["--steps", str(total), "--rank", "16", "--alpha", "32", "--lr", "1e-4", "--eval-rows", "0"]
     argv += ["--exact-match", "0", "--save-every", str(total), "--cache", str(args.work / "cache")]

@@ -29,7 +29,7 @@ MICRO = 4
 
 def _args(model, data) -> list[str]:
     args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--batch", "2"]
-    args += ["--seq-len", "32", "--packing", "--lr", "1e-2", "--eval-rows", "0", "--lmhead", "off"]
+    args += ["--seq-len", "32", "--packing", "--lr", "1e-2", "--eval-rows", "0"]  # narrows-lmhead's loss
     return [*args, "--save-every", "2", "--no-progress"]
 
 
@@ -79,6 +79,7 @@ def test_two_stages_equal_one_process_accumulating_and_resume_on_their_checkpoin
     assert [s["micro_batches_in_flight"] for s in staged] == [2, 1]  # 1F1B: one per stage still to run
     one_summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["trainable"] == one_summary["trainable"]
+    assert summary["loss_kernels"] == one_summary["loss_kernels"]  # narrows-lmhead's, on the last stage
 
 
 def test_stages_need_their_ranks(tmp_path, capsys):
@@ -104,7 +105,6 @@ def test_what_stages_do_not_cover_is_refused_by_name(monkeypatch):
         ({"gpu_budget": "off"}, "needs --gpu-budget"),
         ({"packing": False}, "needs --packing"),
         ({"dropout": 0.1}, "--dropout"),
-        ({"lmhead": "mask,chunked"}, "--lmhead mask,chunked"),
         ({"step_mode": True}, "--step-mode"),
     ):
         with pytest.raises(NarrowsError, match=flag):

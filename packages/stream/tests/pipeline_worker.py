@@ -113,8 +113,8 @@ def stage(out: str, kind: str, device: str, folder: str | None) -> None:
         labels = torch.cat([b["labels"] for b in bs]).to(dev)
         if rank == 0:
             schedule.step(ids, return_outputs=False)
-        else:
-            schedule.step(target=labels, return_outputs=False)
+        else:  # the last stage computes the loss of the labels (target=: what torch's schedule asks)
+            schedule.step(target=labels, labels=labels, return_outputs=False)
         grads.append([p.grad.clone() for p in params])
         opt.step()
         opt.zero_grad()

@@ -51,6 +51,8 @@ __all__ = [
 
 # each staged model's layer container (its path in the model) and the layers it kept
 _KEPT: weakref.WeakKeyDictionary[nn.Module, tuple[str, range]] = weakref.WeakKeyDictionary()
+# each staged model's stage computation (`_Stage`)
+_STAGED: weakref.WeakKeyDictionary[nn.Module, nn.Module] = weakref.WeakKeyDictionary()
 
 # families whose decoder forward takes `inputs_embeds` as the first layer's input, untouched
 # (Gemma scales it, for one: a later stage would scale the hidden states again)
@@ -67,20 +69,29 @@ def stage_layers(layers: int, stages: int, stage: int) -> range:
 
 
 class _Stage(nn.Module):
-    """One stage's computation: tokens or hidden states in, hidden states or logits out."""
+    """One stage's computation: tokens or hidden states in; hidden states out, or on the
+    last stage the loss of the model's own forward (its head and loss, or the loss a
+    sibling replaced it with, as narrows-lmhead's chunked one: no logits kept)."""
 
     def __init__(self, causal_lm: nn.Module, decoder: nn.Module, first: bool, last: bool):
         super().__init__()
         self.lm, self.first, self.last = causal_lm, first, last
         self._decoder = [decoder]  # inside `lm`: not registered twice
+        self.loss_kwargs: dict[str, Any] = {}  # the loss's own (`PipelineLoss.num_items_in_batch`)
 
-    def forward(self, x: Tensor, **side: Tensor) -> Tensor:
-        """`side`: what every stage's decoder takes beside its input, the schedule's keyword
-        arguments split into the same micro-batches (``position_ids`` of packed rows)."""
-        decoder = self._decoder[0]
+    def forward(self, x: Tensor, labels: Tensor | None = None, **side: Tensor) -> Tensor:
+        """`labels` (the last stage's) and `side` (what every stage's decoder takes beside
+        its input: ``position_ids`` of packed rows) are the schedule's keyword arguments,
+        split into the same micro-batches."""
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = decoder(**inputs, **side, use_cache=False).last_hidden_state
-        return self.lm.get_output_embeddings()(hidden) if self.last else hidden
+        if not self.last:
+            return self._decoder[0](**inputs, **side, use_cache=False).last_hidden_state
+        if labels is None:
+            raise StreamSetupError(
+                "the last stage computes the loss: give its schedule's step the labels as labels= "
+                "(and as target=, which torch's schedule asks of the last stage)"
+            )
+        return self.lm(**inputs, labels=labels, **side, **self.loss_kwargs, use_cache=False).loss
 
 
 def _refuse(anat: Any) -> None:
@@ -167,7 +178,9 @@ def pipeline_stage(
         if getattr(model, "narrows_stream", None)
         else torch.device(device or "cpu")
     )
-    return PipelineStage(_Stage(anat.model, anat.decoder, first, last), stage, stages, where, group=group)
+    module = _Stage(anat.model, anat.decoder, first, last)
+    _STAGED[anat.model] = module
+    return PipelineStage(module, stage, stages, where, group=group)
 
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -214,21 +227,35 @@ def _stage_tiers(tiers: Tiers, kept: range) -> Tiers:
 
 
 class PipelineLoss:
-    """The schedule's loss: the model's own causal-LM loss of a micro-batch's logits and
-    labels (transformers' ``loss_function``, as the model's forward calls it), times
-    `scale`. With `num_items_in_batch` set (before each step: the step's trainable tokens)
-    it is the sum over the micro-batch's tokens divided by it, as a forward given
-    ``num_items_in_batch`` computes."""
+    """The schedule's loss: the last stage's output (the model's own loss of the
+    micro-batch), times `scale`; the target the schedule passes is not read (the labels
+    reach the last stage as ``labels=``). Set `num_items_in_batch` (before each step: the
+    step's trainable tokens) for the sum over a micro-batch's tokens divided by it, as a
+    forward given ``num_items_in_batch`` computes."""
 
     def __init__(self, model: nn.Module, scale: float = 1.0) -> None:
         self.lm = anatomy_of(model).model
-        self.vocab = self.lm.config.get_text_config().vocab_size
         self.scale = scale
-        self.num_items_in_batch: int | None = None
 
-    def __call__(self, logits: Tensor, labels: Tensor) -> Tensor:
-        items = {} if self.num_items_in_batch is None else {"num_items_in_batch": self.num_items_in_batch}
-        loss = self.lm.loss_function(logits=logits, labels=labels, vocab_size=self.vocab, **items)
+    @property
+    def num_items_in_batch(self) -> int | None:
+        return self._stage().loss_kwargs.get("num_items_in_batch")
+
+    @num_items_in_batch.setter
+    def num_items_in_batch(self, items: int | None) -> None:
+        kwargs = self._stage().loss_kwargs
+        kwargs.pop("num_items_in_batch", None)
+        if items is not None:
+            kwargs["num_items_in_batch"] = items
+
+    def _stage(self) -> nn.Module:
+        if self.lm not in _STAGED:
+            raise StreamSetupError(
+                "pipeline_loss is the loss of a model pipeline_stage split: split it first"
+            )
+        return _STAGED[self.lm]
+
+    def __call__(self, loss: Tensor, target: Any = None) -> Tensor:
         return loss * self.scale if self.scale != 1.0 else loss
 
 

@@ -262,8 +262,7 @@ def build_model(
     # narrows' transforms in their one order (narrows.core.apply): the loss first (a planner
     # sizes the loss that will run), then the tiles, the fast layers (which run the tiles) or
     # the stream (which runs its own tiles and fast layers)
-    staged = cfg.training.pipeline_stages > 1  # streamed by the job's stages (`stages.Stages`)
-    configs = [c for c in (None if staged else head_savings(cfg),) if c is not None]
+    configs = [c for c in (head_savings(cfg),) if c is not None]
     kernels = "PEFT's modules (--kernels peft)"
     if cfg.memory.gpu_budget == "off":
         model.to(device)
@@ -277,7 +276,9 @@ def build_model(
         model = apply(model, *configs)
         if cfg.base.kernels == "fast":  # (not with LoRA dropout in tiles: it says so)
             kernels = str(coverage(model))
-    elif not staged:
+    elif cfg.training.pipeline_stages > 1:  # the loss; the job's stages stream (`stages.Stages`)
+        model = apply(model, *configs)
+    else:
         model = apply(model, *configs, stream_config(cfg, device, world_size))
         if cfg.base.kernels == "fast":
             kernels = model.narrows_stream.kernels

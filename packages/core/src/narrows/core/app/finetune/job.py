@@ -250,7 +250,7 @@ def _run(
     if ranks.main and stages:
         print(
             f"narrows: pipeline stages: {ranks.world} blocks of layers, one a rank, {cfg.training.grad_accum} "
-            "micro-batches a step in flight (1F1B); the last stage computes the full logits (--lmhead off)",
+            "micro-batches a step in flight (1F1B); the last stage computes the loss",
             file=sys.stderr,
             flush=True,
         )
@@ -337,6 +337,8 @@ def _run(
     summary["eval_rows"] = len(evals)  # what was evaluated: --eval-rows, or fewer held-out rows
     if staged:  # each stage's share; the summary's trainable counts are the whole model's
         summary["pipeline_stages"] = staged
+        if staged[-1]["loss_kernels"]:  # the last stage computed the loss
+            summary["loss_kernels"] = staged[-1]["loss_kernels"]
         summary["trainable"] = {
             "parameters": sum(s["trainable"] for s in staged),
             "in_routed_experts": sum(s["in_routed_experts"] for s in staged),

@@ -87,6 +87,7 @@ class Stages:
             *((ids,) if first else ()),
             target=labels if last else None,
             losses=got if last else None,
+            labels=labels,  # the last stage's loss (the others drop them)
             position_ids=positions,
             **self._quiet,
         )
@@ -144,6 +145,7 @@ class Stages:
             "resident_layers": len(plan.resident),
             "predicted_peak": plan.predicted_peak,
             "micro_batches_in_flight": self.model.narrows_stream.config.in_flight,
+            "loss_kernels": sorted(getattr(state_of(self.model).lmhead, "kernels", None) or ()),
         }
         every: list[Any] = [None] * self.ranks.world if self.ranks.main else None
         dist.gather_object(mine, every, dst=0)
