@@ -4,8 +4,10 @@ returns torch's `PipelineStage` over them, for a schedule of `torch.distributed.
 (``ScheduleGPipe``, ``Schedule1F1B``) to run with micro-batches in flight.
 
 Stage s of S holds layers [s·n/S, (s+1)·n/S): the first also embeds the tokens, the last
-also applies the final norm and the LM head, and every stage runs the model's own decoder
-forward over its layers (positions, mask, rotary embeddings as the model makes them). The
+runs the model's own forward on to its loss (the final norm, the head and the loss, or the
+loss a sibling put in their place), and every stage runs the model's own decoder forward
+over its layers (positions, mask, rotary embeddings as the model makes them, from the
+``position_ids`` given to every stage's ``step`` where rows are packed). The
 activations sent between stages are the hidden states the model passes between those
 layers, so each micro-batch's gradients are the ones one process computes; with the
 schedule's ``scale_grads=False`` and `pipeline_loss` as its loss, the adapters' gradients
@@ -14,9 +16,10 @@ stage's backwards in micro-batch order, the order autograd accumulates them in).
 
 What a stage does not cover is refused by name: families whose decoder treats its input
 embeddings differently from the hidden states between layers, auxiliary router losses
-(they sum over every layer's routing), LayerDrop. Rows must be whole causal sequences, no
-padding or packing: only the hidden states cross between stages, no mask or positions.
-`save_pipeline_adapter` writes the stages' adapters as the whole model's one.
+(they sum over every layer's routing), LayerDrop. Rows are whole causal sequences or
+packed ones (no padding mask crosses between stages). `save_pipeline_adapter` writes the
+stages' adapters as the whole model's one; `whole_names` and `stage_names` translate a
+stage's tensor names to the whole model's and back.
 
 why: docs/design.md#pipeline-stages
 """

@@ -211,9 +211,7 @@ def save_adapter(
         # narrows never resizes the vocabulary; "auto" would look the base up on the hub to check
         try:
             model.save_pretrained(tmp, save_embedding_layers=False)
-            if (
-                tensors is not None
-            ):  # the whole model's, where PEFT saw this stage's: written as PEFT writes them
+            if tensors is not None:  # the whole model's, where PEFT saw one stage's: as PEFT writes them
                 from safetensors.torch import save_file
 
                 save_file(
