@@ -128,6 +128,23 @@ def test_nf4_experts_move_copy_and_save_with_their_state():
     assert {f"{s}.quant_state.absmax" for s in experts._nf4_stacks} <= slots
 
 
+@pytest.mark.parametrize("experts", ["nf4", "nf2"])
+def test_save_pretrained_of_quantised_experts_is_refused_by_name_and_the_adapter_still_saves(tmp_path, experts):
+    """transformers' save_pretrained would turn the fused stacks back into per-expert float
+    weights (and fail inside, on NF4 codes): it is refused, saying what to save instead.
+    PEFT's adapter saving is untouched, and a dense NF4 model saves as before."""
+    from peft import LoraConfig, get_peft_model
+
+    model = nc.quantize_nf4(tiny_model("qwen3_moe"), experts=experts)
+    with pytest.raises(nc.NarrowsError, match="routed experts are held quantised .*Save the float model"):
+        model.save_pretrained(tmp_path / "base")
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    peft.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    nc.quantize_nf4(tiny_model("llama")).save_pretrained(tmp_path / "dense")
+    assert (tmp_path / "dense" / "model.safetensors").is_file()
+
+
 def test_what_stays_in_float_is_named_with_why(caplog):
     model = tiny_model("gpt_oss")
     layer = nc.anatomy_of(model).layers[0]
@@ -197,3 +214,13 @@ def test_names_peft_would_move_onto_the_routed_experts_are_left_out():
     assert any("PEFT reads these names" in f for f in targets.frozen)
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=list(targets.modules)))
     assert not peft_model.peft_config["default"].target_parameters
+
+
+def test_a_moe_base_quantised_as_it_loads_refuses_save_pretrained_too(tmp_path):
+    from narrows.core.io.models import load_causal_lm
+    from narrows.core.testing import tiny_model_folder
+
+    folder = tiny_model_folder(tmp_path / "model", "qwen3_moe")
+    model, _ = load_causal_lm(folder, dtype=torch.float32, quant="nf4", device=torch.device("cpu"))
+    with pytest.raises(nc.NarrowsError, match="routed experts are held quantised"):
+        model.save_pretrained(tmp_path / "base")

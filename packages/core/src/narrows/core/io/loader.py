@@ -38,7 +38,7 @@ from ..optional import require
 from ..protocol.anatomy import Anatomy, accepting_unannounced, anatomy_of
 from ..protocol.handle import state_of
 from ..protocol.verify import ensure_architecture
-from ..quant.experts import EXPERT_SCHEMES, install_lowbit_experts
+from ..quant.experts import EXPERT_SCHEMES, guard_saving, install_lowbit_experts
 from ..quant.lowbit import LowbitStack
 from ..quant.nf4 import quantize_layer_nf4, say_precision
 from .checkpoint import BNB_STATS, CheckpointFolder
@@ -477,6 +477,7 @@ def load_blockwise(
         model.is_loaded_in_4bit = True
     if quantise or keep_mxfp4:
         say_precision(model)  # a float base's linears are named as such
+        guard_saving(model)  # quantised expert stacks: save_pretrained refuses, by name
     model.eval()
     state_of(model).checkpoint = Path(folder.path)  # where it came from
     return model

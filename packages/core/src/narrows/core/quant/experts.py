@@ -46,6 +46,7 @@ __all__ = [
     "expert_scheme",
     "expert_shape",
     "expert_stacks",
+    "guard_saving",
     "install_lowbit_experts",
     "install_nf4_experts",
     "is_nf4_experts",
@@ -308,3 +309,45 @@ def dequantized_expert_bytes(layer: nn.Module) -> int:
                 dtype = lowbit[name].dtype if name in lowbit else module._parameters[name].quant_state.dtype
                 total += expert_shape(module, name).numel() * dtype.itemsize
     return total
+
+
+class _UnsavableStacks:
+    """A weight conversion that transformers' ``save_pretrained`` reverses first (it reverses
+    every conversion of ``model._weight_conversions``), refusing: a quantised stack's codes
+    cannot be turned back into the per-expert float weights a checkpoint of the family holds."""
+
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def reverse_transform(self):
+        from ..errors import NarrowsError
+
+        raise NarrowsError(
+            f"this model's routed experts are held quantised ({', '.join(self.names[:2])}"
+            + (f" and {len(self.names) - 2} more" if len(self.names) > 2 else "")
+            + "), and transformers' save_pretrained would write them back as per-expert float weights, "
+            "which their codes are not. Save the float model instead (narrows quantises it again as it loads, "
+            "a layer at a time; a streamed base keeps its quantised layers in the prepared cache, "
+            "$NARROWS_CACHE/slabs), and the adapter with PeftModel.save_pretrained"
+        )
+
+
+def guard_saving(model: nn.Module) -> None:
+    """Make transformers' ``save_pretrained`` of `model` refuse, by name, where its routed
+    experts are held quantised (NF4, NF3, NF2 or a release's MXFP4 codes): it would fail
+    inside transformers (turning fused stacks back into per-expert weights), or write
+    stacks no loader reads. PEFT's adapter saving does not read these conversions."""
+    held = [
+        f"{path}.{n}"
+        for path, module in model.named_modules()
+        if is_quantized_experts(module)
+        for n in expert_names(module)
+        if _is_quantized(module, n)
+    ]
+    if not held:
+        return
+    base = getattr(model, "get_base_model", lambda: model)()
+    conversions = [
+        c for c in getattr(base, "_weight_conversions", None) or [] if not isinstance(c, _UnsavableStacks)
+    ]
+    base._weight_conversions = [_UnsavableStacks(held), *conversions]

@@ -25,7 +25,7 @@ from torch import nn
 from ..errors import NarrowsError
 from ..optional import require
 from ..protocol.anatomy import anatomy_of
-from .experts import EXPERT_SCHEMES, expert_names, quantize_experts
+from .experts import EXPERT_SCHEMES, expert_names, guard_saving, quantize_experts
 
 __all__ = [
     "NF4Rows",
@@ -133,6 +133,7 @@ def quantize_nf4(
         raise ValueError("quantize_nf4 found no nn.Linear inside the decoder layers to quantise")
     anat.model.is_loaded_in_4bit = True
     say_precision(model)
+    guard_saving(anat.model)  # quantised expert stacks: save_pretrained refuses, by name
     return model
 
 
