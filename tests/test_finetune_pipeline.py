@@ -27,9 +27,10 @@ ENV = child_env(OMP_NUM_THREADS="1")
 MICRO = 4
 
 
-def _args(model, data) -> list[str]:
+def _args(model, data, held_out) -> list[str]:
     args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--batch", "2"]
-    args += ["--seq-len", "32", "--packing", "--lr", "1e-2", "--eval-rows", "0"]  # narrows-lmhead's loss
+    args += ["--seq-len", "32", "--packing", "--lr", "1e-2"]  # narrows-lmhead's loss, the job's default
+    args += ["--eval-data", str(held_out), "--eval-rows", "5", "--eval-every", "1"]  # 5 rows: a short batch
     return [*args, "--save-every", "2", "--no-progress"]
 
 
@@ -39,14 +40,16 @@ def _stages(args: list[str], out, *more: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
 
 
-def _losses(run) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+def _losses(run, key: str = "loss") -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if key in r]
 
 
 def test_two_stages_equal_one_process_accumulating_and_resume_on_their_checkpoints(tmp_path):
     model = tiny_model_folder(tmp_path / "model", num_hidden_layers=4)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    args = _args(model, data)
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", ROWS[::-3])
+    args = _args(model, data, held_out)
     one_process([*args, "--steps", "3"], tmp_path / "one", ENV, ranks=MICRO)
     common = ["--pipeline-stages", "2", "--grad-accum", str(MICRO), "--gpu-budget", "min"]
     common += ["--cache", str(tmp_path / "cache")]
@@ -68,6 +71,9 @@ def test_two_stages_equal_one_process_accumulating_and_resume_on_their_checkpoin
     a, b = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("one", "two"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _losses(tmp_path / "one") == _losses(tmp_path / "two")
+    # the held-out loss, unpacked rows padded to each batch's longest, through the stages' blocks
+    held = [_losses(tmp_path / r, "eval_loss") for r in ("one", "two")]
+    assert held[0] == held[1] and len(held[0]) == 4  # before training and after each step
     config = [json.loads((tmp_path / r / "adapter_config.json").read_text()) for r in ("one", "two")]
     assert {**config[0], "target_modules": sorted(config[0]["target_modules"])} == {
         **config[1],
@@ -106,6 +112,7 @@ def test_what_stages_do_not_cover_is_refused_by_name(monkeypatch):
         ({"packing": False}, "needs --packing"),
         ({"dropout": 0.1}, "--dropout"),
         ({"step_mode": True}, "--step-mode"),
+        ({"offload_optimizer": True}, "--offload-optimizer"),
     ):
         with pytest.raises(NarrowsError, match=flag):
             FinetuneConfig.of(**{**base, **change})._check_stages()

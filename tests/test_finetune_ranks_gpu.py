@@ -93,13 +93,16 @@ def test_gpu_ranks_equal_one_gpu_accumulating(tmp_path, ranks):
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gpu_pipeline_stages_equal_one_gpu_accumulating(tmp_path, stages):
     """``--pipeline-stages``: each GPU one block of layers, streamed; bf16, deterministic;
-    four packed micro-batches a step, equal to one process on one GPU accumulating them."""
+    four packed micro-batches a step, equal to one process on one GPU accumulating them,
+    the held-out loss included (sent from stage to stage with NCCL's point-to-point)."""
     if torch.cuda.device_count() < stages:
         pytest.skip(f"needs {stages} CUDA devices")
     model = tiny_model_folder(tmp_path / "model", num_hidden_layers=4)
     data = write_jsonl(tmp_path / "train.jsonl", ROWS)
     args = ["finetune", "--model", str(model), "--data", str(data), "--rank", "4", "--batch", "2"]
-    args += ["--seq-len", "32", "--packing", "--lr", "1e-2", "--eval-rows", "0"]  # narrows-lmhead's loss
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", ROWS[::-3])
+    args += ["--seq-len", "32", "--packing", "--lr", "1e-2"]  # narrows-lmhead's loss
+    args += ["--eval-data", str(held_out), "--eval-rows", "5", "--eval-every", "1"]
     args += ["--steps", "3", "--no-progress", "--deterministic"]
     one_process(args, tmp_path / "one", child_env(CUDA_VISIBLE_DEVICES="0"), 4)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={stages}"]
@@ -116,9 +119,11 @@ def test_gpu_pipeline_stages_equal_one_gpu_accumulating(tmp_path, stages):
     a, b = (load_file(tmp_path / r / "adapter_model.safetensors") for r in ("one", "staged"))
     assert a.keys() == b.keys() and a and all(torch.equal(a[k], b[k]) for k in a)
     rows = [
-        [json.loads(line)["loss"] for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
+        [json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text().splitlines()]
         for r in ("one", "staged")
     ]
-    assert rows[0] == rows[1]
+    for key in ("loss", "eval_loss"):  # the held-out loss through the stages' blocks too
+        assert [r[key] for r in rows[0] if key in r] == [r[key] for r in rows[1] if key in r]
+    assert sum("eval_loss" in r for r in rows[1]) == 4
     summary = json.loads((tmp_path / "staged" / "summary.json").read_text())
     assert [s["layers"] for s in summary["pipeline_stages"]] == [4 // stages] * stages

@@ -129,14 +129,16 @@ def test_nf4_experts_move_copy_and_save_with_their_state():
 
 
 @pytest.mark.parametrize("experts", ["nf4", "nf2"])
-def test_save_pretrained_of_quantised_experts_is_refused_by_name_and_the_adapter_still_saves(tmp_path, experts):
+def test_save_pretrained_of_quantised_experts_is_refused_by_name_and_the_adapter_still_saves(
+    tmp_path, experts
+):
     """transformers' save_pretrained would turn the fused stacks back into per-expert float
     weights (and fail inside, on NF4 codes): it is refused, saying what to save instead.
     PEFT's adapter saving is untouched, and a dense NF4 model saves as before."""
     from peft import LoraConfig, get_peft_model
 
     model = nc.quantize_nf4(tiny_model("qwen3_moe"), experts=experts)
-    with pytest.raises(nc.NarrowsError, match="routed experts are held quantised .*Save the float model"):
+    with pytest.raises(nc.NarrowsError, match=r"routed experts are held quantised .*Save the float model"):
         model.save_pretrained(tmp_path / "base")
     peft = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     peft.save_pretrained(tmp_path / "adapter")

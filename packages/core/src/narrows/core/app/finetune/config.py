@@ -569,7 +569,6 @@ class FinetuneConfig:
                 "--step-mode (block-major accumulation; the schedule runs the micro-batches)",
             ),
             (m.offload_optimizer, "--offload-optimizer and --offload-adapters (they run in step mode)"),
-            (d.eval_data is not None, "--eval-data (the held-out loss needs the whole model on one rank)"),
         ]
         missing = [what for off, what in needs if off]
         if missing:

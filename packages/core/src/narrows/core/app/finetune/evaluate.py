@@ -55,11 +55,15 @@ def eval_loss(
     pad_id: int,
     device: torch.device,
     show: bool | None = None,
+    forward=None,
 ) -> float:
     """Mean cross-entropy per trainable token over `examples`, full softmax, eval mode.
-    `show`: a bar over the batches (True), a line (False) or nothing (None)."""
+    `show`: a bar over the batches (True), a line (False) or nothing (None). `forward(batch)`:
+    a batch's mean loss (default: the model's own); None where this process computes none
+    (a pipeline stage before the last, whose share of the mean is 0)."""
     if not examples:
         return float("nan")
+    forward = forward or (lambda b: model(**b, **TRAINING).loss)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
@@ -71,8 +75,9 @@ def eval_loss(
         for i in batches:
             chunk = examples[i : i + batch]
             n = sum(e.trainable for e in chunk)
-            out = model(**to_device(collate(chunk, pad_id), device), **TRAINING)
-            total += float(out.loss) * n
+            loss = forward(to_device(collate(chunk, pad_id), device))
+            if loss is not None:
+                total += float(loss) * n
             count += n
             if bar is not None:
                 bar.update(1)
@@ -90,12 +95,13 @@ def eval_row(
     pad_id: int,
     device: torch.device,
     show: bool | None = None,
+    forward=None,
 ) -> dict:
     """`eval_loss` and, on a CUDA device, the evaluation's own peak of allocated bytes
     (``eval_peak_bytes``): an evaluation runs outside the steps' peaks, and a budget
-    holds for it too."""
+    holds for it too. `forward`: as `eval_loss` takes it."""
     reset_peaks(device, host=False)
-    row = {"eval_loss": eval_loss(model, examples, batch, pad_id, device, show)}
+    row = {"eval_loss": eval_loss(model, examples, batch, pad_id, device, show, forward)}
     if device.type == "cuda":
         row["eval_peak_bytes"] = measured_peak(model, device)
     return row

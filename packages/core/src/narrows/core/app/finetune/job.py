@@ -225,12 +225,12 @@ def _run(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     stage("reading and tokenising the data (cached under $NARROWS_CACHE/data after the first run)")
     train_set, evals, em_rows, said = load_data(cfg, tokenizer)  # every row, before the model
-    if piped and (evals or em_rows):
+    if piped and em_rows:
         said.append(
-            "--pipeline-stages: the held-out loss and the exact-match answers are not computed (each rank "
-            "holds a block of the layers); score the saved adapter with narrows eval"
+            "--pipeline-stages: the exact-match answers are not generated (each rank holds a block of the "
+            "layers); score the saved adapter with narrows eval"
         )
-        evals, em_rows = [], []
+        em_rows = []
     if ranks.main:
         for line in said:
             print(f"narrows: {line}", file=sys.stderr, flush=True)
@@ -286,13 +286,19 @@ def _run(
     setup_s = time.perf_counter() - t_setup
 
     state = Progress(step=step, history=rows)
-    if ranks.main and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
+    # (pipeline stages: every rank, each running its block)
+    if (ranks.main or stages) and evals and not any(r.get("step") == 0 and "eval_loss" in r for r in rows):
         stage(
             f"held-out loss before training ({len(evals)} rows; again every {_steps(cfg.eval_interval)} and at the end)"
         )
-        row = {"step": 0, **eval_row(model, evals, cfg.training.batch, pad_id, device, show=progress)}
-        run.log(row)
-        state.history.append(row)
+        held = (
+            stages.eval_row(evals, cfg.training.batch, pad_id, show=progress if ranks.main else None)
+            if stages
+            else eval_row(model, evals, cfg.training.batch, pad_id, device, show=progress)
+        )
+        if ranks.main:
+            run.log({"step": 0, **held})
+            state.history.append({"step": 0, **held})
     bar = None
     if progress and ranks.main:
         from tqdm.auto import tqdm

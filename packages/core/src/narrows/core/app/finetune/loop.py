@@ -197,6 +197,10 @@ def train(
             peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
             saving = step % t.save_every == 0 or step == t.steps
             whole = stages.whole_state(optimizer) if stages is not None and saving else None
+            evaluating = bool(evals) and (step == t.steps or step % cfg.eval_interval == 0)
+            held = None  # pipeline stages: every rank runs its block of the held-out loss
+            if stages is not None and evaluating:
+                held = stages.eval_row(evals, t.batch, pad_id, show=(bar is not None) if ranks.main else None)
             if not ranks.main:  # rank 0 writes the run folder
                 continue
             row = {
@@ -209,8 +213,8 @@ def train(
             }
             if stats is not None:
                 row["accumulation"] = stats.mode  # block-major, or sequential and why
-            if evals and (step == t.steps or step % cfg.eval_interval == 0):
-                row.update(eval_row(model, evals, t.batch, pad_id, device, show=bar is not None))
+            if evaluating:
+                row.update(held or eval_row(model, evals, t.batch, pad_id, device, show=bar is not None))
             run.log(row)  # before the checkpoint: a resume drops rows past its checkpoint
             progress.history.append(row)
             if saving:

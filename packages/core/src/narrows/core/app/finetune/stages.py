@@ -27,7 +27,7 @@ from ...protocol.anatomy import anatomy_of
 from ...protocol.handle import state_of
 from ..data import Example, collate
 from .config import FinetuneConfig
-from .evaluate import to_device
+from .evaluate import eval_row, to_device
 from .ranks import Ranks
 
 __all__ = ["Stages", "merge_optimizer_states", "slice_optimizer_state"]
@@ -58,8 +58,10 @@ class Stages:
             if "return_outputs" in inspect.signature(self.schedule.step).parameters
             else {}
         )
+        anat = anatomy_of(model)
+        self.hidden, self.dtype = anat.config.hidden_size, anat.embed.weight.dtype  # what crosses
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        layers = [f"{path}." for path in anatomy_of(model).layer_paths]
+        layers = [f"{path}." for path in anat.layer_paths]
         outside = [n for n in self.names if not any(path in n for path in layers)]
         if outside:  # every stage would hold one, one trained: not the whole model's order either
             raise NarrowsError(
@@ -92,6 +94,39 @@ class Stages:
             **self._quiet,
         )
         return sum(float(x) for x in got)  # in micro-batch order, as one process adds them
+
+    def eval_row(self, examples: list[Example], batch: int, pad_id: int, show: bool | None = None) -> dict:
+        """The held-out loss through the stages, forward only, batch after batch (the
+        schedule trains; this sends each batch's hidden states on with point-to-point
+        sends): `evaluate.eval_row`'s row on every rank, the loss the last stage computes,
+        the largest rank's peak. A collective: every stage calls it."""
+        module = self.stage.submod
+        kept, module.loss_kwargs = module.loss_kwargs, {}  # the mean of each batch, as one process
+        try:
+            row = eval_row(self.model, examples, batch, pad_id, self.device, show, forward=self._forward)
+        finally:
+            module.loss_kwargs = kept
+        row["eval_loss"] = self.ranks.total(row["eval_loss"], self.device)  # the last stage's; 0 elsewhere
+        if "eval_peak_bytes" in row:
+            row["eval_peak_bytes"] = int(self.ranks.total(row["eval_peak_bytes"], self.device, op="max"))
+        return row
+
+    def _forward(self, batch: dict) -> torch.Tensor | None:
+        """One batch through this stage: received from the stage before, sent to the one
+        after; the loss on the last stage."""
+        import torch.distributed as dist
+
+        module, index = self.stage.submod, self.stage.stage_index
+        side = {"attention_mask": batch["attention_mask"]}
+        if self.stage.is_first:
+            x = batch["input_ids"]
+        else:
+            x = torch.empty((*batch["input_ids"].shape, self.hidden), dtype=self.dtype, device=self.device)
+            dist.recv(x, src=index - 1)
+        if self.stage.is_last:
+            return module(x, labels=batch["labels"], **side)
+        dist.send(module(x, **side).contiguous(), dst=index + 1)
+        return None
 
     def whole_state(self, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None] | None:
         """The whole model's adapter as PEFT saves one (each stage's
