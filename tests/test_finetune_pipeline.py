@@ -83,9 +83,29 @@ def test_two_stages_equal_one_process_accumulating_and_resume_on_their_checkpoin
     staged = summary["pipeline_stages"]
     assert [s["layers"] for s in staged] == [2, 2] and [s["resident_layers"] for s in staged] == [0, 0]
     assert [s["micro_batches_in_flight"] for s in staged] == [2, 1]  # 1F1B: one per stage still to run
+    _resumes_where_each_step_is_shared_as_before(tmp_path)
     one_summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["trainable"] == one_summary["trainable"]
     assert summary["loss_kernels"] == one_summary["loss_kernels"]  # narrows-lmhead's, on the last stage
+
+
+def _resumes_where_each_step_is_shared_as_before(root) -> None:
+    """A resume compares the data-parallel width (the ranks over the stages), not the ranks:
+    stages to one process or back is free; as many ranks split another way needs --override."""
+    from narrows.core.app.finetune.resuming import plan_resume
+    from narrows.core.app.finetune.run_folder import RunFolder
+    from narrows.core.errors import NarrowsError
+
+    def settle(run: str, world: int, **given):
+        file = RunFolder(root / run).read_file()
+        return plan_resume(root / run, file, given, world, False, newest=3, logged=3)
+
+    assert "world_size" in settle("two", 1, pipeline_stages=1, steps=4).changes.free
+    assert "world_size" in settle("one", 2, pipeline_stages=2, gpu_budget="min", steps=4).changes.free
+    with pytest.raises(
+        NarrowsError, match=r"over 1 data-parallel rank .*this launch over 2 data-parallel ranks"
+    ):
+        settle("one", 2, steps=4)  # the same ranks as the stages, as data parallelism: another split
 
 
 def test_stages_need_their_ranks(tmp_path, capsys):
@@ -106,9 +126,10 @@ def test_what_stages_do_not_cover_is_refused_by_name(monkeypatch):
     from narrows.core.app.finetune.config import FinetuneConfig
     from narrows.core.errors import NarrowsError
 
-    base = {"pipeline_stages": 2, "world_size": 2, "gpu_budget": "min", "packing": True}
+    base = {"pipeline_stages": 2, "world_size": 2, "gpu_budget": "min", "packing": True, "grad_accum": 4}
     for change, flag in (
         ({"gpu_budget": "off"}, "needs --gpu-budget"),
+        ({"grad_accum": 1}, "--grad-accum 2 or more"),  # torch's 1F1B: a micro-batch a stage at least
         ({"packing": False}, "needs --packing"),
         ({"dropout": 0.1}, "--dropout"),
         ({"step_mode": True}, "--step-mode"),

@@ -146,11 +146,13 @@ def test_resume_on_another_number_of_ranks_is_refused(runs, capsys):
     before = (root / "two" / "config.json").read_text()
     assert main(["finetune", "--resume", str(root / "two"), "--steps", "6", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("narrows: error:") and "trained on 2 ranks, this launch has 1" in err
+    assert err.startswith("narrows: error:") and "over 2 data-parallel ranks" in err
+    assert "this launch over 1 data-parallel rank" in err
     assert "torchrun with 2 ranks" in err and "--override" in err
     assert (root / "two" / "config.json").read_text() == before
     done = two("--resume", str(root / "one"), "--steps", "6", "--no-progress")
-    assert done.returncode != 0 and "trained on 1 rank, this launch has 2" in done.stderr
+    assert done.returncode != 0 and "over 1 data-parallel rank (without torchrun)" in done.stderr
+    assert "this launch over 2 data-parallel ranks" in done.stderr
 
 
 def test_ranks_given_different_flags_stop_before_loading_the_model(job):

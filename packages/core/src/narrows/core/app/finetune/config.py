@@ -504,8 +504,8 @@ class FinetuneConfig:
             )
         if b.quant == "nf4":
             require("bitsandbytes", "--quant nf4")
+        self._check_stages()  # before the memory's checks: their refusals of several ranks are data parallel's
         memory = self._checked_memory()
-        self._check_stages()
         if m.lmhead not in ("auto", "off"):  # auto and off import nothing: the CLI stays without torch
             lmhead_options(m.lmhead)
         m.tile()
@@ -552,6 +552,12 @@ class FinetuneConfig:
                 f"(torchrun --nproc-per-node {n} -m narrows.core.app.cli finetune ...); this launch has "
                 f"{t.world_size}. Pipeline stages do not combine with data parallelism yet"
             )
+        if t.grad_accum < n:
+            raise NarrowsError(
+                f"--pipeline-stages {n} runs each step's --grad-accum micro-batches through the stages, at least one "
+                f"a stage (torch's 1F1B schedule): give --grad-accum {n} or more (now {t.grad_accum}); more "
+                f"micro-batches leave the stages idle less, ({n} - 1) of every --grad-accum + {n} - 1 slots"
+            )
         needs = [
             (
                 m.gpu_budget == "off",
@@ -568,7 +574,10 @@ class FinetuneConfig:
                 m.step_mode is True,
                 "--step-mode (block-major accumulation; the schedule runs the micro-batches)",
             ),
-            (m.offload_optimizer, "--offload-optimizer and --offload-adapters (they run in step mode)"),
+            (
+                m.offload_optimizer or m.offload_adapters,
+                "--offload-optimizer and --offload-adapters (they run in step mode)",
+            ),
         ]
         missing = [what for off, what in needs if off]
         if missing:

@@ -36,7 +36,9 @@ class Resumption:
         """A line for each change: what it is, where it came from and how it takes effect."""
         lines = []
         for name, (old, new) in self.changes.all.items():
-            how = RESUMABLE.get(name) or f"overridden: {OVERRIDABLE[name]}"
+            how = RESUMABLE.get(name) or (
+                SAME_SPLIT if name in self.changes.free else f"overridden: {OVERRIDABLE[name]}"
+            )
             lines.append(f"{_named(name, self.edited, folder)} {old} → {new}: {how}")
         return lines
 
@@ -91,6 +93,13 @@ def plan_resume(
                 places[name] = absolute(value)
     wanted["world_size"] = world  # the launch says how each step's micro-batches spread and sum, not the file
     changes = resume_changes(started, wanted)
+    # what shares out each step's micro-batches is the data-parallel width: the ranks over the stages
+    stages = (before["pipeline_stages"], int(wanted.get("pipeline_stages") or before["pipeline_stages"]))
+    width = (before["world_size"] // stages[0], world // stages[1])
+    if width[0] == width[1] and "world_size" in changes.overridden:
+        changes.free["world_size"] = changes.overridden.pop("world_size")  # other stages, the same split
+    elif width[0] != width[1] and "world_size" not in changes.overridden:
+        changes.overridden["world_size"] = (before["world_size"], world)  # as many ranks, split otherwise
     shown = {k: _named(k, edited, folder) for k in changes.all}
     if changes.fixed:
         name, (old, new) = next(iter(changes.fixed.items()))
@@ -103,10 +112,11 @@ def plan_resume(
     if "world_size" in changes.overridden and not override:
         old, new = changes.overridden["world_size"]
         raise NarrowsError(
-            f"--resume {folder}: the run trained on {old} rank{'s' if old > 1 else ''}, this launch has {new}; "
-            "the ranks share out each step's micro-batches and sum their gradients, so another number would not "
-            f"continue the same run. Launch it as it started ({_launch(old)}), or add --override to continue on "
-            f"{new} (recorded in the run's history)"
+            f"--resume {folder}: the run shared each step's micro-batches over {_width(width[0])} "
+            f"({_launch(old, stages[0])}), this launch over {_width(width[1])} ({_launch(new, stages[1])}); the "
+            "data-parallel ranks share out each step's micro-batches and sum their gradients, so another number "
+            f"would not continue the same run. Launch it as it started, or add --override to continue this way "
+            "(recorded in the run's history)"
         )
     if changes.overridden and not override:
         listed = ", ".join(f"{shown[k]} {old} → {new}" for k, (old, new) in changes.overridden.items())
@@ -171,5 +181,17 @@ def _edited_back(name: str, edited: frozenset[str], folder: Path) -> str:
     return f"Put {name} back in {folder / 'config.json'} to resume the run as it is. "
 
 
-def _launch(world: int) -> str:
-    return "without torchrun" if world == 1 else f"torchrun with {world} ranks in all"
+def _launch(world: int, stages: int = 1) -> str:
+    ranks = "without torchrun" if world == 1 else f"torchrun with {world} ranks in all"
+    return ranks + (f", --pipeline-stages {stages}" if stages > 1 else "")
+
+
+def _width(ranks: int) -> str:
+    return f"{ranks} data-parallel rank{'s' if ranks > 1 else ''}"
+
+
+# a launch whose ranks hold the layers in other pipeline stages, each step's micro-batches shared as before
+SAME_SPLIT = (
+    "the ranks hold the model's layers in other pipeline stages; each step's micro-batches are shared over as "
+    "many data-parallel ranks as before, so the numbers trained are the same"
+)

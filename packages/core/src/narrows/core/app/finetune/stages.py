@@ -4,7 +4,8 @@ each rank keeps one contiguous block of the model's decoder layers and streams i
 ``--grad-accum`` micro-batches through the stages, the packed rows' positions given to every
 stage beside the hidden states. Each micro-batch's loss is the one a single process computes
 (the sum over its tokens divided by the step's trainable tokens), so the adapters equal one
-process accumulating the same micro-batches.
+process accumulating the same micro-batches. The held-out loss runs forward only through
+the stages, each sending a batch's hidden states to the next.
 
 Checkpoints and the saved adapter hold the whole model's tensors, gathered to rank 0: the
 files one process writes (the optimizer state in the whole model's parameter order). A
@@ -68,10 +69,11 @@ class Stages:
                 f"--pipeline-stages trains adapters inside the decoder layers; this run also trains "
                 f"{outside[:3]}: leave them out of --targets"
             )
+        # the stages' objects (counts, checkpoints' tensors) gather through host memory, not the GPUs
+        self.host_group = torch.distributed.new_group(backend="gloo")
         counts: list[Any] = [None] * ranks.world
-        torch.distributed.all_gather_object(counts, len(self.names))
+        torch.distributed.all_gather_object(counts, len(self.names), group=self.host_group)
         self.offset = sum(counts[: ranks.rank])  # this stage's first parameter in the whole model's order
-        self.counts = counts
         if cfg.base.kernels == "fast":  # what the run's summary says of them
             state_of(model).kernels = model.narrows_stream.kernels
 
@@ -138,11 +140,12 @@ class Stages:
 
         import narrows.stream
 
-        adapter = {k: v.detach().cpu() for k, v in get_peft_model_state_dict(self.model).items()}
+        saved = get_peft_model_state_dict(self.model, save_embedding_layers=False)  # as save_adapter saves
+        adapter = {k: v.detach().cpu() for k, v in saved.items()}
         mine = narrows.stream.whole_names(self.model, adapter)
         opt = None if optimizer is None else _to_cpu(optimizer.state_dict())
         parts: list[Any] = [None] * self.ranks.world if self.ranks.main else None
-        dist.gather_object((mine, opt), parts, dst=0)
+        dist.gather_object((mine, opt), parts, dst=0, group=self.host_group)
         if not self.ranks.main:
             return None
         tensors = {k: v for adapter, _ in parts for k, v in adapter.items()}
@@ -156,7 +159,7 @@ class Stages:
         import narrows.stream
 
         adapter = narrows.stream.stage_names(self.model, state["adapter"])
-        missing = set(get_peft_model_state_dict(self.model)) ^ set(adapter)
+        missing = set(get_peft_model_state_dict(self.model, save_embedding_layers=False)) ^ set(adapter)
         if missing:
             raise NarrowsError(
                 f"the checkpoint's adapter does not match this stage's ({sorted(missing)[:3]} in one, not the other)"
@@ -183,7 +186,7 @@ class Stages:
             "loss_kernels": sorted(getattr(state_of(self.model).lmhead, "kernels", None) or ()),
         }
         every: list[Any] = [None] * self.ranks.world if self.ranks.main else None
-        dist.gather_object(mine, every, dst=0)
+        dist.gather_object(mine, every, dst=0, group=self.host_group)
         return every
 
 
