@@ -779,7 +779,6 @@ DATA_PARALLEL = (  # (case, device): the main job under torchrun and the peers a
 DP_MODES = (
     ("job", "narrows finetune"),
     ("stages", "narrows finetune --pipeline-stages (1F1B, micro-batches: the GPUs)"),
-    ("pipe", "narrows pipeline stages, 1F1B (`shared_host.py`'s loop)"),
     ("fsdp", "FSDP+QLoRA, CPU offload"),
     ("deepspeed", "DeepSpeed ZeRO-3 offload"),
 )
@@ -798,7 +797,7 @@ def _dp_cell(rows: list[dict], mode: str, ranks: int, host: bool = True) -> str:
     m = row["metrics"]
     if "error" in m:
         return "failed"
-    one = _dp_row(rows, mode, 1) or _dp_row(rows, "job", 1)  # pipeline stages: against the job on one GPU
+    one = _dp_row(rows, mode, 1) or _dp_row(rows, "job", 1)  # stages: against the job on one GPU
     eff = ""
     if one is not None and "error" not in one["metrics"]:
         eff = f" ({m['tokens_per_s'] / (ranks * one['metrics']['tokens_per_s']):.0%})"
@@ -841,7 +840,7 @@ def _data_parallel_headline(r: Results) -> str:
         rows = r.case(case, device)
         if _dp_row(rows, "job", 1) is None:
             continue
-        ours = (" job", " pipe", " stages")
+        ours = (" job", " stages")
         peers = [x for x in rows if not x["name"].endswith(ours) and "error" not in x["metrics"]]
         best = max(peers, key=lambda x: x["metrics"]["tokens_per_s"], default=None)
         fastest = "not run"

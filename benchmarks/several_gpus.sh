@@ -3,12 +3,12 @@
 # config:budget in $CONFIGS and each sequence length in $SEQS one shared_host.py run: the main job
 # under torchrun on each rank count of $RANKS at that per-GPU budget (8 rows of --seq a rank, the
 # ranks sharing one host copy), and the other cases of $PEERS (fsdp, deepspeed; stages: the main job
-# with --pipeline-stages, one micro-batch a stage; pipe: the same in shared_host.py's loop) at the rank counts of
+# with --pipeline-stages, one micro-batch a stage) at the rank counts of
 # $PEER_RANKS where $PEER_SEQS holds the sequence length. Run from the repo root with .gpu
 # (../shared/gpu/stage --lock) and, for the DeepSpeed rows, .gpu-deepspeed (stage_deepspeed.sh)
 # carried along; results land in $OUT.
 #   CONFIGS="qwen2.5-7b:8GiB qwen2.5-72b:16GiB"  SEQS="512 2048"  RANKS="1 2 4" (RANKS="": no job rows)
-#   BATCH=8 (rows of --seq a rank, a micro-batch)  PEERS="fsdp deepspeed stages pipe"  PEER_RANKS="1 2 4"  PEER_SEQS="512"  SKIP_TESTS=1  TESTS="paths"  KEEP=1 (keep /tmp/dp_*)
+#   BATCH=8 (rows of --seq a rank, a micro-batch)  PEERS="fsdp deepspeed stages"  PEER_RANKS="1 2 4"  PEER_SEQS="512"  SKIP_TESTS=1  TESTS="paths"  KEEP=1 (keep /tmp/dp_*)
 set -u
 source .gpu/env
 [[ -f .gpu-deepspeed/env ]] && source .gpu-deepspeed/env

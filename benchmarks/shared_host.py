@@ -13,10 +13,6 @@ what the ranks' host memory costs. Each case is one torchrun launch of its own:
              tokens of every rank over rank 0's wall time; the largest rank's peak)
   share      this script's own loop over ``narrows.stream.from_pretrained(share=True)``
   private    the same, every rank holding its own copy (``share=False``)
-  pipe       pipeline stages over the same shared copy: rank r streams its block of layers
-             alone (`narrows.stream.pipeline_stage`, --budget per rank), torch's 1F1B
-             schedule over --micro micro-batches (default: the ranks) of --batch rows a
-             step; the step's tokens are --micro × --batch × --seq, not R times that
   fsdp       answer.ai's FSDP+QLoRA recipe: FSDP1 FULL_SHARD over the ranks, parameters
              offloaded to CPU, every layer checkpointed (`_peers.fsdp_offload`)
   deepspeed  DeepSpeed ZeRO-3 with the parameters offloaded to pinned CPU memory, HF
@@ -138,45 +134,6 @@ def build_narrows(args: argparse.Namespace, dev: torch.device):
     return model, ddp, facts
 
 
-def build_pipe(args: argparse.Namespace, dev: torch.device):
-    """This rank's pipeline stage over the shared host copy, and torch's 1F1B schedule."""
-    from _models import add_lora
-    from torch.distributed.pipelining import Schedule1F1B
-
-    import narrows.stream as ns
-
-    model = ns.from_pretrained(
-        args.folder, dtype=torch.bfloat16, cache=args.cache, share=True, host_budget=args.host_budget
-    )
-    torch.manual_seed(0)
-    model = add_lora(model).train()
-    model.config.use_cache = False
-    budget = None if args.budget == "min" else args.budget
-    stage = ns.pipeline_stage(
-        model,
-        budget,
-        device=dev,
-        micro_batches=args.micro,
-        schedule="1f1b",
-        seq_len=args.seq,
-        batch_size=args.batch,
-        head=args.head,
-    )
-    plan = model.narrows_stream.plan
-    print(plan, file=sys.stderr)
-    schedule = Schedule1F1B(
-        stage, args.micro, loss_fn=ns.pipeline_loss(model, 1 / args.micro), scale_grads=False
-    )
-    facts = {
-        "stage_layers": len(plan.layer_bytes),
-        "resident_layers": len(plan.resident),
-        "graphs": plan.graphs,
-        "predicted_peak": plan.predicted_peak,
-        "micro": args.micro,
-    }
-    return model, (stage, schedule), facts
-
-
 def build_fsdp(args: argparse.Namespace, dev: torch.device):
     import _peers
     from _models import add_lora, load_config, random_nf4_model
@@ -223,9 +180,7 @@ def child(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if own_gpu else "gloo")
     rank = dist.get_rank()
     t0 = time.perf_counter()
-    build = {"fsdp": build_fsdp, "deepspeed": build_deepspeed, "pipe": build_pipe}.get(
-        args.mode, build_narrows
-    )
+    build = {"fsdp": build_fsdp, "deepspeed": build_deepspeed}.get(args.mode, build_narrows)
     model, net, facts = build(args, dev)
     load_s = time.perf_counter() - t0
     dist.barrier()  # every rank loaded: what each one maps now
@@ -239,26 +194,7 @@ def child(args: argparse.Namespace) -> None:
     vocab = model.config.vocab_size
     losses = []
 
-    def pipe_step(i: int) -> None:
-        stage, schedule = net
-        torch.manual_seed(i)  # every stage the step's tokens: the first feeds them, the last scores them
-        ids = torch.randint(0, vocab, (args.micro * args.batch, args.seq), device=dev)
-        got: list = []
-        schedule.step(
-            *((ids,) if stage.is_first else ()),
-            target=ids if stage.is_last else None,
-            labels=ids,
-            losses=got,
-            return_outputs=False,
-        )
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(sum(x.detach() for x in got) if got else torch.zeros((), device=dev))
-
     def step(i: int) -> None:
-        if args.mode == "pipe":
-            pipe_step(i)
-            return
         torch.manual_seed(i * world + rank)
         ids = torch.randint(0, vocab, (args.batch, args.seq), device=dev)
         loss = net(input_ids=ids, labels=ids).loss
@@ -369,7 +305,7 @@ def micro(args: argparse.Namespace, ranks: int) -> int:
 
 
 def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> dict:
-    """One torchrun launch of this script's loop (share, private, pipe, fsdp, deepspeed)."""
+    """One torchrun launch of this script's loop (share, private, fsdp, deepspeed)."""
     result = args.work / f"case_{ranks}_{mode}.json"
     result.unlink(missing_ok=True)
     cmd = [
@@ -396,8 +332,6 @@ def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> d
         args.config,
         "--budget",
         args.budget,
-        "--micro",
-        str(micro(args, ranks)),
         "--head",
         args.head,
         *(["--lmhead"] if args.lmhead else []),
@@ -419,10 +353,7 @@ def run_case(args: argparse.Namespace, folder: Path, ranks: int, mode: str) -> d
         "rss_peak_sum": sum(r["rss_peak"] for r in rows),
         "load_s": max(r["load_s"] for r in rows),
         "s_per_step": s_per_step,
-        "tokens_per_s": (micro(args, ranks) if mode == "pipe" else ranks)
-        * args.batch
-        * args.seq
-        / s_per_step,
+        "tokens_per_s": ranks * args.batch * args.seq / s_per_step,
         "peak_allocated": max(r["peak_allocated"] or 0 for r in rows),
         "final_loss": [r["final_loss"] for r in rows],
         "per_rank": rows,
@@ -508,11 +439,13 @@ def main() -> None:
     ap.add_argument(
         "--cases",
         default="1:share,1:share,2:share,2:private",
-        help="ranks:job|share|private|pipe|fsdp|deepspeed, in order (the first to share builds the cache: cold)",
+        help="ranks:job|stages|share|private|fsdp|deepspeed, in order (the first to share builds the cache: cold)",
     )
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1, help="rows of --seq tokens per rank per step")
-    ap.add_argument("--micro", type=int, default=0, help="micro-batches of a pipe step (default: the ranks)")
+    ap.add_argument(
+        "--micro", type=int, default=0, help="micro-batches of a stages step (default: the ranks)"
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds one case may run")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)

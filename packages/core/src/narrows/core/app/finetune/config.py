@@ -301,6 +301,12 @@ class TrainingConfig:
         1, "ranks the run trains on (torchrun), set by the launch", at_least=1, flag=False
     )
 
+    @property
+    def data_ranks(self) -> int:
+        """The ranks each step's micro-batches are shared over: the launch's ranks over its
+        pipeline stages (which share every micro-batch)."""
+        return self.world_size // self.pipeline_stages
+
 
 @dataclass(frozen=True)
 class EvaluationConfig:

@@ -96,8 +96,7 @@ def train(
     ranks = ranks or Ranks()
     net = net or model
     g = t.grad_accum
-    # micro-batches of one optimizer step, all ranks together (pipeline stages share each one)
-    per_step = g * (1 if stages is not None else ranks.world)
+    per_step = g * t.data_ranks  # micro-batches of one optimizer step, all ranks together
     batches = micro_batches(train_set, t.batch, t.seed, start=progress.step * per_step)
     width = cfg.dataset.seq_len if cfg.dataset.packing else None  # packed batches: one width, every step
     stepper = None
@@ -136,7 +135,7 @@ def train(
             captures = graph_captures(model)
             _sync(device)
             t0 = time.perf_counter()
-            place = 0 if stages is not None else ranks.rank  # among the data-parallel ranks
+            place = ranks.rank // t.pipeline_stages  # among the data-parallel ranks
             first = progress.step * per_step + place * g  # this rank's first micro-batch
             every = [next(batches) for _ in range(per_step)]
             micro = every[place * g : (place + 1) * g]

@@ -95,7 +95,7 @@ def plan_resume(
     changes = resume_changes(started, wanted)
     # what shares out each step's micro-batches is the data-parallel width: the ranks over the stages
     stages = (before["pipeline_stages"], int(wanted.get("pipeline_stages") or before["pipeline_stages"]))
-    width = (before["world_size"] // stages[0], world // stages[1])
+    width = (started.training.data_ranks, world // stages[1])
     if width[0] == width[1] and "world_size" in changes.overridden:
         changes.free["world_size"] = changes.overridden.pop("world_size")  # other stages, the same split
     elif width[0] != width[1] and "world_size" not in changes.overridden:
