@@ -22,6 +22,16 @@ wait, which is why the timed rows never run this way.
     python benchmarks/_profiled_job.py --warmup 2 --plain 10 --profiled 10 --stats S.json \\
         --prof P.prof -- finetune --model DIR --data FILE --steps 22 ...
 
+With ``--device-profile`` one step more (the job's --steps one larger) runs under torch.profiler
+after the cProfile steps: the device's time by kind of kernel, how busy the compute stream
+was over the step and where it sat idle (stream_qlora.py's `device_categories`), so a step
+whose device idles between kernels shows the host setting its pace.
+
+With ``--sync-debug`` the step after those runs under ``torch.cuda.set_sync_debug_mode("warn")``:
+every call that makes the host wait for the device (``.item()``, a copy to or from pageable
+memory, ``nonzero``, ...) is listed with the product's frames that made it, by count. Each such
+wait empties the device's queue: what the host launches next finds the device idle.
+
 Writes ``--stats`` (JSON) and, with ``--prof``, the pstats file (``python -m pstats P.prof``).
 """
 
@@ -117,6 +127,11 @@ def main() -> int:
     ap.add_argument("--stats", required=True, help="where the measurements go (JSON)")
     ap.add_argument("--prof", help="where the pstats file goes")
     ap.add_argument("--top", type=int, default=30, help="functions listed, by own time")
+    ap.add_argument("--device-profile", action="store_true", help="one step more under torch.profiler (CUDA)")
+    ap.add_argument("--trace", help="where the --device-profile step's Chrome trace goes (gzipped JSON)")
+    ap.add_argument(
+        "--sync-debug", action="store_true", help="one step more listing the host's waits on the device"
+    )
     ap.add_argument("job", nargs=argparse.REMAINDER, help="-- finetune ARGS: the CLI's arguments")
     args = ap.parse_args()
     job = args.job[1:] if args.job[:1] == ["--"] else args.job
@@ -131,6 +146,9 @@ def main() -> int:
     end = plain_end + args.profiled
     marks: dict[int, tuple[float, float, float, float]] = {}
     profiler = cProfile.Profile()
+    device: dict = {}  # the torch.profiler step: its profiler, then its summary
+    syncs: dict = {}  # the sync-debug step: its recorder, then what it saw
+    sync_step = end + 1 + int(args.device_profile)  # the step it watches (its row ends it)
     threads: list[str] = []
     log = RunFolder.log
 
@@ -140,6 +158,14 @@ def main() -> int:
             if step == end:
                 profiler.disable()
                 threads.extend(t.name for t in threading.enumerate())
+                if args.device_profile:
+                    device["profiler"] = start_device_profile()
+            if step == end + 1 and "profiler" in device:
+                device.update(stop_device_profile(device.pop("profiler"), row["step_s"], args.trace))
+            if args.sync_debug and step == sync_step - 1:
+                syncs["recorder"] = SyncRecorder().start()
+            if step == sync_step and "recorder" in syncs:
+                syncs.update(syncs.pop("recorder").stop())
             marks[step] = (time.perf_counter(), time.thread_time(), time.process_time(), row["step_s"])
             if step == plain_end:
                 profiler.enable()
@@ -151,6 +177,10 @@ def main() -> int:
     finally:
         profiler.disable()
         RunFolder.log = log
+        if "profiler" in device:  # the job ended before the profiled step's row
+            device.pop("profiler").stop()
+        if "recorder" in syncs:
+            syncs.pop("recorder").stop()
     out: dict = {"returncode": code, "python": platform.python_version(), "argv": job}
     out.update(sync=sync, sync_after=sync_flags())  # asked for before the job, and what its context had
     if not all(s in marks for s in range(args.warmup, end + 1)):
@@ -178,8 +208,99 @@ def main() -> int:
             for key, (cc, nc, tt, ct, _callers) in top
         ],
     )
+    if args.device_profile:
+        out["device_profile"] = device or {"error": f"no step {end + 1} logged"}
+    if args.sync_debug:
+        out["syncs"] = syncs or {"error": f"no step {sync_step} logged"}
     Path(args.stats).write_text(json.dumps(out, indent=2))
     return code
+
+
+class SyncRecorder:
+    """The host's waits on the device while it runs: torch's sync debug mode set to warn, each
+    warning's stack cut to the frames outside torch and warnings, counted by that stack."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.kinds: dict[str, int] = {}
+
+    def start(self) -> SyncRecorder:
+        import traceback
+        import warnings
+
+        import torch
+
+        self._show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None) -> None:
+            text = str(message).splitlines()[0][:80]
+            if "synchroniz" not in text:
+                return self._show(message, category, filename, lineno, file, line)
+            frames = [
+                f"{where((f.filename, f.lineno, f.name))}"
+                for f in traceback.extract_stack()[:-1]
+                if "site-packages/torch/" not in f.filename
+                and "warnings" not in f.filename
+                and "_profiled_job" not in f.filename
+            ][-4:]
+            key = " < ".join(reversed(frames))
+            self.counts[key] = self.counts.get(key, 0) + 1
+            self.kinds[text] = self.kinds.get(text, 0) + 1
+
+        warnings.showwarning = show
+        self._filters = warnings.filters[:]
+        warnings.simplefilter("always")
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def stop(self) -> dict:
+        import warnings
+
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._show
+        warnings.filters[:] = self._filters
+        ranked = sorted(self.counts.items(), key=lambda kv: -kv[1])
+        return {
+            "waits": sum(self.counts.values()),
+            "by_kind": self.kinds,
+            "by_stack": [[n, k] for k, n in ranked[:40]],
+        }
+
+
+def start_device_profile():
+    """torch.profiler running over host and CUDA activity, started now."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+    prof = profile(activities=[ProfilerActivity.CPU, *cuda])
+    prof.start()
+    return prof
+
+
+def stop_device_profile(prof, step_s: float, keep: str | None = None) -> dict:
+    """The profiled step: its own step_s, the device's busy time, and stream_qlora.py's
+    summary of its kernels and the compute stream's idle gaps; its trace gzipped at `keep`."""
+    import gzip
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from stream_qlora import device_categories
+
+    prof.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        kinds = device_categories(json.loads(trace.read_text()))
+        if keep:
+            with trace.open("rb") as src, gzip.open(keep, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return {"step_s": step_s, **kinds}
 
 
 if __name__ == "__main__":

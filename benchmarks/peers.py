@@ -61,8 +61,11 @@ the process's RSS), beside the process's wall time and summary.json's plan (resi
 CUDA graphs and why). ``--host-profile`` runs the job once more in a process of its own through
 benchmarks/_profiled_job.py: after the warm-up, --steps steps measure the main thread's CPU
 seconds a step without a profiler (its waits on the GPU made to block, not spin, so they cost
-no CPU), then --steps more run under cProfile; the row's ``host_profile`` holds both and the
-top 30 functions by own time (ms and calls a step), and the pstats file lands beside --out.
+no CPU), then --steps more run under cProfile, then one under torch.profiler; the row's
+``host_profile`` holds both, the top 30 functions by own time (ms and calls a step) and the
+device's side of that step (busy time by kind of kernel, the compute stream's idle gaps), then
+one listing the host's waits on the device by the frames that made them; the pstats file and
+the torch.profiler step's Chrome trace (``.trace.json.gz``) land beside --out.
 Against Unsloth (staged as below, carrying .gpu and .gpu-unsloth), on the GPU machine:
 
     source .gpu/env && python3 benchmarks/peers.py --shape 7b-8x512 --modes unsloth,finetune-8GiB --host-profile --out $OUT/peers_7b_8x512_main_job.json
@@ -661,7 +664,7 @@ def run_job(args: argparse.Namespace, mode: str, folder: Path, prof: Path | None
     adapters it trained (adapter_config.json). With `prof`: `host_profile` too."""
     work = Path(args.work)
     micro = args.batch * args.grad_accum  # rows a step: enough for every run's steps, none twice
-    data = job_data(work, args.seq, max(64, micro * (max(1, args.warmup) + 2 * args.steps)))
+    data = job_data(work, args.seq, max(64, micro * (max(1, args.warmup) + 2 * args.steps + 2)))
     run_dir = work / f"run-{mode}"
     total = args.warmup + args.steps
     try:
@@ -736,11 +739,12 @@ def job_host_profile(args: argparse.Namespace, mode: str, folder: Path, data: Pa
     work = Path(args.work)
     warmup = max(1, args.warmup)  # the measurement starts at a warm-up step's row
     run_dir, stats = work / f"run-{mode}-profiled", work / f"host-profile-{mode}.json"
-    argv = job_argv(args, mode, folder, data, run_dir, warmup + 2 * args.steps)
+    argv = job_argv(args, mode, folder, data, run_dir, warmup + 2 * args.steps + 2)
     shutil.rmtree(run_dir, ignore_errors=True)
     stats.unlink(missing_ok=True)
     cmd = [sys.executable, str(HERE / "_profiled_job.py"), "--warmup", str(warmup)]
-    cmd += ["--plain", str(args.steps), "--profiled", str(args.steps), "--stats", str(stats)]
+    cmd += ["--plain", str(args.steps), "--profiled", str(args.steps), "--device-profile", "--sync-debug"]
+    cmd += ["--stats", str(stats), "--trace", str(prof.with_suffix(".trace.json.gz"))]
     cmd += ["--prof", str(prof), "--", *argv]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=2 * args.timeout)
@@ -901,6 +905,17 @@ def table(rows: list[dict]) -> str:
                 f"    {f['tottime_ms_per_step']:8.2f} ms {f['calls_per_step']:8.0f} calls  {f['function']}"
                 for f in host["top_tottime"][:10]
             ]
+            dev = host.get("device_profile") or {}
+            if "compute_stream" in dev:
+                cs = dev["compute_stream"]
+                lines.append(
+                    f"  device, one step of {dev['step_s']:.3f} s: compute stream busy {cs['busy_s']:.3f} s "
+                    f"of {cs['span_s']:.3f}; idle by gap {cs['idle_s_by_gap']}; by kind {dev['device_s_by_kind']}"
+                )
+            syncs = host.get("syncs") or {}
+            if "waits" in syncs:
+                lines.append(f"  the host's waits on the device in one step: {syncs['waits']}")
+                lines += [f"    {n:4d}  {stack}" for n, stack in syncs["by_stack"][:8]]
         elif host:
             lines.append(f"\n`{r['mode']}` host profile: {host.get('error', host)}")
     return "\n".join(lines)

@@ -115,6 +115,29 @@ def test_low_bit_experts_streamed_at_the_least_budget_equal_resident(arch, exper
     assert_identical(train(resident, steps=2, grad_accum=2), record)
 
 
+@pytest.mark.bnb
+def test_streamed_fast_moe_layers_dequantise_their_experts_once_for_recompute_and_backward(monkeypatch):
+    """A streamed layer's backward recomputes its forward, then differentiates it: the
+    recompute's dequantised expert stacks serve the backward, so a micro-batch dequantises
+    each block's stacks twice (its forward; its recompute and backward), not three times."""
+    from narrows.core.kernels.fastlayer import moe
+
+    calls = []
+    original = moe.expert_stacks
+    monkeypatch.setattr(moe, "expert_stacks", lambda *a: calls.append(1) or original(*a))
+
+    def dequantisations(steps: int) -> int:  # (stream's start-up checks run the layers too)
+        calls.clear()
+        streamed = build("qwen3_moe", base="nf4", experts="nf3")
+        streamed.set_attn_implementation("sdpa")
+        train(streamed, steps=steps, stream_kwargs={"gpu_budget": "min"})
+        assert streamed.narrows_stream.plan.resident == ()
+        return len(calls)
+
+    layers = len(build("qwen3_moe").base_model.model.model.layers)
+    assert dequantisations(3) - dequantisations(1) == 2 * 2 * layers
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
 @pytest.mark.parametrize("arch", MOE)
 def test_router_aux_loss_gradient_flows_through_streamed_layers(arch, dropout):

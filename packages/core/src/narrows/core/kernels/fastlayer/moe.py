@@ -127,6 +127,9 @@ class MoEState:
     n: Tensor | None = None  # the block's input, (tokens, H), where gate/up has an adapter
     z: dict[str, Tensor] = field(default_factory=dict)  # each adapter's x·Aᵀ, (S, r)
     expert: Tensor | None = None  # each sorted slot's expert, where the stacks have biases
+    # a recompute's dequantised stacks, handed to the backward that follows it (which needs
+    # both at once anyway): each stack is dequantised once per recomputed backward
+    stacks: tuple[Tensor, Tensor] | None = None
 
 
 def _route(p: MoEParts, n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -211,7 +214,8 @@ def forward(
     if not keep:
         return out, None
     kept_n = n if "gate_up_proj" in low else None  # its slots' copies are gathered again when needed
-    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z, expert)
+    stacks = None if output else (gate_up, down)  # a recompute: its backward comes next
+    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z, expert, stacks)
 
 
 def _activation(p: MoEParts, h: Tensor) -> Tensor:
@@ -245,7 +249,8 @@ def backward(
     the experts and through the routing weights into the router's softmax; and the expert
     adapters' (float32, in `MoEParts.params` order and their masters' layouts)."""
     tokens, k = g.shape[0], p.top_k
-    gate_up, down = p.stacks(g, cache)
+    gate_up, down = s.stacks if s.stacks is not None else p.stacks(g, cache)
+    s.stacks = None  # freed with the backward's last use, not held by the state
     grads: dict[str, tuple[Tensor, Tensor]] = {}
     g_slot = g[s.order // k]
     # each slot's gradient through down, unweighted
