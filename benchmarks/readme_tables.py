@@ -1035,12 +1035,12 @@ MOE_PLAN = (  # (case, the modes' suffix, what the suffix says)
 
 
 MOE_LORA = (  # (case, device, what the adapters sit on and how many layers, the main job's budgets)
-    ("peers_qwen3-30b-a3b-6l_8x512", "h200", "attention; 6 of 48 layers", ("8GiB",)),
+    ("peers_qwen3-30b-a3b-6l_8x512", "h200", "attention; 6 of 48 layers", ("8GiB", "4GiB")),
     (
         "peers_qwen3-30b-a3b-6l_8x512_experts",
         "h200",
         "attention and the routed experts; 6 of 48 layers",
-        ("8GiB",),
+        ("8GiB", "4GiB"),
     ),
     (
         "peers_qwen3-30b-a3b_8x512_experts",
@@ -1066,6 +1066,38 @@ def _moe_lora(r: Results) -> str:
         )
         lines.append([run_cell(rows, said), ours, cell(r, c, "unsloth", device=device), times])
     return table(["LoRA on", "the main job at `--gpu-budget`", "Unsloth", "narrows' time ÷ Unsloth's"], lines)
+
+
+@generated("moe-host")
+def _moe_host(r: Results) -> str:
+    """Where the main job's MoE step goes, host against device (peers.py --host-profile):
+    the step, the main thread's CPU time a step (its waits on the device blocking, so they
+    cost none), and in one step under torch.profiler the compute stream's busy time against
+    its span."""
+    c, device = "main_job_qwen3-30b-a3b-6l_8x512", "h200"
+    lines = []
+    for row in r.case(c, device):
+        host = row["metrics"].get("host_profile")
+        if not host or "plain" not in host:
+            continue
+        dev, stream = host["device_profile"], host["device_profile"]["compute_stream"]
+        lines.append(
+            [
+                f"`{row['name']}` ({row['date']}, `{c}`)",
+                f"{host['plain']['median_step_s']:.3f} s",
+                f"{host['plain']['median_thread_cpu_s']:.3f} s",
+                f"{stream['busy_s']:.3f} s of {stream['span_s']:.3f} s (step {dev['step_s']:.3f} s)",
+            ]
+        )
+    return table(
+        [
+            "the main job, Qwen3-30B-A3B's shape, 6 layers, 8 × 512",
+            "step (no profiler)",
+            "host CPU a step",
+            "compute stream busy, one profiled step",
+        ],
+        lines,
+    )
 
 
 def matmul_floor_s(model: str, tokens: int, rate: float = 800e12) -> float:
