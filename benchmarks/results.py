@@ -47,8 +47,11 @@ REQUIRED = ("device", "case", "name", "date", "commit", "script", "arguments", "
 
 # case name prefix -> the script that writes it (first match wins)
 SCRIPTS = (
+    ("peers_qwen3", "peers.py"),  # a mixture of experts beside Unsloth
     ("peers_qwen", "stream_qlora.py"),  # the offloading peers are stream_qlora.py modes
     ("peers_", "peers.py"),
+    ("main_job_", "peers.py"),
+    ("expert_quant_loss", "expert_quant_loss.py"),
     ("finetune_", "finetune_shapes.py"),
     ("checkpoints_", "checkpoints.py"),
     ("shared_host_", "shared_host.py"),
@@ -121,6 +124,7 @@ SCRIPT_NAME_KEYS = {
     "finetune_shapes.py": ("mode", "packing"),
     "fingerprint_cost.py": ("model",),
     "fast_memory.py": ("model", "tokens"),
+    "expert_quant_loss.py": ("scheme",),
 }
 NAME_KEYS = ("label", "mode", "variant", "arch", "call", "case", "method", "model", "name")
 
