@@ -126,7 +126,11 @@ def run(scheme: str, folder: Path, data: tuple[Path, Path], args: argparse.Names
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if out.exists() else []
+    rows = (
+        [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if out.exists()
+        else []
+    )
     evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
     losses = [r["loss"] for r in rows if "loss" in r]
     if proc.returncode != 0 or 0 not in evals or args.steps not in evals:
@@ -147,7 +151,7 @@ def run(scheme: str, folder: Path, data: tuple[Path, Path], args: argparse.Names
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemes", default=",".join(SCHEMES))
-    ap.add_argument("--experts", type=int, default=4, help="copies of each MLP (routed experts)")
+    ap.add_argument("--experts", type=int, default=2, help="copies of each MLP (routed experts, 2 chosen)")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=384)
@@ -178,8 +182,10 @@ def main() -> None:
     out = {
         "date": datetime.date.today().isoformat(),
         "commit": commit.stdout.strip(),
-        "device": "cuda" if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})",
-        "arguments": {k: v for k, v in vars(args).items() if k not in ("out", "work", "timeout")},
+        "device": "cuda"
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})",
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "work", "timeout")},
         "model": f"SmolLM2-135M-Instruct upcycled to {args.experts} routed experts, 2 chosen",
         "rows": rows,
     }

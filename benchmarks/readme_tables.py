@@ -883,6 +883,33 @@ def _expert_quant(r: Results) -> str:
     return table(["weights", *(f"`{sc}`" for sc in EXPERT_QUANT)], lines)
 
 
+@generated("expert-quant-loss")
+def _expert_quant_loss(r: Results) -> str:
+    """Per scheme of the routed experts: the held-out loss of the upcycled SmolLM2 before
+    and after the same fine-tune, each against the bf16 run's."""
+    rows = r.case("expert_quant_loss", "cpu")
+    if not rows:
+        return ""
+    lines = []
+    for x in rows:
+        m = x["metrics"]
+        if "error" in m:
+            lines.append([run_cell([x], f"`{m['scheme']}`"), f"failed: {m['error'][:80]}", "–"])
+            continue
+        vs = m["scheme"] != "bf16" and "before_vs_bf16" in m
+        lines.append(
+            [
+                run_cell([x], f"`{m['scheme']}`"),
+                f"{m['eval_loss_before']:.3f}" + (f" ({m['before_vs_bf16']:+.3f})" if vs else ""),
+                f"{m['eval_loss_after']:.3f}" + (f" ({m['after_vs_bf16']:+.3f})" if vs else ""),
+            ]
+        )
+    steps = rows[0]["arguments"].get("steps")
+    return table(
+        ["routed experts", "held-out loss before (vs bf16)", f"after {steps} steps (vs bf16)"], lines
+    )
+
+
 @generated("expert-dequant")
 def _expert_dequant(r: Results) -> str:
     """Per scheme: one layer's routed experts dequantised, its time against the copy floor."""
