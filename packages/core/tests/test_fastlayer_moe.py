@@ -15,7 +15,7 @@ from narrows.core import fuse_layers, lora_targets, unfuse_layers
 from narrows.core.kernels.fastlayer import grouped, moe, ops, parts_of, why_not
 from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
-from narrows.core.testing import tiny_batch, tiny_model
+from narrows.core.testing import tiny_batch, tiny_model, watch_expert_stacks
 
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 ARCH_EXPERTS = [(a, e) for a in MOE for e in (False, True)]
@@ -258,19 +258,31 @@ def test_recompute_trains_the_same_bits_as_keeping(arch, dropout):
 
 
 @pytest.mark.parametrize("scheme", ["nf3", pytest.param("nf4", marks=pytest.mark.bnb)])
-def test_quantised_experts_are_dequantised_once_a_pass(monkeypatch, scheme):
+def test_quantised_experts_are_dequantised_once_a_pass(scheme):
     """With recompute, each block's stacks are dequantised for the forward and once more for
     the recompute and the backward together; the result is close to the model's own code
     on the same codes."""
     model = _model("qwen3_moe", scheme=scheme)
     own = _steps(model, n=1)
-    calls = []
-    original = moe.expert_stacks
-    monkeypatch.setattr(moe, "expert_stacks", lambda *a: calls.append(1) or original(*a))
     fuse_layers(model, recompute=True)
-    fast = _steps(model, n=1)
-    assert len(calls) == 2 * 3
+    with watch_expert_stacks() as watch:
+        fast = _steps(model, n=1)
+    assert watch.names == {"gate_up_proj": 2 * 3, "down_proj": 2 * 3}
     assert _close(own, fast, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=arch_ids)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_kept_layer_holds_one_dequantised_stack_at_a_time(arch, experts):
+    """Kept layers (no recompute, no cache) dequantise gate/up's stack, then down's in the
+    forward and the other way round in the backward, each freed before the next: a block
+    never holds both (the largest alone is what the planner prices)."""
+    model = _model(arch, scheme="nf3", experts=experts)
+    fuse_layers(model, recompute=False)
+    with watch_expert_stacks() as watch:
+        _steps(model, n=1)
+    assert watch.names == {"gate_up_proj": 2 * 3, "down_proj": 2 * 3}
+    assert watch.most_alive == 1
 
 
 @pytest.mark.parametrize("scheme", ["nf2", pytest.param("nf4", marks=pytest.mark.bnb)])

@@ -116,26 +116,24 @@ def test_low_bit_experts_streamed_at_the_least_budget_equal_resident(arch, exper
 
 
 @pytest.mark.bnb
-def test_streamed_fast_moe_layers_dequantise_their_experts_once_for_recompute_and_backward(monkeypatch):
-    """A streamed layer's backward recomputes its forward, then differentiates it: the
-    recompute's dequantised expert stacks serve the backward, so a micro-batch dequantises
-    each block's stacks twice (its forward; its recompute and backward), not three times."""
-    from narrows.core.kernels.fastlayer import moe
+def test_streamed_fast_moe_layers_hold_one_dequantised_stack_at_a_time():
+    """A streamed layer's forward dequantises gate/up's stack, then down's; its recompute
+    gate/up's alone (it stops before the down projection); its backward down's, then
+    gate/up's: five a layer and micro-batch, each freed before the next is dequantised."""
+    from narrows.core.testing import watch_expert_stacks
 
-    calls = []
-    original = moe.expert_stacks
-    monkeypatch.setattr(moe, "expert_stacks", lambda *a: calls.append(1) or original(*a))
-
-    def dequantisations(steps: int) -> int:  # (stream's start-up checks run the layers too)
-        calls.clear()
+    def dequantisations(steps: int):  # (stream's start-up checks run the layers too)
         streamed = build("qwen3_moe", base="nf4", experts="nf3")
         streamed.set_attn_implementation("sdpa")
-        train(streamed, steps=steps, stream_kwargs={"gpu_budget": "min"})
+        with watch_expert_stacks() as watch:
+            train(streamed, steps=steps, stream_kwargs={"gpu_budget": "min"})
         assert streamed.narrows_stream.plan.resident == ()
-        return len(calls)
+        return watch
 
     layers = len(build("qwen3_moe").base_model.model.model.layers)
-    assert dequantisations(3) - dequantisations(1) == 2 * 2 * layers
+    one, three = dequantisations(1), dequantisations(3)
+    assert three.names - one.names == {"gate_up_proj": 2 * 3 * layers, "down_proj": 2 * 2 * layers}
+    assert three.most_alive == 1
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.05])

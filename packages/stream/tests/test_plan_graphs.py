@@ -12,7 +12,7 @@ import pytest
 from helpers import build
 
 import narrows.stream as ns
-from narrows.core import anatomy_of
+from narrows.core import anatomy_of, format_bytes
 from narrows.stream import StreamConfig
 from narrows.stream.config import DEFAULT_SHAPES
 from narrows.stream.errors import BudgetTooSmallError, StreamSetupError
@@ -97,10 +97,13 @@ def test_the_budget_holds_the_pool():
     smallest = ns.plan(model, None, **SHAPE)
     floor = smallest.predicted_peak  # one slab, every input offloaded: the eager minimum
     assert ns.plan(model, floor, **SHAPE).predicted_peak <= floor
-    with pytest.raises(BudgetTooSmallError):
+    with pytest.raises(BudgetTooSmallError) as refused:
         ns.plan(model, floor, **SHAPE, graphs=True)
-    high = ns.plan(model, 1 << 40, **SHAPE, recompute="all", graphs=True).predicted_peak  # all resident
+    # the refusal names the pool among what the minimum holds, and how to leave it out
     pool = graph_bytes(shapes)
+    said = str(refused.value)
+    assert f"the CUDA graphs' pool ({format_bytes(pool)})" in said and "--no-cuda-graphs" in said
+    high = ns.plan(model, 1 << 40, **SHAPE, recompute="all", graphs=True).predicted_peak  # all resident
     for budget in range(floor + pool, high, max(1, (high - floor - pool) // 50)):
         p = ns.plan(model, budget, **SHAPE, recompute="all", graphs=True)
         assert p.graphs and p.graph_bytes == pool

@@ -116,8 +116,8 @@ def expert_shape(module: nn.Module, name: str) -> torch.Size:
 
 def expert_stacks(module: nn.Module, names: tuple[str, ...]) -> list[Tensor]:
     """Stacks `names` of `module` as the model's code computes with them: quantised ones
-    dequantised (a new tensor each call), float ones as they are."""
-    dequantized = module._dequantized() if isinstance(module, _QuantizedExperts) else {}
+    dequantised (a new tensor each call; only those named), float ones as they are."""
+    dequantized = module._dequantized(names) if isinstance(module, _QuantizedExperts) else {}
     return [dequantized[n] if n in dequantized else module._parameters[n] for n in names]
 
 
@@ -169,18 +169,20 @@ class _QuantizedExperts(nn.Module):
     _lowbit_stacks: dict[str, LowbitStack] | None = None
     _lora_deltas: dict[str, tuple[Tensor, Tensor, float]] | None = None
 
-    def _dequantized(self) -> dict[str, Tensor]:
+    def _dequantized(self, names: tuple[str, ...] | None = None) -> dict[str, Tensor]:
+        """The quantised stacks among `names` (None: all of them), dequantised."""
         out = {}
-        if self._nf4_stacks:  # NF3/NF2 stacks alone need no bitsandbytes
+        nf4 = [n for n in self._nf4_stacks if names is None or n in names]
+        if nf4:  # NF3/NF2 stacks alone need no bitsandbytes
             from bitsandbytes.functional import dequantize_4bit
 
-            for name in self._nf4_stacks:
+            for name in nf4:
                 p = self._parameters.get(name)
                 if p is not None:
                     out[name] = dequantize_4bit(p.data, p.quant_state)
         for name, stack in (self._lowbit_stacks or {}).items():
             codes = self._parameters.get(name)
-            if codes is not None:
+            if codes is not None and (names is None or name in names):
                 out[name] = dequantize(codes.data, self._parameters[absmax_name(name)].data, stack)
         return out
 
@@ -298,17 +300,18 @@ def _is_quantized(module: nn.Module, name: str) -> bool:
     return expert_scheme(module, name) in HELD_SCHEMES
 
 
-def dequantized_expert_bytes(layer: nn.Module) -> int:
+def dequantized_expert_bytes(layer: nn.Module, *, largest: bool = False) -> int:
     """Device bytes `layer`'s quantised expert stacks take dequantised: what one call of its
-    experts holds at once (all stacks, dequantised before the model's code runs)."""
-    total = 0
+    experts holds at once (all stacks, dequantised before the model's code runs); with
+    `largest`, the largest stack alone (narrows' fast layer dequantises one at a time)."""
+    sizes = [0]
     for module in layer.modules():
         if is_quantized_experts(module):
             lowbit = lowbit_stacks(module)
             for name in (*module._nf4_stacks, *lowbit):
                 dtype = lowbit[name].dtype if name in lowbit else module._parameters[name].quant_state.dtype
-                total += expert_shape(module, name).numel() * dtype.itemsize
-    return total
+                sizes.append(expert_shape(module, name).numel() * dtype.itemsize)
+    return max(sizes) if largest else sum(sizes)
 
 
 class _UnsavableStacks:

@@ -16,12 +16,14 @@ from .folders import CHATML, mxfp4_folder, tiny_model_folder, tiny_tokenizer, wr
 from .maps import mapped_file, mapping_memory
 from .processes import child_env, interruptible, private_cache, under_triton_interpreter
 from .runs import finetune_cli
+from .stacks import StackWatch, watch_expert_stacks
 from .tiny import TINY_ARCHITECTURES, tiny_batch, tiny_config, tiny_model
 
 __all__ = [
     "ADAPTER_KINDS",
     "CHATML",
     "TINY_ARCHITECTURES",
+    "StackWatch",
     "check_adapter_views",
     "check_gradients_flow",
     "check_layer_swap_roundtrip",
@@ -43,6 +45,7 @@ __all__ = [
     "tiny_model_folder",
     "tiny_tokenizer",
     "under_triton_interpreter",
+    "watch_expert_stacks",
     "with_adapter",
     "write_jsonl",
 ]

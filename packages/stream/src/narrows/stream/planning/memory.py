@@ -152,9 +152,10 @@ class Shapes:
 class MoEShape:
     """A mixture-of-experts MLP as the planner prices it, read off the model's modules: E
     experts of intermediate width I, k of them per token, a shared expert of width
-    `shared` (0: none), and the bytes its NF4 stacks take dequantised (the layer's largest:
-    both stacks, held through the experts' call and, saved by their matmuls, until the
-    layer's backward)."""
+    `shared` (0: none), and the bytes its quantised stacks take dequantised: all of them
+    (`dequant_bytes`, the layer's largest: transformers' experts hold both through their
+    call and, saved by their matmuls, until the layer's backward), and the largest one
+    alone (`stack_bytes`: narrows' fast layer dequantises them one at a time)."""
 
     experts: int
     top_k: int
@@ -164,6 +165,7 @@ class MoEShape:
     dense_layers: int  # layers without one
     gate_tensors: int = 4  # intermediate-sized tensors a chosen expert keeps (7: gpt-oss's clamped SwiGLU)
     adapter_rank: int = 0  # LoRA on the routed experts' stacks: its rank (0: none)
+    stack_bytes: int = 0  # the largest quantised stack dequantised (what a fast layer holds at once)
 
     @classmethod
     def of(cls, anat: Anatomy) -> MoEShape | None:
@@ -194,6 +196,7 @@ class MoEShape:
             intermediate=width,
             shared=shared,
             dequant_bytes=max(map(dequantized_expert_bytes, anat.layers), default=0),
+            stack_bytes=max((dequantized_expert_bytes(la, largest=True) for la in anat.layers), default=0),
             dense_layers=dense,
             adapter_rank=max((a.rank for a in adapters), default=0),
             # gpt-oss clamps gate and up, and keeps the clamped ones, the sigmoid and up + 1 too
@@ -358,7 +361,9 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     intermediate-sized tensors, and its dequantised NF4 stacks. (Qwen3-30B-A3B's shape, 6
     layers, narrows-lmhead's loss, on the H100, every layer streamed: peaks of 3.47 and
     3.53 GiB at 8 × 512 tokens (the smallest footprint, 4 GiB), 4.56 at 4 × 2048, priced
-    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.)"""
+    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.) A fast layer's
+    holds `MoEShape.fast_work` and one dequantised stack, the largest (`MoEShape.stack_bytes`):
+    the fast layer frees each stack before it dequantises the next."""
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     if s.fast:
@@ -371,7 +376,7 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
             moe = s.moe.fast_work(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
             mlp = _mlp(s, 3.6 * s.intermediate * s.act_bytes, moe)
             work = int(tokens * (16 * s.hidden * s.act_bytes + mlp)) + s.dequant_bytes + wide
-            work += (s.moe.dequant_bytes if s.moe is not None else 0) + s.sink_bytes()
+            work += (s.moe.stack_bytes if s.moe is not None else 0) + s.sink_bytes()
             if s.dropout:
                 work += dropout_mask_bytes(s) + tokens * s.intermediate * s.act_bytes
             return work

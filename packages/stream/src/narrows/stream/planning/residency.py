@@ -203,6 +203,7 @@ def _floor(
                 tile,
                 cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
                 host_state,
+                cost.pool(choices[-1], 0),
             )
         )
     t = fitting[0]
@@ -305,8 +306,14 @@ def _too_small(
     tile: int | str | None,
     tiled_minimum: int | None,
     host_state: str,
+    pool: int = 0,
 ) -> str:
     hints = []
+    if pool:
+        hints.append(
+            "run the layers without CUDA graphs (graphs=False; narrows finetune --no-cuda-graphs), which "
+            f"leaves out their pool ({format_bytes(pool)})"
+        )
     if host_state != "adapters":
         hints.append(
             "in step mode, keep the optimizer state (host_state='optimizer'; narrows finetune "
@@ -325,6 +332,9 @@ def _too_small(
         f"a GPU budget of {format_bytes(budget)} cannot hold the minimum of {format_bytes(minimum)}: "
         f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed)}: head, norm, "
         f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}; over several ranks, DDP's "
-        f"gradient buckets), saved activations ({format_bytes(saved)}) and the working set ({format_bytes(work)}). "
-        f"Give at least {format_bytes(minimum)}, or " + ", or ".join(hints) + "."
+        f"gradient buckets), saved activations ({format_bytes(saved)}), the working set ({format_bytes(work)})"
+        + (f" and the CUDA graphs' pool ({format_bytes(pool)})" if pool else "")
+        + f". Give at least {format_bytes(minimum)}, or "
+        + ", or ".join(hints)
+        + "."
     )

@@ -13,6 +13,13 @@ gpt-oss's softmax over the k best biased logits alone. gpt-oss's experts are sto
 transposed ([E, H, 2I], [E, I, H]), with biases, gate and up interleaved in their stack and
 a clamped SwiGLU (`ops.clamped_glu`).
 
+Without a cache the stacks are dequantised one at a time, each freed after its matmul
+(gate/up's, then down's in the forward; down's, then gate/up's in the backward; a recompute,
+which stops before the down projection, dequantises gate/up's alone), so a block holds its
+largest stack at most, never all of them; with a cache (step mode's held weights, a
+recompute sharing its weights with the backward) each is dequantised once for every pass
+that shares it.
+
 The experts' matmuls are `grouped.py`'s (torch's grouped matmul, or the loop over experts
 beside it). The slots of a step are sorted by expert with a stable sort,
 each expert's rows are computed on their own, and the k outputs of a token are summed in a
@@ -98,17 +105,17 @@ class MoEParts:
         dtype = self.lora_dtype or like.dtype
         return {n: (ad.a_stack(dtype), ad.b_stack(dtype)) for n, ad in self.adapters.items()}
 
-    def stacks(self, like: Tensor, cache: dict[str, Tensor] | None) -> tuple[Tensor, Tensor]:
-        """gate/up's and down's stacks in `like`'s dtype; with `cache`, dequantised once
-        for every pass that shares it."""
-        if cache is not None and "experts" in cache:
-            return cache["experts"], cache["experts.down"]
-        gate_up, down = (
-            s if s.dtype == like.dtype else s.to(like.dtype) for s in expert_stacks(self.experts, _STACKS)
-        )
+    def stack(self, name: str, like: Tensor, cache: dict[str, Tensor] | None) -> Tensor:
+        """Stack `name` (gate/up's or down's) in `like`'s dtype; with `cache`, dequantised
+        once for every pass that shares it."""
+        key = f"experts.{name}"
+        if cache is not None and key in cache:
+            return cache[key]
+        (stack,) = expert_stacks(self.experts, (name,))
+        stack = stack if stack.dtype == like.dtype else stack.to(like.dtype)
         if cache is not None:
-            cache["experts"], cache["experts.down"] = gate_up, down
-        return gate_up, down
+            cache[key] = stack
+        return stack
 
 
 @dataclass
@@ -127,9 +134,6 @@ class MoEState:
     n: Tensor | None = None  # the block's input, (tokens, H), where gate/up has an adapter
     z: dict[str, Tensor] = field(default_factory=dict)  # each adapter's x·Aᵀ, (S, r)
     expert: Tensor | None = None  # each sorted slot's expert, where the stacks have biases
-    # a recompute's dequantised stacks, handed to the backward that follows it (which needs
-    # both at once anyway): each stack is dequantised once per recomputed backward
-    stacks: tuple[Tensor, Tensor] | None = None
 
 
 def _route(p: MoEParts, n: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -188,11 +192,12 @@ def forward(
     ends = torch.searchsorted(flat[order], ids, right=True).to(torch.int32)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=n.device, dtype=order.dtype)
-    gate_up, down = p.stacks(n, cache)
     low = p.low(n)
     z: dict[str, Tensor] = {}
     x = n[order // k]
+    gate_up = p.stack("gate_up_proj", n, cache)
     h = grouped_mm(x, gate_up if p.transposed else gate_up.transpose(-2, -1), ends)
+    del gate_up  # freed before down's is dequantised (unless a cache holds it)
     expert = None
     if p.biases is not None:
         expert = flat[order]
@@ -203,7 +208,9 @@ def forward(
     weights = top.reshape(-1)[order]
     out = None
     if output:
+        down = p.stack("down_proj", n, cache)
         y = grouped_mm(a, down if p.transposed else down.transpose(-2, -1), ends)
+        del down
         if expert is not None:
             y.add_(p.biases[1][expert].to(y.dtype))
         _add_adapter(p, low, z, "down_proj", a, y, ends)
@@ -214,8 +221,7 @@ def forward(
     if not keep:
         return out, None
     kept_n = n if "gate_up_proj" in low else None  # its slots' copies are gathered again when needed
-    stacks = None if output else (gate_up, down)  # a recompute: its backward comes next
-    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z, expert, stacks)
+    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z, expert)
 
 
 def _activation(p: MoEParts, h: Tensor) -> Tensor:
@@ -249,12 +255,12 @@ def backward(
     the experts and through the routing weights into the router's softmax; and the expert
     adapters' (float32, in `MoEParts.params` order and their masters' layouts)."""
     tokens, k = g.shape[0], p.top_k
-    gate_up, down = s.stacks if s.stacks is not None else p.stacks(g, cache)
-    s.stacks = None  # freed with the backward's last use, not held by the state
     grads: dict[str, tuple[Tensor, Tensor]] = {}
     g_slot = g[s.order // k]
     # each slot's gradient through down, unweighted
+    down = p.stack("down_proj", g, cache)
     u = grouped_mm(g_slot, down.transpose(-2, -1) if p.transposed else down, s.ends)
+    del down  # freed before gate/up's is dequantised (unless a cache holds it)
     if "down_proj" in s.low:  # u += s·(g·B)·A; its adapter sees g weighted by each slot's weight
         _adapter_backward(p, s, "down_proj", _in(p, g_slot), u, grads, s.weights[:, None])
     # d out / d weight of a slot = <g, down(a) + bias> = <g @ down, a> + <g, bias>: no down
@@ -273,7 +279,9 @@ def backward(
         d_h = s.h if d_gate.data_ptr() == s.h.data_ptr() else torch.cat([d_gate, d_up], dim=-1)
         del d_gate, d_up
     del g_a, u
+    gate_up = p.stack("gate_up_proj", g, cache)
     g_slots = grouped_mm(d_h, gate_up.transpose(-2, -1) if p.transposed else gate_up, s.ends)
+    del gate_up
     if "gate_up_proj" in s.low:
         _adapter_backward(p, s, "gate_up_proj", _in(p, d_h), g_slots, grads, None)
     g_n = g_slots[s.back].view(tokens, k, -1).sum(dim=1).to(g.dtype)

@@ -1,0 +1,49 @@
+"""Watching the fast MoE layer dequantise its routed experts' stacks: which, how often, and
+how many are alive at once (weak references to each stack it was given)."""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StackWatch:
+    names: Counter = field(default_factory=Counter)  # stacks dequantised, by name
+    most_alive: int = 0  # the most dequantised stacks alive at once (each call's included)
+    _alive: list = field(default_factory=list)
+
+    def clear(self) -> None:
+        self.names.clear()
+        self.most_alive = 0
+        self._alive.clear()
+
+    @property
+    def count(self) -> int:
+        return sum(self.names.values())
+
+
+@contextmanager
+def watch_expert_stacks() -> Iterator[StackWatch]:
+    """Count the stacks `narrows.core.kernels.fastlayer.moe` dequantises while the block runs
+    (quantised stacks: a float stack is the parameter itself, always alive)."""
+    from narrows.core.kernels.fastlayer import moe
+
+    watch, original = StackWatch(), moe.expert_stacks
+
+    def watched(module, names):
+        stacks = original(module, names)
+        watch._alive = [r for r in watch._alive if r() is not None]
+        watch.most_alive = max(watch.most_alive, len(watch._alive) + len(stacks))
+        watch._alive.extend(weakref.ref(s) for s in stacks)
+        watch.names.update(names)
+        return stacks
+
+    moe.expert_stacks = watched
+    try:
+        yield watch
+    finally:
+        moe.expert_stacks = original
