@@ -61,6 +61,8 @@ def test_the_moe_shape_is_read_off_the_modules(arch, overrides, experts, top_k, 
     assert (moe.experts, moe.top_k, moe.intermediate, moe.shared) == (experts, top_k, width, shared)
     # both NF4 stacks dequantised: gate and up [E, 2I, H] and down [E, H, I], in float32 here
     assert moe.dequant_bytes == experts * 3 * width * 128 * 4
+    # the fast layer holds one at a time: the largest, gate and up's
+    assert moe.stack_bytes == experts * 2 * width * 128 * 4
     assert MoEShape.of(anatomy_of(tiny_model("llama"))) is None
 
 
@@ -168,3 +170,26 @@ def test_a_model_collecting_router_logits_is_planned_as_its_own_code():
         model = tiny_model("qwen3_moe", output_router_logits=collect).requires_grad_(False)
         model.config._attn_implementation = "sdpa"
         assert runs_fast(model, StreamConfig(device="cpu")) is not collect
+
+
+def test_graphed_moe_layers_are_priced_with_their_pool_in_place_of_the_eager_working_set():
+    """Every layer of a mixture of experts replayed as a graph: the peak holds the pool and
+    the loss's working set, not a layer's eager working set beside the pool; eager plans
+    hold the layer's, and a dense model's graphed plans both (its fits)."""
+    from narrows.stream.planning import graph_bytes, loss_work_bytes, make_plan, work_bytes
+
+    anat = anatomy_of(model("qwen3_moe", CASES[0][1]))
+    s = replace(Shapes.of(anat, 8, 512, fast=True), loss_bytes=1 << 20)
+    layers = [1 << 20] * anat.num_layers
+    common = dict(fixed_bytes=1 << 24, shapes=s, device="cuda")
+    big = make_plan(layers, **common, budget=1 << 40, graphs=True, recompute="all")
+    assert big.graphs and big.whole == () and big.graph_bytes == graph_bytes(s)
+    assert big.work_bytes == loss_work_bytes(s) < work_bytes(s)
+    parts = big.fixed_bytes + big.activation_bytes + big.graph_bytes + sum(layers)
+    assert big.predicted_peak == parts + loss_work_bytes(s)
+    eager = make_plan(layers, **common, budget=1 << 40, graphs=False, recompute="all")
+    assert eager.work_bytes == work_bytes(s) and eager.graph_bytes == 0
+    dense = replace(s, moe=None)
+    assert make_plan(
+        layers, **{**common, "shapes": dense}, budget=1 << 40, graphs=True, recompute="all"
+    ).work_bytes == (work_bytes(dense))

@@ -38,6 +38,7 @@ __all__ = [
     "held_weight_bytes",
     "input_bytes",
     "layer_work_bytes",
+    "loss_work_bytes",
     "step_mode_reserve",
     "training_bytes",
     "whole_bytes",
@@ -398,9 +399,10 @@ GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
 
 
 def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
-    """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
+    """What CUDA graphs hold: their shared pool holds the intermediates of one
     layer's forward graph and of one recompute-and-backward graph (not live at once, and
-    the pool reuses their blocks), and — unless step mode holds them — the 4-bit weights
+    the pool reuses their blocks) — in place of the eager working set of the layers, where
+    every layer replays (`residency`: no whole layer runs eagerly beside them) — and — unless step mode holds them — the 4-bit weights
     each call dequantises, whose blocks the pool cannot fully reuse for one another; plus
     the capture stream's workspaces, plus the static buffers of the other batch shapes
     kept (hidden states in and out, and their gradients: four hidden-sized tensors each,
@@ -430,9 +432,13 @@ def work_bytes(s: Shapes, tile: int | None = None) -> int:
     on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
     never builds the logits (narrows-lmhead) reports its own figure instead.
     """
+    return max(layer_work_bytes(s, tile), loss_work_bytes(s))
+
+
+def loss_work_bytes(s: Shapes) -> int:
+    """The loss's working set (see `work_bytes`)."""
     tokens = s.batch * s.seq
-    loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
-    return max(layer_work_bytes(s, tile), loss)
+    return s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
 
 
 def nbytes(tensors) -> int:
