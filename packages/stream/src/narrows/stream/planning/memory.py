@@ -363,8 +363,15 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     layers, narrows-lmhead's loss, on the H100, every layer streamed: peaks of 3.47 and
     3.53 GiB at 8 × 512 tokens (the smallest footprint, 4 GiB), 4.56 at 4 × 2048, priced
     3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.) A fast layer's
-    holds `MoEShape.fast_work` and one dequantised stack, the largest (`MoEShape.stack_bytes`):
-    the fast layer frees each stack before it dequantises the next."""
+    holds `MoEShape.fast_work` and one dequantised stack, the largest (`MoEShape.stack_bytes`:
+    the fast layer frees each stack before it dequantises the next), beside what the recompute
+    keeps for the attention's backward and the gradients at the block (a fast whole layer's
+    keep, `whole_bytes`, and two hidden-sized tensors a token); its attention's backward comes
+    after the experts' is done, so the layer holds the larger of the two. (On one H200 at
+    Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens, narrows-lmhead's loss: the smallest
+    footprint, the `4.25GiB` and the `8GiB` plans peaked at 2.47, 3.73 and 5.14 GiB where the
+    sum of the two had priced 2.78, 4.02 and 5.42; case peers_qwen3-30b-a3b-6l_8x512 of
+    `benchmarks/results/h200.jsonl`.)"""
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
     if s.fast:
@@ -374,10 +381,14 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
             (tokens * 2 * s.hidden + mlp_tokens * 2 * s.intermediate) * s.act_bytes if s.lora_float32 else 0
         )
         if mlp_tokens == tokens:
-            moe = s.moe.fast_work(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
-            mlp = _mlp(s, 3.6 * s.intermediate * s.act_bytes, moe)
-            work = int(tokens * (16 * s.hidden * s.act_bytes + mlp)) + s.dequant_bytes + wide
-            work += (s.moe.stack_bytes if s.moe is not None else 0) + s.sink_bytes()
+            act, attention = s.act_bytes, tokens * 16 * s.hidden * s.act_bytes
+            dense = attention + tokens * 3.6 * s.intermediate * act if s.dense_mlp else 0
+            moe = 0
+            if s.moe is not None:  # the experts' backward is done before the attention's begins
+                beside = (8.25 * s.hidden + 2 * s.kv) * act + s.wide_queries
+                experts = tokens * (beside + s.moe.fast_work(s.hidden, act)) + s.moe.stack_bytes
+                moe = max(attention + tokens * s.wide_queries, experts)
+            work = int(max(dense, moe)) + s.dequant_bytes + wide + s.sink_bytes()
             if s.dropout:
                 work += dropout_mask_bytes(s) + tokens * s.intermediate * s.act_bytes
             return work
