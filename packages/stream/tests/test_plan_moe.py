@@ -193,3 +193,27 @@ def test_graphed_moe_layers_are_priced_with_their_pool_in_place_of_the_eager_wor
     assert make_plan(
         layers, **{**common, "shapes": dense}, budget=1 << 40, graphs=True, recompute="all"
     ).work_bytes == (work_bytes(dense))
+
+
+def test_auto_recomputes_a_mixture_of_experts_layers_as_graphs():
+    """A fast MoE model takes graphs wherever the eager plan would recompute a layer, and
+    stays eager where every layer runs whole (the plans are the same there); a dense model's
+    choice stays the step-time model's."""
+    from narrows.stream.planning import make_plan
+
+    anat = anatomy_of(model("qwen3_moe", CASES[0][1]))
+    s = replace(Shapes.of(anat, 8, 512, fast=True), loss_bytes=1 << 20)
+    layers = [200 << 20] * anat.num_layers  # weights that outweigh the pool
+    common = dict(fixed_bytes=1 << 24, shapes=s, device="cuda:0")
+    whole = make_plan(layers, **common, budget=1 << 40, graphs=False)
+    assert whole.whole == tuple(range(anat.num_layers))
+    auto = make_plan(layers, **common, budget=1 << 40, graphs="auto")
+    assert not auto.graphs and auto.whole == whole.whole
+    budget = whole.predicted_peak - 1  # below every layer whole: the eager plan recomputes one
+    eager = make_plan(layers, **common, budget=budget, graphs=False)
+    assert eager.whole != whole.whole
+    auto = make_plan(layers, **common, budget=budget, graphs="auto")
+    assert auto.graphs and auto.whole == () and "recompute faster as graphs" in auto.graphs_choice
+    assert auto.predicted_peak <= budget
+    dense = make_plan(layers, **{**common, "shapes": replace(s, moe=None)}, budget=budget, graphs="auto")
+    assert "predicted" in dense.graphs_choice
