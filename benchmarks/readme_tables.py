@@ -1062,12 +1062,17 @@ MOE_PLAN = (  # (case, the modes' suffix, what the suffix says)
 
 
 MOE_LORA = (  # (case, device, what the adapters sit on and how many layers, the main job's budgets)
-    ("peers_qwen3-30b-a3b-6l_8x512", "h200", "attention; 6 of 48 layers", ("8GiB", "4GiB")),
+    (
+        "peers_qwen3-30b-a3b-6l_8x512",
+        "h200",
+        "attention; 6 of 48 layers",
+        ("8GiB", "4.6GiB", "4.6GiB-graphs", "4.25GiB-graphs"),
+    ),
     (
         "peers_qwen3-30b-a3b-6l_8x512_experts",
         "h200",
         "attention and the routed experts; 6 of 48 layers",
-        ("8GiB", "4GiB"),
+        ("8GiB", "5.5GiB", "4GiB"),
     ),
     (
         "peers_qwen3-30b-a3b_8x512_experts",
