@@ -29,21 +29,29 @@ class StackWatch:
 @contextmanager
 def watch_expert_stacks() -> Iterator[StackWatch]:
     """Count the stacks `narrows.core.kernels.fastlayer.moe` dequantises while the block runs
-    (quantised stacks: a float stack is the parameter itself, always alive)."""
+    (what `MoEParts.stack` hands the block, in its dtype; quantised stacks: a float stack is
+    the parameter itself, always alive). Stacks a cache already held are not counted again."""
     from narrows.core.kernels.fastlayer import moe
 
-    watch, original = StackWatch(), moe.expert_stacks
+    watch, original, dequantise = StackWatch(), moe.MoEParts.stack, moe.expert_stacks
+    fresh: list[str] = []
 
-    def watched(module, names):
-        stacks = original(module, names)
-        watch._alive = [r for r in watch._alive if r() is not None]
-        watch.most_alive = max(watch.most_alive, len(watch._alive) + len(stacks))
-        watch._alive.extend(weakref.ref(s) for s in stacks)
-        watch.names.update(names)
-        return stacks
+    def counted(module, names):
+        fresh.extend(names)
+        return dequantise(module, names)
 
-    moe.expert_stacks = watched
+    def watched(self, name, like, cache):
+        fresh.clear()
+        stack = original(self, name, like, cache)
+        if fresh:
+            watch._alive = [r for r in watch._alive if r() is not None]
+            watch.most_alive = max(watch.most_alive, len(watch._alive) + 1)
+            watch._alive.append(weakref.ref(stack))
+            watch.names.update(fresh)
+        return stack
+
+    moe.MoEParts.stack, moe.expert_stacks = watched, counted
     try:
         yield watch
     finally:
-        moe.expert_stacks = original
+        moe.MoEParts.stack, moe.expert_stacks = original, dequantise

@@ -38,7 +38,6 @@ __all__ = [
     "held_weight_bytes",
     "input_bytes",
     "layer_work_bytes",
-    "loss_work_bytes",
     "step_mode_reserve",
     "training_bytes",
     "whole_bytes",
@@ -357,13 +356,13 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     dropped-out input at a time, the widest down_proj's (`dropout_mask_bytes`, and an
     intermediate-sized tensor a token).
 
-    A mixture of experts (`Shapes.moe`, PEFT's modules: no fast layer covers one) holds its
+    A mixture of experts run by PEFT's modules (`Shapes.moe`, not `Shapes.fast`) holds its
     MoE MLP's working set (`MoEShape.work`) in place of the dense MLP's six
     intermediate-sized tensors, and its dequantised NF4 stacks. (Qwen3-30B-A3B's shape, 6
     layers, narrows-lmhead's loss, on the H100, every layer streamed: peaks of 3.47 and
     3.53 GiB at 8 × 512 tokens (the smallest footprint, 4 GiB), 4.56 at 4 × 2048, priced
-    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.) A fast layer's
-    holds `MoEShape.fast_work` and one dequantised stack, the largest (`MoEShape.stack_bytes`:
+    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.) A fast MoE
+    layer holds `MoEShape.fast_work` and one dequantised stack, the largest (`MoEShape.stack_bytes`:
     the fast layer frees each stack before it dequantises the next), beside what the recompute
     keeps for the attention's backward and the gradients at the block (a fast whole layer's
     keep, `whole_bytes`, and two hidden-sized tensors a token); its attention's backward comes
@@ -410,10 +409,10 @@ GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
 
 
 def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
-    """What CUDA graphs hold: their shared pool holds the intermediates of one
+    """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
     layer's forward graph and of one recompute-and-backward graph (not live at once, and
-    the pool reuses their blocks) — in place of the eager working set of the layers, where
-    every layer replays (`residency`: no whole layer runs eagerly beside them) — and — unless step mode holds them — the 4-bit weights
+    the pool reuses their blocks) — beside the eager working set, which each capture's
+    warm-up (an eager run of the layer) holds while the pool keeps the graphs before it — and — unless step mode holds them — the 4-bit weights
     each call dequantises, whose blocks the pool cannot fully reuse for one another; plus
     the capture stream's workspaces, plus the static buffers of the other batch shapes
     kept (hidden states in and out, and their gradients: four hidden-sized tensors each,

@@ -16,15 +16,7 @@ from dataclasses import dataclass, replace
 from narrows.core import format_bytes
 
 from ..errors import BudgetTooSmallError
-from .memory import (
-    Shapes,
-    graph_bytes,
-    input_bytes,
-    loss_work_bytes,
-    whole_bytes,
-    whole_overlap_bytes,
-    work_bytes,
-)
+from .memory import Shapes, graph_bytes, input_bytes, whole_bytes, whole_overlap_bytes, work_bytes
 from .placement import most_resident
 from .record import HOST_STATE_NOTES, Plan
 from .steptime import Rates, step_seconds
@@ -120,7 +112,7 @@ def make_plan(
         prefetch=prefetch if streamed else 0,
         fixed_bytes=fixed_bytes,
         activation_bytes=cost.saved(kept, len(whole)),
-        work_bytes=cost.work(t, len(whole)),
+        work_bytes=work_bytes(shapes, t),
         predicted_peak=cost.peak(resident, slabs, kept, t, len(whole)),
         h2d_bytes_per_step=moved.h2d + head_h2d_bytes + moved.d2h,
         disk=tuple(sorted(set(disk))),
@@ -173,25 +165,11 @@ class _Footprint:
         """The graphs' pool, while any layer is graphed."""
         return graph_bytes(self.shapes, t, self.reserved) if self.graphed and whole < self.n else 0
 
-    def work(self, t: int | None, whole: int) -> int:
-        """The eager working set: the larger of a layer's and the loss's. Where every layer
-        of a mixture of experts replays as a graph, the loss's alone: the pool holds the
-        layers' (a batch shape's first steps run eagerly, before its capture and without the
-        pool; the pool is at least a layer's working set, so the graphed steps bound the
-        peak). Measured on the H100 at Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens,
-        every layer streamed: graphs added 0.47 GiB to the eager peak, where the pool priced
-        beside the eager working set added 2.31 (case moe_fast_* of
-        `benchmarks/results/h100.jsonl`). A dense model's graphed peaks were fitted with
-        both counted, and its step mode's peaks sit above that fit: kept there."""
-        if self.graphed and whole == 0 and self.shapes.moe is not None:
-            return loss_work_bytes(self.shapes)
-        return work_bytes(self.shapes, t)
-
     def peak(self, resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
         return (
             self.fixed
             + self.saved(kept, whole)
-            + self.work(t, whole)
+            + work_bytes(self.shapes, t)
             + self.pool(t, whole)
             + slabs * self.slab
             + sum(self.layer_bytes[i] for i in resident)
@@ -220,7 +198,7 @@ def _floor(
                 cost.slab,
                 cost.fixed,
                 cost.saved(least_kept),
-                cost.work(choices[-1], 0),
+                work_bytes(shapes, choices[-1]),
                 offload,
                 tile,
                 cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
@@ -300,12 +278,12 @@ def _either(args: dict) -> Plan:
     A mixture of experts' fast layers are host-bound: run eagerly, a recomputed layer costs
     far more than the step-time model's forwards, and as a graph far less. So where the
     eager plan recomputes any layer, such a model takes the graphed plan, though it may keep
-    fewer layers resident (the pool's room): measured on one H200 at Qwen3-30B-A3B's shape, 6
-    layers, 8 × 512 tokens, the main job at `4.25GiB` took 0.071 s a step with graphs (2
-    layers resident) against 0.082 s without (6 resident, 1 whole), at `4.6GiB` 0.071 s
-    (6 resident) against 0.082 (3 whole); on the H100 every layer streamed, 0.119 against
-    0.188 s. Where every layer runs whole (`8GiB` there: 0.061 s) no layer replays, and the
-    plans are the same."""
+    fewer layers resident (the pool's room), since the copies hide behind the recompute:
+    measured on one H200 at Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens, the main job
+    took 0.071 s a step with every layer recomputed as a graph, 2 layers resident or all 6,
+    against 0.082 s eagerly with 6 resident and 1 or 3 of them whole; on the H100, every
+    layer streamed, 0.119 against 0.188 s. Where every layer runs whole (0.061 s there, at
+    `8GiB`) no layer replays, and the plans are the same."""
     args["layer_bytes"] = tuple(args["layer_bytes"])  # read twice
     eager = make_plan(**{**args, "graphs": False})
     if args["budget"] is None or not str(args["device"]).startswith("cuda"):

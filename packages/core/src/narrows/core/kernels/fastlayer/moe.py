@@ -16,9 +16,9 @@ a clamped SwiGLU (`ops.clamped_glu`).
 Without a cache the stacks are dequantised one at a time, each freed after its matmul
 (gate/up's, then down's in the forward; down's, then gate/up's in the backward; a recompute,
 which stops before the down projection, dequantises gate/up's alone), so a block holds its
-largest stack at most, never all of them; with a cache (step mode's held weights, a
-recompute sharing its weights with the backward) each is dequantised once for every pass
-that shares it.
+largest stack at most, never all of them; with a cache (the resident layer's recompute,
+which shares its weights with the backward) each is dequantised once for every pass that
+shares it.
 
 The experts' matmuls are `grouped.py`'s (torch's grouped matmul, or the loop over experts
 beside it). The slots of a step are sorted by expert with a stable sort,
