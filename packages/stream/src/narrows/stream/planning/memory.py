@@ -361,15 +361,17 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     intermediate-sized tensors, and its dequantised NF4 stacks. (Qwen3-30B-A3B's shape, 6
     layers, narrows-lmhead's loss, on the H100, every layer streamed: peaks of 3.47 and
     3.53 GiB at 8 × 512 tokens (the smallest footprint, 4 GiB), 4.56 at 4 × 2048, priced
-    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.) A fast MoE
-    layer holds `MoEShape.fast_work` and one dequantised stack, the largest (`MoEShape.stack_bytes`:
-    the fast layer frees each stack before it dequantises the next), beside what the recompute
-    keeps for the attention's backward and the gradients at the block (a fast whole layer's
-    keep, `whole_bytes`, and two hidden-sized tensors a token); its attention's backward comes
-    after the experts' is done, so the layer holds the larger of the two. (On one H200 at
-    Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens, narrows-lmhead's loss: the smallest
-    footprint, the `4.25GiB` and the `8GiB` plans peaked at 2.47, 3.73 and 5.14 GiB where the
-    sum of the two had priced 2.78, 4.02 and 5.42; case peers_qwen3-30b-a3b-6l_8x512 of
+    3.58, 3.64 and 4.77; case moe_plan_* of `benchmarks/results/h100.jsonl`.)
+
+    A fast MoE layer holds `MoEShape.fast_work` and one dequantised stack, the largest
+    (`MoEShape.stack_bytes`: the fast layer frees each before it dequantises the next),
+    beside what the recompute keeps for the attention's backward and the gradients at the
+    block (a fast whole layer's keep, `whole_bytes`, and two hidden-sized tensors a token).
+    Its attention's backward comes after the experts' is done, so the layer holds the larger
+    of the two. (On one H200 at Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens,
+    narrows-lmhead's loss: the smallest footprint, the `4.6GiB` and the `8GiB` plans peaked
+    at 2.47, 4.29 and 5.14 GiB, priced 2.66, 4.47 and 5.31; the sum of the two had priced
+    the first and the last at 2.78 and 5.42. Case peers_qwen3-30b-a3b-6l_8x512 of
     `benchmarks/results/h200.jsonl`.)"""
     tokens = s.batch * s.seq
     mlp_tokens = tokens if tile is None else min(tokens, tile)
@@ -411,11 +413,11 @@ GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
 def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
     """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
     layer's forward graph and of one recompute-and-backward graph (not live at once, and
-    the pool reuses their blocks) — beside the eager working set, which each capture's
-    warm-up (an eager run of the layer) holds while the pool keeps the graphs before it — and — unless step mode holds them — the 4-bit weights
-    each call dequantises, whose blocks the pool cannot fully reuse for one another; plus
-    the capture stream's workspaces, plus the static buffers of the other batch shapes
-    kept (hidden states in and out, and their gradients: four hidden-sized tensors each,
+    the pool reuses their blocks), beside the eager working set, which each capture's
+    warm-up (an eager run of the layer) holds while the pool keeps the graphs before it;
+    and — unless step mode holds them — the 4-bit weights each call dequantises, whose
+    blocks the pool cannot fully reuse for one another; plus the capture stream's
+    workspaces, plus the static buffers of the other batch shapes kept (hidden states in and out, and their gradients: four hidden-sized tensors each,
     at most the planned length). Held weights live in `reserved` room (step mode's
     reserve); where they are not held, that room is free for the pool's copies, so only
     what exceeds it is added.
@@ -442,13 +444,9 @@ def work_bytes(s: Shapes, tile: int | None = None) -> int:
     on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
     never builds the logits (narrows-lmhead) reports its own figure instead.
     """
-    return max(layer_work_bytes(s, tile), loss_work_bytes(s))
-
-
-def loss_work_bytes(s: Shapes) -> int:
-    """The loss's working set (see `work_bytes`)."""
     tokens = s.batch * s.seq
-    return s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
+    loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
+    return max(layer_work_bytes(s, tile), loss)
 
 
 def nbytes(tensors) -> int:
