@@ -12,18 +12,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StackWatch:
+    """What `watch_expert_stacks` saw."""
+
     names: Counter = field(default_factory=Counter)  # stacks dequantised, by name
     most_alive: int = 0  # the most dequantised stacks alive at once (each call's included)
     _alive: list = field(default_factory=list)
-
-    def clear(self) -> None:
-        self.names.clear()
-        self.most_alive = 0
-        self._alive.clear()
-
-    @property
-    def count(self) -> int:
-        return sum(self.names.values())
 
 
 @contextmanager
