@@ -2,7 +2,7 @@
 code in float32 on Qwen3-MoE, Qwen2-MoE (its shared expert adapted), Mixtral, OLMoE
 (Q/K norms over all heads), GLM-4-MoE and gpt-oss (attention sinks, biased experts with a
 clamped SwiGLU), the router's gradient included; recompute and keeping train the same bits; quantised experts
-dequantised once per pass; torch's grouped matmul equal to its reference; uncovered
+dequantised once a pass, one stack at a time; torch's grouped matmul equal to its reference; uncovered
 blocks refused with their reason. Each claim has a twin that would show it broken."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A mixture-of-experts MLP as the fast layer computes it: the router, the routed experts
-as two grouped matmuls over their stacks (dequantised once per pass), the weighted sum
+as two grouped matmuls over their stacks (dequantised one at a time), the weighted sum
 back into token order, a sigmoid-gated shared expert where the family has one; and its
 backward written out (the input's gradient, and the routed experts' LoRA adapters' where
 they have them: the router and the stacks themselves are frozen).
