@@ -406,3 +406,34 @@ def test_cuda_graphs_evicted_and_recaptured_train_identically(base):
     assert_identical(ref, got)
     assert lg.stats.evicted > 0 and lg.stats.replays > 0 and not lg.stats.refused
     _coherent(lg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_capture_steps_peak_counts_the_pool_beside_each_warm_up():
+    """A step that captures runs each layer eagerly once (its warm-up) beside the pool of the
+    graphs captured before it, then grows the pool: the allocator's peak alone misses the
+    pool's free blocks. `peak_bytes` counts them, so a capturing step reports at least what a
+    replaying one does (allocated peak plus the whole pool), and no less through the captures
+    alone (`capture_peak`)."""
+    from narrows.core.testing import tiny_batch
+
+    model = _model()
+    ns.stream(model, device="cuda", gpu_budget=None, graphs=True)
+    g = model.narrows_stream.graphs
+    steps = []
+    for step in range(3):  # a shape is captured on its second appearance
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        g.reset_peak()
+        captured = g.stats.captured
+        batch = {k: v.to("cuda") for k, v in tiny_batch(seq=12, seed=step).items()}
+        model(**batch).loss.backward()
+        torch.cuda.synchronize()
+        allocated = torch.cuda.max_memory_allocated()
+        steps.append((g.stats.captured - captured, allocated, g.peak_bytes(allocated), g.capture_peak))
+    (first, *_), (captures, _, capturing, held), (later, allocated, replaying, none) = steps
+    assert first == 0 and captures > 0 and later == 0 and none == 0
+    assert replaying == allocated + g.pool_bytes() > allocated
+    assert capturing >= replaying and held >= replaying > allocated
+

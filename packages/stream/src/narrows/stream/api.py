@@ -96,8 +96,11 @@ class StreamHandle:
     def report(self) -> dict[str, object]:
         """Predicted against measured: the plan's peak and per-step transfer beside the
         device's peak allocation since the last `narrows.core.reset_peaks` (or process
-        start) and the bytes the engine actually moved."""
+        start; with CUDA graphs, the pool and the captures as `LayerGraphs.peak_bytes` counts
+        them, since the last `graphs.reset_peak()` too) and the bytes the engine actually moved."""
         measured = read_peaks(self.device).cuda_allocated if self.device.type == "cuda" else None
+        if measured is not None and self.graphs is not None:
+            measured = self.graphs.peak_bytes(measured)
         return {
             "predicted_peak": self.plan.predicted_peak,
             "measured_peak": measured,

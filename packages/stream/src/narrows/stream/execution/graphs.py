@@ -7,6 +7,12 @@ recently used evicted). A layer that cannot be captured runs eagerly with the re
 `refused`; a capture that fails anyway raises. On a CPU, `LayerGraphs(emulate=True)` runs
 the same buffer path eagerly.
 
+Memory: a replay writes into the graphs' shared scratch pool without allocating, so CUDA's
+allocated peak misses the pool; `peak_bytes` adds it. A capture runs the layer eagerly once
+(its warm-up) while the pool holds the graphs captured before it, and grows the pool: to see
+that, a capture resets CUDA's peak counter around itself and keeps what it measured in
+`capture_peak` (see `peak_bytes`).
+
 why: docs/design.md#cuda-graphs
 """
 
@@ -150,6 +156,7 @@ class LayerGraphs(LayerExecutor):
         self._shapes: OrderedDict[tuple[int, ...], None] = OrderedDict()  # captured, least recent first
         self._seen: OrderedDict[tuple[int, ...], set[int]] = OrderedDict()  # not yet: layers that ran it
         self._paused = False
+        self.capture_peak = 0  # bytes in use during captures and before them, since `reset_peak`
         if not self.emulate:
             self.pool = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream(device)
@@ -375,6 +382,9 @@ class LayerGraphs(LayerExecutor):
     ) -> _Graph | None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
+        # the pool holds its bytes between captures: what ran since the last reset held them too
+        pool = self.pool_bytes()
+        self._reset_allocator_peak(pool)
         try:
             with torch.cuda.stream(self.stream):
                 _fill(ins, live)
@@ -391,6 +401,8 @@ class LayerGraphs(LayerExecutor):
                     return None
                 finally:
                     torch.cuda.set_sync_debug_mode(mode)
+                self._reset_allocator_peak(pool)  # the warm-up, beside the pool as it was
+                before = torch.cuda.memory_allocated(self.device)
                 g = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(
@@ -405,7 +417,29 @@ class LayerGraphs(LayerExecutor):
                     ) from e
         finally:
             current.wait_stream(self.stream)
+        # while capturing, every allocation lands in the pool: what lay outside it, plus the
+        # pool at its largest (it only grows)
+        self.capture_peak = max(self.capture_peak, before + self.pool_bytes())
+        torch.cuda.reset_peak_memory_stats(self.device)
         return _Graph(g.replay, ins, outs)
+
+    def _reset_allocator_peak(self, pool: int) -> None:
+        """Fold CUDA's allocated peak since its last reset, with the pool's `pool` bytes
+        beside it, into `capture_peak`, and reset it."""
+        peak = torch.cuda.max_memory_allocated(self.device) + pool
+        self.capture_peak = max(self.capture_peak, peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def reset_peak(self) -> None:
+        """Start a new window for `peak_bytes` (after `narrows.core.reset_peaks`)."""
+        self.capture_peak = 0
+
+    def peak_bytes(self, allocated_peak: int) -> int:
+        """The most device memory in use since `reset_peak`, given CUDA's allocated peak
+        since the same moment (`allocated_peak`, read now): the peak beside the pool as it is
+        now, or a capture's (`capture_peak`: each capture resets CUDA's counter, so
+        `allocated_peak` counts only what ran after the last one)."""
+        return max(self.capture_peak, allocated_peak + self.pool_bytes())
 
     def pool_bytes(self) -> int:
         """Device memory the graphs' shared scratch pool holds (0 when emulated)."""

@@ -22,8 +22,8 @@ __all__ = [
     "eval_row",
     "exact_match",
     "generate_answers",
-    "graph_captures",
     "measured_peak",
+    "reset_step_peaks",
     "to_device",
 ]
 
@@ -100,7 +100,7 @@ def eval_row(
     """`eval_loss` and, on a CUDA device, the evaluation's own peak of allocated bytes
     (``eval_peak_bytes``): an evaluation runs outside the steps' peaks, and a budget
     holds for it too. `forward`: as `eval_loss` takes it."""
-    reset_peaks(device, host=False)
+    reset_step_peaks(model, device)
     row = {"eval_loss": eval_loss(model, examples, batch, pad_id, device, show, forward)}
     if device.type == "cuda":
         row["eval_peak_bytes"] = measured_peak(model, device)
@@ -112,25 +112,26 @@ def _graphs(model: nn.Module):
     return getattr(getattr(model, "narrows_stream", None), "graphs", None)
 
 
-def graph_captures(model: nn.Module) -> int:
-    """How many CUDA graphs narrows-stream has captured so far (0 without graphs)."""
+def reset_step_peaks(model: nn.Module, device: torch.device) -> None:
+    """Start a window for `measured_peak`: CUDA's peaks (the host's stays whole-process,
+    loading included) and what narrows-stream's CUDA graphs saw while capturing."""
+    reset_peaks(device, host=False)
     graphs = _graphs(model)
-    return graphs.stats.captured if graphs is not None else 0
+    if graphs is not None:
+        graphs.reset_peak()
 
 
-def measured_peak(model: nn.Module, device: torch.device, captures: int | None = None) -> int:
-    """Peak bytes since the last `reset_peaks`: CUDA's allocated peak, plus the scratch
-    pool of narrows-stream's CUDA graphs, which replays use without allocating (so the
-    allocator's peak does not see it) — unless graphs were captured since `captures`
-    (`graph_captures` at the window's start): a capture allocates in the pool, and the
-    peak counts those blocks already. On a CPU, the process's RSS high-water mark."""
+def measured_peak(model: nn.Module, device: torch.device) -> int:
+    """Peak bytes since `reset_step_peaks`: CUDA's allocated peak, plus the scratch pool of
+    narrows-stream's CUDA graphs, which replays use without allocating (so the allocator's
+    peak does not see it); in a window that captured graphs, the larger of that and what a
+    capture held (its warm-up beside the pool, the pool growing). On a CPU, the process's
+    RSS high-water mark."""
     peaks = read_peaks(device)
     if device.type != "cuda":
         return peaks.host_rss
     graphs = _graphs(model)
-    if graphs is None or (captures is not None and graphs.stats.captured != captures):
-        return peaks.cuda_allocated
-    return peaks.cuda_allocated + graphs.pool_bytes()
+    return peaks.cuda_allocated if graphs is None else graphs.peak_bytes(peaks.cuda_allocated)
 
 
 # a GSM8K answer ends in a line "#### N": once it is complete, the answer is given

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from ...errors import Interrupted
-from ...memory import format_bytes, reset_peaks
+from ...memory import format_bytes
 from ..data import TRAINING, Example, collate, micro_batches
 from .config import FinetuneConfig
-from .evaluate import eval_row, graph_captures, measured_peak, say, to_device
+from .evaluate import eval_row, measured_peak, reset_step_peaks, say, to_device
 from .ranks import Ranks, micro_seed
 from .run_folder import RunFolder
 from .stages import Stages
@@ -131,8 +131,7 @@ def train(
     t_train = time.perf_counter()
     try:
         while progress.step < t.steps:
-            reset_peaks(device, host=False)  # the host peak stays whole-process (loading included)
-            captures = graph_captures(model)
+            reset_step_peaks(model, device)
             _sync(device)
             t0 = time.perf_counter()
             place = ranks.rank // t.pipeline_stages  # among the data-parallel ranks
@@ -191,7 +190,7 @@ def train(
             step = progress.step
             tokens = sum(len(e.input_ids) for mb in every for e in mb)
             progress.tokens += tokens
-            peak = measured_peak(model, device, captures)
+            peak = measured_peak(model, device)
             loss_sum = ranks.total(loss_sum, device)  # the step's loss over every rank's micro-batches
             peak = int(ranks.total(peak, device, op="max"))  # the largest rank's
             saving = step % t.save_every == 0 or step == t.steps
