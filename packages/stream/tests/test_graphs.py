@@ -436,4 +436,3 @@ def test_a_capture_steps_peak_counts_the_pool_beside_each_warm_up():
     assert first == 0 and captures > 0 and later == 0 and none == 0
     assert replaying == allocated + g.pool_bytes() > allocated
     assert capturing >= replaying and held >= replaying > allocated
-

@@ -211,3 +211,22 @@ def test_auto_recomputes_a_mixture_of_experts_layers_as_graphs():
     assert auto.predicted_peak <= budget
     dense = make_plan(layers, **{**common, "shapes": replace(s, moe=None)}, budget=budget, graphs="auto")
     assert "predicted" in dense.graphs_choice
+
+
+def test_the_step_time_model_multiplies_by_a_tokens_experts_and_dequantises_every_one():
+    """A token meets its chosen experts and the shared one, so the matmuls are a dense
+    MLP's of that width; a dequantisation writes every expert, a dense MLP of all their
+    widths. Reading the config's dense `intermediate_size` instead fails both."""
+    from narrows.stream.planning import dequant_seconds, layer_seconds, recompute_share
+
+    base = Shapes.of(anatomy_of(model("qwen3_moe", CASES[0][1])), 1, 512, fast=True)
+    moe = MoEShape(experts=128, top_k=8, intermediate=96, shared=64, dequant_bytes=0, dense_layers=0)
+    s = replace(base, moe=moe, intermediate=4 * base.hidden)
+    active = replace(base, moe=None, intermediate=8 * 96 + 64)  # what a token meets
+    stored = replace(base, moe=None, intermediate=128 * 96 + 64)  # what the layer holds
+    assert dequant_seconds(1, s) == dequant_seconds(1, stored) > dequant_seconds(1, active)
+    assert recompute_share(s) == recompute_share(active)
+    float_layer = 10**12  # bytes enough that nothing is dequantised
+    assert layer_seconds(float_layer, s)[0] == pytest.approx(layer_seconds(float_layer, active)[0])
+    graphed = layer_seconds(1, s, graphed=True)[0]
+    assert graphed == pytest.approx(layer_seconds(float_layer, active)[0] + dequant_seconds(1, stored))

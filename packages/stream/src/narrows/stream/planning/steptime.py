@@ -51,7 +51,7 @@ def recompute_share(s: Shapes) -> float:
     down_proj in a fast layer (its output is not needed by the backward)."""
     if not s.fast:
         return 1.0
-    return (4 * s.hidden * s.hidden + 2 * s.hidden * s.intermediate) / _params(s)
+    return (4 * s.hidden * s.hidden + 2 * s.hidden * _mlp_width(s)) / _params(s)
 
 
 def passes(s: Shapes) -> tuple[float, float, float]:
@@ -62,8 +62,22 @@ def passes(s: Shapes) -> tuple[float, float, float]:
     return 1.0 + backward, 1.0 + rest, rest
 
 
+def _mlp_width(s: Shapes) -> int:
+    """The MLP's intermediate channels a token goes through: a mixture of experts' chosen
+    experts and its shared expert, or the dense MLP's."""
+    return s.moe.top_k * s.moe.intermediate + s.moe.shared if s.moe is not None else s.intermediate
+
+
 def _params(s: Shapes) -> int:
-    return 4 * s.hidden * s.hidden + 3 * s.hidden * s.intermediate
+    """The weights a token is multiplied by in one layer's forward."""
+    return 4 * s.hidden * s.hidden + 3 * s.hidden * _mlp_width(s)
+
+
+def _stored(s: Shapes) -> int:
+    """The weights one layer stores: every routed expert's, where it has them."""
+    if s.moe is None:
+        return _params(s)
+    return 4 * s.hidden * s.hidden + 3 * s.hidden * (s.moe.experts * s.moe.intermediate + s.moe.shared)
 
 
 def layer_seconds(
@@ -73,16 +87,16 @@ def layer_seconds(
     host→device copy of it, predicted. A measured forward replaces the model's figure for
     the way it was measured; the other way is scaled by the model's ratio."""
     rates = rates or Rates()
-    params = _params(s)
+    params, stored = _params(s), _stored(s)
     tokens = s.batch * s.seq
     if s.fast:
         matmul = 2 * tokens * params / FAST_MATMUL_RATE
-        matmul += tokens * (s.hidden + s.intermediate) * FAST_CHANNEL_SECONDS
+        matmul += tokens * (s.hidden + _mlp_width(s)) * FAST_CHANNEL_SECONDS
         host = params / FAST_HOST_RATE
     else:
         matmul, host = 2 * tokens * params / MATMUL_RATE, params / HOST_RATE
-    quantised = nbytes < params  # below a byte per parameter: dequantised on every use
-    graph = matmul + (params / DEQUANT_RATE if quantised else 0.0)  # what the device does
+    quantised = nbytes < stored  # below a byte per parameter: dequantised on every use
+    graph = matmul + (stored / DEQUANT_RATE if quantised else 0.0)  # what the device does
     eager = max(graph, host) if quantised else graph  # or the host, if slower
     compute = graph if graphed else eager
     if rates.forward_s is not None:
@@ -91,9 +105,10 @@ def layer_seconds(
 
 
 def dequant_seconds(nbytes: int, s: Shapes) -> float:
-    """One dequantisation of a 4-bit layer's weights (0 for a float layer)."""
-    params = _params(s)
-    return params / DEQUANT_RATE if nbytes < params else 0.0
+    """One dequantisation of a 4-bit layer's weights, every expert's included (0 for a
+    float layer)."""
+    stored = _stored(s)
+    return stored / DEQUANT_RATE if nbytes < stored else 0.0
 
 
 def step_seconds(
