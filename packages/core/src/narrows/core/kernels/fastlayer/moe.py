@@ -58,6 +58,7 @@ MOE_BLOCKS = {
     "OlmoeSparseMoeBlock": False,
     "Glm4MoeMoE": True,
     "GptOssMLP": False,
+    "DeepseekV3MoE": True,  # routed as GLM-4-MoE's
 }
 _STACKS = ("gate_up_proj", "down_proj")
 
