@@ -321,6 +321,10 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
             moe.shared_gate = gate.weight
     latent = kind == "DeepseekV3DecoderLayer"  # multi-head latent attention
     if latent:
+        if not type(layer).__module__.startswith("transformers.models.deepseek_v3."):
+            return (
+                f"its DeepseekV3DecoderLayer is {type(layer).__module__}'s (remote code), not transformers'"
+            )
         if config.num_key_value_heads != config.num_attention_heads:
             return "its latent attention has fewer key-value heads than heads (transformers expands both)"
         plain_q = attn.q_proj is not None
