@@ -3,9 +3,12 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
-active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE and gpt-oss layers,
-whose MoE block `moe.py` reads (a shared expert's linears are then the gate/up and down
-groups; LoRA on the routed experts' stacks is the MoE block's). gpt-oss's attention sinks
+active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE, gpt-oss and
+DeepSeek-V3 layers, whose MoE block `moe.py` reads (a shared expert's linears are then the
+gate/up and down groups; LoRA on the routed experts' stacks is the MoE block's; DeepSeek-V3's
+first layers have a dense MLP). DeepSeek-V3's multi-head latent attention (`LayerParts.latent`,
+`latent_attention.py`) has q_a_proj (or a plain q_proj) as its Q/K/V group and q_b_proj,
+kv_a_proj_with_mqa and kv_b_proj as groups of their own, any of them adapted. gpt-oss's attention sinks
 (`LayerParts.sinks`) are loaded for its eager attention, whose masks transformers builds
 whole (its sliding layers' included). Anything else is refused with its reason
 (`build_parts`) and runs as it would without narrows.
