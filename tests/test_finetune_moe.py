@@ -65,17 +65,16 @@ def test_gpt_oss_streams_through_the_fast_layers_as_it_trains_resident(tmp_path)
     assert "expert biases" in {k["kind"] for k in summary["precision"]["kept_in_float"]}
 
 
-def test_an_unannounced_latent_attention_model_is_checked_on_its_twin_and_trains(tmp_path, caplog):
-    """DeepSeek-V3 (not announced): the loader checks it on its shrunk twin before it reads
-    the checkpoint, then the main job trains it streamed as resident (its own code)."""
+def test_latent_attention_streams_through_the_fast_layers_as_it_trains_resident(tmp_path):
+    """DeepSeek-V3 (multi-head latent attention, grouped sigmoid routing, a dense first
+    layer): the fast layers on every layer, streamed equal to resident, its routed experts
+    stored in NF4 (two stacks in each of its two MoE layers)."""
     pytest.importorskip("bitsandbytes")
-    from narrows.core.protocol.verify import _PASSED
-
-    _PASSED.clear()  # (a test before may have accepted it in this process)
     streamed, summary = run(tmp_path, "streamed", "min", arch="deepseek_v3")
-    assert "model_type='deepseek_v3' passed head on its twin" in caplog.text
-    resident, _ = run(tmp_path, "resident", "off", arch="deepseek_v3")
+    resident, resident_summary = run(tmp_path, "resident", "off", arch="deepseek_v3")
+    assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
     assert streamed.keys() == resident.keys() and all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    assert any("kv_b_proj" in k for k in streamed) and any("q_a_proj" in k for k in streamed)
     assert summary["stream"]["resident_layers"] == 0 and summary["precision"]["nf4_expert_stacks"] == 2 * 2
 
 

@@ -1,7 +1,8 @@
 """Fast MoE decoder layers (`narrows.core.kernels.fastlayer.moe`): close to the model's own
 code in float32 on Qwen3-MoE, Qwen2-MoE (its shared expert adapted), Mixtral, OLMoE
-(Q/K norms over all heads), GLM-4-MoE and gpt-oss (attention sinks, biased experts with a
-clamped SwiGLU), the router's gradient included; recompute and keeping train the same bits; quantised experts
+(Q/K norms over all heads), GLM-4-MoE, gpt-oss (attention sinks, biased experts with a
+clamped SwiGLU) and DeepSeek-V3 (multi-head latent attention in each of its layouts, a
+KV cache of its latents), the router's gradient included; recompute and keeping train the same bits; quantised experts
 dequantised once a pass, one stack at a time; torch's grouped matmul equal to its reference; uncovered
 blocks refused with their reason. Each claim has a twin that would show it broken."""
 
@@ -17,7 +18,7 @@ from narrows.core.protocol.expert_adapters import adopt_quantized_experts
 from narrows.core.quant.experts import moe_blocks, quantize_experts
 from narrows.core.testing import tiny_batch, tiny_model, watch_expert_stacks
 
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "deepseek_v3")
 ARCH_EXPERTS = [(a, e) for a in MOE for e in (False, True)]
 
 
@@ -25,16 +26,17 @@ def arch_ids(v):
     return ("experts" if v else "attention") if isinstance(v, bool) else v
 
 
-def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0, experts=False, limit=0.05):
-    """A tiny MoE with LoRA on narrows' default targets (attention, shared experts), and on
-    the routed experts' stacks with `experts` (PEFT's ``target_parameters``); gpt-oss's
-    SwiGLU clamped at `limit` (None: its config's), low enough to hold some inputs."""
-    model = tiny_model(arch, dtype=dtype, seed=seed)
+def _model(arch, dtype=torch.float32, dropout=0.0, scheme=None, seed=0, experts=False, limit=0.05, **config):
+    """A tiny MoE (its config's fields overridden by `config`) with LoRA on narrows' default
+    targets (attention, shared experts), and on the routed experts' stacks with `experts`
+    (PEFT's ``target_parameters``); gpt-oss's SwiGLU clamped at `limit` (None: its
+    config's), low enough to hold some inputs."""
+    model = tiny_model(arch, dtype=dtype, seed=seed, **config)
     model.config._attn_implementation = "eager" if arch == "gpt_oss" else "sdpa"  # (sinks: eager)
     with torch.random.fork_rng(devices=[]), torch.no_grad():  # Q/K norms that are not all ones
         torch.manual_seed(seed)
         for name, p in model.named_parameters():
-            if ".q_norm." in name or ".k_norm." in name:
+            if any(f".{n}." in name for n in ("q_norm", "k_norm", "q_a_layernorm", "kv_a_layernorm")):
                 p.normal_(1.0, 0.2)
             if name.endswith(("sinks", "_bias", "router.bias")):  # gpt-oss's sinks and biases: not zeros
                 p.normal_(0.0, 0.5)
@@ -105,7 +107,9 @@ def test_fast_moe_layers_train_what_the_models_code_trains_in_float32(arch, expe
     report = fuse_layers(model)
     assert report.fused == [0, 1, 2] and not report.refused
     parts = parts_of(model.base_model.model.model.layers[-1])
-    assert parts.moe is not None and (parts.gate_up is not None) == (arch in ("qwen2_moe", "glm4_moe"))
+    assert parts.moe is not None
+    assert (parts.gate_up is not None) == (arch in ("qwen2_moe", "glm4_moe", "deepseek_v3"))  # shared experts
+    assert (parts.latent is not None) == (arch == "deepseek_v3")
     assert (parts.sinks is not None) == (parts.moe.clamp is not None) == (arch == "gpt_oss")
     assert sorted(parts.moe.adapters) == (["down_proj", "gate_up_proj"] if experts else [])
     fast = _steps(model)
@@ -145,6 +149,107 @@ def _plain(q, k, v, mask):
     return torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=mask
     )
+
+
+# DeepSeek-V3's YaRN, scaled down to max_position_embeddings (4 x 32 = 128), with the mscale
+# that widens its softmax scale
+_DEEPSEEK_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=32,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=1.0,
+)
+LATENT = {
+    "low-rank queries": {},
+    "plain q_proj": dict(q_lora_rank=None),
+    "rotary halves": dict(rope_interleave=False),
+    "yarn": dict(rope_parameters=dict(_DEEPSEEK_YARN)),
+}
+
+
+@pytest.mark.parametrize("variant", LATENT)
+def test_latent_attention_trains_what_the_models_code_trains_with_dropout(variant):
+    """DeepSeek-V3's latent attention with LoRA on each of its linears (q_a, q_b or a plain
+    q_proj, kv_a, kv_b, o), their dropout masks drawn in the order PEFT draws them: its
+    rotary channels in interleaved pairs or in halves, its softmax scale widened by YaRN's
+    mscale. (Without PEFT's order the masks differ and so does every gradient.)"""
+    model = _model("deepseek_v3", dropout=0.1, **LATENT[variant])
+    own = _steps(model)
+    report = fuse_layers(model)
+    assert report.fused == [0, 1, 2] and not report.refused
+    parts = parts_of(model.base_model.model.model.layers[0])
+    latent, config = parts.latent, model.base_model.model.config
+    assert parts.moe is None and latent is not None  # the first layer's MLP is dense
+    assert (latent.q_b is None) == (variant == "plain q_proj")
+    assert latent.interleave == (variant != "rotary halves")
+    plain_scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    assert (parts.scaling > 1.2 * plain_scale) == (variant == "yarn")  # mscale² = (0.1·ln 4 + 1)²
+    assert all(len(g.adapted) == 1 for g in (parts.qkv, *latent.groups, parts.o))
+    assert _close(own, _steps(model))
+
+
+@pytest.mark.parametrize("fault", ["interleave", "mscale", "latent norm", "shared key gradient"])
+def test_latent_attention_without_each_of_its_pieces_would_show(monkeypatch, fault):
+    """Each piece of DeepSeek-V3's attention moves the fast layers past the tolerance above
+    when it is dropped: the interleaved rotary pairs, YaRN's mscale, the latent's norm, and
+    the shared key part's gradient from every head (not one)."""
+    from narrows.core.kernels.fastlayer import latent_attention
+    from narrows.core.kernels.fastlayer.parts import Norm
+
+    config = dict(rope_parameters=dict(_DEEPSEEK_YARN)) if fault == "mscale" else {}
+    model = _model("deepseek_v3", **config)
+    own = _steps(model)
+    fuse_layers(model)
+    assert _close(own, _steps(model))
+    for layer in model.base_model.model.model.layers:
+        parts = parts_of(layer)
+        if fault == "interleave":
+            parts.latent.interleave = False
+        elif fault == "mscale":
+            parts.scaling = (parts.latent.nope + parts.latent.rope) ** -0.5
+        elif fault == "latent norm":
+            parts.latent.kv_norm = Norm(
+                torch.ones_like(parts.latent.kv_norm.weight), parts.latent.kv_norm.eps
+            )
+    if fault == "shared key gradient":
+        original = latent_attention.backward
+
+        def one_head(p, s, gq, gk, gv, *rest):
+            gk = gk.clone()
+            gk[:, 1:, :, p.nope :] = 0
+            return original(p, s, gq, gk, gv, *rest)
+
+        monkeypatch.setattr(latent_attention, "backward", one_head)
+    assert not _close(own, _steps(model))
+
+
+def test_latent_attention_fills_the_cache_transformers_decodes_from(monkeypatch):
+    """A prompt through the fast layers leaves in the cache what DeepSeek-V3's own attention
+    leaves (the normed latent and the rotated shared key part); decoding, which runs the
+    layers' own forward, reads it: the same tokens and scores as the model's own code."""
+    from narrows.core.kernels.fastlayer import compute
+
+    model = _model("deepseek_v3").eval()
+    ids = tiny_batch(batch=1, pad_last=0)["input_ids"]
+    kw = dict(
+        max_new_tokens=5, do_sample=False, use_cache=True, output_scores=True, return_dict_in_generate=True
+    )
+    with torch.no_grad():
+        plain = model.generate(ids, **kw)
+        fuse_layers(model)
+        calls = []
+        original = compute.forward
+        monkeypatch.setattr(
+            compute, "forward", lambda *a, **k: calls.append(k.get("kv")) or original(*a, **k)
+        )
+        fast = model.generate(ids, **kw)
+    assert len(calls) == 3 and all(kv is not None for kv in calls)  # the prompt's layers: fast, cached
+    assert torch.equal(plain.sequences, fast.sequences)
+    assert _close(plain.scores, fast.scores, rtol=1e-4, atol=1e-5)
 
 
 def test_clamped_glu_in_row_blocks_computes_autograd_of_its_formula():
@@ -244,7 +349,7 @@ def test_the_model_merged_from_expert_adapters_computes_what_the_fast_layers_tra
     assert torch.allclose(shipped, fused, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_recompute_trains_the_same_bits_as_keeping(arch, dropout):
     model = _model(arch, dtype=torch.bfloat16, dropout=dropout)
@@ -365,6 +470,8 @@ def test_uncovered_moe_layers_are_refused_with_their_reason():
     assert "load the model with attn_implementation='eager'" in why_not(gpt.model.layers[0])
     gpt.config._attn_implementation = "eager"
     assert why_not(gpt.model.layers[0]) is None
+    latent = tiny_model("deepseek_v3").requires_grad_(False)  # (tiny models load eager attention)
+    assert "load the model with attn_implementation='sdpa'" in why_not(latent.model.layers[0])
     clipped = _model("olmoe")
     clipped.base_model.model.config.clip_qkv = 8.0
     assert "clip_qkv" in why_not(clipped.base_model.model.model.layers[0])

@@ -76,7 +76,7 @@ def test_sdpa_attention_streamed_equals_resident(arch):
     [dict(gpu_budget="min"), dict(graphs=True, gpu_budget=None), dict(gpu_budget="min", experts="nf3")],
     ids=["least-budget", "graphs", "nf3-experts"],
 )
-@pytest.mark.parametrize("arch", [*MOE, "glm4_moe"])
+@pytest.mark.parametrize("arch", [*MOE, "glm4_moe", "deepseek_v3"])
 def test_fast_moe_layers_streamed_equal_the_same_layers_resident(arch, setting):
     """The fast MoE layer (router, grouped matmuls over NF4 or NF3 experts, Qwen2-MoE's
     shared expert with its adapters' dropout) streamed at the least budget or replayed as
@@ -97,7 +97,9 @@ def test_fast_moe_layers_streamed_equal_the_same_layers_resident(arch, setting):
     parts = [
         nc.kernels.fastlayer.FastLayer.of(layer).parts() for layer in streamed.base_model.model.model.layers
     ]
-    assert all(p is not None for p in parts) and parts[-1].moe is not None  # (GLM-4-MoE's first is dense)
+    assert (
+        all(p is not None for p in parts) and parts[-1].moe is not None
+    )  # (GLM-4-MoE's, DeepSeek's first: dense)
 
 
 @pytest.mark.bnb
@@ -258,19 +260,42 @@ def test_an_unannounced_architecture_streams_after_its_twin_passes(forget_verifi
     assert "passed head, stream on its twin" in caplog.text and not nc.anatomy_of(model).announced
 
 
-def test_latent_attention_passes_its_twin_check_and_streams_as_it_trains_resident(forget_verified, caplog):
-    """DeepSeek-V3 (multi-head latent attention, grouped routing; not announced): its twin
-    shrinks the latent ranks and head widths together (the rotary tables stay as wide as
-    the rotated part of a head), passes, and the model streams as it trains resident with
-    its own code."""
-    from narrows.core.testing import tiny_model, with_adapter
+def test_an_unannounced_latent_attention_model_passes_its_twin_check_and_streams_fast(
+    forget_verified, caplog
+):
+    """DeepSeek-V3's layers under a model type narrows does not announce: its twin shrinks
+    the latent ranks and head widths together (the rotary tables stay as wide as the rotated
+    part of a head) and passes, and the model streams through the fast layers (latent
+    attention, a dense first layer, then routed and shared experts) as it trains resident
+    through them."""
+    import torch
+    from peft import LoraConfig, get_peft_model
 
-    def build():  # (its rotary part, 32 channels a head, is wider than the twin's head_dim of 16)
-        return with_adapter(tiny_model("deepseek_v3"), "lora").train()
+    from narrows.core.testing import tiny_model
 
-    resident = train(build(), steps=2, grad_accum=2)
-    assert_identical(resident, train(build(), steps=2, grad_accum=2, stream_kwargs={}))
-    assert "model_type='deepseek_v3' passed head, stream on its twin" in caplog.text
+    def model():  # (its rotary part, 32 channels a head, is wider than the twin's head_dim of 16)
+        base = tiny_model("deepseek_v3")
+        base.set_attn_implementation("sdpa")
+        targets = list(nc.lora_targets(base).modules)  # (routers frozen: "all-linear" adapts them)
+        base.config.model_type = "my_latent_attention"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            m = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))  # (no dropout:
+            # the twin check inside `train` draws from the generator the resident run does not)
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.data.normal_(0, 0.05)
+        return m.train()
+
+    streamed = model()
+    got = train(streamed, steps=2, grad_accum=2, stream_kwargs={})
+    assert "model_type='my_latent_attention' passed head, stream on its twin" in caplog.text
+    parts = [nc.kernels.fastlayer.FastLayer.of(la).parts() for la in nc.anatomy_of(streamed).layers]
+    assert all(p is not None and p.latent is not None for p in parts)
+    assert parts[0].moe is None and parts[-1].moe is not None
+    resident = model()
+    assert not fuse_layers(resident).refused  # (accepted in this process once its twin passed)
+    assert_identical(train(resident, steps=2, grad_accum=2), got)
 
 
 def test_an_unannounced_architecture_that_differs_streamed_is_refused(forget_verified, monkeypatch):
@@ -319,7 +344,7 @@ def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arc
 
 @pytest.mark.gpu
 @pytest.mark.bnb
-@pytest.mark.parametrize("arch", [*MOE, "gpt_oss"])
+@pytest.mark.parametrize("arch", [*MOE, "gpt_oss", "deepseek_v3"])
 def test_cuda_nf4_experts_streamed_equal_resident_under_deterministic_kernels(arch):
     """NF4 expert stacks (dequantised per call, grouped matmuls on CUDA) streamed as resident."""
     import torch

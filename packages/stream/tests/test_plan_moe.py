@@ -230,3 +230,21 @@ def test_the_step_time_model_multiplies_by_a_tokens_experts_and_dequantises_ever
     assert layer_seconds(float_layer, s)[0] == pytest.approx(layer_seconds(float_layer, active)[0])
     graphed = layer_seconds(1, s, graphed=True)[0]
     assert graphed == pytest.approx(layer_seconds(float_layer, active)[0] + dequant_seconds(1, stored))
+
+
+def test_latent_attention_is_priced_at_its_heads_widths():
+    """DeepSeek-V3's ``head_dim`` is its rotary part's alone; the planner counts its queries
+    and keys at ``nope + rope`` channels a head and its values at ``v``, on every head (its
+    keys and values are expanded from the latent to every head before SDPA). Grouped-query
+    models keep their own widths."""
+    from narrows.stream.planning.attention import attention_bytes
+
+    anat = anatomy_of(tiny_model("deepseek_v3", v_head_dim=32))  # (the tiny one's mean is its rope's)
+    cfg = anat.config
+    qk, v, heads = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.num_attention_heads
+    assert cfg.head_dim == cfg.qk_rope_head_dim != (qk + v) // 2
+    shapes = Shapes.of(anat, 2, 16, fast=True)
+    assert 2 * shapes.kv == heads * (qk + v)  # keys and values
+    assert attention_bytes(anat, 32, 2) == 32 * (2 * heads * (qk + v) * 2 + heads * 4)  # q, out, k, v; LSE
+    llama = anatomy_of(tiny_model("llama")).config
+    assert Shapes.of(anatomy_of(tiny_model("llama")), 2, 16).kv == 2 * llama.hidden_size // 4  # 2 of 4 heads

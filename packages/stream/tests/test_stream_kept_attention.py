@@ -53,6 +53,9 @@ class _Sdpa:
         ("qwen3", {"dropout": 0.1}, {}),  # per-head norms (Q/K/V recomputed), dropout replayed
         ("qwen2", {}, {"offload": "all"}),  # inputs in host memory too
         ("mistral", {}, {"seq_tile": 4}),  # the MLP in sequence tiles
+        # latent attention (q_b's, kv_b's adapters' side alone recomputed); values as wide as
+        # keys, for the CPU's one-node SDPA, and dense MLPs (all-linear would adapt a router)
+        ("deepseek_v3", {"dropout": 0.1, "v_head_dim": 48, "first_k_dense_replace": 3}, {}),
     ],
 )
 def test_kept_attention_trains_what_resident_fast_layers_train(arch, kw, stream_kwargs, monkeypatch):

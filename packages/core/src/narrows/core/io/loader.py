@@ -280,7 +280,11 @@ def _load_float(
     # names and shapes are all it needs.
     model.state_dict = lambda *a, **k: mapping.meta
     try:
-        config = LoadStateDictConfig(device_map={"": "cpu"}, dtype=dtype, weight_mapping=mapping.transforms)
+        # the tensors the model keeps in float32 whatever its dtype (DeepSeek-V3's routing bias)
+        plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+        config = LoadStateDictConfig(
+            device_map={"": "cpu"}, dtype=dtype, dtype_plan=plan, weight_mapping=mapping.transforms
+        )
         info, _ = convert_and_load_state_dict_in_model(model, state, config)
     finally:
         del model.state_dict

@@ -101,6 +101,7 @@ for _spec in (
     ArchitectureSpec("llama4_text"),
     ArchitectureSpec("gpt_oss"),
     ArchitectureSpec("glm4_moe"),
+    ArchitectureSpec("deepseek_v3"),
 ):
     register_architecture(_spec)
 

@@ -39,6 +39,7 @@ TINY_ARCHITECTURES = (
     "llama4_text",
     "gpt_oss",
     "glm4_moe",
+    "deepseek_v3",
     # multimodal: the text decoder inside Gemma3ForConditionalGeneration
     "gemma3",
 )
@@ -190,7 +191,8 @@ def tiny_config(arch: str, **overrides):
         kw.update(n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5)
         kw.update(norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
         kw.update(head_dim=16, tie_word_embeddings=False)
-    elif arch == "deepseek_v3":  # not announced (checked on its twin): latent attention, grouped routing
+    elif arch == "deepseek_v3":  # latent attention (rotary pairs interleaved), grouped sigmoid routing,
+        # an ungated shared expert, a dense first layer
         cfg_cls = tf.DeepseekV3Config
         kw.update(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1)
         kw.update(moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1)

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from narrows.core import (
     ArchitectureCheckError,
+    fuse_layers,
     register_architecture_check,
     shrunk_twin,
     side_output_overrides,
@@ -38,8 +39,8 @@ def _train(model: nn.Module, streamed: bool, device: torch.device) -> dict[str, 
 
     if streamed:
         stream(model, None, device=device, check=False)
-    else:
-        model.to(device)
+    else:  # the kernels the stream runs by default: the fast layers where they cover the layers
+        fuse_layers(model.to(device))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = torch.optim.AdamW([p for _, p in named], lr=1e-2)
     record: dict[str, Tensor] = {}

@@ -17,7 +17,7 @@ from narrows.core import Anatomy, format_bytes
 from ..config import StreamConfig
 from ..errors import BudgetTooSmallError
 from .measure import default_host_budget
-from .memory import Shapes
+from .memory import Shapes, attention_dims
 from .record import Plan
 
 __all__ = ["KEEP_SHARE", "attention_bytes", "attention_share", "keep_attention"]
@@ -26,11 +26,7 @@ KEEP_SHARE = 0.25  # "auto" keeps attention where its forward is at least this s
 
 
 def _dims(anat: Anatomy) -> tuple[int, int, int]:
-    cfg = anat.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return heads, head_dim, kv_heads
+    return attention_dims(anat.config)
 
 
 def attention_bytes(anat: Anatomy, tokens: int, act_bytes: int) -> int:

@@ -33,6 +33,7 @@ from ..config import DEFAULT_SHAPES
 __all__ = [
     "Shapes",
     "activation_bytes",
+    "attention_dims",
     "dropout_mask_bytes",
     "graph_bytes",
     "held_weight_bytes",
@@ -44,6 +45,21 @@ __all__ = [
     "whole_overlap_bytes",
     "work_bytes",
 ]
+
+
+def attention_dims(cfg) -> tuple[int, int, int]:
+    """(heads, head width, key-value heads) as the planner prices attention: the config's;
+    for multi-head latent attention (DeepSeek-V3's, whose ``head_dim`` is the rotary part
+    alone) a head's mean width over its queries and keys (``nope + rope``) and its values
+    (``v``), and as many key-value heads as heads (the latent is expanded to every head
+    before SDPA): so queries and keys, values and the output, count at their widths."""
+    heads = cfg.num_attention_heads
+    if isinstance(getattr(cfg, "kv_lora_rank", None), int) and isinstance(
+        getattr(cfg, "v_head_dim", None), int
+    ):
+        return heads, (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) // 2, heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return heads, head_dim, getattr(cfg, "num_key_value_heads", None) or heads
 
 
 @dataclass(frozen=True)
@@ -87,8 +103,7 @@ class Shapes:
         `dropout`: the fast layers' adapters drop out."""
         cfg = anat.config
         act = anat.embed.weight.element_size() if hasattr(anat.embed, "weight") else 2
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        _, head_dim, kv_heads = attention_dims(cfg)
         moe = MoEShape.of(anat)
         return cls(
             layers=anat.num_layers,

@@ -1,4 +1,5 @@
-"""Fast decoder layers: the Llama family's layer as one autograd node with a written-out
+"""Fast decoder layers: the Llama family's layer (and the MoE families', DeepSeek-V3's
+latent attention among them) as one autograd node with a written-out
 backward, LoRA in the activation dtype on tensor cores (float32 masters and gradients),
 library kernels for the element-wise ops, and a recompute that skips what the backward
 does not need. One object a layer (`FastLayer`) is the door both take: `fuse_layers(model)`

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from . import moe
+from . import latent_attention, moe
 from .lora import GroupState
 from .ops import (
     NormState,
@@ -119,6 +119,7 @@ class Saved:
     kept: KeptAttention | None = None  # the forward's attention (then `leaves` is None)
     moe: moe.MoEState | None = None  # an MoE block's routed experts (gate_up, down: its shared expert)
     shared: tuple[Tensor | None, Tensor] | None = None  # the shared expert's gate (None: ungated) and output
+    latent: latent_attention.LatentState | None = None  # latent attention's path beyond the Q/K/V group
 
 
 def _attention(parts: LayerParts, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
@@ -187,6 +188,7 @@ class _Front:
     heads_pre: tuple[Tensor, Tensor, NormState, NormState] | None
     cos: Tensor
     sin: Tensor
+    latent: latent_attention.LatentState | None = None
 
 
 def _run(
@@ -212,6 +214,10 @@ def _run(
     x2 = x.reshape(-1, hidden)
     n1, rstd1 = rms_norm(x2, parts.norm1.weight, parts.norm1.eps)
     masks = parts.qkv.masks(n1)
+    if parts.latent is not None:
+        return _run_latent(
+            parts, x, x2, n1, rstd1, masks, cos, sin, mask, cache, output, keep, kv, store, kept
+        )
     if kept is not None and parts.q_norm is None:  # the adapters' side only: q, k, v were kept
         front = _Front(x, x2, rstd1, parts.qkv.state(n1, masks), None, cos, sin)
         return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
@@ -235,6 +241,57 @@ def _run(
     v = v.transpose(1, 2)
     if kv is not None:
         kv(k, v)
+    return _attend(parts, front, q, k, v, mask, cache, output=output, keep=keep, store=store)
+
+
+def _run_latent(
+    parts: LayerParts,
+    x: Tensor,
+    x2: Tensor,
+    n1: Tensor,
+    rstd1: NormState,
+    masks: list[Tensor | None],
+    cos: Tensor,
+    sin: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None,
+    output: bool,
+    keep: bool,
+    kv: KVSink | None,
+    store: AttentionStore | None,
+    kept: KeptAttention | None,
+) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:
+    """`_run` for latent attention (`latent_attention`): its Q/K/V group, then the latent
+    path to SDPA's inputs; with `kept`, q_b's and kv_b's outputs are not computed. `kv`
+    receives the normed latent and the rotated shared key part (what transformers caches)."""
+    (q_in,), st_qkv = parts.qkv.forward(n1, masks, cache)
+    qkv, latents, st = latent_attention.forward(
+        parts.latent, q_in, n1, x.shape[:2], cos, sin, cache, attend=kept is None
+    )
+    del q_in
+    front = _Front(x, x2, rstd1, st_qkv, None, cos, sin, st)
+    if kept is not None:
+        return _rest(parts, front, kept.out(), None, kept, cache, output=output, keep=keep)
+    if kv is not None:
+        kv(*latents)
+    return _attend(parts, front, *qkv, mask, cache, output=output, keep=keep, store=store)
+
+
+def _attend(
+    parts: LayerParts,
+    front: _Front,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    cache: dict[str, Tensor] | None,
+    *,
+    output: bool,
+    keep: bool,
+    store: AttentionStore | None,
+) -> tuple[Tensor | None, Saved | None, KeptAttention | None]:
+    """`_run` from SDPA's inputs, (batch, heads, seq, width), on: the attention (recorded
+    as the backward's one-node graph where anything is kept), then `_rest`."""
     new_kept = None
     if keep or store is not None or not torch.is_inference_mode_enabled():
         # recorded as the backward's one-node graph; recorded in a forward that keeps nothing
@@ -303,6 +360,7 @@ def _rest(
         rstd2,
         *mlp,
         kept=kept,
+        latent=f.latent,
         **extra,
     )
     return out, saved, kept
@@ -490,15 +548,26 @@ def backward(
     else:
         gq, gk, gv = torch.autograd.grad(saved.attn, saved.leaves, g_attn)
     with torch.no_grad():
-        gq, gk = rope_pair_backward(gq, gk, saved.cos, saved.sin)
-        gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)
-        if saved.heads_pre is not None:
-            q_pre, k_pre, rq, rk = saved.heads_pre
-            # the norms' inputs: (tokens, all heads) for OLMo's, rows of one head where Liger's ran
-            gq, gk = gq.reshape(q_pre.shape), gk.reshape(k_pre.shape)
-            gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)
-            gk = rms_norm_backward(gk, k_pre, parts.k_norm.weight, rk)
-        flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]
+        p_latent: list[Tensor] = []
+        g_n1_kv = None
+        if saved.latent is not None:  # q_a's (or q_proj's) output gradient; kv_a's share of g_n1
+            g_q, g_n1_kv, p_latent = latent_attention.backward(
+                parts.latent, saved.latent, gq, gk, gv, saved.cos, saved.sin, cache
+            )
+            flat = [g_q]
+        else:
+            gq, gk = rope_pair_backward(gq, gk, saved.cos, saved.sin)
+            gq, gk = gq.transpose(1, 2), gk.transpose(1, 2)
+            if saved.heads_pre is not None:
+                q_pre, k_pre, rq, rk = saved.heads_pre
+                # the norms' inputs: (tokens, all heads) for OLMo's, rows of one head where Liger's ran
+                gq, gk = gq.reshape(q_pre.shape), gk.reshape(k_pre.shape)
+                gq = rms_norm_backward(gq, q_pre, parts.q_norm.weight, rq)
+                gk = rms_norm_backward(gk, k_pre, parts.k_norm.weight, rk)
+            flat = [t.reshape(batch * seq, -1) for t in (gq, gk, gv.transpose(1, 2))]
+        del gq, gk, gv
         g_n1, p_qkv = parts.qkv.backward(flat, saved.qkv, cache)
+        if g_n1_kv is not None:
+            g_n1.add_(g_n1_kv)
         g_x = rms_norm_backward(g_n1, saved.x, parts.norm1.weight, saved.rstd1).add_(g_h1)
-    return g_x.view(batch, seq, hidden), [*p_qkv, *p_o, *p_gu, *p_down, *p_experts]
+    return g_x.view(batch, seq, hidden), [*p_qkv, *p_latent, *p_o, *p_gu, *p_down, *p_experts]

@@ -4,11 +4,12 @@ back into token order, a sigmoid-gated shared expert where the family has one; a
 backward written out (the input's gradient, and the routed experts' LoRA adapters' where
 they have them: the router and the stacks themselves are frozen).
 
-Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE and gpt-oss blocks,
+Covered: transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE, gpt-oss and DeepSeek-V3 blocks,
 with their stacks in float or quantised by `narrows.core.quant.experts`. The routing is the
 family's own: softmax in float32 over the router's logits, the top k, renormalised where the
 family does, the weights rounded to the logits' dtype (Qwen) or kept in float32 (Mixtral);
-GLM-4-MoE's sigmoid scores chosen within the best groups of experts (`_route_sigmoid`); or
+GLM-4-MoE's (and DeepSeek-V3's) sigmoid scores chosen within the best groups of experts
+(`_route_sigmoid`); or
 gpt-oss's softmax over the k best biased logits alone. gpt-oss's experts are stored
 transposed ([E, H, 2I], [E, I, H]), with biases, gate and up interleaved in their stack and
 a clamped SwiGLU (`ops.clamped_glu`).
@@ -58,6 +59,7 @@ MOE_BLOCKS = {
     "OlmoeSparseMoeBlock": False,
     "Glm4MoeMoE": True,
     "GptOssMLP": False,
+    "DeepseekV3MoE": True,  # routed as GLM-4-MoE's
 }
 _STACKS = ("gate_up_proj", "down_proj")
 

@@ -3,9 +3,12 @@ the four groups of linears (Q/K/V, o, gate/up, down) with their adapters, the he
 
 Covered: Llama, Qwen2, Qwen3 and Mistral decoder layers loaded for SDPA attention, each
 linear plain, bitsandbytes ``Linear4bit``, or either inside PEFT's LoRA wrapper with one
-active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE and gpt-oss layers,
-whose MoE block `moe.py` reads (a shared expert's linears are then the gate/up and down
-groups; LoRA on the routed experts' stacks is the MoE block's). gpt-oss's attention sinks
+active adapter; and the Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, GLM-4-MoE, gpt-oss and
+DeepSeek-V3 layers, whose MoE block `moe.py` reads (a shared expert's linears are then the
+gate/up and down groups; LoRA on the routed experts' stacks is the MoE block's; DeepSeek-V3's
+first layers have a dense MLP). DeepSeek-V3's multi-head latent attention (`LayerParts.latent`,
+`latent_attention.py`) has q_a_proj (or a plain q_proj) as its Q/K/V group and q_b_proj,
+kv_a_proj_with_mqa and kv_b_proj as groups of their own, any of them adapted. gpt-oss's attention sinks
 (`LayerParts.sinks`) are loaded for its eager attention, whose masks transformers builds
 whole (its sliding layers' included). Anything else is refused with its reason
 (`build_parts`) and runs as it would without narrows.
@@ -26,6 +29,7 @@ from ...quant.dequantize import dequantize_nf4
 from ...quant.held import held_weight
 from ...quant.nf4 import is_nf4_linear
 from ..lora_branches import _FusedForward
+from .latent_attention import LatentParts
 from .lora import Linear, LinearGroup
 from .moe import MOE_BLOCKS, MoEParts, build_moe
 
@@ -42,6 +46,7 @@ FAST_LAYER_TYPES = (
     "OlmoeDecoderLayer",
     "Glm4MoeDecoderLayer",
     "GptOssDecoderLayer",
+    "DeepseekV3DecoderLayer",
 )
 
 
@@ -72,6 +77,7 @@ class LayerParts:
     full_qk_norm: bool = False  # the Q/K norms span all heads, before they split (OLMo's), not each head
     sinks: Tensor | None = None  # (heads,): each head's sink logit in its softmax's denominator (gpt-oss)
     half_rope: bool = False  # half-head tables turn both halves alike (gpt-oss's; not partial)
+    latent: LatentParts | None = None  # latent attention (DeepSeek-V3's): qkv is then q_a (or q) alone
     recorded: frozenset[str] = frozenset()  # what transformers' recorders inside it collect
 
     def mlp_tiles(self, batch: int, seq: int) -> list[slice] | None:
@@ -85,7 +91,8 @@ class LayerParts:
 
     @property
     def groups(self) -> tuple[LinearGroup, ...]:
-        return tuple(g for g in (self.qkv, self.o, self.gate_up, self.down) if g is not None)
+        latent = self.latent.groups if self.latent is not None else ()
+        return tuple(g for g in (self.qkv, *latent, self.o, self.gate_up, self.down) if g is not None)
 
     def params(self) -> list[nn.Parameter]:
         """The adapters' tensors in the order the backward returns their gradients (the
@@ -307,11 +314,23 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
             if isinstance(gate, str) or gate.a is not None or gate.bias is not None:
                 return "its shared expert's gate is not a bias-free linear without an adapter"
             moe.shared_gate = gate.weight
+    latent = kind == "DeepseekV3DecoderLayer"  # multi-head latent attention
+    if latent:
+        if not type(layer).__module__.startswith("transformers.models.deepseek_v3."):
+            return (
+                f"its DeepseekV3DecoderLayer is {type(layer).__module__}'s (remote code), not transformers'"
+            )
+        if config.num_key_value_heads != config.num_attention_heads:
+            return "its latent attention has fewer key-value heads than heads (transformers expands both)"
+        plain_q = attn.q_proj is not None
+        attention = [("q", attn.q_proj)] if plain_q else [("q_a", attn.q_a_proj), ("q_b", attn.q_b_proj)]
+        attention += [("kv_a", attn.kv_a_proj_with_mqa), ("kv_b", attn.kv_b_proj)]
+        norms += [None if plain_q else _norm(attn.q_a_layernorm), _norm(attn.kv_a_layernorm)]
+    else:
+        attention = [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)]
     linears = {}
     for name, module in (
-        ("q", attn.q_proj),
-        ("k", attn.k_proj),
-        ("v", attn.v_proj),
+        *attention,
         ("o", attn.o_proj),
         *(
             (("gate", dense.gate_proj), ("up", dense.up_proj), ("down", dense.down_proj))
@@ -332,23 +351,43 @@ def build_parts(layer: nn.Module, lora_dtype: torch.dtype | None = None) -> Laye
     def g(group: list[Linear]) -> LinearGroup:
         return LinearGroup(group, lora_dtype)
 
+    latent_parts = None
+    if latent:
+        qkv = g([linears["q"] if plain_q else linears["q_a"]])
+        latent_parts = LatentParts(
+            None if plain_q else g([linears["q_b"]]),
+            g([linears["kv_a"]]),
+            g([linears["kv_b"]]),
+            norms[4],
+            norms[5],
+            config.num_attention_heads,
+            int(config.kv_lora_rank),
+            int(config.qk_nope_head_dim),
+            int(config.qk_rope_head_dim),
+            int(config.v_head_dim),
+            bool(getattr(config, "rope_interleave", False)),
+        )
+        head_dim = latent_parts.v_dim  # the attention output's heads (o_proj's input), as values are
+    else:
+        qkv, head_dim = g([linears["q"], linears["k"], linears["v"]]), attn.head_dim
     return LayerParts(
         norms[0],
         norms[1],
         norms[2],
         norms[3],
-        g([linears["q"], linears["k"], linears["v"]]),
+        qkv,
         g([linears["o"]]),
         g([linears["gate"], linears["up"]]) if dense is not None else None,
         g([linears["down"]]) if dense is not None else None,
         config.num_attention_heads,
         config.num_key_value_heads,
-        attn.head_dim,
+        head_dim,
         float(attn.scaling),
         tile,
         moe=moe,
         recorded=recorders_of(layer),
-        full_qk_norm=norms[2] is not None and norms[2].weight.shape[-1] != attn.head_dim,
+        full_qk_norm=norms[2] is not None and norms[2].weight.shape[-1] != head_dim,
         sinks=sinks if isinstance(sinks, Tensor) else None,
         half_rope=kind == "GptOssDecoderLayer",
+        latent=latent_parts,
     )
