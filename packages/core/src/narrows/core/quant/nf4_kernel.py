@@ -12,9 +12,7 @@ weight 2j + 1 in its low one; block b's scale is ``code2[absmax[b]] · nested[b 
 offset`` in float32 (a product, then a sum: rounded twice, so the kernel is compiled without
 fused multiply-adds) where the scales are double-quantised, else ``absmax[b]``; weight i is
 ``levels[code_i] · scale[i // block]`` in float32, rounded once to the output's dtype (round to
-nearest even, as CUDA's conversion). Each program reads BYTES bytes; a 16-bit output is
-written a byte's pair of weights at a time, as one 32-bit word (the first weight in its low
-half), where it is a whole number of words.
+nearest even, as CUDA's conversion). Each program writes TILE weights from TILE / 2 bytes.
 
 Limits: the packed codes, the scales and the output contiguous; the levels a float32 table
 of 16 entries on the weight's device (bitsandbytes' ``quant_state.code``).
@@ -31,8 +29,7 @@ from torch import Tensor
 
 __all__ = ["dequantize_nf4_triton"]
 
-_BYTES = 2048  # bytes a program reads: 4096 weights
-_PAIRS = {torch.bfloat16: 1, torch.float16: 2}
+_BYTES = 1024  # bytes a program reads: 2048 weights
 
 
 @triton.jit
@@ -48,7 +45,6 @@ def _dequantize_nf4(
     BLOCK: tl.constexpr,
     NESTED_BLOCK: tl.constexpr,
     NESTED: tl.constexpr,
-    PAIRS: tl.constexpr,
     BYTES: tl.constexpr,
 ):
     j = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
@@ -65,16 +61,11 @@ def _dequantize_nf4(
         scale = scale + tl.load(offset_ptr)
     else:
         scale = tl.load(absmax_ptr + block, mask=inside, other=0.0)
-    if PAIRS:  # a 16-bit output: the byte's two weights as one 32-bit word, the first low
-        dtype = tl.bfloat16 if PAIRS == 1 else tl.float16
-        first_bits = (high * scale).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        second_bits = (low * scale).to(dtype).to(tl.int16, bitcast=True).to(tl.int32)
-        tl.store(out_ptr + j, first_bits | (second_bits << 16), mask=inside)
-    else:
-        dtype = out_ptr.dtype.element_ty
-        values = tl.interleave((high * scale).to(dtype), (low * scale).to(dtype))
-        where = tl.interleave(first, first + 1)
-        tl.store(out_ptr + where, values, mask=where < n)
+    dtype = out_ptr.dtype.element_ty
+    values = tl.interleave((high * scale).to(dtype), (low * scale).to(dtype))
+    where = tl.interleave(first, first + 1)
+    tl.store(out_ptr + where, values, mask=where < n)
+
 
 def dequantize_nf4_triton(packed: Tensor, quant_state, out: Tensor | None = None) -> Tensor:
     """The weight `packed` and bitsandbytes' `quant_state` encode, into `out` if given (of
@@ -95,8 +86,6 @@ def dequantize_nf4_triton(packed: Tensor, quant_state, out: Tensor | None = None
     else:
         code2 = nested = offset = qs.absmax  # unread
         nested_block = 1
-    # 16-bit weights in pairs, one 32-bit store each, where the output is whole words
-    pairs = _PAIRS.get(out.dtype, 0) if n % 2 == 0 and out.data_ptr() % 4 == 0 else 0
     with torch.cuda.device(packed.device) if packed.is_cuda else contextlib.nullcontext():
         _dequantize_nf4[(triton.cdiv(n, 2 * _BYTES),)](
             packed,
@@ -105,12 +94,11 @@ def dequantize_nf4_triton(packed: Tensor, quant_state, out: Tensor | None = None
             nested,
             offset,
             levels,
-            out.reshape(-1).view(torch.int32) if pairs else out,
+            out,
             n,
             BLOCK=qs.blocksize,
             NESTED_BLOCK=nested_block,
             NESTED=bool(qs.nested),
-            PAIRS=pairs,
             BYTES=_BYTES,
             num_warps=4,
             enable_fp_fusion=False,
