@@ -277,13 +277,14 @@ def _either(args: dict) -> Plan:
 
     A mixture of experts' fast layers are host-bound: run eagerly, a recomputed layer costs
     far more than the step-time model's forwards, and as a graph far less. So where the
-    eager plan recomputes any layer, such a model takes the graphed plan, though it may keep
-    fewer layers resident (the pool's room), since the copies hide behind the recompute:
-    measured on one H200 at Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens, the main job
-    took 0.071 s a step with every layer recomputed as a graph, 2 layers resident or all 6,
-    against 0.082 s eagerly with 6 resident and 1 or 3 of them whole; on the H100, every
-    layer streamed, 0.119 against 0.188 s. Where every layer runs whole (0.061 s there, at
-    `8GiB`) no layer replays, and the plans are the same."""
+    eager plan recomputes any layer, such a model takes the graphed plan — as long as the
+    pool's room costs it no resident layer. Measured on one H200 at Qwen3-30B-A3B's shape,
+    6 layers, 8 × 512 tokens, the main job took 0.071 s a step with every layer recomputed
+    as a graph and all 6 resident, against 0.082 s eagerly with 6 resident and 3 of them
+    whole; on the H100, every layer streamed either way, 0.119 against 0.188 s. But graphs
+    that stream every layer where the eager plan keeps them took 0.086 s at a `4.6GiB`
+    budget and 0.127 s at `4.25GiB`, against 0.082 and 0.089 s eagerly. Where every layer runs
+    whole (0.061 s there, at `8GiB`) no layer replays, and the plans are the same."""
     args["layer_bytes"] = tuple(args["layer_bytes"])  # read twice
     eager = make_plan(**{**args, "graphs": False})
     if args["budget"] is None or not str(args["device"]).startswith("cuda"):
@@ -300,10 +301,18 @@ def _either(args: dict) -> Plan:
     shapes = args["shapes"]
     if shapes.fast and shapes.moe is not None and eager.whole != tuple(range(len(eager.layer_bytes))):
         # measured, not modelled: the step-time model does not see a fast MoE layer's host cost
+        recomputed = len(eager.layer_bytes) - len(eager.whole)
+        fewer = len(eager.resident) - len(graphed.resident)
+        if fewer > 0:
+            return replace(
+                eager,
+                graphs_choice=f"auto: off: their pool would leave {fewer} fewer layers resident, and a "
+                "mixture of experts' layers streamed cost more than its graphs save",
+            )
         return replace(
             graphed,
-            graphs_choice=f"auto: {len(eager.layer_bytes) - len(eager.whole)} of the eager plan's layers "
-            "are recomputed, and a mixture of experts' layers recompute faster as graphs",
+            graphs_choice=f"auto: {recomputed} of the eager plan's layers are recomputed, and a mixture "
+            "of experts' layers recompute faster as graphs",
         )
     pick = graphed if graphed.step_seconds < eager.step_seconds else eager
     return replace(
