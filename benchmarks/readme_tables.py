@@ -1066,13 +1066,13 @@ MOE_LORA = (  # (case, device, what the adapters sit on and how many layers, the
         "peers_qwen3-30b-a3b-6l_8x512",
         "h200",
         "attention; 6 of 48 layers",
-        ("8GiB", "4.6GiB", "4.6GiB-graphs", "4.25GiB-graphs"),
+        ("8GiB", "5GiB", "4.6GiB", "4.25GiB"),
     ),
     (
         "peers_qwen3-30b-a3b-6l_8x512_experts",
         "h200",
         "attention and the routed experts; 6 of 48 layers",
-        ("8GiB", "5.5GiB", "4GiB"),
+        ("8GiB", "5.5GiB", "4.6GiB"),
     ),
     (
         "peers_qwen3-30b-a3b_8x512_experts",
