@@ -93,3 +93,24 @@ class Dequantizations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func._schema.name in ("bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit")
         return func(*args, **(kwargs or {}))
+
+
+def kept_bytes(saved, *besides) -> int:
+    """Bytes of the distinct storages a fast layer's `Saved` holds, other than `besides`'s."""
+    seen = {t.untyped_storage().data_ptr() for t in besides}
+    total = 0
+    stack = [getattr(saved, f) for f in saved.__dataclass_fields__]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            ptr = v.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                total += v.untyped_storage().nbytes()
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif hasattr(v, "__dataclass_fields__"):
+            stack.extend(getattr(v, f) for f in v.__dataclass_fields__)
+    return total

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Dequantizations, assert_identical, build, train
+from helpers import Dequantizations, assert_identical, build, kept_bytes, train
 
 import narrows.stream as ns
 import narrows.stream.execution.fast as fast
@@ -253,25 +253,6 @@ def test_cuda_streamed_fast_layers_train_what_resident_fast_layers_train(stream_
         deterministic(False)
 
 
-def _kept_bytes(saved, *besides) -> int:
-    """Bytes of the distinct storages a fast layer's `Saved` holds, other than `besides`'s."""
-    seen = {t.untyped_storage().data_ptr() for t in besides}
-    total = 0
-    stack = [getattr(saved, f) for f in saved.__dataclass_fields__]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            ptr = v.untyped_storage().data_ptr()
-            if ptr not in seen:
-                seen.add(ptr)
-                total += v.untyped_storage().nbytes()
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
-        elif hasattr(v, "__dataclass_fields__"):
-            stack.extend(getattr(v, f) for f in v.__dataclass_fields__)
-    return total
-
-
 @pytest.mark.parametrize("base", ["float", pytest.param("nf4", marks=pytest.mark.bnb)])
 def test_the_plan_prices_what_a_fast_layer_keeps(base):
     """With every layer fast, a whole layer is priced by what `forward_keeping` keeps (counted
@@ -295,7 +276,7 @@ def test_the_plan_prices_what_a_fast_layer_keeps(base):
     cos, sin = anat.decoder.rotary_emb(x, torch.arange(seq).expand(batch, -1))
     _, saved = compute.forward_keeping(parts_of(anat.layers[0]), x, cos, sin, None)
     # the adapters' own tensors are not activations
-    kept = _kept_bytes(saved, x, cos, sin, *model.parameters())
+    kept = kept_bytes(saved, x, cos, sin, *model.parameters())
     fast, peft = (
         ns.plan(model, "fit", device="cpu", batch_size=batch, seq_len=seq, kernels=k)
         for k in ("fast", "peft")

@@ -259,3 +259,32 @@ def test_latent_attention_is_priced_at_its_heads_widths():
     assert attention_bytes(anat, 32, 2) == 32 * (2 * heads * (qk + v) * 2 + heads * 4)  # q, out, k, v; LSE
     llama = anatomy_of(tiny_model("llama")).config
     assert Shapes.of(anatomy_of(tiny_model("llama")), 2, 16).kv == 2 * llama.hidden_size // 4  # 2 of 4 heads
+
+
+@pytest.mark.parametrize("q_lora_rank", [96, None])
+def test_latent_attention_keeps_what_the_planner_prices(q_lora_rank):
+    """A whole DeepSeek-V3 layer (latent attention, routed and shared experts) is priced by
+    what `forward_keeping` keeps, counted from its tensors less the input and the rotary
+    tables: at least that, at most a quarter above. Without `latent_bytes` (q_a's output
+    and its norm's, the latent and its norm's, the queries' extra width) it is priced below."""
+    import torch
+    from helpers import kept_bytes
+
+    from narrows.core.kernels.fastlayer import compute, parts_of
+    from narrows.stream.planning.memory import input_bytes
+
+    overrides = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, v_head_dim=48)
+    overrides.update(q_lora_rank=q_lora_rank, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=64)
+    model = tiny_model("deepseek_v3", **overrides).requires_grad_(False)
+    model.config._attn_implementation = "sdpa"
+    anat = anatomy_of(model)
+    batch, seq = 2, 64
+    x = torch.randn(batch, seq, 256)
+    cos, sin = anat.decoder.rotary_emb(x, torch.arange(seq).expand(batch, -1))
+    _, saved = compute.forward_keeping(parts_of(anat.layers[1]), x, cos, sin, None)  # layer 0 is dense
+    assert saved.latent is not None and (saved.latent.q_pre is None) == (q_lora_rank is None)
+    kept = kept_bytes(saved, x, cos, sin, *model.parameters())
+    shapes = Shapes.of(anat, batch, seq, fast=True)
+    priced = whole_bytes(shapes) - input_bytes(Shapes.of(anat, batch, seq))
+    assert kept <= priced <= 1.25 * kept, (kept, priced)
+    assert whole_bytes(replace(shapes, latent=0)) - input_bytes(Shapes.of(anat, batch, seq)) < kept

@@ -38,6 +38,7 @@ __all__ = [
     "graph_bytes",
     "held_weight_bytes",
     "input_bytes",
+    "latent_bytes",
     "layer_work_bytes",
     "step_mode_reserve",
     "training_bytes",
@@ -60,6 +61,22 @@ def attention_dims(cfg) -> tuple[int, int, int]:
         return heads, (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) // 2, heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return heads, head_dim, getattr(cfg, "num_key_value_heads", None) or heads
+
+
+def latent_bytes(cfg, act_bytes: int) -> int:
+    """What a token's multi-head latent attention (DeepSeek-V3's) keeps in the fast layer
+    beyond the fit for the others (0 for any other attention): q_a's output and its norm's
+    (``q_lora_rank`` each), the latent beside the shared key part and its norm's
+    (``kv_lora_rank + rope`` and ``kv_lora_rank``), the queries' width beyond the mean head
+    width the rest is priced at (``heads × (qk - v) / 2``), two float32 norm statistics.
+    (`narrows.core.kernels.fastlayer.latent_attention`; a test counts them.)"""
+    rank = getattr(cfg, "kv_lora_rank", None)
+    if not isinstance(rank, int) or not isinstance(getattr(cfg, "v_head_dim", None), int):
+        return 0
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    wider = cfg.num_attention_heads * max(0, qk - cfg.v_head_dim) // 2
+    q_rank = getattr(cfg, "q_lora_rank", None) or 0
+    return (2 * q_rank + 2 * rank + cfg.qk_rope_head_dim + wider) * act_bytes + 8
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,7 @@ class Shapes:
     dense_mlp: bool = True  # some layer has a dense MLP (of `intermediate`)
     sinks: bool = False  # attention sinks (gpt-oss): the fast layer's SDPA runs on widened copies
     head_dim: int = 0  # a head's width (where `sinks`: the copies' width follows it)
+    latent: int = 0  # bytes a token's latent attention keeps beyond the rest (`latent_bytes`)
 
     @classmethod
     def of(
@@ -106,6 +124,7 @@ class Shapes:
         _, head_dim, kv_heads = attention_dims(cfg)
         moe = MoEShape.of(anat)
         return cls(
+            latent=latent_bytes(cfg, act) if fast else 0,
             layers=anat.num_layers,
             hidden=cfg.hidden_size,
             intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
@@ -303,12 +322,13 @@ def whole_bytes(s: Shapes) -> int:
 
     A mixture of experts (`Shapes.moe`) keeps its MoE MLP's (`MoEShape.kept`) in place of
     the dense MLP's five intermediate-sized tensors, and its dequantised NF4 stacks, which
-    the grouped matmuls save for the backward."""
+    the grouped matmuls save for the backward. A fast layer's latent attention keeps
+    `Shapes.latent` a token more (`latent_bytes`)."""
     tokens = s.batch * s.seq
     if s.fast:
         moe = s.moe.fast_kept(s.hidden, s.act_bytes) + s.wide_queries if s.moe is not None else 0
         mlp = _mlp(s, 3 * s.intermediate * s.act_bytes, moe)
-        kept = int(tokens * ((6.25 * s.hidden + 2 * s.kv) * s.act_bytes + mlp))
+        kept = int(tokens * ((6.25 * s.hidden + 2 * s.kv) * s.act_bytes + mlp + s.latent))
         return kept + dropout_mask_bytes(s) + s.sink_copies()
     moe = s.moe.kept(s.hidden, s.act_bytes) if s.moe is not None else 0
     kept = tokens * (
@@ -382,6 +402,8 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
     (`MoEShape.stack_bytes`: the fast layer frees each before it dequantises the next),
     beside what the recompute keeps for the attention's backward and the gradients at the
     block (a fast whole layer's keep, `whole_bytes`, and two hidden-sized tensors a token).
+    Latent attention adds `Shapes.latent` a token beside the experts and twice that to the
+    attention's backward (the recompute's copy, and the gradients of as much).
     Its attention's backward comes after the experts' is done, so the layer holds the larger
     of the two. (On one H200 at Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens,
     narrows-lmhead's loss: the smallest footprint, the `4.6GiB` and the `8GiB` plans peaked
@@ -397,11 +419,11 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
             (tokens * 2 * s.hidden + mlp_tokens * 2 * s.intermediate) * s.act_bytes if s.lora_float32 else 0
         )
         if mlp_tokens == tokens:
-            act, attention = s.act_bytes, tokens * 16 * s.hidden * s.act_bytes
+            act, attention = s.act_bytes, tokens * (16 * s.hidden * s.act_bytes + 2 * s.latent)
             dense = attention + tokens * 3.6 * s.intermediate * act if s.dense_mlp else 0
             moe = 0
             if s.moe is not None:  # the experts' backward is done before the attention's begins
-                beside = (8.25 * s.hidden + 2 * s.kv) * act + s.wide_queries
+                beside = (8.25 * s.hidden + 2 * s.kv) * act + s.wide_queries + s.latent
                 experts = tokens * (beside + s.moe.fast_work(s.hidden, act)) + s.moe.stack_bytes
                 moe = max(attention + tokens * s.wide_queries, experts)
             work = int(max(dense, moe)) + s.dequant_bytes + wide + s.sink_bytes()
