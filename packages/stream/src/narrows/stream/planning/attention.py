@@ -25,14 +25,10 @@ __all__ = ["KEEP_SHARE", "attention_bytes", "attention_share", "keep_attention"]
 KEEP_SHARE = 0.25  # "auto" keeps attention where its forward is at least this share of a recompute
 
 
-def _dims(anat: Anatomy) -> tuple[int, int, int]:
-    return attention_dims(anat.config)
-
-
 def attention_bytes(anat: Anatomy, tokens: int, act_bytes: int) -> int:
     """One layer call's kept attention: q and the output (heads wide), k and v (key-value
     heads wide) in the activations' dtype, and the float32 log-sum-exp per head."""
-    heads, head_dim, kv_heads = _dims(anat)
+    heads, head_dim, kv_heads = attention_dims(anat.config)
     return tokens * ((2 * heads + 2 * kv_heads) * head_dim * act_bytes + heads * 4)
 
 
@@ -40,7 +36,7 @@ def attention_share(anat: Anatomy, seq: int) -> float:
     """Attention's forward as a share of a fast layer's recompute (its matmuls without
     down_proj's, plus the attention), per token of a `seq`-token causal sequence."""
     cfg = anat.config
-    heads, head_dim, kv_heads = _dims(anat)
+    heads, head_dim, kv_heads = attention_dims(anat.config)
     hidden, inter = cfg.hidden_size, getattr(cfg, "intermediate_size", 4 * cfg.hidden_size)
     matmuls = hidden * (2 * heads + 2 * kv_heads) * head_dim + 2 * hidden * inter  # q, k, v, o; gate, up
     attn = seq * heads * head_dim  # QKᵀ and PV over the causal half: 2·seq·width/2 each

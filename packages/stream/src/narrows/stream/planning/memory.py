@@ -48,6 +48,13 @@ __all__ = [
 ]
 
 
+def _latent(cfg) -> bool:
+    """Whether `cfg`'s attention is multi-head latent attention (DeepSeek-V3's)."""
+    return isinstance(getattr(cfg, "kv_lora_rank", None), int) and isinstance(
+        getattr(cfg, "v_head_dim", None), int
+    )
+
+
 def attention_dims(cfg) -> tuple[int, int, int]:
     """(heads, head width, key-value heads) as the planner prices attention: the config's;
     for multi-head latent attention (DeepSeek-V3's, whose ``head_dim`` is the rotary part
@@ -55,9 +62,7 @@ def attention_dims(cfg) -> tuple[int, int, int]:
     (``v``), and as many key-value heads as heads (the latent is expanded to every head
     before SDPA): so queries and keys, values and the output, count at their widths."""
     heads = cfg.num_attention_heads
-    if isinstance(getattr(cfg, "kv_lora_rank", None), int) and isinstance(
-        getattr(cfg, "v_head_dim", None), int
-    ):
+    if _latent(cfg):
         return heads, (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) // 2, heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     return heads, head_dim, getattr(cfg, "num_key_value_heads", None) or heads
@@ -70,13 +75,12 @@ def latent_bytes(cfg, act_bytes: int) -> int:
     (``kv_lora_rank + rope`` and ``kv_lora_rank``), the queries' width beyond the mean head
     width the rest is priced at (``heads × (qk - v) / 2``), two float32 norm statistics.
     (`narrows.core.kernels.fastlayer.latent_attention`; a test counts them.)"""
-    rank = getattr(cfg, "kv_lora_rank", None)
-    if not isinstance(rank, int) or not isinstance(getattr(cfg, "v_head_dim", None), int):
+    if not _latent(cfg):
         return 0
     qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     wider = cfg.num_attention_heads * max(0, qk - cfg.v_head_dim) // 2
     q_rank = getattr(cfg, "q_lora_rank", None) or 0
-    return (2 * q_rank + 2 * rank + cfg.qk_rope_head_dim + wider) * act_bytes + 8
+    return (2 * q_rank + 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim + wider) * act_bytes + 8
 
 
 @dataclass(frozen=True)

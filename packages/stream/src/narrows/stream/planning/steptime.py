@@ -68,16 +68,20 @@ def _mlp_width(s: Shapes) -> int:
     return s.moe.top_k * s.moe.intermediate + s.moe.shared if s.moe is not None else s.intermediate
 
 
+def _weights(s: Shapes, width: int) -> int:
+    """A layer's weights with an MLP `width` channels wide: attention's, gate's, up's, down's."""
+    return 4 * s.hidden * s.hidden + 3 * s.hidden * width
+
+
 def _params(s: Shapes) -> int:
     """The weights a token is multiplied by in one layer's forward."""
-    return 4 * s.hidden * s.hidden + 3 * s.hidden * _mlp_width(s)
+    return _weights(s, _mlp_width(s))
 
 
 def _stored(s: Shapes) -> int:
     """The weights one layer stores: every routed expert's, where it has them."""
-    if s.moe is None:
-        return _params(s)
-    return 4 * s.hidden * s.hidden + 3 * s.hidden * (s.moe.experts * s.moe.intermediate + s.moe.shared)
+    moe = s.moe
+    return _weights(s, moe.experts * moe.intermediate + moe.shared if moe is not None else s.intermediate)
 
 
 def layer_seconds(

@@ -227,8 +227,9 @@ class MemoryConfig:
         None,
         "with --gpu-budget: replay the layers narrows-stream runs as CUDA graphs, the same numbers, the plan "
         "counting their memory (faster at short sequences). Not given: the planner uses them where it "
-        "predicts them faster (a mixture of experts: wherever a layer is recomputed and the pool costs no resident layer). A batch width is "
-        "captured when it comes round again, and the four most recent are kept (unpacked, each batch is as wide as its longest row; with --packing every batch is "
+        "predicts them faster (a mixture of experts: wherever a layer is recomputed and the pool costs no "
+        "resident layer). A batch width is captured when it comes round again, and the four most recent "
+        "are kept (unpacked, each batch is as wide as its longest row; with --packing every batch is "
         "--seq-len wide)",
         advanced=True,
     )
