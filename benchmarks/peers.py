@@ -65,7 +65,9 @@ no CPU), then --steps more run under cProfile, then one under torch.profiler; th
 ``host_profile`` holds both, the top 30 functions by own time (ms and calls a step) and the
 device's side of that step (busy time by kind of kernel, the compute stream's idle gaps), then
 one listing the host's waits on the device by the frames that made them; the pstats file and
-the torch.profiler step's Chrome trace (``.trace.json.gz``) land beside --out.
+the torch.profiler step's Chrome trace (``.trace.json.gz``) land beside --out. ``--device-profile``
+does the same for the peers' rows (Unsloth, PEFT): one step more under torch.profiler after the
+timed ones, its summary in the row's ``device_profile``, its trace beside --out.
 Against Unsloth (staged as below, carrying .gpu and .gpu-unsloth), on the GPU machine:
 
     source .gpu/env && python3 benchmarks/peers.py --shape 7b-8x512 --modes unsloth,finetune-8GiB --host-profile --out $OUT/peers_7b_8x512_main_job.json
@@ -344,7 +346,17 @@ def train(model, args: argparse.Namespace, vocab: int, device: torch.device) -> 
         sync(device)
         times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"step_s": times, "peak_allocated": peak, "final_loss": losses[-1], "losses": losses}
+    row = {"step_s": times, "peak_allocated": peak, "final_loss": losses[-1], "losses": losses}
+    if getattr(args, "device_trace", None) and device.type == "cuda":
+        # one step more, after the timed ones, under torch.profiler: where this row's device time goes
+        from _profiled_job import start_device_profile, stop_device_profile
+
+        sync(device)
+        prof, t = start_device_profile(), time.perf_counter()
+        step()
+        sync(device)
+        row["device_profile"] = stop_device_profile(prof, time.perf_counter() - t, args.device_trace)
+    return row
 
 
 def adapter_fingerprint(model) -> list[float]:
@@ -854,6 +866,11 @@ def child(args: argparse.Namespace, mode: str, folder: Path, twin: Path | None =
         str(args.dropout),
     ]
     flags += ["--experts"] if args.experts else []
+    if args.device_profile and not twin:
+        flags += [
+            "--device-trace",
+            str(Path(args.out).resolve().with_name(f"{Path(args.out).stem}.{mode}.trace.json.gz")),
+        ]
     if twin:
         flags += ["--deterministic", "--save-adapters", str(twin)]
     cmd = [sys.executable, __file__, *flags]
@@ -977,6 +994,14 @@ def main() -> None:
         "(benchmarks/_profiled_job.py; the pstats file beside --out)",
     )
     ap.add_argument(
+        "--device-profile",
+        action="store_true",
+        help="peer rows (unsloth, peft, ...): one step more under torch.profiler after the timed "
+        "ones: device time by kind of kernel and the compute stream's idle gaps in the row, the "
+        "Chrome trace beside --out (finetune-* rows: --host-profile profiles their device too)",
+    )
+    ap.add_argument("--device-trace", help=argparse.SUPPRESS)
+    ap.add_argument(
         "--experts",
         action="store_true",
         help="a mixture of experts: LoRA on the routed experts' stacks too, in every row",
@@ -1010,6 +1035,7 @@ def main() -> None:
         return
 
     out = Path(args.out or f"benchmarks/results/peers_{args.shape}{'_experts' if args.experts else ''}.json")
+    args.out = str(out)  # the rows' traces go beside it
     out.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     base = base_of(args.model)

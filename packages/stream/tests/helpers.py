@@ -83,12 +83,35 @@ def chunked_resident(model, rows: int):
 
 
 class Dequantizations(TorchDispatchMode):
-    """Counts bitsandbytes' 4-bit dequantisations: its matmul's (``gemm_4bit``, which
-    dequantises inside, out of the mode's sight) and everyone else's."""
+    """Counts 4-bit dequantisations: bitsandbytes' matmul's (``gemm_4bit``, which
+    dequantises inside, out of the mode's sight), its other ops', and narrows' Triton
+    kernel's (`narrows.core.quant.nf4_kernel`, a launch no dispatch mode sees)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self._kernel = None
+
+    def __enter__(self):
+        from narrows.core.quant import dequantize
+
+        module = dequantize._kernel()
+        if module is not None:
+            real = self._kernel = module.dequantize_nf4_triton
+
+            def counted(*args, **kwargs):
+                self.count += 1
+                return real(*args, **kwargs)
+
+            module.dequantize_nf4_triton = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._kernel is not None:
+            from narrows.core.quant import dequantize
+
+            dequantize._kernel().dequantize_nf4_triton = self._kernel
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += func._schema.name in ("bitsandbytes::dequantize_4bit", "bitsandbytes::gemm_4bit")

@@ -107,6 +107,7 @@ if TYPE_CHECKING:
         register_architecture_check,
         verify_architecture,
     )
+    from .quant.dequantize import dequantize_nf4
 
     # NF4: linears and fused expert stacks (these in NF3 / NF2 too); what stays in float, and why
     from .quant.experts import (
@@ -214,6 +215,7 @@ _MODULES = {
         "quantize_experts",
     ),
     "quant.lowbit": ("LowbitStack", "normal_float_levels"),
+    "quant.dequantize": ("dequantize_nf4",),
     "quant.report": ("ExpertStacks", "KeptInFloat", "Precision", "precision"),
     "protocol.targets": ("LoraTargets", "lora_targets"),
     "protocol.expert_adapters": ("ExpertAdapter", "adopt_quantized_experts", "unwrap_experts"),
@@ -297,6 +299,7 @@ __all__ = [
     "chunked_logits",
     "copies",
     "data_parallel_bytes",
+    "dequantize_nf4",
     "dequantized_bytes",
     "dequantized_expert_bytes",
     "deterministic",

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from narrows.core import is_nf4_linear, nf4_rows
+from narrows.core import dequantize_nf4, is_nf4_linear, nf4_rows
 
 from .compose import compose, magnitude_scale
 from .norm import Weight, base_row_norm_sq, factored_row_norm, sqrt_rn
@@ -92,9 +92,7 @@ def dora_delta(
 
 def _dequantized(base_layer: nn.Module) -> Tensor:
     if is_nf4_linear(base_layer):
-        from bitsandbytes.functional import dequantize_4bit
-
-        return dequantize_4bit(base_layer.weight.data, base_layer.weight.quant_state)
+        return dequantize_nf4(base_layer.weight.data, base_layer.weight.quant_state)
     return base_layer.weight
 
 

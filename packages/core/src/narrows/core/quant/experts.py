@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from .dequantize import dequantize_nf4
 from .lowbit import BLOCK, SCHEMES, LowbitStack, dequantize, quantize
 
 __all__ = [
@@ -173,13 +174,10 @@ class _QuantizedExperts(nn.Module):
         """The quantised stacks among `names` (None: all of them), dequantised."""
         out = {}
         nf4 = [n for n in self._nf4_stacks if names is None or n in names]
-        if nf4:  # NF3/NF2 stacks alone need no bitsandbytes
-            from bitsandbytes.functional import dequantize_4bit
-
-            for name in nf4:
-                p = self._parameters.get(name)
-                if p is not None:
-                    out[name] = dequantize_4bit(p.data, p.quant_state)
+        for name in nf4:  # NF3/NF2 stacks alone need no bitsandbytes
+            p = self._parameters.get(name)
+            if p is not None:
+                out[name] = dequantize_nf4(p.data, p.quant_state)
         for name, stack in (self._lowbit_stacks or {}).items():
             codes = self._parameters.get(name)
             if codes is not None and (names is None or name in names):

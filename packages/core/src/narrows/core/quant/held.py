@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from .dequantize import dequantize_nf4
 from .nf4 import is_nf4_linear
 
 __all__ = ["HeldWeights", "dequantized_bytes", "held_bytes", "held_token", "held_weight"]
@@ -176,7 +177,6 @@ class HeldWeights:
         if _token:
             raise RuntimeError("HeldWeights.hold: another layer is held; release it first")
         import bitsandbytes
-        from bitsandbytes.functional import dequantize_4bit
 
         held, offset = {}, 0
         for m in linears:
@@ -189,10 +189,7 @@ class HeldWeights:
             view = self.buffer[offset : offset + n].view(qs.dtype)[: int(qs.shape[0]) * int(qs.shape[1])]
             view = view.view(*qs.shape)
             packed = m.weight.data.view(-1, 1)  # the layout bitsandbytes' matmul dequantises
-            if self.device.type == "cuda":
-                dequantize_4bit(packed, qs, out=view)
-            else:  # the CPU registers no out= variant
-                view.copy_(dequantize_4bit(packed, qs))
+            dequantize_nf4(packed, qs, out=view)
             held[id(m.weight)] = view
             offset += n
         # bitsandbytes writes through a pointer, which autograd does not see: a backward saved

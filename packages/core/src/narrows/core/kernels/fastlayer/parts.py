@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ...protocol.anatomy import submodules
 from ...protocol.recorders import recorded_key
+from ...quant.dequantize import dequantize_nf4
 from ...quant.held import held_weight
 from ...quant.nf4 import is_nf4_linear
 from ..lora_branches import _FusedForward
@@ -170,9 +171,7 @@ class _NF4Weight:
     def __call__(self, like: Tensor) -> Tensor:
         held = held_weight(self.base)
         if held is None:
-            from bitsandbytes.functional import dequantize_4bit
-
-            held = dequantize_4bit(self.base.weight.data.view(-1, 1), self.base.weight.quant_state)
+            held = dequantize_nf4(self.base.weight.data.view(-1, 1), self.base.weight.quant_state)
         return held if held.dtype == like.dtype else held.to(like.dtype)
 
     def into(self, out: Tensor) -> None:
@@ -180,14 +179,7 @@ class _NF4Weight:
         if held is not None:
             out.copy_(held)
             return
-        from bitsandbytes.functional import dequantize_4bit
-
-        qs = self.base.weight.quant_state
-        packed = self.base.weight.data.view(-1, 1)
-        if out.is_cuda and out.dtype == qs.dtype:  # straight into its rows (the CPU has no out=)
-            dequantize_4bit(packed, qs, out=out)
-        else:
-            out.copy_(dequantize_4bit(packed, qs))
+        dequantize_nf4(self.base.weight.data.view(-1, 1), self.base.weight.quant_state, out=out)
 
 
 class _DenseWeight:
