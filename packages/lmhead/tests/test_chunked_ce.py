@@ -213,3 +213,69 @@ def test_a_training_head_takes_one_item_at_a_time():
     with pytest.raises(ValueError, match="one item at a time"):
         linear_cross_entropies([(hidden, targets, weights)] * 2, ResidentHead.of(head))
     assert linear_cross_entropies([], ResidentHead.of(head)) == []
+
+
+@pytest.fixture
+def fake_liger(monkeypatch):
+    """Liger's functional entry point in PyTorch (it runs on CUDA only): full logits, the
+    cross-entropy of each row, rows with `ignore_index` left out, summed or not; yields the
+    reductions it was asked for."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from narrows.core.optional import is_available
+
+    calls = []
+
+    def fused(input, weight, target, ignore_index=-100, reduction="mean", softcap=None, chunk_mem_const=1):
+        calls.append(reduction)
+        keep = target != ignore_index
+        nll = torch.nn.functional.cross_entropy(
+            (input @ weight.T).float(), torch.where(keep, target, 0), reduction="none"
+        )
+        nll = torch.where(keep, nll, 0.0)
+        return nll.sum() if reduction == "sum" else nll
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = fused
+    for name, module in (
+        ("liger_kernel", types.ModuleType("liger_kernel")),
+        ("liger_kernel.transformers", types.ModuleType("liger_kernel.transformers")),
+        ("liger_kernel.transformers.functional", functional),
+    ):
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # found, as installed
+        monkeypatch.setitem(sys.modules, name, module)
+    is_available.cache_clear()
+    yield calls
+    monkeypatch.undo()
+    is_available.cache_clear()
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_liger_sums_rows_that_weigh_alike_and_the_sum_is_scaled(fake_liger, mask):
+    """Where every trainable row weighs the same (`LossRows.scale`), Liger is asked for a
+    sum over the rows that count (its forward then computes the gradient; per-row weights
+    would run the head again in its backward): loss and gradient equal the weighted rows'
+    (the untrained rows, present without `mask`, must be left out, not summed)."""
+    from narrows.lmhead.fused import fused_cross_entropy
+    from narrows.lmhead.loss import LossOptions, loss_rows
+
+    hidden, head, targets, _ = case()
+    labels = torch.cat([torch.tensor([-100]), targets])[None].clone()
+    labels[0, 5:12] = -100  # a prompt's rows: no loss
+    h = torch.cat([hidden, hidden[:1]])[None]
+    rows = loss_rows(h, labels, ResidentHead.of(head), LossOptions(mask=mask))
+    trained = rows.weights[rows.weights > 0]
+    assert torch.equal(trained, torch.full_like(trained, float(rows.scale)))
+    assert (rows.weights == 0).any() != mask  # without mask the untrained rows stay, weighing 0
+    source = ResidentHead.of(head)
+    summed = fused_cross_entropy(rows.hidden, rows.targets, source, rows.weights, "liger", scale=rows.scale)
+    weighed = fused_cross_entropy(rows.hidden, rows.targets, source, rows.weights, "liger")
+    assert fake_liger == ["sum", "none"]
+    want = reference_cross_entropy(rows.hidden, rows.targets, head.weight, None, rows.weights, LogitMath())
+    want_grad = torch.autograd.grad(want, hidden, retain_graph=True)
+    for got in (summed, weighed):
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        got_grad = torch.autograd.grad(got, hidden, retain_graph=True)
+        torch.testing.assert_close(got_grad, want_grad, **TOL[torch.float32])

@@ -24,6 +24,7 @@ from .chunked import DEFAULT_TILE_BYTES
 __all__ = ["AUTO_ORDER", "FUSED_CHOICES", "fused_cross_entropy", "fused_library", "fused_reason"]
 
 FUSED_CHOICES = ("off", "auto", "liger", "cce")
+IGNORED = -100  # the target of a row the loss leaves out
 AUTO_ORDER = ("liger", "cce")  # fastest first (benchmarks/lmhead_memory.py)
 _MODULES = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
 
@@ -62,22 +63,43 @@ def fused_cross_entropy(
     token_weights: Tensor,
     library: str = "cce",
     tile_bytes: int = DEFAULT_TILE_BYTES,
+    *,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """``sum_i w_i * CE(head(hidden_i), targets_i)`` through `library`'s kernels; Liger's
-    logits chunks are sized to about `tile_bytes`, as the tiles' are."""
+    logits chunks are sized to about `tile_bytes`, as the tiles' are.
+
+    `scale`: the one weight every row with a nonzero weight has (rows weighing 0 count
+    for nothing). Liger then sums its losses (those rows ignored) and the sum is scaled:
+    its forward computes the input's gradient as it goes, chunk by chunk, and its backward
+    scales that. With weights per row (``reduction="none"``) its backward runs the head's
+    matmul over every chunk again, to weigh each row's logits' gradient."""
     if library == "liger":
         require("liger_kernel", "fused cross-entropy (fused='liger')")
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         # Liger bounds a chunk's logits to chunk_mem_const × tokens × hidden elements
         per_unit = hidden.shape[0] * hidden.shape[1] * hidden.element_size()
+        chunks = max(1, tile_bytes // max(1, per_unit))
+        if scale is not None:
+            ignored = torch.where(token_weights > 0, targets, IGNORED)
+            total = liger_fused_linear_cross_entropy(
+                hidden,
+                source.weight,
+                ignored,
+                ignore_index=IGNORED,
+                reduction="sum",
+                softcap=source.math.softcap,
+                chunk_mem_const=chunks,
+            )
+            return total.float() * scale
         nll = liger_fused_linear_cross_entropy(
             hidden,
             source.weight,
             targets,
             reduction="none",
             softcap=source.math.softcap,
-            chunk_mem_const=max(1, tile_bytes // max(1, per_unit)),
+            chunk_mem_const=chunks,
         )
     else:
         cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")

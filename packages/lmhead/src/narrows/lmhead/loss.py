@@ -133,6 +133,7 @@ class LossRows:
     targets: Tensor  # [N]
     weights: Tensor  # [N] fp32
     source: HeadSource
+    scale: Tensor | None = None  # fp32 scalar: the one weight of every row that weighs anything
 
 
 def loss_rows(
@@ -183,7 +184,7 @@ def loss_rows(
         source = subset_head(source, ids)
         if stats is not None:
             stats.append(ids.numel())
-    return LossRows(flat, targets, weights, source)
+    return LossRows(flat, targets, weights, source, scale=1 / denominator)
 
 
 def rows_loss(rows: LossRows, options: LossOptions, ran: set[str] | None = None) -> Tensor:
@@ -195,7 +196,15 @@ def rows_loss(rows: LossRows, options: LossOptions, ran: set[str] | None = None)
         library, why_not = fused_library(flat, source, options.fused)
         if library is not None:
             said.add(library)
-            return fused_cross_entropy(flat, targets, source, weights, library, options.tile_bytes)  # type: ignore[arg-type]
+            return fused_cross_entropy(
+                flat,
+                targets,
+                source,
+                weights,
+                library,
+                options.tile_bytes,
+                scale=rows.scale,  # type: ignore[arg-type]
+            )
         if options.fused != "auto":
             raise NarrowsError(
                 f"fused={options.fused!r} cannot run here: {why_not}; use fused='auto' to fall back"
