@@ -6,16 +6,24 @@ import pytest
 
 from narrows.core.app.cli import main
 from narrows.core.optional import OPTIONAL
+from narrows.core.testing.processes import child_env
 
 
-def test_doctor_reports_versions_devices_and_backends():
+@pytest.fixture(scope="module")
+def doctor_report() -> dict:
+    """`narrows doctor --json` as a user runs it, once for the tests that read it."""
     out = subprocess.run(
         [sys.executable, "-m", "narrows.core.app.cli", "doctor", "--json"],
         capture_output=True,
         text=True,
         check=True,
+        env=child_env(),
     ).stdout
-    report = json.loads(out)
+    return json.loads(out)
+
+
+def test_doctor_reports_versions_devices_and_backends(doctor_report):
+    report = doctor_report
     assert report["packages"]["narrows-core"] == "0.1.0"
     assert report["dependencies"]["torch"] and report["dependencies"]["transformers"]
     assert report["devices"][0]["name"] == "cpu"
@@ -44,12 +52,16 @@ def test_console_script_is_installed():
     exe = str(exe) if exe.exists() else shutil.which("narrows")
     if exe is None:
         pytest.skip("no `narrows` script beside this interpreter or on PATH (installed with --target?)")
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [exe, "--version"], capture_output=True, text=True, check=True, env=child_env()
+    ).stdout
     assert out.strip() == "narrows-core 0.1.0"
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=child_env()
+    )
 
 
 def test_the_parser_builds_without_torch():
@@ -74,7 +86,7 @@ _RAISE = {
 
 
 @pytest.mark.parametrize("source", sorted(_RAISE))
-def test_third_party_notices_are_silenced_and_shown_by_doctor(source):
+def test_third_party_notices_are_silenced_and_shown_by_doctor(source, doctor_report):
     from narrows.core.notices import NOTICES
 
     notice = next(n for n in NOTICES if n.source == source)
@@ -83,10 +95,4 @@ def test_third_party_notices_are_silenced_and_shown_by_doctor(source):
         pytest.skip(f"{source} does not raise {notice.pattern!r} on this machine")
     quiet = _python("import narrows.core; " + _RAISE[source])
     assert quiet.returncode == 0 and notice.pattern not in quiet.stderr, quiet.stderr
-    doctor = subprocess.run(
-        [sys.executable, "-m", "narrows.core.app.cli", "doctor", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert any(n["message"].startswith(notice.pattern) for n in json.loads(doctor)["notices"])
+    assert any(n["message"].startswith(notice.pattern) for n in doctor_report["notices"])

@@ -37,6 +37,10 @@ def test_core_does_not_import_optional_backends():
     import subprocess
     import sys
 
+    from narrows.core.testing.processes import child_env
+
     code = "import sys, narrows.core; print(sorted(m for m in ('bitsandbytes', 'triton', 'lm_eval', 'peft') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=child_env()
+    ).stdout
     assert out.strip() == "[]"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from narrows.core import NarrowsError
+from narrows.core.testing.processes import child_env
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -29,13 +30,17 @@ def scores(lm):
 
 def test_lm_eval_finds_the_model_by_name_in_a_fresh_process():
     code = "from lm_eval.api.registry import get_model; print(get_model('narrows').__name__, get_model('hf').__name__)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=child_env()
+    ).stdout
     assert out.split() == ["NarrowsLM", "HFLM"]  # ours added, lm-eval's own still there
 
 
 def test_the_startup_hook_imports_nothing_heavy():
     code = "import sys; print(sorted(m for m in ('torch', 'narrows.eval', 'lm_eval') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=child_env()
+    ).stdout
     assert out.strip() == "[]"
 
 
