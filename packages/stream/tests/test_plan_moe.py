@@ -137,7 +137,7 @@ def test_the_fast_moe_layers_kept_state_is_what_the_planner_prices():
         parts = FastLayer.of(anatomy_of(model).layers[0]).parts()
         tokens, hidden = 24, model.config.hidden_size
         _, state = moe.forward(parts.moe, torch.randn(tokens, hidden), None, output=False, keep=True)
-        kept = [state.probs, state.chosen, state.order, state.back, state.weights, state.h, state.a]
+        kept = [state.probs, state.chosen, state.token, state.back, state.weights, state.h, state.a]
         kept += [t for t in (state.n, *state.z.values()) if t is not None]
         assert len(kept) == (10 if experts else 7)
         counted = sum(t.numel() * t.element_size() for t in kept)

@@ -126,7 +126,7 @@ class MoEState:
 
     probs: Tensor  # the router's softmax, float32 (tokens, E)
     chosen: Tensor  # the k experts of each token, (tokens, k)
-    order: Tensor  # the (token, k) slots sorted by expert, (S,)
+    token: Tensor  # the token of each slot in expert order (the (token, k) slots sorted by expert), (S,)
     back: Tensor  # where each slot went in that order (the inverse permutation)
     ends: Tensor  # where each expert's rows end, int32 (E,)
     weights: Tensor  # each sorted slot's routing weight, (S,)
@@ -188,15 +188,17 @@ def forward(
     tokens, k = n.shape[0], p.top_k
     probs, chosen, top = _route(p, n)
     flat = chosen.reshape(-1)
-    order = torch.argsort(flat, stable=True)
     experts = p.router.shape[0]
+    # sorted by the narrowest key that holds an expert's index: fewer radix passes, same order
+    order = torch.argsort(flat.to(_key_dtype(experts)), stable=True)
     ids = torch.arange(experts, device=n.device, dtype=flat.dtype)
     ends = torch.searchsorted(flat[order], ids, right=True).to(torch.int32)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=n.device, dtype=order.dtype)
     low = p.low(n)
     z: dict[str, Tensor] = {}
-    x = n[order // k]
+    token = order // k
+    x = n[token]
     gate_up = p.stack("gate_up_proj", n, cache)
     h = grouped_mm(x, gate_up if p.transposed else gate_up.transpose(-2, -1), ends)
     del gate_up  # freed before down's is dequantised (unless a cache holds it)
@@ -223,7 +225,11 @@ def forward(
     if not keep:
         return out, None
     kept_n = n if "gate_up_proj" in low else None  # its slots' copies are gathered again when needed
-    return out, MoEState(probs, chosen, order, back, ends, weights, h, a, low, kept_n, z, expert)
+    return out, MoEState(probs, chosen, token, back, ends, weights, h, a, low, kept_n, z, expert)
+
+
+def _key_dtype(experts: int) -> torch.dtype:
+    return torch.uint8 if experts <= 256 else torch.int16 if experts <= 32768 else torch.int64
 
 
 def _activation(p: MoEParts, h: Tensor) -> Tensor:
@@ -258,7 +264,7 @@ def backward(
     adapters' (float32, in `MoEParts.params` order and their masters' layouts)."""
     tokens, k = g.shape[0], p.top_k
     grads: dict[str, tuple[Tensor, Tensor]] = {}
-    g_slot = g[s.order // k]
+    g_slot = g[s.token]
     # each slot's gradient through down, unweighted
     down = p.stack("down_proj", g, cache)
     u = grouped_mm(g_slot, down.transpose(-2, -1) if p.transposed else down, s.ends)
@@ -327,7 +333,7 @@ def _adapter_backward(
     ad = p.adapters[name]
     gb = grouped_mm(g_out, b, s.ends)  # (S, r)
     g_in.add_(grouped_mm(gb, a, s.ends).to(g_in.dtype), alpha=ad.scaling)
-    x = _in(p, s.n[s.order // p.top_k] if name == "gate_up_proj" else s.a)
+    x = _in(p, s.n[s.token] if name == "gate_up_proj" else s.a)
     z = s.z[name]
     if weights is not None:
         gb, z = gb * weights.to(gb.dtype), z * weights.to(z.dtype)
