@@ -386,3 +386,23 @@ def test_lora_dtype_float32_reaches_the_fast_layers_and_the_summary(job, tmp_pat
     refused = cli(*args, "--kernels", "peft", "--lora-dtype", "float32", "--out", str(tmp_path / "no"))
     assert refused.returncode == 2 and "narrows: error: --lora-dtype float32" in refused.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_the_steps_run_with_what_loading_made_out_of_the_collectors_walks(job, tmp_path, monkeypatch):
+    """The training loop runs with the loaded objects frozen (`settled_heap`: the cyclic
+    collector's full walks skip them) and the heap is handed back after, in-process."""
+    import gc
+
+    from narrows.core.app.finetune import job as job_module
+
+    real, seen = job_module.train, []
+
+    def train(*args, **kwargs):
+        seen.append(gc.get_freeze_count())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(job_module, "train", train)
+    _, args = job
+    assert main(["finetune", *args, "--steps", "1", "--out", str(tmp_path / "run")]) == 0
+    assert len(seen) == 1 and seen[0] > 10_000  # the model, the data: frozen while the steps ran
+    assert gc.get_freeze_count() == 0

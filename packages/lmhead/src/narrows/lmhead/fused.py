@@ -80,7 +80,7 @@ def fused_cross_entropy(
 
         # Liger bounds a chunk's logits to chunk_mem_const × tokens × hidden elements
         per_unit = hidden.shape[0] * hidden.shape[1] * hidden.element_size()
-        chunks = max(1, tile_bytes // max(1, per_unit))
+        mem_const = max(1, tile_bytes // max(1, per_unit))
         if scale is not None:
             ignored = torch.where(token_weights > 0, targets, IGNORED)
             total = liger_fused_linear_cross_entropy(
@@ -90,7 +90,7 @@ def fused_cross_entropy(
                 ignore_index=IGNORED,
                 reduction="sum",
                 softcap=source.math.softcap,
-                chunk_mem_const=chunks,
+                chunk_mem_const=mem_const,
             )
             return total.float() * scale
         nll = liger_fused_linear_cross_entropy(
@@ -99,7 +99,7 @@ def fused_cross_entropy(
             targets,
             reduction="none",
             softcap=source.math.softcap,
-            chunk_mem_const=chunks,
+            chunk_mem_const=mem_const,
         )
     else:
         cce = require("cut_cross_entropy", "fused cross-entropy (fused='cce')")

@@ -28,7 +28,7 @@ from .config import FinetuneConfig
 from .configfile import RunFile
 from .evaluate import eval_row, say
 from .inputs import absolute_inputs, check_inputs, record_inputs
-from .loop import Progress, follow_schedule, schedule, train
+from .loop import Progress, follow_schedule, schedule, settled_heap, train
 from .ranks import Ranks, data_parallel
 from .report import plot_losses, save_adapter, summarize
 from .reporters import open_reporters, summary_row
@@ -304,23 +304,24 @@ def _run(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.training.steps, initial=step, desc="finetune", unit="step", dynamic_ncols=True)
-    train(
-        cfg,
-        run,
-        model,
-        optimizer,
-        scheduler,
-        train_set,
-        evals,
-        pad_id,
-        device,
-        state,
-        bar,
-        ranks,
-        net,
-        step_mode=step_mode,
-        stages=stages,
-    )
+    with settled_heap():
+        train(
+            cfg,
+            run,
+            model,
+            optimizer,
+            scheduler,
+            train_set,
+            evals,
+            pad_id,
+            device,
+            state,
+            bar,
+            ranks,
+            net,
+            step_mode=step_mode,
+            stages=stages,
+        )
     # the stages' facts and the whole adapter, gathered to rank 0 (collectives: every rank)
     staged = stages.facts() if stages else None
     whole = stages.whole_state(None) if stages else None
