@@ -51,7 +51,7 @@ def train(
         for micro in range(grad_accum):
             seq = widths[(step * grad_accum + micro) % len(widths)]
             batch = {k: v.to(device) for k, v in tiny_batch(seq=seq, seed=100 * step + micro).items()}
-            loss = model(**batch).loss / grad_accum
+            loss = model(**batch, use_cache=False).loss / grad_accum  # as the main job trains
             loss.backward()
             record["loss"].append(loss.detach().clone())
         record["grad"] += [

@@ -73,14 +73,20 @@ def test_sdpa_attention_streamed_equals_resident(arch):
 @pytest.mark.bnb
 @pytest.mark.parametrize(
     "setting",
-    [dict(gpu_budget="min"), dict(graphs=True, gpu_budget=None), dict(gpu_budget="min", experts="nf3")],
-    ids=["least-budget", "graphs", "nf3-experts"],
+    [
+        dict(gpu_budget="min"),
+        dict(graphs=True, gpu_budget=None),
+        dict(graphs=True, gpu_budget="fit"),
+        dict(gpu_budget="min", experts="nf3"),
+    ],
+    ids=["least-budget", "graphs", "whole-graphs", "nf3-experts"],
 )
 @pytest.mark.parametrize("arch", [*MOE, "glm4_moe", "deepseek_v3"])
 def test_fast_moe_layers_streamed_equal_the_same_layers_resident(arch, setting):
     """The fast MoE layer (router, grouped matmuls over NF4 or NF3 experts, Qwen2-MoE's
-    shared expert with its adapters' dropout) streamed at the least budget or replayed as
-    graphs trains the bits `fuse_layers` trains resident."""
+    shared expert with its adapters' dropout) streamed at the least budget, or replayed as
+    graphs (recomputed, or whole: kept from the forward's graph to the backward's) trains
+    the bits `fuse_layers` trains resident."""
     setting = dict(setting)
     experts = setting.pop("experts", "nf4")
 
@@ -100,6 +106,15 @@ def test_fast_moe_layers_streamed_equal_the_same_layers_resident(arch, setting):
     assert (
         all(p is not None for p in parts) and parts[-1].moe is not None
     )  # (GLM-4-MoE's, DeepSeek's first: dense)
+    if setting.get("gpu_budget") == "fit":  # every layer whole, each replayed as its two graphs
+        plan, stats = streamed.narrows_stream.plan, streamed.narrows_stream.graphs.stats
+        assert len(plan.whole) == len(parts)
+        # latent attention's SDPA call (DeepSeek-V3's) records a graph of nodes here (the math
+        # path): its layers are named and run their own forward, still the same bits
+        why = set(stats.refused.values())
+        assert (stats.replays > 0 and not why) or why == {
+            "its attention records more than one node (SDPA's math path)"
+        }
 
 
 @pytest.mark.bnb
@@ -342,11 +357,16 @@ def test_cuda_sdpa_bf16_streamed_equals_resident_under_deterministic_kernels(arc
         nc.deterministic(before)
 
 
+CUDA_SETTINGS = {"default plan": {}, "whole layers as graphs": {"graphs": True, "gpu_budget": "fit"}}
+
+
 @pytest.mark.gpu
 @pytest.mark.bnb
+@pytest.mark.parametrize("setting", list(CUDA_SETTINGS))
 @pytest.mark.parametrize("arch", [*MOE, "gpt_oss", "deepseek_v3"])
-def test_cuda_nf4_experts_streamed_equal_resident_under_deterministic_kernels(arch):
-    """NF4 expert stacks (dequantised per call, grouped matmuls on CUDA) streamed as resident."""
+def test_cuda_nf4_experts_streamed_equal_resident_under_deterministic_kernels(arch, setting):
+    """NF4 expert stacks (dequantised per call, grouped matmuls on CUDA) streamed as resident;
+    and whole fast layers replayed as their forward and backward graphs."""
     import torch
 
     before = torch.are_deterministic_algorithms_enabled()
@@ -360,10 +380,14 @@ def test_cuda_nf4_experts_streamed_equal_resident_under_deterministic_kernels(ar
 
         resident = model().to("cuda")
         fuse_layers(resident)  # the stream's default kernels (gpt-oss's eager layers: the fast ones)
+        streamed = model()
+        kw = {"deterministic": True, **CUDA_SETTINGS[setting]}
         assert_identical(
             train(resident, grad_accum=2, device="cuda"),
-            train(model(), grad_accum=2, device="cuda", stream_kwargs={"deterministic": True}),
+            train(streamed, grad_accum=2, device="cuda", stream_kwargs=kw),
         )
+        if kw.get("graphs") and not streamed.narrows_stream.graphs.stats.refused:
+            assert streamed.narrows_stream.graphs.stats.replays > 0
     finally:
         nc.deterministic(before)
 

@@ -436,3 +436,58 @@ def test_a_capture_steps_peak_counts_the_pool_beside_each_warm_up():
     assert first == 0 and captures > 0 and later == 0 and none == 0
     assert replaying == allocated + g.pool_bytes() > allocated
     assert capturing >= replaying and held >= replaying > allocated
+
+
+def _two_in_flight(stream_kwargs: dict | None, check: bool = True) -> list[torch.Tensor]:
+    """Two micro-batches' forwards before one backward of their sum: the adapters'
+    gradients, on a fast model (whole layers: graphed in `stream_kwargs` with graphs)."""
+    from narrows.core import fuse_layers
+    from narrows.core.testing import tiny_batch
+
+    model = build("qwen3", dropout=0.1)
+    model.set_attn_implementation("sdpa")
+    if stream_kwargs is None:
+        fuse_layers(model)
+    else:
+        ns.stream(model, device="cpu", **stream_kwargs)
+    torch.manual_seed(0)
+    for step in range(3):  # the first sees each shape, the second captures, the third replays
+        batches = [tiny_batch(seed=10 * step + i) for i in range(2)]
+        sum(model(**b, use_cache=False).loss for b in batches).backward()
+    if stream_kwargs is not None and check:
+        stats = model.narrows_stream.graphs.stats
+        assert stats.replays > 0 and stats.eager > 0 and not stats.refused
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_whole_layers_replay_their_graphs_and_a_second_forward_in_flight_runs_its_own():
+    """Whole fast layers run as a forward graph and a backward graph; what the forward
+    keeps lives in the graphs' buffers until the backward, so a second forward before it
+    runs the layer's own forward: the gradients are resident training's. The twin: without
+    the claim, the second forward's replay overwrites what the first kept."""
+    graphed = {"kernels": "fast", "graphs": True, "gpu_budget": "fit"}
+    reference = _two_in_flight(None)
+    assert all(torch.equal(a, b) for a, b in zip(reference, _two_in_flight(graphed)))
+    claim = graphs._Claim.__init__
+    try:
+        graphs._Claim.__init__ = lambda self, whole: setattr(self, "whole", whole)  # never busy
+        got = _two_in_flight(graphed, check=False)
+    finally:
+        graphs._Claim.__init__ = claim
+    assert not all(torch.equal(a, b) for a, b in zip(reference, got))
+
+
+def test_a_whole_layers_graphs_are_released_when_no_backward_comes():
+    """A forward with grad whose loss is never differentiated frees its node: the graphs'
+    saved tensors are free again, and the next forward replays."""
+    from narrows.core.testing import tiny_batch
+
+    model = build("qwen3")
+    model.set_attn_implementation("sdpa")
+    ns.stream(model, device="cpu", kernels="fast", graphs=True, gpu_budget="fit")
+    for seed in range(3):
+        model(**tiny_batch(seed=seed), use_cache=False)  # dropped: no backward
+    stats = model.narrows_stream.graphs.stats
+    wholes = [g for g in model.narrows_stream.graphs._graphs.values() if isinstance(g, graphs._Whole)]
+    assert stats.captured == len(wholes) > 0 and stats.eager == 0 and not any(w.busy for w in wholes)
+    assert stats.replays == 2 * len(wholes)  # the second and third forwards, each layer

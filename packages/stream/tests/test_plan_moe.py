@@ -190,10 +190,10 @@ def test_graphed_moe_layers_are_priced_with_their_pool_beside_the_eager_working_
 
 
 def test_auto_recomputes_a_mixture_of_experts_layers_as_graphs():
-    """A fast MoE model takes graphs wherever the eager plan would recompute a layer and
-    their pool costs no resident layer, stays eager where every layer runs whole (the plans
-    are the same there) or where the pool would stream a layer the eager plan keeps; a dense
-    model's choice stays the step-time model's."""
+    """A fast MoE model takes graphs wherever their pool costs no resident layer — its
+    whole layers replay too (a forward graph and a backward graph each), and the pool is
+    priced — and stays eager where the pool would stream a layer the eager plan keeps; a
+    dense model's choice stays the step-time model's."""
     from narrows.stream.planning import make_plan
 
     anat = anatomy_of(model("qwen3_moe", CASES[0][1]))
@@ -203,13 +203,14 @@ def test_auto_recomputes_a_mixture_of_experts_layers_as_graphs():
     whole = make_plan(layers, **common, budget=1 << 40, graphs=False)
     assert whole.whole == tuple(range(anat.num_layers))
     auto = make_plan(layers, **common, budget=1 << 40, graphs="auto")
-    assert not auto.graphs and auto.whole == whole.whole
+    assert auto.graphs and auto.whole == whole.whole and "every layer runs whole" in auto.graphs_choice
+    assert auto.graph_bytes > 0 and auto.predicted_peak == whole.predicted_peak + auto.graph_bytes
     # the smallest footprint's peak: every layer streamed and recomputed, graphed or not
     budget = make_plan(layers, **common, budget=None, graphs=False).predicted_peak
     eager = make_plan(layers, **common, budget=budget, graphs=False)
     assert eager.whole != whole.whole
     auto = make_plan(layers, **common, budget=budget, graphs="auto")
-    assert auto.graphs and auto.whole == () and "recompute faster as graphs" in auto.graphs_choice
+    assert auto.graphs and auto.whole == () and "recomputed" in auto.graphs_choice
     assert auto.predicted_peak <= budget and auto.resident == eager.resident
     dense = make_plan(layers, **{**common, "shapes": replace(s, moe=None)}, budget=budget, graphs="auto")
     assert "predicted" in dense.graphs_choice

@@ -321,7 +321,18 @@ def stream(model: nn.Module, config: StreamConfig | int | str | None = None, /, 
         anat.head.weight.data = streamed_head.host  # one host copy, shared with a tied embedding
         attach_head_source(model, streamed_head)
     held = HeldWeights(anat.layers, dev) if the_plan.held_weights else None
-    install_forwards(anat, the_plan, engine, acts, executor, streamed_head, on_host_embedding, dev, held)
+    install_forwards(
+        anat,
+        the_plan,
+        engine,
+        acts,
+        executor,
+        streamed_head,
+        on_host_embedding,
+        dev,
+        held,
+        whole_graphs=cfg.kernels == "fast",
+    )
 
     shapes = planned_shapes(model, anat, cfg)
     # the same plan with other rates (a profile's): the budget as this plan resolved it

@@ -1,5 +1,7 @@
 """CUDA graphs for the layers narrows runs itself: a layer's forward, and its
-recompute-and-differentiate in backward, each replayed as one graph (`LayerGraphs`).
+recompute-and-differentiate in backward, each replayed as one graph (`LayerGraphs`); and a
+whole fast layer (kept, not recomputed) as two: its forward, which writes what its backward
+reads into buffers of its own in the pool, and that backward (`LayerGraphs.whole`).
 
 Replays give eager's results bit for bit (same kernels, same inputs, the restored RNG).
 A shape is captured on its second appearance; at most `max_shapes` keep graphs (least
@@ -12,6 +14,12 @@ allocated peak misses the pool; `peak_bytes` adds it. A capture runs the layer e
 (its warm-up) while the pool holds the graphs captured before it, and grows the pool: to see
 that, a capture resets CUDA's peak counter around itself and keeps what it measured in
 `capture_peak` (see `peak_bytes`).
+
+A whole layer's graphs hold its saved tensors from a forward replay to its backward's: a
+second forward of the same graphs before that backward (two micro-batches in flight) runs
+the layer's own forward instead. The pool is shared on the assumption that graphs replay in
+the order they were captured; what a whole layer keeps stays referenced by its graphs, so no
+capture after it reuses those blocks.
 
 why: docs/design.md#cuda-graphs
 """
@@ -30,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from narrows.core import ambient_state, held_token
+from narrows.core.kernels.fastlayer import FastCall, FastLayer, read_call
 from narrows.core.protocol.anatomy import submodules
 from narrows.core.protocol.recorders import recorded_key, recording
 
@@ -70,6 +79,87 @@ class _Graph:
     ins: list[Tensor]  # static buffers the live tensors are copied into, in leaf order
     outs: list[Tensor | None]  # static results (None: a gradient that does not exist)
     shape: tuple[int, ...] = ()  # the batch shape (of the hidden states) it was captured for
+
+
+@dataclass
+class _Whole:
+    """A whole fast layer's graphs: the forward, what it keeps (`compute.Saved`, its
+    tensors in the pool, rewritten by each replay), and the backward once captured."""
+
+    forward: _Graph
+    parts: Any  # the `LayerParts` the graphs were captured with
+    saved: Any
+    grads: list[Tensor]  # static results of the backward: the input's gradient, the adapters'
+    backward: _Graph | None = None
+    busy: bool = False  # a forward replayed whose backward has not run
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.forward.shape
+
+    @property
+    def ins(self) -> list[Tensor]:
+        return [*self.forward.ins, *(self.backward.ins if self.backward is not None else ())]
+
+    @property
+    def outs(self) -> list[Tensor | None]:
+        return [*self.forward.outs, *self.grads]
+
+
+class _Claim:
+    """A whole layer's saved tensors claimed by one autograd node: released by its
+    backward, or when the node is freed without one."""
+
+    def __init__(self, whole: _Whole):
+        self.whole = whole
+        whole.busy = True
+
+    def release(self) -> None:
+        self.whole.busy = False
+
+    def __del__(self) -> None:
+        self.whole.busy = False
+
+
+class _WholeLayer(torch.autograd.Function):
+    """autograd node for a whole layer replayed as graphs: ``apply(graphs, whole, tensors,
+    params, hidden, *params)``, `tensors` the call's (`_call_tensors`), `params` the
+    layer's trainable parameters."""
+
+    @staticmethod
+    def forward(ctx, graphs: LayerGraphs, whole: _Whole, tensors: list, params: tuple, hidden: Tensor, *p):
+        _fill(whole.forward.ins, tensors)
+        whole.forward.replay()
+        graphs.stats.replays += 1
+        ctx.graphs, ctx.claim, ctx.params = graphs, _Claim(whole), params
+        ctx.set_materialize_grads(False)
+        return _take(whole.forward.outs[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor | None):
+        claim, ctx.claim = ctx.claim, None
+        try:
+            if grad is None:
+                return (None,) * (5 + len(ctx.params))
+            g_x, by_id = ctx.graphs._whole_backward(claim.whole, grad)
+        finally:
+            claim.release()
+        need = ctx.needs_input_grad
+        grads = [
+            by_id[id(p)].to(p.dtype) if n and id(p) in by_id else None for p, n in zip(ctx.params, need[5:])
+        ]
+        return None, None, None, None, g_x if need[4] else None, *grads
+
+
+def _flat(gradients: tuple[Tensor, list[Tensor]]) -> list[Tensor]:
+    """`FastLayer.gradients`' results as one list: the input's, then the adapters'."""
+    return [gradients[0], *gradients[1]]
+
+
+def _call_tensors(hidden: Tensor, call: FastCall) -> list[Tensor]:
+    """What a whole layer's graphs read of a call: the hidden states, the rotary tables and
+    the mask (where there is one)."""
+    return [hidden, call.cos, call.sin] + ([call.mask] if call.mask is not None else [])
 
 
 def _fill(buffers: Sequence[Tensor | None], values: Sequence[Tensor | None]) -> None:
@@ -214,6 +304,173 @@ class LayerGraphs(LayerExecutor):
 
         return self._run(key, index, body, leaves)
 
+    def whole(self, run: LayerRun, hidden: Tensor, params: Sequence[Tensor]) -> Tensor | None:
+        """A whole (kept, not recomputed) fast layer's call through its graphs: the output,
+        differentiable in `hidden` and `params` (its trainable parameters); None where it
+        runs as the caller's own forward instead (not covered, not captured yet or not
+        capturable, or its graphs' saved tensors still wait for a backward)."""
+        fast = FastLayer.of(run.layer)
+        parts = fast.parts()
+        call = None if parts is None else read_call(run.layer, run.args, run.kwargs)
+        if call is None or call.kv is not None:
+            return None
+        leaves = [hidden, *pytree.tree_leaves((run.args, run.kwargs))]
+        extra = (hidden.requires_grad, id(parts), call.mask is None)
+        key = self._key("whole", run.index, run.layer, leaves, run.args, run.kwargs, extra)
+        if key is None:
+            return None
+        tensors = _call_tensors(hidden, call)
+        whole = self._graphs.get(key)
+        if whole is None:
+            whole = self._capture_whole(key, run.index, parts, tensors)
+            if whole is None:
+                self.stats.eager += 1
+                return None
+        if whole.busy:
+            self.stats.eager += 1
+            return None
+        return _WholeLayer.apply(self, whole, tensors, tuple(params), hidden, *params)
+
+    def _whole_backward(self, whole: _Whole, grad: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
+        """A whole layer's input gradient and its adapters' (by parameter id), from its
+        forward's saved tensors; the backward graph captured at its first use."""
+        if whole.backward is None:
+            whole.backward = self._capture_whole_backward(whole, grad)
+        graph = whole.backward
+        _fill(graph.ins, [grad])
+        graph.replay()
+        self.stats.replays += 1
+        g_x, *grads = (_take(o) for o in whole.grads)
+        return g_x, {id(p): g for p, g in zip(whole.parts.params(), grads)}
+
+    def _capture_whole(self, key: tuple, index: int, parts: Any, tensors: list[Tensor]) -> _Whole | None:
+        """A whole layer's forward graph (its inputs in buffers of its own: what it keeps
+        reads them). The warm-up runs the forward and a backward eagerly, so the backward's
+        capture, later, needs none (a warm-up would write over the saved tensors)."""
+        ins = self._static(("whole", index), tensors)
+
+        def body(inputs: list[Tensor]) -> tuple[Tensor, Any] | None:
+            call = FastCall(inputs[1], inputs[2], inputs[3] if len(inputs) > 3 else None)
+            return FastLayer.keeping(parts, inputs[0], call)
+
+        devices = [] if self.emulate else [self._device_index()]
+        with _fork(devices=devices, device_type="cuda"):
+            if self.emulate:
+                _fill(ins, tensors)
+                kept = body(ins)
+                if kept is None:
+                    self._refuse(index, "its attention records more than one node (SDPA's math path)")
+                    return None
+                outs = self._static("out", [kept[0]])
+                grads = self._static("whole-grad", _flat(FastLayer.gradients(parts, kept[0], saved=kept[1])))
+                whole = _Whole(_Graph(lambda: None, ins, outs), parts, kept[1], grads)
+
+                def replay() -> None:
+                    out, whole.saved = body(ins)
+                    _fill(outs, [out])
+
+                whole.forward.replay = replay
+            else:
+                whole = self._cuda_capture_whole(index, parts, body, tensors, ins)
+        if whole is not None:
+            whole.forward.shape = tuple(tensors[0].shape)
+            self._graphs[key] = whole
+            self.stats.captured += 1
+        return whole
+
+    def _device_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
+    def _cuda_capture_whole(
+        self, index: int, parts: Any, body: Callable, tensors: list[Tensor], ins: list[Tensor]
+    ) -> _Whole | None:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        pool = self.pool_bytes()
+        self._reset_allocator_peak(pool)
+        try:
+            with torch.cuda.stream(self.stream):
+                _fill(ins, tensors)
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    kept = body(ins)
+                    if kept is not None:  # every kernel of the backward runs once too
+                        out, saved = kept
+                        grads = self._static(
+                            "whole-grad", _flat(FastLayer.gradients(parts, out, saved=saved))
+                        )
+                        outs = self._static("out", [out])
+                        del out, saved
+                except RuntimeError as e:
+                    if "synchroniz" not in str(e):
+                        raise
+                    self._refuse(index, "its forward waits for the host (a graph cannot hold a sync)")
+                    return None
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+                if kept is None:
+                    self._refuse(index, "its attention records more than one node (SDPA's math path)")
+                    return None
+                del kept
+                self._reset_allocator_peak(pool)
+                before = torch.cuda.memory_allocated(self.device)
+                g = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(
+                        g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                    ):
+                        out, saved = body(ins)
+                        _fill(outs, [out])
+                        del out
+                except Exception as e:
+                    raise RuntimeError(
+                        f"narrows.stream: capturing layer {index} as a CUDA graph failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}). Stream with graphs=False to run every layer eagerly."
+                    ) from e
+        finally:
+            current.wait_stream(self.stream)
+        self.capture_peak = max(self.capture_peak, before + self.pool_bytes())
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return _Whole(_Graph(g.replay, ins, outs), parts, saved, grads)
+
+    def _capture_whole_backward(self, whole: _Whole, grad: Tensor) -> _Graph:
+        """The backward graph of `whole`'s forward, reading its saved tensors and writing
+        its results into `whole.grads`."""
+        ins = self._static("grad", [grad])
+        if self.emulate:
+            return _Graph(
+                lambda: _fill(
+                    whole.grads, _flat(FastLayer.gradients(whole.parts, ins[0], saved=whole.saved))
+                ),
+                ins,
+                whole.grads,
+            )
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        pool = self.pool_bytes()
+        self._reset_allocator_peak(pool)
+        before = torch.cuda.memory_allocated(self.device)
+        try:
+            with _fork(devices=[self._device_index()], device_type="cuda"), torch.cuda.stream(self.stream):
+                g = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(
+                        g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+                    ):
+                        _fill(whole.grads, _flat(FastLayer.gradients(whole.parts, ins[0], saved=whole.saved)))
+                except Exception as e:
+                    raise RuntimeError(
+                        f"narrows.stream: capturing layer backward as a CUDA graph failed ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]}). Stream with graphs=False to run every layer eagerly."
+                    ) from e
+        finally:
+            current.wait_stream(self.stream)
+        self.capture_peak = max(self.capture_peak, before + self.pool_bytes())
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.stats.captured += 1
+        return _Graph(g.replay, ins, whole.grads)
+
     # ---- capture and replay -----------------------------------------------------------
     @staticmethod
     def _rebuild(
@@ -295,8 +552,8 @@ class LayerGraphs(LayerExecutor):
             return True
         seen = self._seen.setdefault(shape, set())
         self._seen.move_to_end(shape)
-        if kind != "fwd" or index not in seen:
-            if kind == "fwd":
+        if kind == "bwd" or index not in seen:
+            if kind != "bwd":
                 seen.add(index)
             while len(self._seen) > _REMEMBERED:
                 self._seen.popitem(last=False)

@@ -3,7 +3,8 @@
 Every ``.forward`` narrows.stream replaces for good is replaced here: the tiled MLPs first
 (the one replacement that can refuse, so a refusal leaves the model as it was), then the
 streamed layers (their own forward kept as ``narrows_original``), the streamed head and
-the host embedding. Whole layers are untouched.
+the host embedding. Whole layers are untouched, but for fast layers under CUDA graphs
+(``whole_graphs``): theirs replay as graphs where they can (`LayerGraphs.whole`).
 
 why: docs/design.md#wiring-order
 """
@@ -63,13 +64,18 @@ def install_forwards(
     host_embedding: bool,
     device: torch.device,
     held: HeldWeights | None = None,
+    whole_graphs: bool = False,
 ) -> None:
     """Steps 2-4: the streamed layers' forwards (their 4-bit weights held through each
     backward in `held`, when given), the streamed head's (when `head` is given) and the
-    host embedding's (its rows then go to `device`)."""
+    host embedding's (its rows then go to `device`); with `whole_graphs` (fast layers,
+    `executor` a `LayerGraphs`), the whole layers' through their graphs."""
     for i, layer in enumerate(anat.layers):
-        if i not in plan.whole:  # a whole layer runs untouched, as in resident training
+        if i not in plan.whole:
             layer.forward = _layer_forward(i, layer, engine, offload, executor, held)
+        elif whole_graphs and isinstance(executor, LayerGraphs):
+            layer.forward = _whole_forward(i, layer, executor)
+        # else a whole layer runs untouched, as in resident training
     if head is not None:
         anat.head.forward = lambda hidden: chunked_logits(hidden, head)
     if host_embedding:
@@ -101,6 +107,29 @@ def _layer_forward(
         run = LayerRun(index, layer, checked, args, kwargs)
         call = LayerCall(run, engine, params, side, offload, executor=executor, held=held)
         return streamed_call(call, hidden)
+
+    forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]
+    return forward
+
+
+def _whole_forward(index: int, layer: nn.Module, graphs: LayerGraphs) -> Callable[..., Any]:
+    """A whole fast layer's forward: through its graphs when it trains and they can run
+    (`LayerGraphs.whole`), else its own (the fast layer's autograd node)."""
+    original = layer.forward
+    params = tuple(p for p in layer.parameters() if p.requires_grad)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            kwargs = dict(kwargs)
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+            trained = tuple(p for p in params if p.requires_grad)
+            out = graphs.whole(LayerRun(index, layer, original, rest, kwargs), hidden, trained)
+            if out is not None:
+                return out
+        return original(hidden, *rest, **kwargs)
 
     forward.__wrapped__ = forward.narrows_original = original  # type: ignore[attr-defined]
     return forward

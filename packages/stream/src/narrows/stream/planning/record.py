@@ -129,7 +129,7 @@ class Plan:
                     "off"
                     if not self.graphs
                     else f"on: the layers narrows runs replay as graphs (pool {format_bytes(self.graph_bytes)})"
-                    if len(self.whole) < len(self.layer_bytes)
+                    if self.graph_bytes
                     else "on, but every layer runs whole (eager): no graphs"
                 )
                 + (f" ({self.graphs_choice})" if self.graphs_choice else ""),

@@ -162,8 +162,9 @@ class _Footprint:
         return self.in_flight * one
 
     def pool(self, t: int | None, whole: int) -> int:
-        """The graphs' pool, while any layer is graphed."""
-        return graph_bytes(self.shapes, t, self.reserved) if self.graphed and whole < self.n else 0
+        """The graphs' pool, while any layer is graphed (fast layers are, whole ones too)."""
+        graphed = self.graphed and (whole < self.n or self.shapes.fast)
+        return graph_bytes(self.shapes, t, self.reserved) if graphed else 0
 
     def peak(self, resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
         return (
@@ -299,7 +300,7 @@ def _either(args: dict) -> Plan:
             eager, graphs_choice="auto: their pool would need sequence tiles the eager plan does not"
         )
     shapes = args["shapes"]
-    if shapes.fast and shapes.moe is not None and eager.whole != tuple(range(len(eager.layer_bytes))):
+    if shapes.fast and shapes.moe is not None:
         # measured, not modelled: the step-time model does not see a fast MoE layer's host cost
         recomputed = len(eager.layer_bytes) - len(eager.whole)
         fewer = len(eager.resident) - len(graphed.resident)
@@ -309,10 +310,14 @@ def _either(args: dict) -> Plan:
                 graphs_choice=f"auto: off: their pool would leave {fewer} fewer layers resident, and a "
                 "mixture of experts' layers streamed cost more than its graphs save",
             )
+        said = (
+            f"{recomputed} of the eager plan's layers are recomputed"
+            if recomputed
+            else "every layer runs whole (a forward graph and a backward graph each)"
+        )
         return replace(
             graphed,
-            graphs_choice=f"auto: {recomputed} of the eager plan's layers are recomputed, and a mixture "
-            "of experts' layers recompute faster as graphs",
+            graphs_choice=f"auto: {said}, and a mixture of experts' fast layers run faster as graphs",
         )
     pick = graphed if graphed.step_seconds < eager.step_seconds else eager
     return replace(

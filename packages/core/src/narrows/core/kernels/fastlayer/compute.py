@@ -496,10 +496,13 @@ def forward_keeping(
     mask: Tensor | None,
     cache: dict[str, Tensor] | None = None,
     kv: KVSink | None = None,
+    store: AttentionStore | None = None,
 ) -> tuple[Tensor, Saved]:
-    """The output and what the backward needs (resident training without recompute)."""
+    """The output and what the backward needs (resident training without recompute); with
+    `store`, the attention's node is kept there (`Saved.kept`), so the backward calls it
+    alone and leaves what it saved in place (a CUDA graph replays the backward again)."""
     with torch.no_grad():
-        out, saved, _ = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv)
+        out, saved, _ = _run(parts, x, cos, sin, mask, cache, output=True, keep=True, kv=kv, store=store)
     for state in (saved.qkv, saved.o, saved.gate_up, saved.down):
         if state is not None:  # kept until the step's backward: that casts the adapters again
             state.low = None

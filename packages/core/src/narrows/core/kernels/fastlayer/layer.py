@@ -156,6 +156,17 @@ class FastLayer:
         return compute.forward(parts, hidden, call.cos, call.sin, call.mask, kv=call.kv), None
 
     @staticmethod
+    def keeping(parts: LayerParts, hidden: Tensor, call: FastCall) -> tuple[Tensor, compute.Saved] | None:
+        """The layer's output and everything its backward reads, the attention kept as its
+        one node (`compute.OnDevice`): `gradients(parts, g, saved=...)` then leaves what the
+        forward saved as it was, so a CUDA graph of it can replay. None where attention
+        records more than one node (SDPA's math fallback): its backward would free them."""
+        out, saved = compute.forward_keeping(
+            parts, hidden, call.cos, call.sin, call.mask, kv=call.kv, store=compute.OnDevice()
+        )
+        return None if saved.kept is None else (out, saved)
+
+    @staticmethod
     def gradients(
         parts: LayerParts,
         grad: Tensor,
