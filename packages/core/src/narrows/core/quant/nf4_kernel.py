@@ -4,7 +4,7 @@ only when one runs, so narrows.core works without Triton).
 
 bitsandbytes takes three launches and a few Python calls for a double-quantised weight: the
 block scales' own dequantisation, the offset added to them, then the codes. This kernel does
-the three in one. Its reference is `nf4.dequantize_nf4_reference` (PyTorch), and
+the three in one. Its reference is `dequantize.dequantize_nf4_reference` (PyTorch), and
 bitsandbytes' own function beside it.
 
 Math, as bitsandbytes computes it: the packed byte j holds weight 2j in its high nibble and
