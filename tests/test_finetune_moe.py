@@ -35,6 +35,10 @@ def test_moe_experts_in_nf4_stream_as_they_train_resident(tmp_path, capsys):
     said = capsys.readouterr().err
     resident, resident_summary = run(tmp_path, "resident", "off")
     assert summary["stream"]["resident_layers"] == 0
+    # the plan's peak in its parts (each a plan field; the layers' weights the rest)
+    parts = summary["stream"]["predicted_parts"]
+    assert sum(parts.values()) == summary["stream"]["predicted_peak"] and min(parts.values()) >= 0
+    assert parts["layer_weights"] > 0 and parts["graph_pool"] == 0  # no CUDA graphs on a CPU
     # the fast MoE layer on both sides: streamed training equal to the same kernels resident
     assert summary["kernels"] == resident_summary["kernels"] == "fast layers: all 3 decoder layers"
     # narrows-lmhead's tiles on the CPU; on CUDA Liger-Kernel's fused loss where it is installed

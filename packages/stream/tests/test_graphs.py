@@ -434,8 +434,43 @@ def test_a_capture_steps_peak_counts_the_pool_beside_each_warm_up():
         steps.append((g.stats.captured - captured, allocated, g.peak_bytes(allocated), g.capture_peak))
     (first, *_), (captures, _, capturing, held), (later, allocated, replaying, none) = steps
     assert first == 0 and captures > 0 and later == 0 and none == 0
-    assert replaying == allocated + g.pool_bytes() > allocated
+    assert replaying == allocated + g.pool_free_bytes() > allocated
     assert capturing >= replaying and held >= replaying > allocated
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_what_whole_layers_keep_in_the_pool_is_counted_once():
+    """A whole layer's graphs keep its saved tensors in the pool, where CUDA's allocated
+    count sees them too: the peak adds only the pool's free bytes, and stays within what
+    the allocator reserved from the device (the independent bound). The twin: adding the
+    whole pool counts them twice."""
+    from narrows.core.testing import tiny_batch
+
+    model = build(
+        "qwen3",
+        dtype=torch.bfloat16,  # SDPA's fused kernels (one node, kept): no math path
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+    )
+    model.set_attn_implementation("sdpa")
+    ns.stream(model, device="cuda", kernels="fast", graphs=True, gpu_budget="fit")
+    g = model.narrows_stream.graphs
+    for step in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        g.reset_peak()
+        batch = {k: v.to("cuda") for k, v in tiny_batch(batch=4, seq=256, seed=step).items()}
+        model(**batch, use_cache=False).loss.backward()
+    torch.cuda.synchronize()
+    kept = g.pool_bytes() - g.pool_free_bytes()
+    assert not g.stats.refused and g.stats.replays > 0 and kept > 0  # whole layers' states, in the pool
+    allocated = torch.cuda.max_memory_allocated()
+    assert g.peak_bytes(allocated) == allocated + g.pool_free_bytes() <= torch.cuda.max_memory_reserved()
+    assert allocated + g.pool_bytes() == g.peak_bytes(allocated) + kept  # the twin counts `kept` twice
 
 
 def _two_in_flight(stream_kwargs: dict | None, check: bool = True) -> list[torch.Tensor]:

@@ -248,7 +248,10 @@ class LayerGraphs(LayerExecutor):
         self._paused = False
         self.capture_peak = 0  # bytes in use during captures and before them, since `reset_peak`
         if not self.emulate:
-            self.pool = torch.cuda.graph_pool_handle()
+            # a pool the warm-ups allocate from too, so a capture reuses its warm-up's blocks
+            # rather than holding a second working set beside them
+            self._mempool = torch.cuda.MemPool()
+            self.pool = self._mempool.id
             self.stream = torch.cuda.Stream(device)
 
     @contextmanager
@@ -386,7 +389,7 @@ class LayerGraphs(LayerExecutor):
     ) -> _Whole | None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        pool = self.pool_bytes()
+        pool = self.pool_free_bytes()
         self._reset_allocator_peak(pool)
         try:
             with torch.cuda.stream(self.stream):
@@ -394,14 +397,17 @@ class LayerGraphs(LayerExecutor):
                 mode = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    kept = body(ins)
-                    if kept is not None:  # every kernel of the backward runs once too
-                        out, saved = kept
-                        grads = self._static(
-                            "whole-grad", _flat(FastLayer.gradients(parts, out, saved=saved))
+                    with torch.cuda.use_mem_pool(self._mempool):
+                        kept = body(ins)
+                        warm = (
+                            None
+                            if kept is None
+                            else _flat(FastLayer.gradients(parts, *kept[:1], saved=kept[1]))
                         )
-                        outs = self._static("out", [out])
-                        del out, saved
+                    if kept is not None:  # every kernel of the backward ran once too
+                        grads = self._static("whole-grad", warm)
+                        outs = self._static("out", [kept[0]])
+                        del warm
                 except RuntimeError as e:
                     if "synchroniz" not in str(e):
                         raise
@@ -430,7 +436,7 @@ class LayerGraphs(LayerExecutor):
                     ) from e
         finally:
             current.wait_stream(self.stream)
-        self.capture_peak = max(self.capture_peak, before + self.pool_bytes())
+        self.capture_peak = max(self.capture_peak, before + self.pool_free_bytes())
         torch.cuda.reset_peak_memory_stats(self.device)
         return _Whole(_Graph(g.replay, ins, outs), parts, saved, grads)
 
@@ -448,7 +454,7 @@ class LayerGraphs(LayerExecutor):
             )
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        pool = self.pool_bytes()
+        pool = self.pool_free_bytes()
         self._reset_allocator_peak(pool)
         before = torch.cuda.memory_allocated(self.device)
         try:
@@ -466,7 +472,7 @@ class LayerGraphs(LayerExecutor):
                     ) from e
         finally:
             current.wait_stream(self.stream)
-        self.capture_peak = max(self.capture_peak, before + self.pool_bytes())
+        self.capture_peak = max(self.capture_peak, before + self.pool_free_bytes())
         torch.cuda.reset_peak_memory_stats(self.device)
         self.stats.captured += 1
         return _Graph(g.replay, ins, whole.grads)
@@ -640,7 +646,7 @@ class LayerGraphs(LayerExecutor):
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         # the pool holds its bytes between captures: what ran since the last reset held them too
-        pool = self.pool_bytes()
+        pool = self.pool_free_bytes()
         self._reset_allocator_peak(pool)
         try:
             with torch.cuda.stream(self.stream):
@@ -650,7 +656,10 @@ class LayerGraphs(LayerExecutor):
                 mode = torch.cuda.get_sync_debug_mode()
                 torch.cuda.set_sync_debug_mode("error")
                 try:
-                    outs = self._static("out", body(ins))
+                    with torch.cuda.use_mem_pool(self._mempool):
+                        warm = body(ins)
+                    outs = self._static("out", warm)
+                    del warm
                 except RuntimeError as e:
                     if "synchroniz" not in str(e):
                         raise
@@ -676,13 +685,13 @@ class LayerGraphs(LayerExecutor):
             current.wait_stream(self.stream)
         # while capturing, every allocation lands in the pool: what lay outside it, plus the
         # pool at its largest (it only grows)
-        self.capture_peak = max(self.capture_peak, before + self.pool_bytes())
+        self.capture_peak = max(self.capture_peak, before + self.pool_free_bytes())
         torch.cuda.reset_peak_memory_stats(self.device)
         return _Graph(g.replay, ins, outs)
 
     def _reset_allocator_peak(self, pool: int) -> None:
-        """Fold CUDA's allocated peak since its last reset, with the pool's `pool` bytes
-        beside it, into `capture_peak`, and reset it."""
+        """Fold CUDA's allocated peak since its last reset, with the pool's `pool` free
+        bytes beside it, into `capture_peak`, and reset it."""
         peak = torch.cuda.max_memory_allocated(self.device) + pool
         self.capture_peak = max(self.capture_peak, peak)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -696,15 +705,24 @@ class LayerGraphs(LayerExecutor):
         since the same moment (`allocated_peak`, read now): the peak beside the pool as it is
         now, or a capture's (`capture_peak`: each capture resets CUDA's counter, so
         `allocated_peak` counts only what ran after the last one)."""
-        return max(self.capture_peak, allocated_peak + self.pool_bytes())
+        return max(self.capture_peak, allocated_peak + self.pool_free_bytes())
 
     def pool_bytes(self) -> int:
-        """Device memory the graphs' shared scratch pool holds (0 when emulated)."""
+        """Device memory the graphs' shared pool holds (0 when emulated)."""
+        return self._pool_sizes()[0]
+
+    def pool_free_bytes(self) -> int:
+        """The pool's bytes no tensor holds now: CUDA's allocated count already has the rest
+        (what whole layers' graphs keep), so the device's use is the allocated bytes plus
+        these."""
+        total, active = self._pool_sizes()
+        return total - active
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        """The pool's bytes, and those of its blocks in use."""
         if self.emulate:
-            return 0
+            return 0, 0
         pool = tuple(self.pool)
-        return sum(
-            s["total_size"]
-            for s in torch.cuda.memory_snapshot()
-            if tuple(s.get("segment_pool_id", ())) == pool
-        )
+        segments = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool]
+        active = sum(b["size"] for s in segments for b in s["blocks"] if b["state"] == "active_allocated")
+        return sum(s["total_size"] for s in segments), active

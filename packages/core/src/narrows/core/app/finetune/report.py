@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -33,6 +34,21 @@ MEASURES = {
     "the form of every training answer (greedy decoding)",
     "exact_match": "share of held-out GSM8K problems whose generated '#### <number>' is the right answer",
 }
+
+
+def _predicted_parts(plan: Any) -> dict[str, int]:
+    """The plan's predicted peak in its parts: what stays on the device, the activations
+    kept, the working set, the graphs' pool, the room reserved, and the layers' weights
+    (resident and in flight: the rest)."""
+    parts = {
+        "fixed": plan.fixed_bytes,
+        "activations": plan.activation_bytes,
+        "working_set": plan.work_bytes,
+        "graph_pool": getattr(plan, "graph_bytes", 0),
+        "reserved": getattr(plan, "reserved_bytes", 0),
+    }
+    parts["layer_weights"] = plan.predicted_peak - sum(parts.values())
+    return parts
 
 
 def summarize(
@@ -118,6 +134,7 @@ def summarize(
             "whole_layers": len(plan.whole),
             "cuda_graphs": getattr(plan, "graphs", False),
             "cuda_graphs_choice": getattr(plan, "graphs_choice", ""),
+            "predicted_parts": _predicted_parts(plan),
         }
         graphs = getattr(stream, "graphs", None)
         if graphs is not None:  # what ran: layers refused (hooks, host syncs) run eagerly
@@ -127,6 +144,8 @@ def summarize(
                 cuda_graph_captures=st.captured,
                 cuda_graph_evictions=st.evicted,
                 cuda_graphs_refused={str(k): v for k, v in st.refused.items()},
+                cuda_graph_pool_bytes=graphs.pool_bytes(),
+                cuda_graph_pool_free_bytes=graphs.pool_free_bytes(),
             )
     lm_handle = state_of(model).lmhead
     if getattr(lm_handle, "kernels", None):  # which kernels computed the training loss
