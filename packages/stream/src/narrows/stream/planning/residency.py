@@ -285,8 +285,8 @@ def _either(args: dict) -> Plan:
     whole; on the H100, every layer streamed either way, 0.119 against 0.188 s. But graphs
     that stream every layer where the eager plan keeps them took 0.086 s at a `4.6GiB`
     budget and 0.127 s at `4.25GiB`, against 0.082 and 0.089 s eagerly. Where every layer runs
-    whole (`8GiB`), as graphs 0.053 s a step at 7.30 GiB against 0.072 s eagerly at 5.14 GiB
-    (one call, Unsloth 0.077 s)."""
+    whole (`8GiB`), as graphs 0.049 s a step at 5.74 GiB against 0.083 s eagerly at 5.14 GiB
+    (one call, Unsloth 0.088 s)."""
     args["layer_bytes"] = tuple(args["layer_bytes"])  # read twice
     eager = make_plan(**{**args, "graphs": False})
     if args["budget"] is None or not str(args["device"]).startswith("cuda"):
