@@ -505,7 +505,11 @@ def test_whole_layers_replay_their_graphs_and_a_second_forward_in_flight_runs_it
     assert all(torch.equal(a, b) for a, b in zip(reference, _two_in_flight(graphed)))
     claim = graphs._Claim.__init__
     try:
-        graphs._Claim.__init__ = lambda self, whole: setattr(self, "whole", whole)  # never busy
+
+        def unclaimed(self, owner, whole, index):  # the claim taken away: never busy
+            self.graphs, self.whole, self.index, self.held = owner, whole, index, False
+
+        graphs._Claim.__init__ = unclaimed
         got = _two_in_flight(graphed, check=False)
     finally:
         graphs._Claim.__init__ = claim
@@ -526,3 +530,44 @@ def test_a_whole_layers_graphs_are_released_when_no_backward_comes():
     wholes = [g for g in model.narrows_stream.graphs._graphs.values() if isinstance(g, graphs._Whole)]
     assert stats.captured == len(wholes) > 0 and stats.eager == 0 and not any(w.busy for w in wholes)
     assert stats.replays == 2 * len(wholes)  # the second and third forwards, each layer
+
+
+def test_another_shape_in_flight_runs_eagerly_and_a_rebuilt_layer_recaptures_in_order():
+    """While whole layers' graphs of one batch shape hold their state for a backward, graphs
+    of other shapes do not replay (their scratch may lie in that state). And a layer whose
+    parts were rebuilt (training flags flipped by an evaluation) drops its shape's graphs,
+    which are captured again in order: one set of them, and the gradients are resident
+    training's."""
+    from narrows.core import fuse_layers
+    from narrows.core.testing import tiny_batch
+
+    def run(stream_kwargs):
+        model = build("qwen3", dropout=0.1)
+        model.set_attn_implementation("sdpa")
+        if stream_kwargs is None:
+            fuse_layers(model)
+        else:
+            ns.stream(model, device="cpu", **stream_kwargs)
+        torch.manual_seed(0)
+        grads = []
+        for step in range(4):
+            if step == 2:  # an evaluation: parts rebuilt for eval mode, and again for training
+                model.eval()
+                with torch.no_grad():
+                    model(**tiny_batch(seed=99), use_cache=False)
+                model.train()
+            model(**tiny_batch(seq=12, seed=step), use_cache=False).loss.backward()  # one shape
+            pair = [tiny_batch(seq=w, seed=10 + step) for w in (12, 16)]  # two shapes in flight
+            sum(model(**b, use_cache=False).loss for b in pair).backward()
+            grads += [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        return model, grads
+
+    _, reference = run(None)
+    model, got = run({"kernels": "fast", "graphs": True, "gpu_budget": "fit"})
+    assert all(torch.equal(a, b) for a, b in zip(reference, got))
+    g = model.narrows_stream.graphs
+    wholes = [w for w in g._graphs.values() if isinstance(w, graphs._Whole)]
+    layers = len(model.narrows_stream.plan.layer_bytes)
+    assert g.stats.replays > 0 and g.stats.eager > 0  # the second shape, in flight: eager
+    # one set of whole graphs (the first shape's), captured twice: before and after the evaluation
+    assert len(wholes) == layers and g.stats.captured == 2 * 2 * layers  # forward and backward each

@@ -87,6 +87,7 @@ class _Whole:
     tensors in the pool, rewritten by each replay), and the backward once captured."""
 
     forward: _Graph
+    index: int  # the layer
     parts: Any  # the `LayerParts` the graphs were captured with
     saved: Any
     grads: list[Tensor]  # static results of the backward: the input's gradient, the adapters'
@@ -108,17 +109,26 @@ class _Whole:
 
 class _Claim:
     """A whole layer's saved tensors claimed by one autograd node: released by its
-    backward, or when the node is freed without one."""
+    backward, or when the node is freed without one. While any is held, graphs of other
+    layers do not replay (`LayerGraphs._key`)."""
 
-    def __init__(self, whole: _Whole):
-        self.whole = whole
+    def __init__(self, graphs: LayerGraphs, whole: _Whole, index: int):
+        self.graphs, self.whole, self.index, self.held = graphs, whole, index, True
         whole.busy = True
+        graphs._claims[index] = graphs._claims.get(index, 0) + 1
 
     def release(self) -> None:
-        self.whole.busy = False
+        if self.held:
+            self.held = False
+            self.whole.busy = False
+            left = self.graphs._claims[self.index] - 1
+            if left:
+                self.graphs._claims[self.index] = left
+            else:
+                del self.graphs._claims[self.index]
 
     def __del__(self) -> None:
-        self.whole.busy = False
+        self.release()
 
 
 class _WholeLayer(torch.autograd.Function):
@@ -131,13 +141,19 @@ class _WholeLayer(torch.autograd.Function):
         _fill(whole.forward.ins, tensors)
         whole.forward.replay()
         graphs.stats.replays += 1
-        ctx.graphs, ctx.claim, ctx.params = graphs, _Claim(whole), params
+        ctx.graphs, ctx.claim, ctx.params = graphs, _Claim(graphs, whole, whole.index), params
         ctx.set_materialize_grads(False)
         return _take(whole.forward.outs[0])
 
     @staticmethod
     def backward(ctx, grad: Tensor | None):
         claim, ctx.claim = ctx.claim, None
+        if claim is None:
+            raise RuntimeError(
+                "narrows.stream: a whole layer replayed as CUDA graphs was differentiated twice "
+                "(retain_graph): its saved tensors are the graphs' and may be overwritten after its "
+                "backward. Stream with graphs=False to differentiate twice."
+            )
         try:
             if grad is None:
                 return (None,) * (5 + len(ctx.params))
@@ -149,6 +165,14 @@ class _WholeLayer(torch.autograd.Function):
             by_id[id(p)].to(p.dtype) if n and id(p) in by_id else None for p, n in zip(ctx.params, need[5:])
         ]
         return None, None, None, None, g_x if need[4] else None, *grads
+
+
+def _group(key: tuple) -> tuple:
+    """A whole layer's key without its layer and parts: what every whole layer of one call
+    shares (what is differentiated, the training mode, the mask; the arguments' layouts, the
+    ambient settings)."""
+    requires_grad, _, training, no_mask = key[5]
+    return requires_grad, training, no_mask, key[-2], key[-1]
 
 
 def _flat(gradients: tuple[Tensor, list[Tensor]]) -> list[Tensor]:
@@ -246,6 +270,11 @@ class LayerGraphs(LayerExecutor):
         self._shapes: OrderedDict[tuple[int, ...], None] = OrderedDict()  # captured, least recent first
         self._seen: OrderedDict[tuple[int, ...], set[int]] = OrderedDict()  # not yet: layers that ran it
         self._paused = False
+        # batch shape -> whole layers' graphs of it whose saved tensors wait for a backward
+        self._claims: dict[int, int] = {}  # layer -> whole graphs of it whose state waits for a backward
+        self._regroup: dict[tuple, int] = {}  # a whole group's graphs dropped at this layer, this pass
+        self._whole_first: dict[tuple, int] = {}  # a whole group's first layer
+        self._first = 1 << 30  # the first layer that runs through graphs: a shape's captures start there
         self.capture_peak = 0  # bytes in use during captures and before them, since `reset_peak`
         if not self.emulate:
             # a pool the warm-ups allocate from too, so a capture reuses its warm-up's blocks
@@ -311,19 +340,22 @@ class LayerGraphs(LayerExecutor):
         """A whole (kept, not recomputed) fast layer's call through its graphs: the output,
         differentiable in `hidden` and `params` (its trainable parameters); None where it
         runs as the caller's own forward instead (not covered, not captured yet or not
-        capturable, or its graphs' saved tensors still wait for a backward)."""
+        capturable, or graphs' saved tensors wait for a backward: see `_key`)."""
         fast = FastLayer.of(run.layer)
         parts = fast.parts()
         call = None if parts is None else read_call(run.layer, run.args, run.kwargs)
         if call is None or call.kv is not None:
             return None
         leaves = [hidden, *pytree.tree_leaves((run.args, run.kwargs))]
-        extra = (hidden.requires_grad, id(parts), call.mask is None)
+        extra = (hidden.requires_grad, id(parts), run.layer.training, call.mask is None)
         key = self._key("whole", run.index, run.layer, leaves, run.args, run.kwargs, extra)
         if key is None:
             return None
         tensors = _call_tensors(hidden, call)
         whole = self._graphs.get(key)
+        if whole is None and not self._may_capture_whole(key, run.index):
+            self.stats.eager += 1
+            return None
         if whole is None:
             whole = self._capture_whole(key, run.index, parts, tensors)
             if whole is None:
@@ -333,6 +365,41 @@ class LayerGraphs(LayerExecutor):
             self.stats.eager += 1
             return None
         return _WholeLayer.apply(self, whole, tensors, tuple(params), hidden, *params)
+
+    def _may_capture_whole(self, key: tuple, index: int) -> bool:
+        """Whether a whole layer's graphs may be captured now: in the order they replay.
+
+        The whole layers of one call (a group: the same shapes, grad and training modes,
+        mask or not) are captured in one pass, first to last, each while the states of those
+        before it are alive. Where this layer, or a later one, of the group has graphs
+        already (its parts were rebuilt, an adapter moved), a state captured now could lie in
+        their scratch and be overwritten before its backward: those graphs go, and this pass
+        runs eagerly from here; the next captures them again from this layer on. Whole
+        graphs of one batch shape at a time: another shape's go first (their states stay in
+        the pool, which the plan prices once)."""
+        group = _group(key)
+        mark = self._regroup.get(group)
+        if mark is not None:
+            if index > mark:
+                return False  # the rest of the pass that dropped them
+            del self._regroup[group]
+        same = [(k, g) for k, g in self._graphs.items() if isinstance(g, _Whole) and _group(k) == group]
+        later = [k for k, _ in same if k[1] >= index]
+        if later:
+            for k in later:
+                del self._graphs[k]  # none is busy: `_key` lets no earlier layer run while one is
+            self._regroup[group] = index
+            return False
+        if not same:  # a group starts at its first whole layer
+            first = self._whole_first.setdefault(group, index)
+            self._whole_first[group] = min(first, index)
+            if index != self._whole_first[group]:
+                return False
+            shape = key[-2][0][0]
+            for other in {g.shape for g in self._graphs.values() if isinstance(g, _Whole)} - {shape}:
+                if other in self._shapes:
+                    self._evict(other)
+        return True
 
     def _whole_backward(self, whole: _Whole, grad: Tensor) -> tuple[Tensor, dict[int, Tensor]]:
         """A whole layer's input gradient and its adapters' (by parameter id), from its
@@ -366,7 +433,7 @@ class LayerGraphs(LayerExecutor):
                     return None
                 outs = self._static("out", [kept[0]])
                 grads = self._static("whole-grad", _flat(FastLayer.gradients(parts, kept[0], saved=kept[1])))
-                whole = _Whole(_Graph(lambda: None, ins, outs), parts, kept[1], grads)
+                whole = _Whole(_Graph(lambda: None, ins, outs), index, parts, kept[1], grads)
 
                 def replay() -> None:
                     out, whole.saved = body(ins)
@@ -389,8 +456,8 @@ class LayerGraphs(LayerExecutor):
     ) -> _Whole | None:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        pool = self.pool_free_bytes()
-        self._reset_allocator_peak(pool)
+        active = self.pool_bytes() - self.pool_free_bytes()
+        self._reset_allocator_peak()
         try:
             with torch.cuda.stream(self.stream):
                 _fill(ins, tensors)
@@ -419,7 +486,7 @@ class LayerGraphs(LayerExecutor):
                     self._refuse(index, "its attention records more than one node (SDPA's math path)")
                     return None
                 del kept
-                self._reset_allocator_peak(pool)
+                self._reset_allocator_peak(active)
                 before = torch.cuda.memory_allocated(self.device)
                 g = torch.cuda.CUDAGraph()
                 try:
@@ -436,14 +503,15 @@ class LayerGraphs(LayerExecutor):
                     ) from e
         finally:
             current.wait_stream(self.stream)
-        self.capture_peak = max(self.capture_peak, before + self.pool_free_bytes())
+        self.capture_peak = max(self.capture_peak, before + self.pool_bytes() - active)
         torch.cuda.reset_peak_memory_stats(self.device)
-        return _Whole(_Graph(g.replay, ins, outs), parts, saved, grads)
+        return _Whole(_Graph(g.replay, ins, outs), index, parts, saved, grads)
 
     def _capture_whole_backward(self, whole: _Whole, grad: Tensor) -> _Graph:
         """The backward graph of `whole`'s forward, reading its saved tensors and writing
         its results into `whole.grads`."""
         ins = self._static("grad", [grad])
+        self.stats.captured += 1
         if self.emulate:
             return _Graph(
                 lambda: _fill(
@@ -454,8 +522,8 @@ class LayerGraphs(LayerExecutor):
             )
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        pool = self.pool_free_bytes()
-        self._reset_allocator_peak(pool)
+        active = self.pool_bytes() - self.pool_free_bytes()
+        self._reset_allocator_peak()
         before = torch.cuda.memory_allocated(self.device)
         try:
             with _fork(devices=[self._device_index()], device_type="cuda"), torch.cuda.stream(self.stream):
@@ -472,9 +540,8 @@ class LayerGraphs(LayerExecutor):
                     ) from e
         finally:
             current.wait_stream(self.stream)
-        self.capture_peak = max(self.capture_peak, before + self.pool_free_bytes())
+        self.capture_peak = max(self.capture_peak, before + self.pool_bytes() - active)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.stats.captured += 1
         return _Graph(g.replay, ins, whole.grads)
 
     # ---- capture and replay -----------------------------------------------------------
@@ -498,6 +565,12 @@ class LayerGraphs(LayerExecutor):
         extra: object,
     ) -> tuple | None:
         if self._paused:
+            return None
+        if self._claims and (kind != "whole" or index <= max(self._claims)):
+            # whole layers' states wait in the pool for their backward: the only graphs that
+            # replay meanwhile are later whole layers' of the same pass (and the backwards),
+            # captured while those states were alive; any other may use their blocks as scratch
+            self.stats.eager += 1
             return None
         if index in self.stats.refused:
             self.stats.eager += 1
@@ -558,7 +631,11 @@ class LayerGraphs(LayerExecutor):
             return True
         seen = self._seen.setdefault(shape, set())
         self._seen.move_to_end(shape)
-        if kind == "bwd" or index not in seen:
+        if kind != "bwd":
+            self._first = min(self._first, index)
+        # captured from the first layer on, in the order the graphs replay (whole layers'
+        # states lie in the pool: a graph captured out of that order could share their blocks)
+        if kind == "bwd" or index not in seen or index != self._first:
             if kind != "bwd":
                 seen.add(index)
             while len(self._seen) > _REMEMBERED:
@@ -646,8 +723,8 @@ class LayerGraphs(LayerExecutor):
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         # the pool holds its bytes between captures: what ran since the last reset held them too
-        pool = self.pool_free_bytes()
-        self._reset_allocator_peak(pool)
+        active = self.pool_bytes() - self.pool_free_bytes()
+        self._reset_allocator_peak()
         try:
             with torch.cuda.stream(self.stream):
                 _fill(ins, live)
@@ -667,7 +744,7 @@ class LayerGraphs(LayerExecutor):
                     return None
                 finally:
                     torch.cuda.set_sync_debug_mode(mode)
-                self._reset_allocator_peak(pool)  # the warm-up, beside the pool as it was
+                self._reset_allocator_peak(active)  # the warm-up, in and beside the pool
                 before = torch.cuda.memory_allocated(self.device)
                 g = torch.cuda.CUDAGraph()
                 try:
@@ -685,14 +762,17 @@ class LayerGraphs(LayerExecutor):
             current.wait_stream(self.stream)
         # while capturing, every allocation lands in the pool: what lay outside it, plus the
         # pool at its largest (it only grows)
-        self.capture_peak = max(self.capture_peak, before + self.pool_free_bytes())
+        self.capture_peak = max(self.capture_peak, before + self.pool_bytes() - active)
         torch.cuda.reset_peak_memory_stats(self.device)
         return _Graph(g.replay, ins, outs)
 
-    def _reset_allocator_peak(self, pool: int) -> None:
-        """Fold CUDA's allocated peak since its last reset, with the pool's `pool` free
-        bytes beside it, into `capture_peak`, and reset it."""
-        peak = torch.cuda.max_memory_allocated(self.device) + pool
+    def _reset_allocator_peak(self, active: int | None = None) -> None:
+        """Fold CUDA's allocated peak since its last reset, with the pool's bytes no tensor
+        held beside it, into `capture_peak`, and reset it. `active`: the pool's bytes in use
+        before a warm-up that allocated from the pool (its own are in the allocated peak);
+        else those in use now."""
+        total, now = self._pool_sizes()
+        peak = torch.cuda.max_memory_allocated(self.device) + total - (now if active is None else active)
         self.capture_peak = max(self.capture_peak, peak)
         torch.cuda.reset_peak_memory_stats(self.device)
 

@@ -139,7 +139,7 @@ def drop_cache(kwargs: dict[str, Any]) -> None:
 
 def layer_original(layer: nn.Module) -> Callable[..., Any]:
     """The layer's own forward: under narrows' wrapper, or the layer's (a whole layer is
-    not wrapped). Not ``__wrapped__``: transformers' decorators set that to the unbound
+    not wrapped, but where its fast layer replays as graphs). Not ``__wrapped__``: transformers' decorators set that to the unbound
     function."""
     return getattr(layer.forward, "narrows_original", layer.forward)
 

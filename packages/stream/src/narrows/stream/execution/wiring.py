@@ -116,7 +116,6 @@ def _whole_forward(index: int, layer: nn.Module, graphs: LayerGraphs) -> Callabl
     """A whole fast layer's forward: through its graphs when it trains and they can run
     (`LayerGraphs.whole`), else its own (the fast layer's autograd node)."""
     original = layer.forward
-    params = tuple(p for p in layer.parameters() if p.requires_grad)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if args:
@@ -124,8 +123,8 @@ def _whole_forward(index: int, layer: nn.Module, graphs: LayerGraphs) -> Callabl
         else:
             kwargs = dict(kwargs)
             hidden, rest = kwargs.pop("hidden_states"), ()
-        if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-            trained = tuple(p for p in params if p.requires_grad)
+        trained = tuple(p for p in layer.parameters() if p.requires_grad)  # as they are now
+        if torch.is_grad_enabled() and (hidden.requires_grad or trained):
             out = graphs.whole(LayerRun(index, layer, original, rest, kwargs), hidden, trained)
             if out is not None:
                 return out
