@@ -23,7 +23,10 @@ PACKAGES = {
     "lmhead": [],
     "eval": ["data"],
 }
-TEST_TOOLS = ["pytest>=8"]
+TEST_TOOLS = ["pytest>=8", "pytest-xdist>=3"]
+# test processes (pytest-xdist), each file in one of them: NARROWS_TEST_WORKERS, else 2 (CI's cores);
+# one thread each, so two processes share two cores rather than oversubscribe them
+WORKERS = os.environ.get("NARROWS_TEST_WORKERS", "2")
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -44,7 +47,9 @@ def _sync(session: nox.Session, *args: str) -> None:
 
 
 def _pytest(session: nox.Session, path: str) -> None:
-    session.run("python", "-m", "pytest", path, "-q", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    workers = ["-n", WORKERS, "--dist", "loadfile"] if WORKERS not in ("0", "1") else []
+    env = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    session.run("python", "-m", "pytest", path, "-q", *workers, *session.posargs, env=env)
 
 
 def _make_package_session(name: str, extras: list[str]) -> None:
