@@ -15,11 +15,13 @@ allocated peak misses the pool; `peak_bytes` adds it. A capture runs the layer e
 that, a capture resets CUDA's peak counter around itself and keeps what it measured in
 `capture_peak` (see `peak_bytes`).
 
-A whole layer's graphs hold its saved tensors from a forward replay to its backward's: a
-second forward of the same graphs before that backward (two micro-batches in flight) runs
-the layer's own forward instead. The pool is shared on the assumption that graphs replay in
-the order they were captured; what a whole layer keeps stays referenced by its graphs, so no
-capture after it reuses those blocks.
+A whole layer's graphs hold its saved tensors from a forward replay to its backward's. The
+pool is shared on the assumption that graphs replay in the order they were captured: what a
+whole layer keeps stays referenced by its graphs, so no capture after it reuses those
+blocks, but a graph captured before it may use them as scratch. So while a state waits, only
+the later whole layers of the same pass replay (a second micro-batch in flight runs the
+layers' own forwards), a call's whole layers are captured first to last, and a layer that
+needs new graphs has its group's from it on captured again, in order.
 
 why: docs/design.md#cuda-graphs
 """
@@ -270,7 +272,6 @@ class LayerGraphs(LayerExecutor):
         self._shapes: OrderedDict[tuple[int, ...], None] = OrderedDict()  # captured, least recent first
         self._seen: OrderedDict[tuple[int, ...], set[int]] = OrderedDict()  # not yet: layers that ran it
         self._paused = False
-        # batch shape -> whole layers' graphs of it whose saved tensors wait for a backward
         self._claims: dict[int, int] = {}  # layer -> whole graphs of it whose state waits for a backward
         self._regroup: dict[tuple, int] = {}  # a whole group's graphs dropped at this layer, this pass
         self._whole_first: dict[tuple, int] = {}  # a whole group's first layer
