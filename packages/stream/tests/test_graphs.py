@@ -473,11 +473,10 @@ def test_what_whole_layers_keep_in_the_pool_is_counted_once():
     assert allocated + g.pool_bytes() == g.peak_bytes(allocated) + kept  # the twin counts `kept` twice
 
 
-def _two_in_flight(stream_kwargs: dict | None, check: bool = True) -> list[torch.Tensor]:
-    """Two micro-batches' forwards before one backward of their sum: the adapters'
-    gradients, on a fast model (whole layers: graphed in `stream_kwargs` with graphs)."""
+def _fast_qwen3(stream_kwargs: dict | None):
+    """A tiny Qwen3 with dropping-out adapters in fast layers: fused resident (None), or
+    streamed with `stream_kwargs`; the generator seeded."""
     from narrows.core import fuse_layers
-    from narrows.core.testing import tiny_batch
 
     model = build("qwen3", dropout=0.1)
     model.set_attn_implementation("sdpa")
@@ -486,6 +485,15 @@ def _two_in_flight(stream_kwargs: dict | None, check: bool = True) -> list[torch
     else:
         ns.stream(model, device="cpu", **stream_kwargs)
     torch.manual_seed(0)
+    return model
+
+
+def _two_in_flight(stream_kwargs: dict | None, check: bool = True) -> list[torch.Tensor]:
+    """Two micro-batches' forwards before one backward of their sum: the adapters'
+    gradients, on a fast model (whole layers: graphed in `stream_kwargs` with graphs)."""
+    from narrows.core.testing import tiny_batch
+
+    model = _fast_qwen3(stream_kwargs)
     for step in range(3):  # the first sees each shape, the second captures, the third replays
         batches = [tiny_batch(seed=10 * step + i) for i in range(2)]
         sum(model(**b, use_cache=False).loss for b in batches).backward()
@@ -538,17 +546,10 @@ def test_another_shape_in_flight_runs_eagerly_and_a_rebuilt_layer_recaptures_in_
     parts were rebuilt (training flags flipped by an evaluation) drops its shape's graphs,
     which are captured again in order: one set of them, and the gradients are resident
     training's."""
-    from narrows.core import fuse_layers
     from narrows.core.testing import tiny_batch
 
     def run(stream_kwargs):
-        model = build("qwen3", dropout=0.1)
-        model.set_attn_implementation("sdpa")
-        if stream_kwargs is None:
-            fuse_layers(model)
-        else:
-            ns.stream(model, device="cpu", **stream_kwargs)
-        torch.manual_seed(0)
+        model = _fast_qwen3(stream_kwargs)
         grads = []
         for step in range(4):
             if step == 2:  # an evaluation: parts rebuilt for eval mode, and again for training
