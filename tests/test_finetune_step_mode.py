@@ -314,3 +314,7 @@ def test_the_jobs_flags_map_to_one_stream_config():
     assert (implied.memory.offload_optimizer, implied.memory.step_mode) == (True, True)
     assert (asked.memory.offload_optimizer, asked.memory.step_mode) == (False, None)
     assert stream_config(smallest, cpu).gpu_budget == "min" == ns.StreamConfig(gpu_budget="min").gpu_budget
+    # packed batches have one shape and evaluations run with the graphs released: no room is
+    # left for a layer run eagerly beside their pool; unpacked widths vary, so it is
+    assert stream_config(cfg.replace(packing=True), cpu).eager_beside_graphs is False
+    assert stream_config(cfg, cpu).eager_beside_graphs is True

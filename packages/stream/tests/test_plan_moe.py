@@ -189,6 +189,43 @@ def test_graphed_moe_layers_are_priced_with_their_pool_beside_the_eager_working_
     assert graphed.predicted_peak == parts + work_bytes(s) + graph_bytes(s)
 
 
+def test_without_eager_layers_beside_the_pool_it_holds_the_working_set():
+    """With no layer run eagerly beside the graphs' pool (`eager_beside_graphs=False`: one
+    batch shape, evaluations in the released pool), the layers' working sets lie in the
+    pool and beside it only the loss's; what whole layers keep lies apart from its scratch
+    (no overlap with the working set). The eager first step is still covered. Computed
+    here from the parts: pricing the eager working set beside the pool, or the overlap,
+    fails it."""
+    from narrows.stream.planning import graph_bytes, make_plan, work_bytes
+    from narrows.stream.planning.memory import input_bytes, loss_work_bytes
+
+    anat = anatomy_of(model("qwen3_moe", CASES[0][1]))
+    n = anat.num_layers
+    s = replace(Shapes.of(anat, 8, 512, fast=True), loss_bytes=1 << 20)
+    layers = [1 << 20] * n
+    common = dict(fixed_bytes=1 << 24, shapes=s, device="cuda", budget=1 << 40, graphs=True)
+    alone = dict(common, eager_beside_graphs=False)
+    for recompute, whole in (("all", 0), ("auto", n)):
+        beside = make_plan(layers, **common, recompute=recompute)
+        p = make_plan(layers, **alone, recompute=recompute)
+        assert p.whole == beside.whole == tuple(range(n - whole, n)) and p.graph_bytes == graph_bytes(s)
+        kept = whole * whole_bytes(s) + (n - whole) * input_bytes(s)  # every input kept, on the device
+        assert p.activation_bytes == kept
+        room = max(work_bytes(s), graph_bytes(s) + loss_work_bytes(s))
+        assert p.predicted_peak == p.fixed_bytes + kept + room + sum(layers) < beside.predicted_peak
+        assert (
+            p.predicted_peak
+            == p.fixed_bytes + p.activation_bytes + p.work_bytes + p.graph_peak_bytes + sum(layers)
+        )
+    # eager plans, dense layers (the whole ones run their own code), and a stage with two
+    # micro-batches in flight keep the working set beside the pool
+    for kw in (dict(graphs=False), dict(shapes=replace(s, fast=False)), dict(in_flight=2)):
+        assert (
+            make_plan(layers, **{**alone, **kw}).predicted_peak
+            == make_plan(layers, **{**common, **kw}).predicted_peak
+        )
+
+
 def test_auto_recomputes_a_mixture_of_experts_layers_as_graphs():
     """A fast MoE model takes graphs wherever their pool costs no resident layer — its
     whole layers replay too (a forward graph and a backward graph each), and the pool is

@@ -73,6 +73,10 @@ class StreamConfig:
     graphs: bool | str = (
         "auto"  # CUDA graphs of the layers narrows runs: True, False, "auto" (where predicted faster)
     )
+    # room in the plan for a layer run eagerly while the graphs' pool is held (a batch shape not yet
+    # captured, a forward without gradients); False where none comes: every training batch of one
+    # shape, and passes without gradients inside `graphs_released(model)`, as `narrows finetune` packs
+    eager_beside_graphs: bool = True
     kernels: str = "fast"  # "fast": narrows.core's fast layers where they cover a layer (twin: fuse_layers); "peft": PEFT's
     # the fast layers' adapter arithmetic: None (the activations' dtype) or "float32" (PEFT's); stream fuses
     # the layers itself with this (a model fused before with another lora_dtype takes this one)
@@ -221,7 +225,7 @@ def _check(c: StreamConfig) -> None:
     if not _whole(c.stage_buffers, 0):
         raise StreamSetupError(f"stage_buffers={c.stage_buffers!r}: give a whole number ≥ 0")
     _choice(c, "host_state", HOST_STATES, "what of the training state StepTrainer keeps in host memory")
-    for name in ("check", "inference", "deterministic", "computes_loss"):
+    for name in ("check", "inference", "deterministic", "computes_loss", "eager_beside_graphs"):
         if not isinstance(getattr(c, name), bool):
             raise StreamSetupError(f"{name}={getattr(c, name)!r}: use True or False")
 

@@ -294,6 +294,42 @@ class LayerGraphs(LayerExecutor):
         finally:
             self._paused = False
 
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        """Every graph dropped, and the block run eagerly in the pool they used: an
+        evaluation between training steps runs in the memory the graphs held, not beside
+        it. Safe, since no graph is left to replay over what the block allocates there;
+        the graphs captured after it keep clear of what stays allocated. A batch shape
+        captured before is captured again at its next call (the plan's `eager_beside_graphs`
+        False counts on this around every pass without gradients)."""
+        if self._claims:
+            raise RuntimeError(
+                "narrows.stream: the CUDA graphs cannot be released while a whole layer's saved tensors "
+                "wait for their backward: release them between training steps"
+            )
+        self._drop_all()
+        self._paused = True
+        try:
+            if self.emulate:
+                yield
+            else:
+                with torch.cuda.use_mem_pool(self._mempool):
+                    yield
+        finally:
+            self._paused = False
+
+    def _drop_all(self) -> None:
+        """Drop every graph and static buffer; the shapes they were captured for are
+        remembered as seen, so their next call captures again."""
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)  # no replay still reads or writes what is freed
+        for shape in self._shapes:
+            self._seen[shape] = {self._first}
+        self._shapes.clear()
+        self._graphs.clear()
+        self._buffers.clear()
+        self._regroup.clear()
+
     # ---- what the layers call ---------------------------------------------------------
     def forward(self, run: LayerRun, hidden: Tensor) -> Tensor:
         """`eager_forward`, through a graph when the layer can be captured."""
@@ -419,84 +455,129 @@ class LayerGraphs(LayerExecutor):
         reads them). The warm-up runs the forward and a backward eagerly, so the backward's
         capture, later, needs none (a warm-up would write over the saved tensors)."""
         ins = self._static(("whole", index), tensors)
+        whole = _Whole(_Graph(lambda: None, ins, []), index, parts, None, [])
 
-        def body(inputs: list[Tensor]) -> tuple[Tensor, Any] | None:
-            call = FastCall(inputs[1], inputs[2], inputs[3] if len(inputs) > 3 else None)
-            return FastLayer.keeping(parts, inputs[0], call)
+        def forward() -> tuple[Tensor, Any] | None:
+            return FastLayer.keeping(
+                parts, ins[0], FastCall(ins[1], ins[2], ins[3] if len(ins) > 3 else None)
+            )
 
-        devices = [] if self.emulate else [self._device_index()]
-        with _fork(devices=devices, device_type="cuda"):
-            if self.emulate:
-                _fill(ins, tensors)
-                kept = body(ins)
-                if kept is None:
-                    self._refuse(index, "its attention records more than one node (SDPA's math path)")
-                    return None
-                outs = self._static("out", [kept[0]])
-                grads = self._static("whole-grad", _flat(FastLayer.gradients(parts, kept[0], saved=kept[1])))
-                whole = _Whole(_Graph(lambda: None, ins, outs), index, parts, kept[1], grads)
+        def warm_up() -> list[Tensor] | None:
+            _fill(ins, tensors)
+            kept = forward()
+            if kept is None:
+                self._refuse(index, "its attention records more than one node (SDPA's math path)")
+                return None
+            return [kept[0], *_flat(FastLayer.gradients(parts, kept[0], saved=kept[1]))]
 
-                def replay() -> None:
-                    out, whole.saved = body(ins)
-                    _fill(outs, [out])
+        def settle(warm: list[Tensor]) -> None:
+            whole.forward.outs = self._static("out", warm[:1])
+            whole.grads = self._static("whole-grad", warm[1:])
 
-                whole.forward.replay = replay
-            else:
-                whole = self._cuda_capture_whole(index, parts, body, tensors, ins)
-        if whole is not None:
-            whole.forward.shape = tuple(tensors[0].shape)
-            self._graphs[key] = whole
-            self.stats.captured += 1
+        def capture() -> None:
+            out, whole.saved = forward()
+            _fill(whole.forward.outs, [out])
+
+        replay = self._graph(index, capture, warm_up, settle)
+        if replay is None:
+            return None
+        whole.forward.replay, whole.forward.shape = replay, tuple(tensors[0].shape)
+        self._graphs[key] = whole
+        self.stats.captured += 1
         return whole
 
     def _device_index(self) -> int:
         return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
-    def _cuda_capture_whole(
-        self, index: int, parts: Any, body: Callable, tensors: list[Tensor], ins: list[Tensor]
-    ) -> _Whole | None:
+    def _capture_whole_backward(self, whole: _Whole, grad: Tensor) -> _Graph:
+        """The backward graph of `whole`'s forward, reading its saved tensors and writing
+        its results into `whole.grads` (no warm-up: the forward's ran this backward)."""
+        ins = self._static("grad", [grad])
+
+        def capture() -> None:
+            _fill(whole.grads, _flat(FastLayer.gradients(whole.parts, ins[0], saved=whole.saved)))
+
+        replay = self._graph(whole.index, capture)
+        assert replay is not None  # refused only at a warm-up
+        self.stats.captured += 1
+        return _Graph(replay, ins, whole.grads)
+
+    def _graph(
+        self,
+        index: int,
+        capture: Callable[[], None],
+        warm_up: Callable[[], list[Tensor | None] | None] | None = None,
+        settle: Callable[[list[Tensor | None]], None] | None = None,
+    ) -> Callable[[], None] | None:
+        """What replays `capture`: its CUDA graph (`_cuda_graph`, which says what `warm_up`
+        and `settle` are); emulated, `capture` itself after the same warm-up. None where
+        the warm-up refused the layer."""
+        if not self.emulate:
+            g = self._cuda_graph(index, capture, warm_up, settle)
+            return None if g is None else g.replay
+        with _fork(devices=[]):
+            if warm_up is not None:
+                warm = warm_up()
+                if warm is None:
+                    return None
+                if settle is not None:
+                    settle(warm)
+        return capture
+
+    def _cuda_graph(
+        self,
+        index: int,
+        capture: Callable[[], None],
+        warm_up: Callable[[], list[Tensor | None] | None] | None = None,
+        settle: Callable[[list[Tensor | None]], None] | None = None,
+    ) -> torch.cuda.CUDAGraph | None:
+        """`capture` captured as a CUDA graph on the capture stream, into the shared pool.
+        First `warm_up` runs there eagerly (lazy initialisation stays out of the graph, and a
+        call that waits for the host, which no graph can hold, shows itself: refused), its
+        allocations in the pool too, so the capture reuses its blocks; it returns its
+        results, or None where it refused the layer (saying why). `settle(results)` then
+        makes the static buffers, outside the pool. None where refused; a capture that fails
+        raises, since it leaves the CUDA generator and the pool unusable.
+
+        Peaks: every allocation of the warm-up and the capture lands in the pool (see
+        `_in_pool`), so the stretch's peak is what lay outside the pool before it plus the
+        pool at its largest (it only grows)."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        active = self.pool_bytes() - self.pool_free_bytes()
-        self._reset_allocator_peak()
+        active = self.pool_bytes() - self.pool_free_bytes()  # what whole layers keep in it now
+        self._reset_allocator_peak()  # what ran since the last reset, beside the pool
+        # the warm-up and the capture draw random numbers too: the global RNG must not move
         try:
-            with torch.cuda.stream(self.stream):
-                _fill(ins, tensors)
-                mode = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    with torch.cuda.use_mem_pool(self._mempool):
-                        kept = body(ins)
-                        warm = (
-                            None
-                            if kept is None
-                            else _flat(FastLayer.gradients(parts, *kept[:1], saved=kept[1]))
-                        )
-                    if kept is not None:  # every kernel of the backward ran once too
-                        grads = self._static("whole-grad", warm)
-                        outs = self._static("out", [kept[0]])
+            with _fork(devices=[self._device_index()], device_type="cuda"), torch.cuda.stream(self.stream):
+                if warm_up is not None:
+                    mode = torch.cuda.get_sync_debug_mode()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        with self._in_pool() as whole_stream:
+                            warm = warm_up()
+                        if warm is None:
+                            return None
+                        if settle is not None:
+                            settle(warm)
                         del warm
-                except RuntimeError as e:
-                    if "synchroniz" not in str(e):
-                        raise
-                    self._refuse(index, "its forward waits for the host (a graph cannot hold a sync)")
-                    return None
-                finally:
-                    torch.cuda.set_sync_debug_mode(mode)
-                if kept is None:
-                    self._refuse(index, "its attention records more than one node (SDPA's math path)")
-                    return None
-                del kept
-                self._reset_allocator_peak(active)
+                    except RuntimeError as e:
+                        if "synchroniz" not in str(e):
+                            raise
+                        self._refuse(index, "its forward waits for the host (a graph cannot hold a sync)")
+                        return None
+                    finally:
+                        torch.cuda.set_sync_debug_mode(mode)
+                    if whole_stream:
+                        torch.cuda.reset_peak_memory_stats(self.device)  # its peak: see below
+                    else:  # the autograd engine's thread allocated beside the pool: a bound
+                        self._reset_allocator_peak(active)
                 before = torch.cuda.memory_allocated(self.device)
                 g = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(
                         g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
                     ):
-                        out, saved = body(ins)
-                        _fill(outs, [out])
-                        del out
+                        capture()
                 except Exception as e:
                     raise RuntimeError(
                         f"narrows.stream: capturing layer {index} as a CUDA graph failed ({type(e).__name__}: "
@@ -506,44 +587,25 @@ class LayerGraphs(LayerExecutor):
             current.wait_stream(self.stream)
         self.capture_peak = max(self.capture_peak, before + self.pool_bytes() - active)
         torch.cuda.reset_peak_memory_stats(self.device)
-        return _Whole(_Graph(g.replay, ins, outs), index, parts, saved, grads)
+        return g
 
-    def _capture_whole_backward(self, whole: _Whole, grad: Tensor) -> _Graph:
-        """The backward graph of `whole`'s forward, reading its saved tensors and writing
-        its results into `whole.grads`."""
-        ins = self._static("grad", [grad])
-        self.stats.captured += 1
-        if self.emulate:
-            return _Graph(
-                lambda: _fill(
-                    whole.grads, _flat(FastLayer.gradients(whole.parts, ins[0], saved=whole.saved))
-                ),
-                ins,
-                whole.grads,
-            )
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        active = self.pool_bytes() - self.pool_free_bytes()
-        self._reset_allocator_peak()
-        before = torch.cuda.memory_allocated(self.device)
+    @contextmanager
+    def _in_pool(self) -> Iterator[bool]:
+        """Every allocation on the capture stream goes to the graphs' pool for the block,
+        from any thread (the autograd engine's, which runs a backward, too); yields True.
+        Where torch has no such routing, this thread's allocations alone (yields False)."""
+        begin = getattr(torch._C, "_cuda_beginAllocateCurrentStreamToPool", None)
+        if begin is None:
+            with torch.cuda.use_mem_pool(self._mempool):
+                yield False
+            return
+        device = self._device_index()
+        begin(device, self.pool)
         try:
-            with _fork(devices=[self._device_index()], device_type="cuda"), torch.cuda.stream(self.stream):
-                g = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(
-                        g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-                    ):
-                        _fill(whole.grads, _flat(FastLayer.gradients(whole.parts, ins[0], saved=whole.saved)))
-                except Exception as e:
-                    raise RuntimeError(
-                        f"narrows.stream: capturing layer backward as a CUDA graph failed ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]}). Stream with graphs=False to run every layer eagerly."
-                    ) from e
+            yield True
         finally:
-            current.wait_stream(self.stream)
-        self.capture_peak = max(self.capture_peak, before + self.pool_bytes() - active)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return _Graph(g.replay, ins, whole.grads)
+            torch._C._cuda_endAllocateToPool(device, self.pool)
+            torch._C._cuda_releasePool(device, self.pool)
 
     # ---- capture and replay -----------------------------------------------------------
     @staticmethod
@@ -695,77 +757,22 @@ class LayerGraphs(LayerExecutor):
         self, key: tuple, index: int, body: Callable[[list[Tensor]], list[Tensor | None]], live: list[Tensor]
     ) -> _Graph | None:
         ins = self._static("in", live)
-        # the warm-up and the capture draw random numbers too: the global RNG must not move
-        devices = (
-            [self.device.index if self.device.index is not None else torch.cuda.current_device()]
-            if not self.emulate
-            else []
-        )
-        with _fork(devices=devices, device_type="cuda"):
-            if self.emulate:
-                _fill(ins, live)
-                outs = self._static("out", body(ins))
-                graph = _Graph(lambda: _fill(outs, body(ins)), ins, outs)
-            else:
-                graph = self._cuda_capture(index, body, live, ins)
-        if graph is not None:
-            graph.shape = tuple(live[0].shape)
-            self._graphs[key] = graph
-            self.stats.captured += 1
-        return graph
+        graph = _Graph(lambda: None, ins, [], tuple(live[0].shape))
 
-    def _cuda_capture(
-        self,
-        index: int,
-        body: Callable[[list[Tensor]], list[Tensor | None]],
-        live: list[Tensor],
-        ins: list[Tensor],
-    ) -> _Graph | None:
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        # the pool holds its bytes between captures: what ran since the last reset held them too
-        active = self.pool_bytes() - self.pool_free_bytes()
-        self._reset_allocator_peak()
-        try:
-            with torch.cuda.stream(self.stream):
-                _fill(ins, live)
-                # warm-up: lazy initialisation stays out of the graph, and a forward that
-                # waits for the host (which no graph can hold) shows itself here
-                mode = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    with torch.cuda.use_mem_pool(self._mempool):
-                        warm = body(ins)
-                    outs = self._static("out", warm)
-                    del warm
-                except RuntimeError as e:
-                    if "synchroniz" not in str(e):
-                        raise
-                    self._refuse(index, "its forward waits for the host (a graph cannot hold a sync)")
-                    return None
-                finally:
-                    torch.cuda.set_sync_debug_mode(mode)
-                self._reset_allocator_peak(active)  # the warm-up, in and beside the pool
-                before = torch.cuda.memory_allocated(self.device)
-                g = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.graph(
-                        g, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-                    ):
-                        _fill(outs, body(ins))
-                except Exception as e:
-                    # a failed capture leaves the CUDA generator and the pool unusable: stop here
-                    raise RuntimeError(
-                        f"narrows.stream: capturing layer {index} as a CUDA graph failed ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]}). Stream with graphs=False to run every layer eagerly."
-                    ) from e
-        finally:
-            current.wait_stream(self.stream)
-        # while capturing, every allocation lands in the pool: what lay outside it, plus the
-        # pool at its largest (it only grows)
-        self.capture_peak = max(self.capture_peak, before + self.pool_bytes() - active)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return _Graph(g.replay, ins, outs)
+        def warm_up() -> list[Tensor | None]:
+            _fill(ins, live)
+            return body(ins)
+
+        def settle(warm: list[Tensor | None]) -> None:
+            graph.outs = self._static("out", warm)
+
+        replay = self._graph(index, lambda: _fill(graph.outs, body(ins)), warm_up, settle)
+        if replay is None:
+            return None
+        graph.replay = replay
+        self._graphs[key] = graph
+        self.stats.captured += 1
+        return graph
 
     def _reset_allocator_peak(self, active: int | None = None) -> None:
         """Fold CUDA's allocated peak since its last reset, with the pool's bytes no tensor

@@ -40,6 +40,7 @@ __all__ = [
     "input_bytes",
     "latent_bytes",
     "layer_work_bytes",
+    "loss_work_bytes",
     "step_mode_reserve",
     "training_bytes",
     "whole_bytes",
@@ -485,9 +486,14 @@ def work_bytes(s: Shapes, tile: int | None = None) -> int:
     on the H100: 10 bytes per logit under-predicted a 32B seq-4096 run by 3%.) A loss that
     never builds the logits (narrows-lmhead) reports its own figure instead.
     """
-    tokens = s.batch * s.seq
-    loss = s.loss_bytes if s.loss_bytes is not None else tokens * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
-    return max(layer_work_bytes(s, tile), loss)
+    return max(layer_work_bytes(s, tile), loss_work_bytes(s))
+
+
+def loss_work_bytes(s: Shapes) -> int:
+    """The loss's working set (see `work_bytes`)."""
+    if s.loss_bytes is not None:
+        return s.loss_bytes
+    return s.batch * s.seq * s.vocab * (2 * s.act_bytes + 4 + 4 + 2)
 
 
 def nbytes(tensors) -> int:

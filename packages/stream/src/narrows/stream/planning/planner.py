@@ -167,6 +167,7 @@ def plan(
             reserved=reserve,
             host_state=cfg.host_state,
             in_flight=cfg.in_flight,
+            eager_beside_graphs=cfg.eager_beside_graphs,
         )
         if not held:
             return plan

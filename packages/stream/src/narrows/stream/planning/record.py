@@ -44,7 +44,10 @@ class Plan:
     tile_tokens: int | None = None  # the MLP runs in sequence tiles of this many tokens
     whole: tuple[int, ...] = ()  # resident layers run without recompute, activations saved
     graphs: bool = False  # the layers narrows runs replay as CUDA graphs
-    graph_bytes: int = 0  # the graphs' scratch pool and capture workspaces, in the peak
+    graph_bytes: int = 0  # the graphs' scratch pool and capture workspaces
+    # what the pool adds to the peak beside `work_bytes`: all of it, unless no layer runs eagerly
+    # beside it (`StreamConfig.eager_beside_graphs` False): then it holds the layers' working sets
+    graph_peak_bytes: int = 0
     step_seconds: float = 0.0  # the step-time model's figure for the layers (ranks plans; not a promise)
     graphs_choice: str = ""  # with graphs="auto": why they are on or off
     reserved_bytes: int = 0  # left free in the budget for the caller (step mode's held weights); in the peak

@@ -16,7 +16,15 @@ from dataclasses import dataclass, replace
 from narrows.core import format_bytes
 
 from ..errors import BudgetTooSmallError
-from .memory import Shapes, graph_bytes, input_bytes, whole_bytes, whole_overlap_bytes, work_bytes
+from .memory import (
+    Shapes,
+    graph_bytes,
+    input_bytes,
+    loss_work_bytes,
+    whole_bytes,
+    whole_overlap_bytes,
+    work_bytes,
+)
 from .placement import most_resident
 from .record import HOST_STATE_NOTES, Plan
 from .steptime import Rates, step_seconds
@@ -68,6 +76,7 @@ def make_plan(
     reserved: int = 0,
     host_state: str = "none",
     in_flight: int = 1,
+    eager_beside_graphs: bool = True,
 ) -> Plan:
     """Decide residency for `budget` bytes of device memory (None: the smallest footprint).
 
@@ -76,7 +85,8 @@ def make_plan(
     transfer per step; `rates`: the step-time model's (default: fitted); `host_bytes`,
     `host_budget`, `reserved`, `host_state`: carried into the plan's report (`host_state` also
     for `StepTrainer`, which must keep that state in host memory); `in_flight`: micro-batches
-    whose saved activations a pipeline stage keeps at once (each its own; one working set).
+    whose saved activations a pipeline stage keeps at once (each its own; one working set);
+    `eager_beside_graphs`: `StreamConfig`'s (False counts for fast layers, one in flight).
 
     why: docs/design.md#residency
     """
@@ -84,9 +94,9 @@ def make_plan(
         return _either(dict(locals()))
     layer_bytes = tuple(layer_bytes)
     n = len(layer_bytes)
-    cost = _Footprint(
-        layer_bytes, fixed_bytes, shapes, graphs and device.startswith("cuda"), reserved, in_flight
-    )
+    graphed = bool(graphs) and device.startswith("cuda")
+    alone = not eager_beside_graphs and shapes.fast and in_flight == 1
+    cost = _Footprint(layer_bytes, fixed_bytes, shapes, graphed, reserved, in_flight, alone)
     if budget is None:  # the smallest footprint: one slab beyond the prefetch, every input offloaded allowed
         t = tile_choices(tile, shapes.batch * shapes.seq, None)[0]
         resident, depth, kept = (), max(prefetch, 0), n if offload == "off" else 0
@@ -111,7 +121,7 @@ def make_plan(
         pool_slabs=slabs,
         prefetch=prefetch if streamed else 0,
         fixed_bytes=fixed_bytes,
-        activation_bytes=cost.saved(kept, len(whole)),
+        activation_bytes=cost.saved(kept, len(whole), cost.apart(t, len(whole))),
         work_bytes=work_bytes(shapes, t),
         predicted_peak=cost.peak(resident, slabs, kept, t, len(whole)),
         h2d_bytes_per_step=moved.h2d + head_h2d_bytes + moved.d2h,
@@ -126,6 +136,7 @@ def make_plan(
         whole=whole,
         graphs=graphs,
         graph_bytes=cost.pool(t, len(whole)),
+        graph_peak_bytes=cost.pool_part(t, len(whole)),
         step_seconds=step_seconds(layer_bytes, shapes, len(resident), len(whole), rates, graphs),
         reserved_bytes=reserved,
         host_state=host_state,
@@ -143,6 +154,7 @@ class _Footprint:
     graphed: bool  # graphs asked for on a CUDA device: their pool counts while any layer is graphed
     reserved: int
     in_flight: int = 1  # micro-batches whose saved activations are kept at once (a pipeline stage's)
+    alone: bool = False  # no layer runs eagerly beside the graphs' pool (`StreamConfig.eager_beside_graphs`)
 
     @property
     def n(self) -> int:
@@ -152,12 +164,12 @@ class _Footprint:
     def slab(self) -> int:
         return max(self.layer_bytes)
 
-    def saved(self, kept: int, whole: int = 0) -> int:
+    def saved(self, kept: int, whole: int = 0, apart: bool = False) -> int:
         """Kept inputs, two offloaded ones in flight, and whole layers' activations (less
-        what the last whole layer and the working set never hold at once), for each
-        micro-batch in flight."""
+        what the last whole layer and the working set never hold at once, unless they lie
+        `apart`), for each micro-batch in flight."""
         a = input_bytes(self.shapes)
-        overlap = whole_overlap_bytes(self.shapes) if whole else 0
+        overlap = whole_overlap_bytes(self.shapes) if whole and not apart else 0
         one = (kept - whole + min(2, self.n - kept)) * a + whole * whole_bytes(self.shapes) - overlap
         return self.in_flight * one
 
@@ -166,12 +178,27 @@ class _Footprint:
         graphed = self.graphed and (whole < self.n or self.shapes.fast)
         return graph_bytes(self.shapes, t, self.reserved) if graphed else 0
 
+    def apart(self, t: int | None, whole: int) -> bool:
+        """Whether the layers' working sets lie in the graphs' pool, apart from what whole
+        layers keep (there, allocated): graphs, and no layer run eagerly beside them."""
+        return self.alone and self.pool(t, whole) > 0
+
+    def pool_part(self, t: int | None, whole: int) -> int:
+        """What the graphs' pool adds to the peak beside the working set. Where no layer
+        runs eagerly beside it (`alone`), the layers' working sets lie in it and beside it
+        only the loss's: the pool less the working set it takes in. The first step, before
+        any capture, runs eagerly without it: the working set stays counted."""
+        pool = self.pool(t, whole)
+        if not self.apart(t, whole):
+            return pool
+        return max(0, pool + loss_work_bytes(self.shapes) - work_bytes(self.shapes, t))
+
     def peak(self, resident: tuple[int, ...], slabs: int, kept: int, t: int | None, whole: int = 0) -> int:
         return (
             self.fixed
-            + self.saved(kept, whole)
+            + self.saved(kept, whole, self.apart(t, whole))
             + work_bytes(self.shapes, t)
-            + self.pool(t, whole)
+            + self.pool_part(t, whole)
             + slabs * self.slab
             + sum(self.layer_bytes[i] for i in resident)
         )

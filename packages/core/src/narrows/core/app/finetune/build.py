@@ -290,7 +290,8 @@ def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1
     """The job's flags as one `narrows.stream.StreamConfig`: the budget and batch, the
     micro-batches a step and whether step mode was asked for (else the planner decides),
     what step mode keeps in host memory (left out of the budget), and the tiles and
-    graphs asked for (else the planner's)."""
+    graphs asked for (else the planner's); packed, no room for a layer run eagerly beside
+    the graphs' pool (the job evaluates with them released)."""
     import narrows.stream
 
     m = cfg.memory
@@ -302,6 +303,8 @@ def stream_config(cfg: FinetuneConfig, device: torch.device, world_size: int = 1
         seq_len=cfg.dataset.seq_len,
         seq_tile=m.tile(),
         graphs="auto" if m.cuda_graphs is None else m.cuda_graphs,
+        # packed batches have one shape, and evaluations run in the graphs' room (`graphs_released`)
+        eager_beside_graphs=not cfg.dataset.packing,
         grad_accum=cfg.training.grad_accum,
         step_mode="auto" if m.step_mode is None else m.step_mode,
         host_state=host_state,

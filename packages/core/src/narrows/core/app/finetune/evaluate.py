@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -72,15 +73,16 @@ def eval_loss(
     if show is False:
         say(f"held-out loss: {len(examples)} rows in {len(batches)} batches")
     try:
-        for i in batches:
-            chunk = examples[i : i + batch]
-            n = sum(e.trainable for e in chunk)
-            loss = forward(to_device(collate(chunk, pad_id), device))
-            if loss is not None:
-                total += float(loss) * n
-            count += n
-            if bar is not None:
-                bar.update(1)
+        with graphs_released(model):
+            for i in batches:
+                chunk = examples[i : i + batch]
+                n = sum(e.trainable for e in chunk)
+                loss = forward(to_device(collate(chunk, pad_id), device))
+                if loss is not None:
+                    total += float(loss) * n
+                count += n
+                if bar is not None:
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()
@@ -110,6 +112,15 @@ def eval_row(
 def _graphs(model: nn.Module):
     """narrows-stream's CUDA graphs of `model`, or None (not streamed, or no graphs)."""
     return getattr(getattr(model, "narrows_stream", None), "graphs", None)
+
+
+def graphs_released(model: nn.Module):
+    """A block without narrows-stream's CUDA graphs, run in the memory their pool held
+    (`LayerGraphs.released`): an evaluation's forwards, which run eagerly, then share the
+    training's room instead of needing their own beside the pool (the plan counts on it:
+    `eager_beside_graphs`). The next training step captures the graphs again."""
+    graphs = _graphs(model)
+    return nullcontext() if graphs is None else graphs.released()
 
 
 def reset_step_peaks(model: nn.Module, device: torch.device) -> None:
@@ -178,31 +189,32 @@ def generate_answers(
     texts = []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     try:
-        for k, r in enumerate(rows):
-            t0 = time.perf_counter()
-            prompt = tokenizer.apply_chat_template(
-                r["messages"][:1], tokenize=False, add_generation_prompt=True
-            )
-            enc = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(device)
-            start = enc["input_ids"].shape[1]
-            stop = AnswerGiven(start)
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=pad,
-                stopping_criteria=StoppingCriteriaList([stop]),
-            )
-            text = tokenizer.decode(out[0, start:], skip_special_tokens=True)
-            end = _answer_done(text)
-            texts.append(text if end is None else text[:end])
-            if bar is not None:
-                bar.update(1 - stop.moved)
-            elif label:
-                say(
-                    f"{label}: problem {k + 1}/{len(rows)}, {out.shape[1] - start} tokens "
-                    f"({time.perf_counter() - t0:.0f} s)"
+        with graphs_released(model):
+            for k, r in enumerate(rows):
+                t0 = time.perf_counter()
+                prompt = tokenizer.apply_chat_template(
+                    r["messages"][:1], tokenize=False, add_generation_prompt=True
                 )
+                enc = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").to(device)
+                start = enc["input_ids"].shape[1]
+                stop = AnswerGiven(start)
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=pad,
+                    stopping_criteria=StoppingCriteriaList([stop]),
+                )
+                text = tokenizer.decode(out[0, start:], skip_special_tokens=True)
+                end = _answer_done(text)
+                texts.append(text if end is None else text[:end])
+                if bar is not None:
+                    bar.update(1 - stop.moved)
+                elif label:
+                    say(
+                        f"{label}: problem {k + 1}/{len(rows)}, {out.shape[1] - start} tokens "
+                        f"({time.perf_counter() - t0:.0f} s)"
+                    )
     finally:
         model.train(was_training)
     return texts

@@ -38,13 +38,13 @@ MEASURES = {
 
 def _predicted_parts(plan: Any) -> dict[str, int]:
     """The plan's predicted peak in its parts: what stays on the device (the room reserved
-    for the caller among it), the activations kept, the working set, the graphs' pool, and
-    the layers' weights (resident and in flight: the rest)."""
+    for the caller among it), the activations kept, the working set, what the graphs' pool
+    adds beside it, and the layers' weights (resident and in flight: the rest)."""
     parts = {
         "fixed": plan.fixed_bytes,
         "activations": plan.activation_bytes,
         "working_set": plan.work_bytes,
-        "graph_pool": getattr(plan, "graph_bytes", 0),
+        "graph_pool": getattr(plan, "graph_peak_bytes", 0),
     }
     parts["layer_weights"] = plan.predicted_peak - sum(parts.values())
     return parts
