@@ -1066,7 +1066,7 @@ MOE_LORA = (  # (case, device, what the adapters sit on and how many layers, the
         "peers_qwen3-30b-a3b-6l_8x512",
         "h200",
         "attention; 6 of 48 layers",
-        ("8GiB", "8GiB-eager", "5GiB", "4.6GiB", "4.25GiB"),
+        ("8GiB", "8GiB-eager", "5GiB", "4.6GiB", "4.25GiB", "4GiB"),
     ),
     (
         "peers_qwen3-30b-a3b-6l_8x512_experts",
