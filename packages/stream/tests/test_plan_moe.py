@@ -173,9 +173,9 @@ def test_a_model_collecting_router_logits_is_planned_as_its_own_code():
 
 
 def test_graphed_moe_layers_are_priced_with_their_pool_beside_the_eager_working_set():
-    """Every layer of a mixture of experts replayed as a graph: the peak holds the pool and
-    the eager working set beside it (each capture's warm-up runs the layer eagerly while the
-    pool keeps the graphs captured before it)."""
+    """Every layer of a mixture of experts replayed as a graph: by default the peak holds
+    the pool and an eager working set beside it (a layer may run eagerly while the graphs
+    are held: a new batch width, an evaluation)."""
     from narrows.stream.planning import graph_bytes, make_plan, work_bytes
 
     anat = anatomy_of(model("qwen3_moe", CASES[0][1]))

@@ -453,16 +453,16 @@ GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
 
 
 def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
-    """What CUDA graphs add to the peak: their shared pool holds the intermediates of one
-    layer's forward graph and of one recompute-and-backward graph (not live at once, and
-    the pool reuses their blocks), beside the eager working set, which each capture's
-    warm-up (an eager run of the layer) holds while the pool keeps the graphs before it;
-    and — unless step mode holds them — the 4-bit weights each call dequantises, whose
-    blocks the pool cannot fully reuse for one another; plus the capture stream's
-    workspaces, plus the static buffers of the other batch shapes kept (hidden states in and out, and their gradients: four hidden-sized tensors each,
-    at most the planned length). Held weights live in `reserved` room (step mode's
-    reserve); where they are not held, that room is free for the pool's copies, so only
-    what exceeds it is added.
+    """What CUDA graphs' shared pool holds: the intermediates of one layer's forward graph
+    and of one recompute-and-backward graph (not live at once, and the pool reuses their
+    blocks); and — unless step mode holds them — the 4-bit weights each call dequantises,
+    whose blocks the pool cannot fully reuse for one another; plus the capture stream's
+    workspaces, plus the static buffers of the other batch shapes kept (hidden states in and
+    out, and their gradients: four hidden-sized tensors each, at most the planned length).
+    Held weights live in `reserved` room (step mode's reserve); where they are not held,
+    that room is free for the pool's copies, so only what exceeds it is added. The plan puts
+    it beside the eager working set where a layer may run eagerly while the graphs are held
+    (`StreamConfig.eager_beside_graphs`).
     (Fitted above the H100 pools at the Qwen2.5 NF4 shapes, 512 tokens, one shape; GB
     measured / predicted, leaving out the other shapes' buffers. Weights dequantised per
     call: 0.375 / 0.57 at 7B, 0.730 / 0.91 at 32B, 1.281 / 1.33 at 72B. Held: 0.388 / 0.46
