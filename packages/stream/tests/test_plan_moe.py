@@ -197,7 +197,7 @@ def test_without_eager_layers_beside_the_pool_it_holds_the_working_set():
     here from the parts: pricing the eager working set beside the pool, or the overlap,
     fails it."""
     from narrows.stream.planning import graph_bytes, make_plan, work_bytes
-    from narrows.stream.planning.memory import input_bytes, loss_work_bytes
+    from narrows.stream.planning.memory import GRAPH_MIXED, input_bytes, loss_work_bytes
 
     anat = anatomy_of(model("qwen3_moe", CASES[0][1]))
     n = anat.num_layers
@@ -208,15 +208,24 @@ def test_without_eager_layers_beside_the_pool_it_holds_the_working_set():
     for recompute, whole in (("all", 0), ("auto", n)):
         beside = make_plan(layers, **common, recompute=recompute)
         p = make_plan(layers, **alone, recompute=recompute)
-        assert p.whole == beside.whole == tuple(range(n - whole, n)) and p.graph_bytes == graph_bytes(s)
+        # one batch shape's pool: no other shapes' buffers kept
+        assert p.whole == beside.whole == tuple(range(n - whole, n)) and p.graph_bytes == graph_bytes(
+            s, shapes=1
+        )
         kept = whole * whole_bytes(s) + (n - whole) * input_bytes(s)  # every input kept, on the device
         assert p.activation_bytes == kept
-        room = max(work_bytes(s), graph_bytes(s) + loss_work_bytes(s))
+        room = max(work_bytes(s), graph_bytes(s, shapes=1) + loss_work_bytes(s))
         assert p.predicted_peak == p.fixed_bytes + kept + room + sum(layers) < beside.predicted_peak
         assert (
             p.predicted_peak
             == p.fixed_bytes + p.activation_bytes + p.work_bytes + p.graph_peak_bytes + sum(layers)
         )
+    # whole and recomputed layers both replaying: the states lie among the scratch, and the
+    # pool grows by GRAPH_MIXED of a keep (a budget with room for one whole layer and that)
+    extra = int(GRAPH_MIXED * whole_bytes(s))
+    budget = make_plan(layers, **alone, recompute="all").predicted_peak + whole_bytes(s) + extra
+    one = make_plan(layers, **{**alone, "budget": budget})
+    assert len(one.whole) == 1 and one.graph_bytes == graph_bytes(s, shapes=1) + extra
     # eager plans, dense layers (the whole ones run their own code), and a stage with two
     # micro-batches in flight keep the working set beside the pool
     for kw in (dict(graphs=False), dict(shapes=replace(s, fast=False)), dict(in_flight=2)):

@@ -450,15 +450,17 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
 GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the pool's rounding
 GRAPH_ACTIVATIONS = 1.05  # the pool's intermediates, in layer working sets (`layer_work_bytes`)
 GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
+GRAPH_MIXED = 0.5  # a mix of whole and recomputed layers' graphs: the pool's extra, in whole layers' keeps
 
 
-def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
+def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0, shapes: int = DEFAULT_SHAPES) -> int:
     """What CUDA graphs' shared pool holds: the intermediates of one layer's forward graph
     and of one recompute-and-backward graph (not live at once, and the pool reuses their
     blocks); and — unless step mode holds them — the 4-bit weights each call dequantises,
     whose blocks the pool cannot fully reuse for one another; plus the capture stream's
     workspaces, plus the static buffers of the other batch shapes kept (hidden states in and
-    out, and their gradients: four hidden-sized tensors each, at most the planned length).
+    out, and their gradients: four hidden-sized tensors each, at most the planned length;
+    `shapes` kept at once, one where batches have one shape).
     Held weights live in `reserved` room (step mode's reserve); where they are not held,
     that room is free for the pool's copies, so only what exceeds it is added. The plan puts
     it beside the eager working set where a layer may run eagerly while the graphs are held
@@ -467,7 +469,7 @@ def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0) -> int:
     measured / predicted, leaving out the other shapes' buffers. Weights dequantised per
     call: 0.375 / 0.57 at 7B, 0.730 / 0.91 at 32B, 1.281 / 1.33 at 72B. Held: 0.388 / 0.46
     at 32B, 0.505 / 0.55 at 72B. `test_plan_graphs.py` checks each.)"""
-    other_shapes = (DEFAULT_SHAPES - 1) * 4 * input_bytes(s)
+    other_shapes = (shapes - 1) * 4 * input_bytes(s)
     dequant = max(0, int(GRAPH_DEQUANT * s.dequant_bytes) - reserved)
     return int(GRAPH_ACTIVATIONS * layer_work_bytes(s, tile)) + dequant + GRAPH_WORKSPACE + other_shapes
 
