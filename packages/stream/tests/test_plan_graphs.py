@@ -102,7 +102,7 @@ def test_the_budget_holds_the_pool():
     # the refusal names the pool among what the minimum holds, and how to leave it out
     pool = graph_bytes(shapes)
     said = str(refused.value)
-    assert f"the CUDA graphs' pool ({format_bytes(pool)})" in said and "--no-cuda-graphs" in said
+    assert f"what the CUDA graphs' pool adds ({format_bytes(pool)})" in said and "--no-cuda-graphs" in said
     high = ns.plan(model, 1 << 40, **SHAPE, recompute="all", graphs=True).predicted_peak  # all resident
     for budget in range(floor + pool, high, max(1, (high - floor - pool) // 50)):
         p = ns.plan(model, budget, **SHAPE, recompute="all", graphs=True)

@@ -15,6 +15,7 @@ from narrows.stream.planning.memory import (
     whole_bytes,
     whole_overlap_bytes,
 )
+from narrows.stream.planning.steptime import Rates
 
 pytestmark = pytest.mark.bnb
 pytest.importorskip("bitsandbytes")
@@ -235,40 +236,43 @@ def test_without_eager_layers_beside_the_pool_it_holds_the_working_set():
         )
 
 
-def test_auto_recomputes_a_mixture_of_experts_layers_as_graphs():
-    """A fast MoE model takes graphs wherever their pool costs no resident layer — its
-    whole layers replay too (a forward graph and a backward graph each), and the pool is
-    priced — and stays eager where the pool would stream a layer the eager plan keeps; a
-    dense model's choice stays the step-time model's."""
+def test_auto_weighs_a_mixture_of_experts_launches_against_the_pools_streamed_layers():
+    """A fast MoE layer run eagerly is launch-bound on the host (`MOE_HOST_SECONDS` a
+    forward, whatever its size); as graphs it costs the device's time. So a fast MoE model
+    takes graphs — its whole layers replayed too — where the pool costs no resident layer,
+    and where it does, as long as the streamed layers' exposed copies cost less than the
+    launches saved; a dense model's host is not that floor. Each choice says its predicted
+    times."""
     from narrows.stream.planning import make_plan
+    from narrows.stream.planning.steptime import MOE_HOST_SECONDS, step_seconds
 
     anat = anatomy_of(model("qwen3_moe", CASES[0][1]))
+    n = anat.num_layers
     s = replace(Shapes.of(anat, 8, 512, fast=True), loss_bytes=1 << 20)
-    layers = [200 << 20] * anat.num_layers  # weights that outweigh the pool
-    common = dict(fixed_bytes=1 << 24, shapes=s, device="cuda:0")
+    layers = [200 << 20] * n  # weights that outweigh the pool
+    common = dict(fixed_bytes=1 << 24, shapes=s, device="cuda:0", eager_beside_graphs=False)
     whole = make_plan(layers, **common, budget=1 << 40, graphs=False)
-    assert whole.whole == tuple(range(anat.num_layers))
+    assert whole.whole == tuple(range(n))
     auto = make_plan(layers, **common, budget=1 << 40, graphs="auto")
-    assert auto.graphs and auto.whole == whole.whole and "every layer runs whole" in auto.graphs_choice
-    assert auto.graph_bytes > 0 and auto.predicted_peak == whole.predicted_peak + auto.graph_bytes
-    # the smallest footprint's peak: every layer streamed and recomputed, graphed or not
-    budget = make_plan(layers, **common, budget=None, graphs=False).predicted_peak
-    eager = make_plan(layers, **common, budget=budget, graphs=False)
-    assert eager.whole != whole.whole
-    auto = make_plan(layers, **common, budget=budget, graphs="auto")
-    assert auto.graphs and auto.whole == () and "recomputed" in auto.graphs_choice
-    assert auto.predicted_peak <= budget and auto.resident == eager.resident
-    dense = make_plan(layers, **{**common, "shapes": replace(s, moe=None)}, budget=budget, graphs="auto")
-    assert "predicted" in dense.graphs_choice
-    # a budget where the eager plan keeps every layer but the pool's room would stream one
+    assert auto.graphs and auto.whole == whole.whole and "with graphs" in auto.graphs_choice
+    # eagerly, each whole layer's forward and backward wait for the host's launches
+    assert whole.step_seconds >= n * 2.2 * MOE_HOST_SECONDS
+    assert auto.step_seconds == step_seconds(layers, s, n, n, graphs=True) < whole.step_seconds
+    # a budget where the eager plan keeps every layer but the pool streams some: the model
+    # weighs the copies; over a fast link they hide, over a slow one eager wins
     tight = make_plan(layers, **common, budget=1 << 40, graphs=False, recompute="all").predicted_peak
     eager = make_plan(layers, **common, budget=tight, graphs=False)
     streamed = make_plan(layers, **common, budget=tight, graphs=True)
-    assert len(eager.resident) == anat.num_layers > len(streamed.resident)
-    auto = make_plan(layers, **common, budget=tight, graphs="auto")
-    assert (
-        not auto.graphs and auto.resident == eager.resident and "fewer layers resident" in auto.graphs_choice
-    )
+    assert len(eager.resident) == n > len(streamed.resident)
+    for rate, graphs in ((1e12, True), (1e8, False)):
+        rates = Rates(h2d=rate)
+        pick = make_plan(layers, **common, budget=tight, graphs="auto", rates=rates)
+        g = make_plan(layers, **common, budget=tight, graphs=True, rates=rates)
+        assert pick.graphs is graphs and pick.resident == (g if graphs else eager).resident
+        assert f"{g.step_seconds:.3g} s of layer time a step with graphs" in pick.graphs_choice
+    # a dense model is no launch floor: its eager whole layers cost the device's time
+    dense = replace(s, moe=None)
+    assert step_seconds(layers, dense, n, n) == step_seconds(layers, dense, n, n, graphs=True)
 
 
 def test_the_step_time_model_multiplies_by_a_tokens_experts_and_dequantises_every_one():
@@ -276,6 +280,7 @@ def test_the_step_time_model_multiplies_by_a_tokens_experts_and_dequantises_ever
     MLP's of that width; a dequantisation writes every expert, a dense MLP of all their
     widths. Reading the config's dense `intermediate_size` instead fails both."""
     from narrows.stream.planning import dequant_seconds, layer_seconds, recompute_share
+    from narrows.stream.planning.steptime import MOE_HOST_SECONDS
 
     base = Shapes.of(anatomy_of(model("qwen3_moe", CASES[0][1])), 1, 512, fast=True)
     moe = MoEShape(experts=128, top_k=8, intermediate=96, shared=64, dequant_bytes=0, dense_layers=0)
@@ -285,9 +290,13 @@ def test_the_step_time_model_multiplies_by_a_tokens_experts_and_dequantises_ever
     assert dequant_seconds(1, s) == dequant_seconds(1, stored) > dequant_seconds(1, active)
     assert recompute_share(s) == recompute_share(active)
     float_layer = 10**12  # bytes enough that nothing is dequantised
-    assert layer_seconds(float_layer, s)[0] == pytest.approx(layer_seconds(float_layer, active)[0])
+    device = layer_seconds(float_layer, s, graphed=True)[0]  # what the device does
+    assert device == pytest.approx(layer_seconds(float_layer, active)[0])
     graphed = layer_seconds(1, s, graphed=True)[0]
-    assert graphed == pytest.approx(layer_seconds(float_layer, active)[0] + dequant_seconds(1, stored))
+    assert graphed == pytest.approx(device + dequant_seconds(1, stored))
+    # eagerly, a fast MoE layer waits for the host's launches at least, float or 4-bit
+    assert layer_seconds(float_layer, s)[0] == max(device, MOE_HOST_SECONDS)
+    assert layer_seconds(1, s)[0] == max(graphed, MOE_HOST_SECONDS)
 
 
 def test_latent_attention_is_priced_at_its_heads_widths():

@@ -450,7 +450,7 @@ def layer_work_bytes(s: Shapes, tile: int | None = None) -> int:
 GRAPH_WORKSPACE = 128 << 20  # cuBLAS workspaces of the capture stream, and the pool's rounding
 GRAPH_ACTIVATIONS = 1.05  # the pool's intermediates, in layer working sets (`layer_work_bytes`)
 GRAPH_DEQUANT = 1.6  # the pool's dequantised weights, in largest 4-bit weights
-GRAPH_MIXED = 0.5  # a mix of whole and recomputed layers' graphs: the pool's extra, in whole layers' keeps
+GRAPH_MIXED = 1.0  # a mix of whole and recomputed layers' graphs: the pool's extra, in whole layers' keeps
 
 
 def graph_bytes(s: Shapes, tile: int | None = None, reserved: int = 0, shapes: int = DEFAULT_SHAPES) -> int:

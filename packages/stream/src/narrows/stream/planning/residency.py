@@ -180,8 +180,8 @@ class _Footprint:
         one batch shape's where nothing runs beside it (`alone`); where fast whole layers
         and recomputed ones both replay, the whole states lie among the recompute graphs'
         scratch, and the pool grows by `GRAPH_MIXED` of a whole layer's keep (on one H200 at
-        Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens, one whole layer of six: a pool of
-        2.05 GiB against 1.90 priced without, 1.39 with none whole)."""
+        Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens, one whole layer of six: the main
+        job peaked at 4.91 GiB against 4.80 priced without it, 4.95 with it)."""
         graphed = self.graphed and (whole < self.n or self.shapes.fast)
         if not graphed:
             return 0
@@ -243,7 +243,7 @@ def _floor(
                 tile,
                 cost.peak((), 1, 0, MIN_TILE) if tokens > MIN_TILE else None,
                 host_state,
-                cost.pool(choices[-1], 0),
+                cost.pool_part(choices[-1], 0),
             )
         )
     t = fitting[0]
@@ -315,17 +315,14 @@ def _either(args: dict) -> Plan:
     """`make_plan(graphs="auto")`: the faster of the plans with and without graphs. Graphs
     need a CUDA device, and the smallest footprint (no budget) stays without their pool.
 
-    A mixture of experts' fast layers are host-bound: run eagerly, a recomputed layer costs
-    far more than the step-time model's forwards, and as a graph far less. So such a model
-    takes the graphed plan — its whole layers replayed as graphs too — as long as the pool's
-    room costs it no resident layer. Measured on one H200 at Qwen3-30B-A3B's shape,
-    6 layers, 8 × 512 tokens, the main job took 0.071 s a step with every layer recomputed
-    as a graph and all 6 resident, against 0.082 s eagerly with 6 resident and 3 of them
-    whole; on the H100, every layer streamed either way, 0.119 against 0.188 s. But graphs
-    that stream every layer where the eager plan keeps them took 0.086 s at a `4.6GiB`
-    budget and 0.127 s at `4.25GiB`, against 0.082 and 0.089 s eagerly. Where every layer runs
-    whole (`8GiB`), as graphs 0.049 s a step at 5.74 GiB against 0.083 s eagerly at 5.14 GiB
-    (one call, Unsloth 0.088 s)."""
+    The step-time model decides. A mixture of experts' fast layers are launch-bound on
+    the host when eager (`steptime.MOE_HOST_SECONDS`), so there graphs win unless their pool
+    streams layers whose copies the compute cannot hide. On one H200 at Qwen3-30B-A3B's
+    shape, 6 layers, 8 × 512 tokens, the main job in one call: at `4.25GiB` graphs with 3
+    layers resident 0.066 s a step (3.92 GiB) against 0.077 eagerly with all 6 (4.04 GiB),
+    Unsloth 0.064 (4.27 GiB); at `4.6GiB` graphs with all 6 resident 0.066 s (4.22 GiB). Graphs
+    that streamed every layer from one or two slabs (an earlier pricing of the pool) took
+    0.127 and 0.086 s against 0.089 and 0.082 eagerly: the model prices those copies exposed."""
     args["layer_bytes"] = tuple(args["layer_bytes"])  # read twice
     eager = make_plan(**{**args, "graphs": False})
     if args["budget"] is None or not str(args["device"]).startswith("cuda"):
@@ -338,26 +335,6 @@ def _either(args: dict) -> Plan:
     if graphed.tile_tokens != eager.tile_tokens:  # tiling changes the sums: not the planner's to trade
         return replace(
             eager, graphs_choice="auto: their pool would need sequence tiles the eager plan does not"
-        )
-    shapes = args["shapes"]
-    if shapes.fast and shapes.moe is not None:
-        # measured, not modelled: the step-time model does not see a fast MoE layer's host cost
-        recomputed = len(eager.layer_bytes) - len(eager.whole)
-        fewer = len(eager.resident) - len(graphed.resident)
-        if fewer > 0:
-            return replace(
-                eager,
-                graphs_choice=f"auto: off: their pool would leave {fewer} fewer layers resident, and a "
-                "mixture of experts' layers streamed cost more than its graphs save",
-            )
-        said = (
-            f"{recomputed} of the eager plan's layers are recomputed"
-            if recomputed
-            else "every layer runs whole (a forward graph and a backward graph each)"
-        )
-        return replace(
-            graphed,
-            graphs_choice=f"auto: {said}, and a mixture of experts' fast layers run faster as graphs",
         )
     pick = graphed if graphed.step_seconds < eager.step_seconds else eager
     return replace(
@@ -405,7 +382,7 @@ def _too_small(
         f"one streamed layer ({format_bytes(slab)}), fixed costs ({format_bytes(fixed)}: head, norm, "
         f"adapters with gradients and optimizer state{HOST_STATE_NOTES[host_state]}; over several ranks, DDP's "
         f"gradient buckets), saved activations ({format_bytes(saved)}), the working set ({format_bytes(work)})"
-        + (f" and the CUDA graphs' pool ({format_bytes(pool)})" if pool else "")
+        + (f" and what the CUDA graphs' pool adds ({format_bytes(pool)})" if pool else "")
         + f". Give at least {format_bytes(minimum)}, or "
         + ", or ".join(hints)
         + "."

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .memory import Shapes
 
-__all__ = ["Rates", "dequant_seconds", "layer_seconds", "passes", "recompute_share", "step_seconds"]
+__all__ = [
+    "MOE_HOST_SECONDS",
+    "Rates",
+    "dequant_seconds",
+    "layer_seconds",
+    "passes",
+    "recompute_share",
+    "step_seconds",
+]
 
 # The step-time model that ranks plans (not a prediction the report shows): fitted to the
 # H100 (PCIe gen5, bitsandbytes-style NF4 dequantisation per forward) at the Qwen2.5 shapes.
@@ -34,6 +42,11 @@ FAST_MATMUL_RATE = 800e12  # flop/s
 FAST_CHANNEL_SECONDS = 6.5e-12  # seconds a token and channel (hidden + intermediate) a forward
 FAST_BACKWARD = 1.2  # a fast layer's backward in forwards (fast_layer_time_7b.json)
 FAST_HOST_RATE = 95e9  # parameters/s: an eager fast layer's forward on the host (peers_7b_1x512_g8.json)
+# An eager fast MoE layer's forward on the host: its launches (routing, the sort, gathers, the
+# grouped matmuls, each stack's dequantisation), about as many whatever its size. Fitted on one
+# H200 at Qwen3-30B-A3B's shape, 6 layers, 8 × 512 tokens: the main job's eager step, every layer
+# whole, 0.083 s, over 6 layers of 2.2 forwards each (graphed: 0.049 s)
+MOE_HOST_SECONDS = 6.3e-3
 
 
 @dataclass(frozen=True)
@@ -101,7 +114,10 @@ def layer_seconds(
         matmul, host = 2 * tokens * params / MATMUL_RATE, params / HOST_RATE
     quantised = nbytes < stored  # below a byte per parameter: dequantised on every use
     graph = matmul + (stored / DEQUANT_RATE if quantised else 0.0)  # what the device does
-    eager = max(graph, host) if quantised else graph  # or the host, if slower
+    moe = s.fast and s.moe is not None  # launch-bound on the host, quantised or not
+    if moe:
+        host = max(host, MOE_HOST_SECONDS)
+    eager = max(graph, host) if quantised or moe else graph  # or the host, if slower
     compute = graph if graphed else eager
     if rates.forward_s is not None:
         compute = rates.forward_s * compute / (graph if rates.graphed else eager)
@@ -132,6 +148,7 @@ def step_seconds(
 
     Counts forward, backward, recompute and the copy time the neighbouring compute cannot
     hide, over `micro_batches`, sequential or `block_major`, with `graphs` and `held` weights.
+    Whole fast layers replay as graphs too (`LayerGraphs.whole`); other whole layers run eagerly.
 
     why: docs/design.md#the-step-time-model
     """
@@ -143,7 +160,8 @@ def step_seconds(
     whole_work, recomputed_work, hiding = passes(s)
     exposed = max(0.0, c - behind * f) + max(0.0, c - hiding * behind * f)
     copies = 1 if block_major else micro_batches
-    compute = micro_batches * (whole * whole_work * eager + (n - whole) * recomputed_work * f)
+    kept = f if s.fast else eager  # a whole layer's work
+    compute = micro_batches * (whole * whole_work * kept + (n - whole) * recomputed_work * f)
     if held:
         d = min(f, dequant_seconds(max(layer_bytes), s))
         if block_major:  # three per micro-batch (forward, recompute, input gradient) become two a step
