@@ -1,89 +1,27 @@
-"""`narrows finetune` end to end on a tiny model folder: the real CLI in a subprocess.
+"""`narrows finetune` end to end on a tiny model folder: the real CLI in a subprocess (`finetune_cli`).
 
-Determinism (the same command twice gives the same metrics), exact resume after a kill or
-Ctrl-C (adapter weights `torch.equal` to an uninterrupted run), PEFT-loadable output, and
-bad input refused before training with a message that names what is wrong.
+Determinism (the same command twice gives the same metrics), PEFT-loadable output, the flags
+that choose what runs (--eval-every, --kernels, --lora-dtype), and bad input refused before
+training with a message that names what is wrong. Exact resume after a kill or Ctrl-C is in
+`test_finetune_cli_interrupted.py`.
 """
 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from finetune_cli import ROWS, adapter, assert_same_adapter, cli, losses, make_job
 
 from narrows.core.app.cli import main
 from narrows.core.optional import is_available
-from narrows.core.testing import child_env, interruptible, tiny_model_folder, write_jsonl
-
-ROWS = [
-    {"messages": [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]}
-    for a in range(6)
-    for b in range(4)
-]
+from narrows.core.testing import write_jsonl
 
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    root = tmp_path_factory.mktemp("finetune")
-    model = tiny_model_folder(root / "model")
-    data = write_jsonl(root / "train.jsonl", ROWS[:20])
-    evals = write_jsonl(root / "eval.jsonl", ROWS[20:])
-    args = [
-        "--model",
-        str(model),
-        "--data",
-        str(data),
-        "--eval-data",
-        str(evals),
-        "--rank",
-        "4",
-        "--dropout",
-        "0.1",
-        "--batch",
-        "2",
-        "--grad-accum",
-        "2",
-        "--seq-len",
-        "64",
-        "--lr",
-        "1e-2",
-        "--save-every",
-        "2",
-        "--no-progress",
-    ]
-    return root, args
-
-
-def cli(*args, wait=True):
-    cmd = [sys.executable, "-m", "narrows.core.app.cli", "finetune", *args]
-    env = child_env()
-    if wait:
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=interruptible
-    )
-
-
-def losses(out):
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in rows]
-
-
-def adapter(out):
-    return load_file(out / "adapter_model.safetensors")
-
-
-def assert_same_adapter(a, b):
-    wa, wb = adapter(a), adapter(b)
-    assert wa.keys() == wb.keys() and wa
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
+    return make_job(tmp_path_factory)
 
 
 def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
@@ -138,37 +76,6 @@ def test_same_command_twice_gives_identical_metrics_and_a_peft_adapter(job):
         for k, p in tuned.named_parameters()
         if "lora_" in k
     )
-
-
-@pytest.mark.parametrize("how,packing", [("kill", True), ("ctrl-c", False)])
-def test_an_interrupted_run_resumes_to_the_same_adapter(job, how, packing):
-    """The killed run is packed: 20 examples in 10 sequences, 4 per step, so the cut falls
-    mid-epoch and the resumed run must find the same packing and data position."""
-    root, args = job
-    steps = ["--steps", "120", *(["--packing"] if packing else [])]
-    whole = root / f"whole-{how}-{packing}"
-    done = cli(*args, *steps, "--out", str(whole))
-    assert done.returncode == 0
-    assert "format messages" in done.stderr
-    assert ("packing: 20 examples in 10 sequences of 64 tokens" in done.stderr) == packing
-    cut = root / f"cut-{how}-{packing}"
-    proc = cli(*args, *steps, "--out", str(cut), wait=False)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # interrupt once a checkpoint exists and training went past it
-        if (cut / "checkpoints" / "latest").exists() and len(losses(cut)) >= 5:
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    if how == "ctrl-c":
-        assert proc.returncode == 130 and "Traceback" not in err, err
-        assert "narrows: interrupted at step" in err and f"--resume {cut}" in err
-    assert not (cut / "adapter_model.safetensors").exists()
-    r = cli("--resume", str(cut), "--no-progress")
-    assert r.returncode == 0, r.stderr
-    assert_same_adapter(whole, cut)
-    assert losses(whole) == losses(cut)
 
 
 def refused(capsys, *args):
