@@ -409,6 +409,22 @@ def test_cuda_graphs_evicted_and_recaptured_train_identically(base):
     _coherent(lg)
 
 
+def _bf16_qwen3(intermediate: int):
+    """A small bf16 Qwen3 for the CUDA pool tests: SDPA's fused kernels (one node, kept: no
+    math path), heads wide enough for them."""
+    model = build(
+        "qwen3",
+        dtype=torch.bfloat16,
+        hidden_size=512,
+        intermediate_size=intermediate,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+    )
+    model.set_attn_implementation("sdpa")
+    return model
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_what_whole_layers_keep_in_the_pool_is_counted_once():
@@ -418,16 +434,7 @@ def test_what_whole_layers_keep_in_the_pool_is_counted_once():
     whole pool counts them twice."""
     from narrows.core.testing import tiny_batch
 
-    model = build(
-        "qwen3",
-        dtype=torch.bfloat16,  # SDPA's fused kernels (one node, kept): no math path
-        hidden_size=512,
-        intermediate_size=1024,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=64,
-    )
-    model.set_attn_implementation("sdpa")
+    model = _bf16_qwen3(intermediate=1024)
     ns.stream(model, device="cuda", kernels="fast", graphs=True, gpu_budget="fit")
     g = model.narrows_stream.graphs
     for step in range(3):
@@ -457,16 +464,7 @@ def test_a_capture_step_counts_its_warm_ups_once(budget):
     1.03 GiB above its steady steps)."""
     from narrows.core.testing import tiny_batch
 
-    model = build(
-        "qwen3",
-        dtype=torch.bfloat16,
-        hidden_size=512,
-        intermediate_size=2048,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=64,
-    )
-    model.set_attn_implementation("sdpa")
+    model = _bf16_qwen3(intermediate=2048)
     ns.stream(model, device="cuda", kernels="fast", graphs=True, gpu_budget=budget)
     g = model.narrows_stream.graphs
     steps = []
