@@ -308,7 +308,7 @@ class LayerGraphs(LayerExecutor):
                 "wait for their backward: release them between training steps"
             )
         self._drop_all()
-        self._paused = True
+        was, self._paused = self._paused, True
         try:
             if self.emulate:
                 yield
@@ -316,7 +316,7 @@ class LayerGraphs(LayerExecutor):
                 with torch.cuda.use_mem_pool(self._mempool):
                     yield
         finally:
-            self._paused = False
+            self._paused = was
 
     def _drop_all(self) -> None:
         """Drop every graph and static buffer; the shapes they were captured for are
