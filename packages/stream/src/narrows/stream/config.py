@@ -75,7 +75,7 @@ class StreamConfig:
     )
     # room in the plan for a layer run eagerly while the graphs' pool is held (a batch shape not yet
     # captured, a forward without gradients); False where none comes: every training batch of one
-    # shape, and passes without gradients inside `graphs_released(model)`, as `narrows finetune` packs
+    # shape, and passes without gradients inside `graphs.released()`, as `narrows finetune --packing` runs
     eager_beside_graphs: bool = True
     kernels: str = "fast"  # "fast": narrows.core's fast layers where they cover a layer (twin: fuse_layers); "peft": PEFT's
     # the fast layers' adapter arithmetic: None (the activations' dtype) or "float32" (PEFT's); stream fuses
