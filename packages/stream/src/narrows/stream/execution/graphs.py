@@ -553,7 +553,7 @@ class LayerGraphs(LayerExecutor):
                     mode = torch.cuda.get_sync_debug_mode()
                     torch.cuda.set_sync_debug_mode("error")
                     try:
-                        with self._in_pool() as whole_stream:
+                        with self._in_pool() as routed:
                             warm = warm_up()
                         if warm is None:
                             return None
@@ -567,7 +567,7 @@ class LayerGraphs(LayerExecutor):
                         return None
                     finally:
                         torch.cuda.set_sync_debug_mode(mode)
-                    if whole_stream:
+                    if routed:
                         torch.cuda.reset_peak_memory_stats(self.device)  # its peak: see below
                     else:  # the autograd engine's thread allocated beside the pool: a bound
                         self._reset_allocator_peak(active)

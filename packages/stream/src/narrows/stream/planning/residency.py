@@ -201,7 +201,7 @@ class _Footprint:
         only the loss's: the pool less the working set it takes in. The first step, before
         any capture, runs eagerly without it: the working set stays counted."""
         pool = self.pool(t, whole)
-        if not self.apart(t, whole):
+        if not (self.alone and pool):
             return pool
         return max(0, pool + loss_work_bytes(self.shapes) - work_bytes(self.shapes, t))
 
